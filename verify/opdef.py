@@ -1,0 +1,60 @@
+"""The contract every op entry follows. One OpDef per op of shared/OPS.md; see docs/ARCHITECTURE.md."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from verify.case import Case
+
+
+@dataclass(frozen=True)
+class OpInputs:
+    """Inputs of one case: tensors (CPU, working dtype where floating) and static params (JSON-able)."""
+    tensors: dict[str, torch.Tensor]
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RankShard:
+    tensors: dict[str, torch.Tensor]
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SplitRule:
+    """How an op shards over T ranks and how per-rank results combine into the unsplit result.
+
+    shard(inputs, T) -> list of T RankShard, one per rank, rank order.
+    combine(per_rank_results, inputs) -> results shaped like the unsplit op's, where
+      per_rank_results[r] is a dict name -> tensor holding rank r's outputs AND its state after the call.
+    reduction_order: the declared order of any sum across ranks (e.g. "rank 0..T-1 left fold in fp32").
+    """
+    kind: str                                   # column | row | heads | replicated | partial_sum | experts | scores_gather
+    shard: Callable[[OpInputs, int], list[RankShard]]
+    combine: Callable[[list[dict[str, torch.Tensor]], OpInputs], dict[str, torch.Tensor]]
+    reduction_order: str = "none"
+    tp_values: tuple[int, ...] = (1, 2, 4, 8, 16)
+    order_sensitive: bool = False               # True if combine sums floats (inputs drawn so order matters)
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    family: str                                 # references module holding the reference
+    reference: str                              # "references.family:function"
+    make_inputs: Callable[[Case], OpInputs]     # rebuilds every input bit-for-bit from the case
+    outputs: tuple[str, ...]                    # names of the returned tensors, in order
+    signature: str                              # one readable line per argument: shapes and dtypes
+    state: tuple[str, ...] = ()                 # inputs updated in place; judged like outputs
+    batch_dims: dict[str, int] = field(default_factory=dict)  # input/output/state name -> batch dim
+    split: SplitRule | None = None
+    fused: str | None = None                    # "fused.module:function" of our CuTe DSL candidate
+    dtypes: tuple[str, ...] = ("bfloat16", "float16", "float32")
+    configs: tuple[str, ...] = ("tiny", "small", "k3")
+    dists: tuple[str, ...] = ("normal", "heavy_tailed", "outliers", "zero_rows", "wide_range")
+    max_batch: int = 64
+    tie_scores: Callable[[OpInputs], torch.Tensor] | None = None   # fp64 selection scores, tie-aware ops
+    cpu_ok: bool = True                         # reference practical on CPU at the k3 config
+    notes: str = ""
