@@ -1,0 +1,196 @@
+"""skinny_gemm: y[M,N] = x[M,K] @ w[N,K].T, bf16/fp16 in, fp32 accumulate, one rounding.
+
+Decode GEMMs are weight-bandwidth bound: the kernel reads W once with 16-byte coalesced loads.
+A CTA owns `n_per_cta` output columns and `m_tile` rows; its threads split K (thread t takes
+16-byte chunks t, t+T, ...) so each x chunk loaded serves all the CTA's columns. Partial sums are
+reduced by warp shuffles, then across warps through shared memory in a fixed order: the
+reduction order depends only on (K, threads), never on M or the variant, so results are
+deterministic and batch invariant. M is dynamic; the grid's m-tiles are the fastest grid index so
+the m-tiles of one column block run together and share W through L2.
+
+Variants: `gemv` m_tile in {1,2,4,8} (one m-tile when M <= 8) and `tiled` m_tile=8 for M > 8.
+Both are SIMT (CUDA-core FMA): past M ~ 16 the FMA rate, not HBM, is the limit.
+"""
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from fused import runtime
+
+THREADS = 128                      # fixed: it defines the reduction order (batch invariance)
+K3_SHAPES = ((7168, 49152), (7168, 6144), (12288, 7168), (1536, 7168), (7168, 3584), (7168, 896))
+
+
+@dataclass(frozen=True)
+class SkinnyGemmConfig:
+    m_tile: int          # rows of y per CTA (accumulators per column held in registers)
+    n_per_cta: int       # columns of y per CTA
+
+    @property
+    def name(self) -> str:
+        return f"{'gemv' if self.m_tile <= 8 else 'tiled'}_m{self.m_tile}_n{self.n_per_cta}"
+
+
+def _n_per_cta(n: int, m_tile: int) -> int:
+    # enough CTAs to fill 132 SMs several times over, few enough x re-reads
+    for cand in (8, 4, 2, 1):
+        if n % cand == 0 and n // cand >= 4 * 132 and cand * m_tile <= 32:
+            return cand
+    return 1 if n % 2 else 2
+
+
+def all_configs(N: int, K: int) -> list[SkinnyGemmConfig]:
+    """Every variant the dispatcher can pick for this (N, K): one per m_tile bucket."""
+    return [SkinnyGemmConfig(m, _n_per_cta(N, m)) for m in (1, 2, 4, 8)]
+
+
+def default_config(M: int, N: int, K: int) -> SkinnyGemmConfig:
+    m_tile = 1 << max(0, math.ceil(math.log2(max(M, 1)))) if M <= 8 else 8
+    return SkinnyGemmConfig(m_tile, _n_per_cta(N, m_tile))
+
+
+class SkinnyGemm:
+    def __init__(self, N: int, K: int, cfg: SkinnyGemmConfig):
+        cutlass, _ = runtime.cutlass_modules()
+        self.N, self.K, self.cfg = N, K, cfg
+        self.threads = THREADS
+        self.warps = THREADS // 32
+        self.vec = 8                                  # 16-byte chunk of a 2-byte dtype
+        self.kv = K // self.vec                       # 16-byte chunks per row
+        self.iters = -(-self.kv // THREADS)
+        self.mt, self.nt = cfg.m_tile, cfg.n_per_cta
+        self.acc_dtype = cutlass.Float32
+
+    def jit_host(self):
+        cutlass, cute = runtime.cutlass_modules()
+        kernel = self.device_kernel()
+
+        @cute.jit
+        def host(mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, stream):
+            gX = cute.zipped_divide(mX, (1, self.vec))
+            gW = cute.zipped_divide(mW, (1, self.vec))
+            m_tiles = (mX.shape[0] + self.mt - 1) // self.mt
+            kernel(gX, gW, mY).launch(grid=[m_tiles, self.N // self.nt, 1],
+                                      block=[self.threads, 1, 1], stream=stream)
+
+        return host
+
+    def device_kernel(self):
+        cutlass, cute = runtime.cutlass_modules()
+        from cutlass import Float32, Int32
+
+        mt, nt, vec, kvn, warps = self.mt, self.nt, self.vec, self.kv, self.warps
+        iters, T = self.iters, self.threads
+
+        @cute.kernel
+        def kernel(gX: cute.Tensor, gW: cute.Tensor, mY: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            bm, bn, _ = cute.arch.block_idx()
+            warp = cute.arch.warp_idx()
+            lane = cute.arch.lane_idx()
+            M = mY.shape[0]
+            m0 = bm * mt
+            n0 = bn * nt
+            acc = cute.make_rmem_tensor(cute.make_layout((mt, nt)), Float32)
+            acc.fill(0.0)
+            xr = cute.make_rmem_tensor(cute.make_layout((vec, mt)), Float32)
+            wr = cute.make_rmem_tensor(cute.make_layout((vec, nt)), Float32)
+            for it in cutlass.range_constexpr(iters):
+                kv = Int32(it * T) + tidx
+                if kv < kvn:
+                    for j in cutlass.range_constexpr(nt):
+                        wr[None, j].store(gW[None, (n0 + j, kv)].load().to(Float32))
+                    for m in cutlass.range_constexpr(mt):
+                        row = cutlass.min(m0 + m, M - 1)   # clamp: rows past M computed, not stored
+                        xr[None, m].store(gX[None, (row, kv)].load().to(Float32))
+                    for m in cutlass.range_constexpr(mt):
+                        for j in cutlass.range_constexpr(nt):
+                            s = acc[m, j]
+                            for e in cutlass.range_constexpr(vec):
+                                s = s + xr[e, m] * wr[e, j]
+                            acc[m, j] = s
+            red = cutlass.utils.SmemAllocator().allocate_tensor(
+                Float32, cute.make_layout((mt * nt, warps)), byte_alignment=16)
+            for m in cutlass.range_constexpr(mt):
+                for j in cutlass.range_constexpr(nt):
+                    v = cute.arch.warp_reduction(acc[m, j], operator.add)
+                    if lane == 0:
+                        red[m * nt + j, warp] = v
+            cute.arch.sync_threads()
+            if tidx < mt * nt:
+                m = tidx // nt
+                j = tidx - m * nt
+                tot = red[tidx, 0]
+                for w in cutlass.range_constexpr(1, warps):
+                    tot = tot + red[tidx, w]
+                if m0 + m < M:
+                    mY[m0 + m, n0 + j] = tot.to(mY.element_type)
+
+        return kernel
+
+
+@runtime.compile_cache("skinny_gemm")
+def _compile(dtype: str, out_dtype: str, N: int, K: int, cfg: SkinnyGemmConfig):
+    m = runtime.sym_int()
+    op = SkinnyGemm(N, K, cfg)
+    return runtime.compile_tvm_ffi(
+        op.jit_host(),
+        runtime.fake_tensor(dtype, (m, K)),
+        runtime.fake_tensor(dtype, (N, K)),
+        runtime.fake_tensor(out_dtype, (m, N), align=4))
+
+
+def _check(x, w):
+    import torch
+
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"x, w: expected 2-D tensors, got x{tuple(x.shape)} w{tuple(w.shape)}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"w: K={w.shape[1]} does not match x's K={x.shape[1]}")
+    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
+        raise TypeError(f"x: dtype {x.dtype} / w: {w.dtype}; the kernel takes bf16 or fp16, both alike")
+    if x.shape[1] % 8:
+        raise ValueError(f"x: K={x.shape[1]} must be a multiple of 8 (16-byte loads)")
+    runtime.require_cuda("x", x)
+
+
+def launch(x, w, out, variant: SkinnyGemmConfig | None = None) -> None:
+    """y = x @ w.T into `out` (bf16/fp16 like x, or fp32), on the current stream."""
+    M, K = x.shape
+    N = w.shape[0]
+    cfg = variant or default_config(M, N, K)
+    if M == 0:
+        return
+    fn = _compile(runtime.dtype_name(x.dtype), runtime.dtype_name(out.dtype), N, K, cfg)
+    fn(x, w, out)
+
+
+_op = None
+
+
+def _custom_op():
+    global _op
+    if _op is None:
+        @runtime.register_op("skinny_gemm", mutates_args=("out",))
+        def skinny_gemm_out(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+            launch(x.contiguous(), w.contiguous(), out)
+
+        _op = skinny_gemm_out
+    return _op
+
+
+def skinny_gemm(x, w, *, out=None, variant: SkinnyGemmConfig | None = None):
+    """Fused replacement of references.gemm.skinny_gemm (same signature)."""
+    import torch
+
+    _check(x, w)
+    if out is None:
+        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    if variant is not None:
+        launch(x.contiguous(), w.contiguous(), out, variant)
+    else:
+        _custom_op()(x, w, out)
+    return out
