@@ -1,0 +1,63 @@
+"""Candidates: the reference itself, torch.compile of it, our fused kernels, or any 'module:attr'."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from verify.opdef import OpDef
+from verify.registry import import_callable
+
+BUILTIN = ("reference", "compiled", "fused")
+
+
+class CandidateUnavailable(Exception):
+    """The candidate cannot run here (no GPU, no fused kernel for this op): a skip with this reason."""
+
+
+class CandidateImportError(Exception):
+    """The candidate named by the user cannot be imported: bad usage, one clear line."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    label: str
+
+    def resolve(self, op: OpDef, device: str):
+        if self.label == "reference":
+            return reference_fn(op)
+        if self.label == "compiled":
+            return compiled_fn(op.name)
+        if self.label == "fused":
+            if op.fused is None:
+                raise CandidateUnavailable(f"op {op.name} has no fused kernel yet")
+            if device != "cuda":
+                raise CandidateUnavailable("needs a CUDA device (fused CuTe DSL kernels run on sm_90); "
+                                           "CI compiles them for sm_90a instead")
+            try:
+                return import_callable(op.fused)
+            except ImportError as e:
+                raise CandidateUnavailable(f"fused kernel unavailable: {e}") from None
+        try:
+            return import_callable(self.label)
+        except ImportError as e:
+            raise CandidateImportError(str(e)) from None
+
+
+def parse_candidate(text: str) -> Candidate:
+    if text in BUILTIN or ":" in text:
+        return Candidate(text)
+    raise CandidateImportError(f"--candidate {text!r}: expected one of {', '.join(BUILTIN)} or 'module:attr'")
+
+
+def reference_fn(op: OpDef):
+    return import_callable(op.reference)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_fn(op_name: str):
+    """torch.compile of the reference: a fused implementation nobody here wrote (inductor on CPU)."""
+    from verify.registry import get_op
+
+    return torch.compile(reference_fn(get_op(op_name)), dynamic=False, fullgraph=False)

@@ -1,0 +1,78 @@
+"""Case strategies (hypothesis) and the dev/quick/ci/release profiles. Public and validated."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+from verify.case import Case
+from verify.opdef import OpDef
+
+CONFIG_ORDER = ("tiny", "small", "k3")      # shrink toward the smallest config
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    examples: int            # hypothesis examples per op and candidate
+    configs: tuple[str, ...]
+    max_batch: int
+    all_dtypes: bool         # False: the op's first (working) dtype only
+    shrink: bool
+    tp_sweep: bool           # one explicit case per T in the op's tp_values
+
+
+PROFILES = {
+    "quick": Profile("quick", 6, ("tiny", "small"), 16, False, False, True),
+    "ci": Profile("ci", 25, ("tiny", "small"), 64, True, True, True),
+    "release": Profile("release", 200, ("tiny", "small", "k3"), 64, True, True, True),
+}
+
+
+def get_profile(name: str) -> Profile:
+    if name not in PROFILES:
+        raise ValueError(f"--profile {name!r} is unknown; choose one of {', '.join(PROFILES)}")
+    return PROFILES[name]
+
+
+def validate_tp(tps: list[int] | None) -> list[int] | None:
+    if tps is None:
+        return None
+    for t in tps:
+        if t not in (1, 2, 4, 8, 16):
+            raise ValueError(f"--tp {t}: tensor-parallel degree must be one of 1, 2, 4, 8, 16")
+    return tps
+
+
+def op_tps(op: OpDef, tps: list[int] | None) -> list[int]:
+    if op.split is None:
+        return [1]
+    allowed = [t for t in op.split.tp_values if tps is None or t in tps]
+    return allowed or [1]
+
+
+def case_strategy(op: OpDef, profile: Profile, tps: list[int] | None = None, device: str = "cpu"):
+    """Cases for one op. Shrinks toward seed 0, batch 1, the smallest config, the first dtype, T=1."""
+    configs = [c for c in CONFIG_ORDER if c in op.configs and c in profile.configs] or [op.configs[0]]
+    dtypes = list(op.dtypes) if profile.all_dtypes else [op.dtypes[0]]
+    tp_choices = sorted(set([1] + op_tps(op, tps)))
+    return st.builds(
+        Case,
+        op=st.just(op.name),
+        seed=st.integers(0, 2**31 - 1),
+        batch=st.integers(1, max(1, min(op.max_batch, profile.max_batch))),
+        config=st.sampled_from(configs),
+        dtype=st.sampled_from(dtypes),
+        dist=st.sampled_from(list(op.dists)),
+        tp=st.sampled_from(tp_choices) if len(tp_choices) > 1 else st.just(1),
+    )
+
+
+def tp_sweep_cases(op: OpDef, profile: Profile, seed: int, tps: list[int] | None) -> list[Case]:
+    """One explicit case per T so every declared split is exercised in every profile."""
+    if op.split is None or not profile.tp_sweep:
+        return []
+    config = next((c for c in CONFIG_ORDER if c in op.configs and c in profile.configs), op.configs[0])
+    batch = min(5, op.max_batch)
+    dist = "order_sensitive" if op.split.order_sensitive and "order_sensitive" in op.dists else op.dists[0]
+    return [Case(op.name, seed + t, batch, config, op.dtypes[0], dist, t) for t in op_tps(op, tps) if t > 1]

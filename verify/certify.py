@@ -1,0 +1,136 @@
+"""Certify candidates op by op: hypothesis draws cases, shrinks failures, waivers are applied."""
+from __future__ import annotations
+
+import shlex
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hypothesis import HealthCheck, Phase, given, reject, settings
+from hypothesis import seed as hyp_seed
+from hypothesis.errors import Unsatisfiable
+
+from verify.candidates import Candidate, CandidateImportError, CandidateUnavailable
+from verify.case import Case
+from verify.cases import Profile, case_strategy, tp_sweep_cases
+from verify.evaluate import evaluate_case
+from verify.opdef import OpDef
+from verify.specs import SpecError, load_spec
+from verify.verdict import FAIL, PASS, SKIP, VACUOUS, WAIVED, XPASS, CaseVerdict, OpVerdict
+
+
+class _CaseFailed(Exception):
+    def __init__(self, verdict: CaseVerdict):
+        super().__init__(verdict.reason)
+        self.verdict = verdict
+
+
+@dataclass
+class RunOptions:
+    device: str = "cpu"
+    profile: Profile | None = None
+    seed: int = 0
+    tps: list[int] | None = None
+    on_case: Callable[[CaseVerdict], None] | None = None     # called for every case as it completes
+    examples: int | None = None                               # override profile.examples
+
+
+def repro_command(case: Case, candidate: str, device: str) -> str:
+    return f"verify-kernels repro {shlex.quote(case.to_json())} --candidate {shlex.quote(candidate)} --device {device}"
+
+
+def safe_evaluate(op: OpDef, case: Case, fn, candidate: str, device: str, spec) -> CaseVerdict:
+    """evaluate_case, with any failure outside the candidate (input builder, reference) as a verdict."""
+    t0 = time.perf_counter()
+    try:
+        return evaluate_case(op, case, fn, candidate, device, spec)
+    except Exception as e:
+        tb = traceback.extract_tb(e.__traceback__)[-1]
+        where = f"{tb.filename.rsplit('/', 1)[-1]}:{tb.lineno}"
+        return CaseVerdict(op.name, candidate, case.to_json(), FAIL, "harness",
+                           f"{type(e).__name__}: {str(e)[:300]} (at {where}; inputs or reference failed)",
+                           (), time.perf_counter() - t0)
+
+
+def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions) -> OpVerdict:
+    t0 = time.perf_counter()
+    label = candidate.label
+    try:
+        spec = load_spec(op.name)
+    except SpecError as e:
+        return OpVerdict(op.name, label, FAIL, reason=f"spec: {e}")
+    try:
+        fn = candidate.resolve(op, opts.device)
+    except CandidateUnavailable as e:
+        return OpVerdict(op.name, label, SKIP, reason=str(e))
+    except CandidateImportError as e:
+        return OpVerdict(op.name, label, FAIL, reason=f"candidate: {e}")
+    profile = opts.profile
+    seen: list[CaseVerdict] = []
+    waived_fail, waived_pass = [], []
+
+    def run_one(case: Case) -> CaseVerdict:
+        v = safe_evaluate(op, case, fn, label, opts.device, spec)
+        seen.append(v)
+        if opts.on_case:
+            opts.on_case(v)
+        waiver = next((w for w in spec.waivers if w.applies(label, case)), None)
+        if waiver is not None and v.status in (PASS, FAIL):
+            (waived_pass if v.status == PASS else waived_fail).append(v)
+            if v.status == PASS:
+                raise _CaseFailed(CaseVerdict(v.op, label, v.case, XPASS, "waiver",
+                                              f"waived case now passes; remove the waiver ({waiver.reason})"))
+            return v
+        return v
+
+    @settings(max_examples=opts.examples or profile.examples, deadline=None, database=None,
+              derandomize=False, suppress_health_check=list(HealthCheck), report_multiple_bugs=False,
+              phases=[Phase.explicit, Phase.generate] + ([Phase.shrink] if profile.shrink else []))
+    @given(case_strategy(op, profile, opts.tps, opts.device))
+    def prop(case: Case):
+        v = run_one(case)
+        if v.status == VACUOUS:
+            reject()
+        if v.status == FAIL and v not in waived_fail:
+            raise _CaseFailed(v)
+
+    failure = None
+    try:
+        hyp_seed(opts.seed + sum(map(ord, op.name)))(prop)()
+    except _CaseFailed as e:
+        failure = e.verdict
+    except Unsatisfiable:
+        failure = CaseVerdict(op.name, label, "", FAIL, "inputs", "every drawn case was vacuous")
+    if failure is None:
+        for case in tp_sweep_cases(op, profile, opts.seed, opts.tps):
+            v = run_one(case)
+            if v.status == FAIL and v not in waived_fail:
+                failure = v
+                break
+    return _summarise(op, label, opts, seen, failure, waived_fail, time.perf_counter() - t0)
+
+
+def _summarise(op, label, opts, seen, failure, waived_fail, seconds) -> OpVerdict:
+    worst: dict[str, float] = {}
+    for v in seen:
+        for c in v.checks:
+            r = c.metrics.get("ratio")
+            if r is not None and c.name.startswith("compare:"):
+                worst[c.name[8:]] = max(worst.get(c.name[8:], 0.0), r)
+    counts = dict(cases_run=len(seen), cases_passed=sum(v.status == PASS for v in seen),
+                  cases_vacuous=sum(v.status == VACUOUS for v in seen), worst_ratio=worst, seconds=seconds)
+    if failure is not None:
+        status = XPASS if failure.status == XPASS else FAIL
+        repro = repro_command(Case.from_json(failure.case), label, opts.device) if failure.case else ""
+        return OpVerdict(op.name, label, status, reason=f"{failure.stage}: {failure.reason}", failure=failure,
+                         repro=repro, **counts)
+    if waived_fail:
+        return OpVerdict(op.name, label, WAIVED, reason=f"{len(waived_fail)} waived cases failed as expected",
+                         **counts)
+    return OpVerdict(op.name, label, PASS, **counts)
+
+
+def replay(op: OpDef, case: Case, candidate: Candidate, device: str) -> CaseVerdict:
+    fn = candidate.resolve(op, device)
+    return safe_evaluate(op, case, fn, candidate.label, device, load_spec(op.name))

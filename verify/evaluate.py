@@ -1,0 +1,198 @@
+"""One case through the pipeline: inputs -> oracle & baseline -> candidate under guards -> compare."""
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+
+from verify import compare, guards
+from verify.case import Case
+from verify.opdef import OpDef, OpInputs
+from verify.specs import ToleranceSpec, load_spec
+from verify.verdict import FAIL, PASS, VACUOUS, CaseVerdict, Check
+
+
+class CandidateError(Exception):
+    """The candidate raised; the message is one line naming the exception."""
+
+
+def to_oracle(inputs: OpInputs) -> OpInputs:
+    """Exact upcast of every floating tensor to float64; integer tensors unchanged."""
+    return OpInputs({k: v.to(torch.float64) if v.is_floating_point() else v.clone() for k, v in inputs.tensors.items()},
+                    dict(inputs.params))
+
+
+def _collect(op: OpDef, returned, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    names = op.outputs
+    got = () if not names else ((returned,) if len(names) == 1 and not isinstance(returned, (tuple, list))
+                                else tuple(returned))
+    results = dict(zip(names, got))
+    results.update({s: tensors[s] for s in op.state})
+    return results
+
+
+def run_plain(fn, op: OpDef, inputs: OpInputs, device) -> dict[str, torch.Tensor]:
+    """Run a trusted function (the reference) on private copies; return outputs and state after."""
+    tensors = {k: v.to(device).clone() for k, v in inputs.tensors.items()}
+    return _collect(op, fn(**tensors, **inputs.params), tensors)
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" (at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno})" if tb else ""
+    return f"{type(e).__name__}: {msg[:300]}{where}"
+
+
+def guarded_call(fn, op: OpDef, inputs: OpInputs, expected: dict[str, torch.Tensor], device,
+                 strided: bool = False) -> guards.CallResult:
+    """Call the candidate once with every tensor in a canary buffer; check what it did."""
+    placed = {k: guards.place(k, v, device, strided=strided) for k, v in inputs.tensors.items()}
+    out_buffers = {}
+    kwargs = {k: g.view for k, g in placed.items()}
+    if op.outputs and guards.accepts_out(fn):
+        out_buffers = {n: guards.place(n, expected[n], device, strided=False, poison=True) for n in op.outputs}
+        kwargs["out"] = tuple(out_buffers[n].view for n in op.outputs) if len(op.outputs) > 1 \
+            else out_buffers[op.outputs[0]].view
+    guards.poison_allocator([expected[n] for n in op.outputs], device)
+    try:
+        returned = fn(**kwargs, **inputs.params)
+        if device == "cuda" or str(device).startswith("cuda"):
+            torch.cuda.synchronize()
+    except Exception as e:  # the candidate's own failure is a verdict, never a crash of the run
+        return guards.CallResult(error=_one_line(e))
+    results, checks = guards.check_outputs(op, returned, expected, placed, out_buffers)
+    checks += guards.check_inputs_and_canaries(op, placed, inputs.tensors, out_buffers)
+    results.update({s: placed[s].view for s in op.state})
+    if len(results) == len(op.outputs) + len(op.state):
+        checks.append(guards.check_unwritten({n: results[n] for n in op.outputs}, expected))
+    return guards.CallResult(results=results, checks=checks)
+
+
+def judge(op: OpDef, spec: ToleranceSpec, cand: dict, oracle: dict, base: dict, inputs: OpInputs,
+          inputs64: OpInputs, baseline_err: dict | None = None) -> list[Check]:
+    """Compare every output and state tensor by its spec class."""
+    checks = []
+    for name in op.outputs + op.state:
+        out_spec = spec.output(name)
+        c = cand[name]
+        if out_spec.klass == "bitwise":
+            checks.append(compare.compare_bitwise(name, c, base[name]))
+        elif out_spec.klass == "derived":
+            checks.append(compare.compare_derived(name, c, oracle[name], base[name], out_spec.k,
+                                                  out_spec.floor_ulps, (baseline_err or {}).get(name)))
+        else:
+            if op.tie_scores is None:
+                raise ValueError(f"op {op.name}: output {name} is tie_aware_ids but the OpDef has no tie_scores")
+            s64, swd = op.tie_scores(inputs64), op.tie_scores(inputs)
+            checks.append(compare.compare_tie_aware_ids(name, c, s64.cpu(), swd.cpu(), c.shape[-1]))
+            if op.reweigh is not None:
+                checks += op.reweigh(inputs64, c, cand, oracle, base, spec)
+    return checks
+
+
+def derived_vacuity(op: OpDef, spec: ToleranceSpec, oracle: dict) -> str | None:
+    for name in op.outputs + op.state:
+        if spec.output(name).klass == "derived":
+            why = compare.vacuous_reason(oracle[name])
+            if why:
+                return f"{name}: {why}"
+    return None
+
+
+def permute_batch(op: OpDef, inputs: OpInputs, perm: torch.Tensor) -> OpInputs:
+    t = {k: v.index_select(op.batch_dims[k], perm) if k in op.batch_dims else v for k, v in inputs.tensors.items()}
+    return OpInputs(t, dict(inputs.params))
+
+
+def unpermute(op: OpDef, results: dict, perm: torch.Tensor) -> dict:
+    inv = torch.argsort(perm)
+    return {k: v.index_select(op.batch_dims[k], inv.to(v.device)) if k in op.batch_dims else v
+            for k, v in results.items()}
+
+
+def _bitwise_same(tag: str, a: dict, b: dict) -> Check:
+    diffs = [n for n in a if not compare.compare_bitwise(n, b[n], a[n]).ok]
+    return Check(tag, not diffs, f"outputs differ bitwise: {', '.join(diffs)}" if diffs else "bitwise identical")
+
+
+def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu",
+                  spec: ToleranceSpec | None = None, guards_on: bool = True) -> CaseVerdict:
+    """The whole pipeline for one case; never raises for a candidate's failure."""
+    t0 = time.perf_counter()
+    spec = spec or load_spec(op.name)
+
+    def verdict(status, stage="", reason="", checks=()):
+        return CaseVerdict(op.name, candidate, case.to_json(), status, stage, reason, tuple(checks),
+                           time.perf_counter() - t0)
+
+    from verify.candidates import reference_fn
+    from verify.split import run_split
+
+    ref = reference_fn(op)
+    inputs = op.make_inputs(case)
+    inputs64 = to_oracle(inputs)
+    oracle = run_plain(ref, op, inputs64, device)
+    base = run_plain(ref, op, inputs, device)
+    why = derived_vacuity(op, spec, oracle)
+    if why:
+        return verdict(VACUOUS, "inputs", why)
+    if case.tp > 1:
+        return run_split(op, case, fn, inputs, inputs64, oracle, base, spec, device, verdict)
+    first = guarded_call(fn, op, inputs, base, device)
+    if first.error:
+        return verdict(FAIL, "candidate", f"candidate raised {first.error}")
+    checks = list(first.checks)
+    if all(c.ok for c in checks):
+        checks += judge(op, spec, first.results, oracle, base, inputs, inputs64)
+    if guards_on and all(c.ok for c in checks):
+        checks += _extra_runs(op, spec, case, fn, inputs, base, first.results, oracle, inputs64, device)
+    bad = [c for c in checks if not c.ok]
+    if bad:
+        return verdict(FAIL, bad[0].name, bad[0].detail, checks)
+    return verdict(PASS, checks=checks)
+
+
+def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, device) -> list[Check]:
+    """Second run (determinism), permuted batch (position independence), strided/offset views."""
+    from verify.candidates import reference_fn
+
+    checks = []
+    again = guarded_call(fn, op, inputs, base, device)
+    if again.error:
+        return [Check("guard:deterministic", False, f"second run raised {again.error}")]
+    if spec.claims.deterministic:
+        checks.append(_bitwise_same("guard:deterministic", first, again.results))
+    batch = case.batch
+    if op.batch_dims and batch > 1:
+        perm = torch.randperm(batch, generator=torch.Generator().manual_seed(case.seed))
+        if torch.equal(perm, torch.arange(batch)):
+            perm = torch.roll(perm, 1)
+        p_inputs = permute_batch(op, inputs, perm)
+        p_base = run_plain(reference_fn(op), op, p_inputs, device)
+        moved = guarded_call(fn, op, p_inputs, p_base, device)
+        if moved.error:
+            checks.append(Check("guard:batch_position", False, f"permuted batch raised {moved.error}"))
+        else:
+            back = unpermute(op, moved.results, perm)
+            if spec.claims.batch_invariant:
+                checks.append(_bitwise_same("guard:batch_position", first, back))
+            else:
+                res = judge(op, spec, back, oracle, base, inputs, inputs64)
+                checks.append(Check("guard:batch_position", all(c.ok for c in res),
+                                    "; ".join(c.detail for c in res if not c.ok) or "within tolerance after permutation"))
+    strided = guarded_call(fn, op, inputs, base, device, strided=True)
+    if strided.error:
+        low = strided.error.lower()
+        ok = any(w in low for w in ("contiguous", "stride"))
+        checks.append(Check("guard:strided_inputs", ok, f"strided inputs rejected: {strided.error}" if ok
+                            else f"strided/offset inputs raised {strided.error}"))
+    else:
+        checks += [c for c in strided.checks if not c.ok]
+        if spec.claims.deterministic:
+            checks.append(_bitwise_same("guard:strided_inputs", first, strided.results))
+        else:
+            res = judge(op, spec, strided.results, oracle, base, inputs, inputs64)
+            checks.append(Check("guard:strided_inputs", all(c.ok for c in res), "strided inputs judged by class"))
+    return checks

@@ -1,0 +1,195 @@
+"""Guards around one candidate call: canaries, poisoned outputs, input checksums, aliasing, type checks.
+
+Every tensor handed to a candidate is a view into a larger buffer filled with a canary pattern, so a
+write anywhere outside the tensor (past its end, into row padding) is seen. Non-state inputs are
+compared bit-for-bit afterwards; outputs must be fresh memory of the exact type, dtype and shape.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from verify.verdict import Check
+
+CANARY_PAD = 64          # elements of canary on each side of every tensor
+
+
+def _canary_fill(buf: torch.Tensor) -> None:
+    if buf.is_floating_point():
+        buf.fill_(-3.0e4 if buf.dtype == torch.float16 else 1.2345e20)   # big, finite, odd bits
+    elif buf.dtype == torch.bool:
+        buf.fill_(True)
+    else:
+        buf.fill_(0x5A if buf.dtype == torch.uint8 else -0x5A5A5A5)
+
+
+def poison_value(dtype: torch.dtype):
+    return float("nan") if dtype.is_floating_point else (0xAB if dtype == torch.uint8 else -0x1234567)
+
+
+@dataclass
+class Guarded:
+    """A tensor placed inside a canary buffer; `view` is what the candidate sees."""
+    name: str
+    buf: torch.Tensor
+    view: torch.Tensor
+    before: torch.Tensor      # the whole buffer's bits before the call
+
+    def outside_changed(self) -> int:
+        after = self.buf.clone()
+        before = self.before.clone()
+        for t in (after, before):
+            t.as_strided(self.view.shape, self.view.stride(), self.view.storage_offset()).zero_()
+        if after.is_floating_point():
+            return int((after.view(_int_like(after)) != before.view(_int_like(before))).sum())
+        return int((after != before).sum())
+
+
+def _int_like(t: torch.Tensor) -> torch.dtype:
+    return {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
+
+
+def place(name: str, value: torch.Tensor, device, strided: bool = False, poison: bool = False) -> Guarded:
+    """Copy `value` into a canary-padded buffer on `device`; strided=True pads every row too."""
+    shape = tuple(value.shape)
+    last = shape[-1] if shape else 1
+    row_pad = 3 if strided and len(shape) >= 1 else 0
+    rows = int(torch.tensor(shape[:-1]).prod()) if len(shape) > 1 else 1
+    n = rows * (last + row_pad) if shape else 1
+    buf = torch.empty(CANARY_PAD + n + CANARY_PAD, dtype=value.dtype, device=device)
+    _canary_fill(buf)
+    if shape:
+        strides, acc = [], 1
+        for i, s in enumerate(reversed(shape)):
+            strides.append(acc)
+            acc *= (s + row_pad) if i == 0 else s
+        view = buf.as_strided(shape, tuple(reversed(strides)), CANARY_PAD)
+    else:
+        view = buf.as_strided((), (), CANARY_PAD)
+    if poison:
+        view.fill_(poison_value(value.dtype))
+    else:
+        view.copy_(value.to(device))
+    return Guarded(name, buf, view, buf.clone())
+
+
+def storage_span(t: torch.Tensor) -> tuple[int, int]:
+    st = t.untyped_storage()
+    return st.data_ptr(), st.data_ptr() + st.nbytes()
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    (a0, a1), (b0, b1) = storage_span(a), storage_span(b)
+    return a0 < b1 and b0 < a1 and a1 > a0 and b1 > b0
+
+
+def accepts_out(fn) -> bool:
+    try:
+        return "out" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def poison_allocator(like: list[torch.Tensor], device) -> None:
+    """Leave NaN-filled freed blocks of the outputs' sizes in the allocator so torch.empty
+    in a candidate returns poison, not zeros, where it forgets to write."""
+    junk = [torch.full((t.numel() + 16,), float("nan"), dtype=torch.float32, device=device) if t.is_floating_point()
+            else torch.full((t.numel() + 16,), -1, dtype=torch.int64, device=device) for t in like]
+    del junk
+
+
+@dataclass
+class CallResult:
+    results: dict[str, torch.Tensor] = field(default_factory=dict)   # outputs and state after the call
+    checks: list[Check] = field(default_factory=list)
+    error: str | None = None
+
+
+def check_outputs(op, returned, expected: dict[str, torch.Tensor], inputs_guarded: dict[str, Guarded],
+                  out_buffers: dict[str, Guarded]) -> tuple[dict[str, torch.Tensor], list[Check]]:
+    """Match what the candidate returned to op.outputs: count, exact type, dtype, shape, device, aliasing."""
+    names = op.outputs
+    if not names:
+        got = ()
+        if returned is not None and not (isinstance(returned, tuple) and len(returned) == 0):
+            return {}, [Check("guard:output_type", False, f"op {op.name} returns nothing, candidate returned "
+                              f"{type(returned).__name__}")]
+    elif len(names) == 1:
+        got = (returned,) if not isinstance(returned, (tuple, list)) else tuple(returned)
+    else:
+        got = tuple(returned) if isinstance(returned, (tuple, list)) else (returned,)
+    if out_buffers and returned is None:
+        got = tuple(out_buffers[n].view for n in names)
+    if len(got) != len(names):
+        return {}, [Check("guard:output_type", False, f"expected {len(names)} outputs {names}, got {len(got)}")]
+    checks, results = [], {}
+    for name, t in zip(names, got):
+        want = expected[name]
+        if type(t) is not torch.Tensor:
+            checks.append(Check("guard:output_type", False, f"output {name}: expected exactly torch.Tensor, got "
+                                f"{type(t).__module__}.{type(t).__name__}"))
+            continue
+        problems = []
+        if t.dtype != want.dtype:
+            problems.append(f"dtype {t.dtype} != {want.dtype}")
+        if tuple(t.shape) != tuple(want.shape):
+            problems.append(f"shape {tuple(t.shape)} != {tuple(want.shape)}")
+        if t.device.type != want.device.type:
+            problems.append(f"device {t.device} != {want.device}")
+        if problems:
+            checks.append(Check("guard:output_type", False, f"output {name}: " + "; ".join(problems)))
+            continue
+        results[name] = t
+    if len(results) == len(names):
+        checks.append(Check("guard:output_type", True, "exact type, dtype, shape and device"))
+    alias = []
+    for name, t in results.items():
+        for gname, g in inputs_guarded.items():
+            if overlaps(t, g.buf):
+                alias.append(f"output {name} aliases input {gname}")
+        for other, u in results.items():
+            if other < name and overlaps(t, u) and not (name in out_buffers and other in out_buffers):
+                alias.append(f"outputs {other} and {name} share memory")
+    checks.append(Check("guard:no_aliasing", not alias, "; ".join(alias) or "outputs are fresh memory"))
+    return results, checks
+
+
+def check_inputs_and_canaries(op, guarded: dict[str, Guarded], originals: dict[str, torch.Tensor],
+                              out_buffers: dict[str, Guarded]) -> list[Check]:
+    mutated, stomped = [], []
+    for name, g in guarded.items():
+        if name not in op.state:
+            orig = originals[name].to(g.view.device)
+            same = torch.equal(g.view.view(_int_like(g.view)) if g.view.is_floating_point() else g.view,
+                               orig.view(_int_like(orig)) if orig.is_floating_point() else orig)
+            if not same:
+                mutated.append(name)
+        n = g.outside_changed()
+        if n:
+            stomped.append(f"{name} ({n} elements)")
+    for name, g in out_buffers.items():
+        n = g.outside_changed()
+        if n:
+            stomped.append(f"out {name} ({n} elements)")
+    return [
+        Check("guard:inputs_unchanged", not mutated,
+              f"inputs modified in place: {', '.join(mutated)}" if mutated else "all inputs bit-identical after the call"),
+        Check("guard:canaries", not stomped,
+              f"writes outside the tensors: {', '.join(stomped)}" if stomped else "no writes outside tensors"),
+    ]
+
+
+def check_unwritten(results: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> Check:
+    """Poison left in an output where the reference is finite means the candidate never wrote it."""
+    bad = []
+    for name, t in results.items():
+        if not t.is_floating_point():
+            continue
+        ref = reference[name].to(t.device)
+        hole = torch.isnan(t) & torch.isfinite(ref)
+        if hole.any():
+            idx = torch.nonzero(hole)[0].tolist()
+            bad.append(f"{name}: {int(hole.sum())} elements unwritten or NaN (first at {tuple(idx)})")
+    return Check("guard:outputs_written", not bad, "; ".join(bad) or "every output element written")
