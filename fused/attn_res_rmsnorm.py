@@ -1,0 +1,241 @@
+"""Fused AttnRes + RMSNorm, one launch (docs/ARCHITECTURE.md `attn_res_rmsnorm`).
+
+One CTA per token row. Every thread owns the same 16-byte column vectors of all sources, so the
+whole op is: issue every load (prefix, delta, the n_blocks block rows, the three weights), form
+p = wd(prefix + delta), one block reduction of (sum x^2, sum x*w) for each source, softmax in
+registers, mix, round to wd, a second block reduction for the RMSNorm, write out/blocks/prefix.
+HBM bytes = (n_blocks + 3 + written block) * D * elem per row; the op is latency-bound below B~32.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from fused import runtime
+from references.primitives import check_tensor
+
+cutlass, cute = runtime.cutlass_modules()           # pins sm_90a before the DSL latches an arch
+from cutlass import Float32, Int32, const_expr  # noqa: E402
+
+MAX_BLOCKS = 8                                      # n_blocks + 1 <= 9 sources
+
+
+@dataclass(frozen=True)
+class AttnResConfig:
+    """Launch variant: threads per CTA (one CTA per row)."""
+    num_threads: int = 256
+
+    @staticmethod
+    def for_shape(D: int, elem_bits: int = 16) -> "AttnResConfig":
+        """Fewest vectors per thread without idle warps: 448 threads x 2 vectors at D=7168."""
+        n_vec = D // (128 // elem_bits)
+        for t in (448, 512, 256, 128):
+            if n_vec % t == 0:
+                return AttnResConfig(t)
+        return AttnResConfig(min(512, -(-n_vec // 32) * 32))
+
+    @staticmethod
+    def all_configs(D: int, elem_bits: int = 16) -> list["AttnResConfig"]:
+        """Every variant a launch may use at this D: the dispatcher's pick and the fixed sizes."""
+        picks = {AttnResConfig.for_shape(D, elem_bits).num_threads, 128, 256, 448, 512}
+        return [AttnResConfig(t) for t in sorted(picks)]
+
+
+class AttnResRMSNorm:
+    """Compile-time config: dtype, D, n_blocks (static: sources held in registers), threads."""
+
+    def __init__(self, dtype, D: int, n_blocks: int, config: AttnResConfig = AttnResConfig()):
+        self.dtype, self.D, self.n_blocks = dtype, D, n_blocks
+        self.num_threads = config.num_threads
+        self.num_warps = config.num_threads // 32
+        self.vec = 128 // dtype.width
+        if D % self.vec != 0:
+            raise ValueError(f"D: {D} must be a multiple of {self.vec} (16-byte vectors)")
+        if not 0 <= n_blocks <= MAX_BLOCKS:
+            raise ValueError(f"n_blocks: {n_blocks} must be in 0..8 (n_blocks + 1 <= 9 sources)")
+        self.n_vec = D // self.vec
+        self.vpt = -(-self.n_vec // self.num_threads)  # vectors per thread
+        self.even = self.n_vec % self.num_threads == 0
+        self.n_src = n_blocks + 1
+
+    @cute.jit
+    def __call__(self, mPrefix: cute.Tensor, mDelta: cute.Tensor, mBlocks: cute.Tensor,
+                 mResNormW: cute.Tensor, mResProjW: cute.Tensor, mNormW: cute.Tensor,
+                 mOut: cute.Tensor, block_write: Int32, eps: Float32, norm_eps: Float32,
+                 stream):
+        self.kernel(mPrefix, mDelta, mBlocks, mResNormW, mResProjW, mNormW, mOut,
+                    block_write, eps, norm_eps).launch(
+            grid=[mPrefix.shape[0], 1, 1], block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mPrefix: cute.Tensor, mDelta: cute.Tensor, mBlocks: cute.Tensor,
+               mResNormW: cute.Tensor, mResProjW: cute.Tensor, mNormW: cute.Tensor,
+               mOut: cute.Tensor, block_write: Int32, eps: Float32, norm_eps: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        vec, V, S, dt = self.vec, self.vpt, self.n_src, self.dtype
+        rows = lambda t: cute.zipped_divide(t, (vec,))  # ((vec), n_vec)
+        gP, gD, gO = rows(mPrefix[row, None]), rows(mDelta[row, None]), rows(mOut[row, None])
+        gWn, gWp, gWo = rows(mResNormW), rows(mResProjW), rows(mNormW)
+
+        # registers: x[:, i, j] = source j (blocks..., p last) at vector i; three weights
+        x = cute.make_rmem_tensor((vec, V, S), dt)
+        dl = cute.make_rmem_tensor((vec, V), dt)
+        w = cute.make_rmem_tensor((vec, V, 3), dt)
+        x.fill(0.0)
+        dl.fill(0.0)
+        w.fill(0.0)
+        for i in cutlass.range_constexpr(V):  # every load issued before the first use
+            c = tidx + i * self.num_threads
+            if const_expr(self.even) or c < self.n_vec:
+                for j in cutlass.range_constexpr(S - 1):
+                    x[None, i, j].store(rows(mBlocks[row, j, None])[None, c].load())
+                x[None, i, S - 1].store(gP[None, c].load())
+                dl[None, i].store(gD[None, c].load())
+                w[None, i, 0].store(gWn[None, c].load())
+                w[None, i, 1].store(gWp[None, c].load())
+                w[None, i, 2].store(gWo[None, c].load())
+        # partials: part[2j] = sum x_j^2, part[2j+1] = sum x_j * (res_norm_w * res_proj_w)
+        part = cute.make_rmem_tensor(2 * S, Float32)
+        part.fill(0.0)
+        for i in cutlass.range_constexpr(V):
+            p = x[None, i, S - 1].load().to(Float32) + dl[None, i].load().to(Float32)
+            x[None, i, S - 1].store(p.to(dt))  # the new prefix, rounded to wd once
+            q = w[None, i, 0].load().to(Float32) * w[None, i, 1].load().to(Float32)
+            for j in cutlass.range_constexpr(S):
+                v = x[None, i, j].load().to(Float32)
+                part[2 * j] += (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                part[2 * j + 1] += (v * q).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        smem = cutlass.utils.SmemAllocator()
+        red = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps, 2 * S + 1)), 16)
+        self.block_sum(part, red, 0, 2 * S)
+        # softmax over sources of score_j = dot_j * rsqrt(mean x_j^2 + eps)
+        score = cute.make_rmem_tensor(S, Float32)
+        m = -Float32.inf
+        for j in cutlass.range_constexpr(S):
+            score[j] = part[2 * j + 1] * cute.math.rsqrt(part[2 * j] / self.D + eps)
+            m = cute.arch.fmax(m, score[j])
+        den = Float32(0.0)
+        for j in cutlass.range_constexpr(S):
+            score[j] = cute.math.exp(score[j] - m)
+            den += score[j]
+        inv = Float32(1.0) / den
+        # mix of raw values in fp32, rounded to wd; then RMSNorm over the row
+        mix = cute.make_rmem_tensor((vec, V), dt)
+        ss = cute.make_rmem_tensor(1, Float32)
+        ss.fill(0.0)
+        for i in cutlass.range_constexpr(V):
+            acc = x[None, i, 0].load().to(Float32) * (score[0] * inv)
+            for j in cutlass.range_constexpr(1, S):
+                acc = acc + x[None, i, j].load().to(Float32) * (score[j] * inv)
+            mix[None, i].store(acc.to(dt))
+            mx = mix[None, i].load().to(Float32)
+            ss[0] += (mx * mx).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        self.block_sum(ss, red, 2 * S, 1)
+        rstd = cute.math.rsqrt(ss[0] / self.D + norm_eps)
+        zero = cute.make_rmem_tensor(vec, dt)
+        zero.fill(0.0)
+        for i in cutlass.range_constexpr(V):
+            c = tidx + i * self.num_threads
+            if const_expr(self.even) or c < self.n_vec:
+                y = (mix[None, i].load().to(Float32) * rstd).to(dt).to(Float32)
+                gO[None, c].store((y * w[None, i, 2].load().to(Float32)).to(dt))
+                if block_write >= 0:
+                    rows(mBlocks[row, block_write, None])[None, c].store(x[None, i, S - 1].load())
+                    gP[None, c].store(zero.load())
+                else:
+                    gP[None, c].store(x[None, i, S - 1].load())
+
+    @cute.jit
+    def block_sum(self, vals: cute.Tensor, red: cute.Tensor, col0: cutlass.Constexpr[int],
+                  n: cutlass.Constexpr[int]):
+        """vals[k] <- sum over the CTA of vals[k], k < n; red[:, col0:col0+n] is scratch."""
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        for k in cutlass.range_constexpr(n):
+            vals[k] = cute.arch.warp_reduction(vals[k], operator.add)
+        if lane == 0:
+            for k in cutlass.range_constexpr(n):
+                red[warp, col0 + k] = vals[k]
+        cute.arch.sync_threads()
+        for k in cutlass.range_constexpr(n):
+            t = Float32(0.0)
+            if lane < self.num_warps:
+                t = red[lane, col0 + k]
+            vals[k] = cute.arch.warp_reduction(t, operator.add)
+
+
+@runtime.compile_cache("attn_res_rmsnorm")
+def _compile(dtype: str, D: int, n_blocks: int, cfg: AttnResConfig):
+    b, nb = runtime.sym_int(), runtime.sym_int()
+    row = lambda: runtime.fake_tensor(dtype, (b, D))
+    vec = lambda: runtime.fake_tensor(dtype, (D,))
+    op = AttnResRMSNorm(runtime.cutlass_dtype(dtype), D, n_blocks, cfg)
+    return runtime.compile_tvm_ffi(op, row(), row(), runtime.fake_tensor(dtype, (b, nb, D)),
+                                   vec(), vec(), vec(), row(), Int32(0), Float32(1e-5), Float32(1e-5))
+
+
+def _check(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, block_write):
+    check_tensor("prefix", prefix, ndim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32))
+    B, D = prefix.shape
+    check_tensor("delta", delta, shape=(B, D), dtypes=(prefix.dtype,))
+    check_tensor("blocks", blocks, shape=(B, None, D), dtypes=(prefix.dtype,))
+    for name, w in (("res_norm_w", res_norm_w), ("res_proj_w", res_proj_w.reshape(-1)),
+                    ("norm_w", norm_w)):
+        check_tensor(name, w, shape=(D,), dtypes=(prefix.dtype,))
+    for name, t in (("prefix", prefix), ("blocks", blocks)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: updated in place, so it must be contiguous; got strides {t.stride()}")
+        runtime.require_cuda(name, t)
+    if not isinstance(n_blocks, int) or not 0 <= n_blocks <= min(MAX_BLOCKS, blocks.shape[1]):
+        raise ValueError(f"n_blocks: {n_blocks!r}; use 0..{min(MAX_BLOCKS, blocks.shape[1])} "
+                         f"(at most 8 and at most the {blocks.shape[1]} slots of blocks)")
+    if not isinstance(block_write, int) or not -1 <= block_write < blocks.shape[1]:
+        raise ValueError(f"block_write: {block_write!r}; use -1 (no write) or 0..{blocks.shape[1] - 1}")
+    if D % (16 // prefix.element_size()):
+        raise ValueError(f"prefix: D={D} must be a multiple of {16 // prefix.element_size()} (16-byte vectors)")
+
+
+def launch(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, out, n_blocks: int,
+           block_write: int, eps: float, norm_eps: float, variant: AttnResConfig | None = None):
+    """Destination-passing launch on the current stream: writes out, updates prefix/blocks."""
+    if prefix.shape[0] == 0:
+        return
+    D = prefix.shape[1]
+    cfg = variant or AttnResConfig.for_shape(D, 8 * prefix.element_size())
+    fn = _compile(runtime.dtype_name(prefix.dtype), D, n_blocks, cfg)
+    fn(prefix, delta.contiguous(), blocks, res_norm_w.contiguous(),
+       res_proj_w.reshape(-1).contiguous(), norm_w.contiguous(), out, block_write, eps, norm_eps)
+
+
+_op = None
+
+
+def _custom_op():
+    global _op
+    if _op is None:
+        @runtime.register_op("attn_res_rmsnorm", mutates_args=("prefix", "blocks", "out"))
+        def attn_res_rmsnorm_out(prefix: torch.Tensor, delta: torch.Tensor, blocks: torch.Tensor,
+                                 res_norm_w: torch.Tensor, res_proj_w: torch.Tensor,
+                                 norm_w: torch.Tensor, out: torch.Tensor, n_blocks: int,
+                                 block_write: int, eps: float, norm_eps: float) -> None:
+            launch(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, out, n_blocks,
+                   block_write, eps, norm_eps)
+
+        _op = attn_res_rmsnorm_out
+    return _op
+
+
+def attn_res_rmsnorm(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, n_blocks: int,
+                     block_write: int, eps: float, norm_eps: float, *, variant=None):
+    """Fused replacement of references.attn_res.attn_res_rmsnorm (same signature and state)."""
+    _check(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, block_write)
+    out = torch.empty_like(prefix)
+    if variant is not None:
+        launch(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, out, n_blocks, block_write,
+               eps, norm_eps, variant)
+    else:
+        _custom_op()(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, out, n_blocks,
+                     block_write, float(eps), float(norm_eps))
+    return out
