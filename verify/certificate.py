@@ -1,0 +1,104 @@
+"""Certificates: environment, source hashes per op, verdicts. Written as JSON; read back for diffs."""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import importlib.util
+import json
+import platform
+import subprocess
+from dataclasses import asdict
+from importlib import metadata
+from pathlib import Path
+
+from verify.opdef import OpDef
+from verify.specs import SPEC_DIR
+from verify.verdict import OpVerdict
+
+ROOT = Path(__file__).resolve().parent.parent
+FORMAT = "verify-kernels/certificate/v1"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device: str) -> dict:
+    import torch
+
+    env = {
+        "python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
+        "cutlass_dsl": _version("nvidia-cutlass-dsl"), "hypothesis": _version("hypothesis"), "device": device,
+        "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain")),
+    }
+    if device == "cuda" and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            env["driver"] = None
+    return env
+
+
+def _git(*args) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _module_file(path: str | None) -> Path | None:
+    if not path:
+        return None
+    spec = importlib.util.find_spec(path.split(":")[0])
+    return Path(spec.origin) if spec and spec.origin else None
+
+
+def sha256_file(path: Path | None) -> str | None:
+    if path is None or not path.exists():
+        return None
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def op_sources(op: OpDef) -> dict[str, str | None]:
+    """The sources a verdict depends on: reference, fused kernel, spec, and the registry entry."""
+    return {
+        "reference": sha256_file(_module_file(op.reference)),
+        "fused": sha256_file(_module_file(op.fused)),
+        "spec": sha256_file(SPEC_DIR / f"{op.name}.toml"),
+        "registry": sha256_file(_module_file(f"verify.ops.{op.family}") if op.family else None),
+    }
+
+
+def build(verdicts: list[OpVerdict], ops: dict[str, OpDef], options: dict, device: str) -> dict:
+    per_op: dict[str, dict] = {}
+    for v in verdicts:
+        entry = per_op.setdefault(v.op, {"sources": op_sources(ops[v.op]), "verdicts": {}})
+        entry["verdicts"][v.candidate] = asdict(v)
+    return {"format": FORMAT, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "environment": environment(device), "options": options, "ops": per_op}
+
+
+def write(cert: dict, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "certificate.json"
+    path.write_text(json.dumps(cert, indent=1, sort_keys=True, default=str))
+    return path
+
+
+def load(path: str | Path) -> dict:
+    p = Path(path)
+    try:
+        cert = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"certificate {p}: cannot read it: {e}") from None
+    if cert.get("format") != FORMAT:
+        raise ValueError(f"certificate {p}: format {cert.get('format')!r} is not {FORMAT!r}")
+    return cert

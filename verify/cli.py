@@ -1,0 +1,235 @@
+"""verify-kernels: certify kernels of a Kimi K3 decode layer against their references.
+
+Heavy imports (torch, hypothesis, cutlass) are deferred so --help and list answer at once.
+Exit codes: 0 every op certified (skips allowed and listed), 1 any op failed, 2 bad usage or config.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="verify-kernels",
+        description="Certify fused kernels of a Kimi K3 decode layer against plain-PyTorch references. "
+                    "With no command: `run` on every op with the default candidates.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    ls = sub.add_parser("list", help="every op with its class and reference")
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
+    de = sub.add_parser("describe", help="signature, shapes, spec and split of one op")
+    de.add_argument("op")
+    de.add_argument("--json", action="store_true", help="machine-readable output")
+    run = sub.add_parser("run", help="certify candidates op by op and write a certificate")
+    add_run_args(run)
+    rp = sub.add_parser("repro", help="rerun one case and print the worst elements")
+    rp.add_argument("case", help="the case JSON printed with a failure")
+    rp.add_argument("--candidate", default="reference", help="fused | compiled | reference | module:attr")
+    rp.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    return p
+
+
+def add_run_args(run: argparse.ArgumentParser) -> None:
+    run.add_argument("--ops", default=None, help="comma-separated op names (default: all)")
+    run.add_argument("--candidate", default=None,
+                     help="fused | compiled | reference | module:attr, comma-separated "
+                          "(default: fused,compiled)")
+    run.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
+    run.add_argument("--profile", default="quick", help="quick | ci | release")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--tp", default=None, help="comma-separated T values for split cases, e.g. 1,2,4")
+    run.add_argument("--examples", type=int, default=None, help="override the profile's cases per op")
+    run.add_argument("--out", default="verify-out", help="directory for certificate.json")
+    run.add_argument("--json", action="store_true", help="print the certificate JSON on stdout")
+    run.add_argument("--junit", default=None, metavar="FILE", help="also write JUnit XML")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["run"] + argv
+    args = build_parser().parse_args(argv)
+    try:
+        return {"list": cmd_list, "describe": cmd_describe, "run": cmd_run, "repro": cmd_repro}[args.command](args)
+    except UsageError as e:
+        print(f"verify-kernels: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _op_or_usage(name: str):
+    from verify.registry import UnknownOpError, get_op
+
+    try:
+        return get_op(name)
+    except UnknownOpError as e:
+        raise UsageError(str(e)) from None
+
+
+def _classes(op) -> dict[str, str]:
+    from verify.specs import SpecError, load_spec
+
+    try:
+        return {n: o.klass for n, o in load_spec(op.name).outputs.items()}
+    except SpecError as e:
+        return {"error": str(e)}
+
+
+def cmd_list(args) -> int:
+    from verify.registry import all_ops
+
+    rows = [{"op": op.name, "family": op.family, "reference": op.reference, "fused": op.fused,
+             "classes": _classes(op), "split": op.split.kind if op.split else None} for op in all_ops().values()]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        for r in rows:
+            cls = ",".join(sorted(set(r["classes"].values())))
+            print(f"{r['op']:<28} {cls:<24} {r['reference']}")
+    return EXIT_OK
+
+
+def cmd_describe(args) -> int:
+    from verify.specs import SpecError, load_spec
+
+    op = _op_or_usage(args.op)
+    try:
+        spec = load_spec(op.name).model_dump(by_alias=True)
+    except SpecError as e:
+        spec = {"error": str(e)}
+    info = {"op": op.name, "reference": op.reference, "fused": op.fused, "signature": op.signature,
+            "outputs": list(op.outputs), "state": list(op.state), "batch_dims": op.batch_dims,
+            "dtypes": list(op.dtypes), "configs": list(op.configs), "dists": list(op.dists),
+            "split": None if op.split is None else {"kind": op.split.kind, "reduction_order": op.split.reduction_order,
+                                                    "tp_values": list(op.split.tp_values)},
+            "spec": spec, "notes": op.notes}
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return EXIT_OK
+    print(f"{op.name}  ({op.reference})")
+    print(f"  signature: {op.signature}")
+    print(f"  outputs: {', '.join(op.outputs) or '-'}; state: {', '.join(op.state) or '-'}")
+    print(f"  dtypes: {', '.join(op.dtypes)}; configs: {', '.join(op.configs)}")
+    print(f"  split: {info['split']}")
+    print(f"  fused: {op.fused or '-'}")
+    print(f"  spec: {json.dumps(spec.get('outputs', spec))}")
+    if "claims" in spec:
+        print(f"  claims: {json.dumps(spec['claims'])}")
+        print("  derivation: " + " ".join(spec["derivation"].split()))
+    return EXIT_OK
+
+
+def _resolve_device(requested: str | None) -> str:
+    import torch
+
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device found on this machine")
+    return requested or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _candidates(text: str | None, device: str) -> list:
+    from verify.candidates import CandidateImportError, parse_candidate
+    from verify.registry import import_callable
+
+    labels = (text or "fused,compiled").split(",")
+    out = []
+    for label in (s.strip() for s in labels if s.strip()):
+        try:
+            cand = parse_candidate(label)
+            if ":" in label:
+                import_callable(label)
+        except (CandidateImportError, ImportError) as e:
+            raise UsageError(f"--candidate: {e}") from None
+        out.append(cand)
+    return out
+
+
+def cmd_run(args) -> int:
+    from rich.console import Console
+
+    from verify import certificate
+    from verify.cases import get_profile, validate_tp
+    from verify.certify import RunOptions, certify_op
+    from verify.registry import UnknownOpError, all_ops, select_ops
+    from verify.reporters.terminal import print_failure, print_skips, summary_table
+    from verify.verdict import FAIL, XPASS
+
+    console = Console(stderr=args.json)
+    try:
+        ops = select_ops(args.ops)
+        profile = get_profile(args.profile)
+        tps = validate_tp([int(t) for t in args.tp.split(",")]) if args.tp else None
+    except (UnknownOpError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    device = _resolve_device(args.device)
+    candidates = _candidates(args.candidate, device)
+    opts = RunOptions(device=device, profile=profile, seed=args.seed, tps=tps, examples=args.examples)
+    verdicts = []
+    from rich.progress import Progress
+
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("certifying", total=len(ops) * len(candidates))
+        for op in ops:
+            for cand in candidates:
+                progress.update(task, description=f"{op.name} / {cand.label}")
+                v = certify_op(op, cand, opts)
+                verdicts.append(v)
+                progress.advance(task)
+                if v.status in (FAIL, XPASS):
+                    print_failure(console, v)
+    options = {"profile": profile.name, "seed": args.seed, "tp": tps, "device": device,
+               "candidates": [c.label for c in candidates], "ops": [o.name for o in ops]}
+    cert = certificate.build(verdicts, all_ops(), options, device)
+    path = certificate.write(cert, Path(args.out))
+    if args.junit:
+        from verify.reporters.junit import write_junit
+
+        write_junit(verdicts, args.junit)
+    console.print(summary_table(verdicts))
+    print_skips(console, verdicts)
+    failed = [v for v in verdicts if v.status in (FAIL, XPASS)]
+    console.print(f"certificate: {path}  ({len(verdicts) - len(failed)} of {len(verdicts)} op/candidate pairs "
+                  f"certified or skipped, {len(failed)} failed)")
+    if args.json:
+        print(json.dumps(cert, indent=1, default=str))
+    return EXIT_FAIL if failed else EXIT_OK
+
+
+def cmd_repro(args) -> int:
+    from rich.console import Console
+
+    from verify.case import Case
+    from verify.certify import replay
+    from verify.reporters.terminal import print_case
+    from verify.verdict import PASS
+
+    try:
+        case = Case.from_json(args.case)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"CASE is not a case record: {e}") from None
+    op = _op_or_usage(case.op)
+    device = _resolve_device(args.device)
+    cand = _candidates(args.candidate, device)[0]
+    from verify.candidates import CandidateUnavailable
+
+    try:
+        v = replay(op, case, cand, device)
+    except CandidateUnavailable as e:
+        raise UsageError(f"candidate {cand.label} cannot run here: {e}") from None
+    console = Console()
+    print_case(console, v)
+    for c in v.checks:
+        if c.ok:
+            console.print(f"  [green]ok[/] {c.name}: {c.detail}")
+    return EXIT_OK if v.status == PASS else EXIT_FAIL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""Registry entries of the gated MLA family: input builders, outputs, batch dims and TP split rules.
+
+Every tensor is drawn from its own generator (seed, salt) so one tensor's draw never shifts another's.
+Weights are scaled by fan_in^-0.5 so every activation stays O(1); the case's dist shapes the activations
+(x, q_c, q_abs, o_latent, latent, cache contents), weights stay normal.
+"""
+from __future__ import annotations
+
+import torch
+
+from references.config import get_config
+from verify.case import Case
+from verify.opdef import OpDef, OpInputs, RankShard, SplitRule
+from verify.values import draw, generator
+
+_WORKING_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                   "float64": torch.float64}
+# Longest context drawn per config, in pages. The float64 oracle of decode attention costs
+# B x Q x H x L x C x 4 flops: at k3 (H=96, C=576) 64 sequences x 8 tokens x 4 pages of 64 is ~15 GFLOP.
+MAX_CONTEXT_PAGES = {"tiny": 12, "small": 10, "k3": 4}
+SPARE_PAGES = 2          # pages no sequence owns: a kernel that reads them gives wrong numbers
+
+
+def working_dtype(case: Case) -> torch.dtype:
+    try:
+        return _WORKING_DTYPES[case.dtype]
+    except KeyError:
+        raise ValueError(f"dtype={case.dtype!r} is unknown; choose one of {sorted(_WORKING_DTYPES)}") from None
+
+
+def _weight(case, salt, shape, fan_in):
+    return draw(generator(case.seed, salt), shape, "normal", scale=fan_in ** -0.5, dtype=working_dtype(case))
+
+
+def _norm_weight(case, salt, n):
+    # KimiRMSNorm weights sit near 1; the spread makes a dropped or misplaced weight visible.
+    return (1.0 + draw(generator(case.seed, salt), (n,), "normal", scale=0.1, dtype=torch.float64)
+            ).to(working_dtype(case))
+
+
+def _activation(case, salt, shape):
+    return draw(generator(case.seed, salt), shape, case.dist, dtype=working_dtype(case))
+
+
+def latent_eps(case: Case) -> float:
+    """q_a/kv_a RMSNorm eps: the `eps` knob, else 1e-6 (HF copies) or 1e-5 (vLLM) drawn from the seed."""
+    eps = case.knob("eps")
+    if eps is None:
+        eps = (1e-6, 1e-5)[int(torch.randint(0, 2, (1,), generator=generator(case.seed, 90)))]
+    return float(eps)
+
+
+def q_per_seq(case: Case) -> int:
+    """Query tokens per sequence (speculative decoding): the `q_per_seq` knob, else drawn in 1..8 from the seed."""
+    n_q = case.knob("q_per_seq")
+    if n_q is None:
+        n_q = int(torch.randint(1, 9, (1,), generator=generator(case.seed, 91)))
+    if not 1 <= int(n_q) <= 8:
+        raise ValueError(f"q_per_seq={n_q!r}: decode takes 1..8 query tokens per sequence")
+    return int(n_q)
+
+
+def draw_seq_lens(case: Case, n_seq: int, n_q: int, page: int) -> list[int]:
+    """Lengths around page boundaries (m*page - 1, m*page, m*page + 1: every page-aligned KV split boundary is one),
+    the shortest legal length (only the new query tokens), the longest, and uniform ones."""
+    g = generator(case.seed, 92)
+    longest = MAX_CONTEXT_PAGES[case.config] * page
+    lengths = []
+    for _ in range(n_seq):
+        kind = int(torch.randint(0, 4, (1,), generator=g))
+        m = int(torch.randint(1, MAX_CONTEXT_PAGES[case.config] + 1, (1,), generator=g))
+        delta = int(torch.randint(-1, 2, (1,), generator=g))
+        uniform = int(torch.randint(n_q, longest + 1, (1,), generator=g))
+        length = (m * page + delta, n_q, longest, uniform)[kind]
+        lengths.append(min(max(length, n_q), longest))
+    return lengths
+
+
+def paged_layout(case: Case, lengths: list[int], page: int):
+    """Block tables from a random permutation of the pages; -1 pads each row past its last page (and one spare
+    column), so a kernel that reads past a sequence's pages faults or reads garbage."""
+    need = [-(-n // page) for n in lengths]
+    n_pages = sum(need) + SPARE_PAGES
+    perm = torch.randperm(n_pages, generator=generator(case.seed, 93))
+    table = torch.full((len(lengths), max(need, default=0) + 1), -1, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[start:start + n].to(torch.int32)
+        start += n
+    return table, torch.tensor(lengths, dtype=torch.int32), n_pages
+
+
+def make_qkv_a_inputs(case: Case) -> OpInputs:
+    cfg = get_config(case.config)
+    d, rows = cfg.hidden, cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_dim
+    return OpInputs(
+        tensors={"x": _activation(case, 1, (case.batch, d)), "w_qkv_a": _weight(case, 2, (rows, d), d),
+                 "q_a_norm_w": _norm_weight(case, 3, cfg.q_lora_rank),
+                 "kv_a_norm_w": _norm_weight(case, 4, cfg.kv_lora_rank)},
+        params={"eps": latent_eps(case)})
+
+
+def make_q_absorb_inputs(case: Case) -> OpInputs:
+    cfg = get_config(case.config)
+    h, dh, rope, ql = cfg.n_heads, cfg.head_dim, cfg.qk_rope_dim, cfg.q_lora_rank
+    return OpInputs(tensors={"q_c": _activation(case, 11, (case.batch, ql)),
+                             "w_q_b": _weight(case, 12, (h * (dh + rope), ql), ql),
+                             "w_uk": _weight(case, 13, (h, dh, cfg.kv_lora_rank), dh)})
+
+
+def make_cache_write_inputs(case: Case) -> OpInputs:
+    cfg = get_config(case.config)
+    n, page, width = case.batch, cfg.page_size, cfg.cache_dim
+    n_pages = -(-n // page) + SPARE_PAGES
+    g = generator(case.seed, 23)
+    slots = torch.randperm(n_pages * page, generator=g)[:n].to(torch.int64)
+    padding = torch.rand(n, generator=g) < 0.15      # padding tokens of a CUDA-graph batch
+    slots[padding] = -1
+    # The cache starts full of other values, so a write to a wrong slot or a stray write shows.
+    return OpInputs(tensors={"latent": _activation(case, 21, (n, width)),
+                             "cache": draw(generator(case.seed, 22), (n_pages, page, width), "normal",
+                                           dtype=working_dtype(case)),
+                             "slot_mapping": slots})
+
+
+def make_decode_attn_inputs(case: Case) -> OpInputs:
+    cfg = get_config(case.config)
+    n_q, page = q_per_seq(case), cfg.page_size
+    lengths = draw_seq_lens(case, case.batch, n_q, page)
+    block_table, seq_lens, n_pages = paged_layout(case, lengths, page)
+    return OpInputs(
+        tensors={"q_abs": _activation(case, 31, (case.batch, n_q, cfg.n_heads, cfg.cache_dim)),
+                 "cache": _activation(case, 32, (n_pages, page, cfg.cache_dim)),
+                 "block_table": block_table, "seq_lens": seq_lens},
+        params={"scale": cfg.mla_scale, "kv_lora_rank": cfg.kv_lora_rank})
+
+
+def make_out_gate_inputs(case: Case) -> OpInputs:
+    cfg = get_config(case.config)
+    h, dh, kv, d = cfg.n_heads, cfg.head_dim, cfg.kv_lora_rank, cfg.hidden
+    return OpInputs(tensors={"o_latent": _activation(case, 41, (case.batch, h, kv)),
+                             "w_uv": _weight(case, 42, (h, dh, kv), kv),
+                             "x": _activation(case, 43, (case.batch, d)),
+                             "w_g": _weight(case, 44, (h * dh, d), d)})
+
+
+# ---- split rules -------------------------------------------------------------------------------------------------
+
+_INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Identical bits (so -0.0 != +0.0), any NaN equal to any NaN."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    nan_a, nan_b = a.isnan(), b.isnan()
+    bits = _INT_VIEW[a.element_size()]
+    return torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a].view(bits), b[~nan_b].view(bits))
+
+
+def replicated_split(state: tuple[str, ...] = ()) -> SplitRule:
+    """Every rank gets the whole op (state cloned per rank: each rank holds its own replica); the ranks must agree
+    bitwise, and rank 0's results stand for all."""
+    def shard(inputs: OpInputs, tp: int) -> list[RankShard]:
+        return [RankShard({k: v.clone() if k in state else v for k, v in inputs.tensors.items()},
+                          dict(inputs.params)) for _ in range(tp)]
+
+    def combine(per_rank: list[dict], inputs: OpInputs) -> dict:
+        for r, res in enumerate(per_rank[1:], start=1):
+            for name, t in res.items():
+                if not same_bits(t, per_rank[0][name]):
+                    raise ValueError(f"rank {r}: replicated result {name!r} differs from rank 0's")
+        return dict(per_rank[0])
+
+    return SplitRule(kind="replicated", shard=shard, combine=combine, reduction_order="none: replicated, no sum")
+
+
+def head_split(n_heads_of, shard_dims: dict[str, int], out_dims: dict[str, int]) -> SplitRule:
+    """Contiguous blocks of n_heads/T heads per rank: tensors in shard_dims are chunked along that dim (which holds
+    heads x per-head width), the rest replicated; outputs concatenate along out_dims in rank order. No sums."""
+    def shard(inputs: OpInputs, tp: int) -> list[RankShard]:
+        n_heads = n_heads_of(inputs)
+        if tp <= 0 or n_heads % tp:
+            raise ValueError(f"tp={tp}: n_heads={n_heads} is not divisible by it; pick T dividing {n_heads}")
+        parts = {k: torch.chunk(v, tp, dim=shard_dims[k]) for k, v in inputs.tensors.items() if k in shard_dims}
+        return [RankShard({k: parts[k][r] if k in parts else v for k, v in inputs.tensors.items()},
+                          dict(inputs.params)) for r in range(tp)]
+
+    def combine(per_rank: list[dict], inputs: OpInputs) -> dict:
+        return {name: torch.cat([res[name] for res in per_rank], dim=dim) for name, dim in out_dims.items()}
+
+    return SplitRule(kind="heads", shard=shard, combine=combine,
+                     reduction_order="none: heads concatenate in rank order, nothing is summed across ranks")
+
+
+_NOTE_TOKENS = "batch = decode tokens (rows)."
+OPS: list[OpDef] = [
+    OpDef(
+        name="mla_qkv_a", family="mla", reference="references.mla:mla_qkv_a", make_inputs=make_qkv_a_inputs,
+        outputs=("q_c", "kv_c", "k_rot"),
+        signature=("x[B,D] wd\nw_qkv_a[q_lora+kv_lora+rope, D] wd\nq_a_norm_w[q_lora] wd\nkv_a_norm_w[kv_lora] wd\n"
+                   "eps: float (1e-6 HF / 1e-5 vLLM)\n-> q_c[B,q_lora] wd, kv_c[B,kv_lora] wd, k_rot[B,rope] wd"),
+        batch_dims={"x": 0, "q_c": 0, "kv_c": 0, "k_rot": 0}, split=replicated_split(),
+        notes=_NOTE_TOKENS + " eps drawn from {1e-6, 1e-5} unless the `eps` knob is set."),
+    OpDef(
+        name="mla_q_absorb", family="mla", reference="references.mla:mla_q_absorb", make_inputs=make_q_absorb_inputs,
+        outputs=("q_abs",),
+        signature="q_c[B,q_lora] wd\nw_q_b[H*(Dh+rope), q_lora] wd\nw_uk[H,Dh,kv_lora] wd\n-> q_abs[B,H,kv_lora+rope] wd",
+        batch_dims={"q_c": 0, "q_abs": 0},
+        split=head_split(lambda i: i.tensors["w_uk"].shape[0], {"w_q_b": 0, "w_uk": 0}, {"q_abs": 1}),
+        notes=_NOTE_TOKENS),
+    OpDef(
+        name="mla_cache_write", family="mla", reference="references.mla:mla_cache_write",
+        make_inputs=make_cache_write_inputs, outputs=(), state=("cache",),
+        signature="latent[N,C] wd\ncache[P,page,C] wd (state)\nslot_mapping[N] int64 (-1 = padding)\n-> None",
+        batch_dims={"latent": 0, "slot_mapping": 0}, split=replicated_split(state=("cache",)),
+        fused="fused.mla_cache_write:mla_cache_write",
+        notes=_NOTE_TOKENS + " Slots are a random permutation of the cache's slots, about 15% set to -1."),
+    OpDef(
+        name="mla_decode_attn", family="mla", reference="references.mla:mla_decode_attn",
+        make_inputs=make_decode_attn_inputs, outputs=("o_latent",),
+        signature=("q_abs[B,Q,H,C] wd (Q = 1..8 query tokens per sequence)\ncache[P,page,C] wd\n"
+                   "block_table[B,max_pages] int32 (-1 padded)\nseq_lens[B] int32 (>= Q)\nscale: float (192^-0.5)\n"
+                   "kv_lora_rank: int\n-> o_latent[B,Q,H,kv_lora] wd"),
+        batch_dims={"q_abs": 0, "block_table": 0, "seq_lens": 0, "o_latent": 0},
+        split=head_split(lambda i: i.tensors["q_abs"].shape[2], {"q_abs": 2}, {"o_latent": 2}),
+        notes=("batch = sequences, each with Q query tokens (knob `q_per_seq`, else drawn 1..8 from the seed); the "
+               "cache is shared by all sequences and never permuted. Context is capped at MAX_CONTEXT_PAGES pages "
+               "(k3: 4 x 64 = 256) because the float64 oracle costs B*Q*H*L*C*4 flops (~15 GFLOP at k3, B=64, Q=8); "
+               "page-boundary lengths still cover every page-aligned split boundary up to that length.")),
+    OpDef(
+        name="mla_out_gate", family="mla", reference="references.mla:mla_out_gate", make_inputs=make_out_gate_inputs,
+        outputs=("o",),
+        signature="o_latent[B,H,kv_lora] wd\nw_uv[H,Dh,kv_lora] wd\nx[B,D] wd\nw_g[H*Dh,D] wd\n-> o[B,H*Dh] wd",
+        batch_dims={"o_latent": 0, "x": 0, "o": 0},
+        split=head_split(lambda i: i.tensors["o_latent"].shape[1], {"o_latent": 1, "w_uv": 0, "w_g": 0}, {"o": 1}),
+        notes=_NOTE_TOKENS + " At k3 w_g is 12288 x 7168 (88M values): about 2 s of CPU to draw and apply."),
+]

@@ -1,0 +1,58 @@
+"""Terminal report: a summary table and, for each failure, the worst elements and a repro line."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from verify.verdict import FAIL, PASS, SKIP, VACUOUS, WAIVED, XPASS, CaseVerdict, OpVerdict
+
+STYLE = {PASS: "green", FAIL: "bold red", SKIP: "yellow", WAIVED: "cyan", XPASS: "bold magenta"}
+WORD = {PASS: "certified", FAIL: "FAILED", SKIP: "skipped", WAIVED: "waived", XPASS: "waiver stale"}
+
+
+def summary_table(verdicts: list[OpVerdict]) -> Table:
+    t = Table(title="verify-kernels", show_lines=False)
+    for col in ("op", "candidate", "verdict", "cases", "worst err/tol", "s", "reason"):
+        t.add_column(col, overflow="fold")
+    for v in verdicts:
+        worst = max(v.worst_ratio.values(), default=None)
+        t.add_row(v.op, v.candidate, f"[{STYLE.get(v.status, '')}]{WORD.get(v.status, v.status)}[/]",
+                  f"{v.cases_passed}/{v.cases_run}" + (f" (+{v.cases_vacuous} vacuous)" if v.cases_vacuous else ""),
+                  "" if worst is None else f"{worst:.3g}", f"{v.seconds:.1f}", v.reason[:160])
+    return t
+
+
+def print_failure(console: Console, v: OpVerdict) -> None:
+    console.print(f"[bold red]FAIL[/] {v.op} ({v.candidate}): {v.reason}")
+    if v.failure is not None:
+        print_case(console, v.failure)
+    if v.repro:
+        console.print(f"  repro: {v.repro}", soft_wrap=True)
+
+
+def print_case(console: Console, cv: CaseVerdict) -> None:
+    console.print(f"  case: {cv.case}", soft_wrap=True)
+    console.print(f"  status: {cv.status}  stage: {cv.stage}  reason: {cv.reason}", soft_wrap=True)
+    for c in cv.checks:
+        if c.ok:
+            continue
+        console.print(f"  [red]x[/] {c.name}: {c.detail}", soft_wrap=True)
+        if c.worst:
+            console.print("    worst elements (index, candidate, oracle, baseline):")
+            rows = c.worst if isinstance(c.worst[0], tuple) else (c.worst,)
+            for row in rows:
+                console.print(f"      {row}")
+
+
+def print_skips(console: Console, verdicts: list[OpVerdict]) -> None:
+    skips = [v for v in verdicts if v.status == SKIP]
+    if skips:
+        console.print(f"[yellow]Skipped {len(skips)} op/candidate pairs (not counted as passed):[/]")
+        reasons: dict[str, list[str]] = {}
+        for v in skips:
+            reasons.setdefault(f"{v.candidate}: {v.reason}", []).append(v.op)
+        for why, ops in reasons.items():
+            console.print(f"  - {why} -> {', '.join(ops)}")
+
+
+__all__ = ["summary_table", "print_failure", "print_case", "print_skips", "VACUOUS"]
