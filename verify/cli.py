@@ -161,7 +161,7 @@ def cmd_run(args) -> int:
     from verify.reporters.terminal import print_failure, print_skips, summary_table
     from verify.verdict import FAIL, XPASS
 
-    console = Console(stderr=args.json)
+    console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 160)
     try:
         ops = select_ops(args.ops)
         profile = get_profile(args.profile)

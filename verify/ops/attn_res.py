@@ -1,0 +1,116 @@
+"""Registry entries for AttnRes: attn_res_rmsnorm and allreduce_attn_res_rmsnorm (references/attn_res.py).
+
+Sources are drawn at per-block scales (block sums of up to 24 sub-layer outputs differ in size);
+the query res_norm_w * res_proj_w has rms ~ 2/sqrt(D), so scores are O(1) and the softmax is
+neither uniform nor one-hot. The slots of blocks beyond n_blocks hold values too: they must be
+ignored, and they catch a kernel reading too many sources.
+"""
+from __future__ import annotations
+
+import torch
+
+from references.attn_res import MAX_SOURCES
+from references.config import get_config
+from verify.case import Case
+from verify.opdef import OpDef, OpInputs
+from verify.ops.common_splits import (FOLD_ORDER, activation, gen_for, norm_weight, replicated_split,
+                                      working_dtype)
+from verify.values import GENERIC_DISTS, draw
+
+BLOCK_SLOTS = MAX_SOURCES - 1          # blocks[B, 8, D]
+DEFAULT_PARTIALS = 4                   # partial deltas of the all-reduce when the case is unsplit (tp=1)
+
+
+def _layout(case: Case) -> tuple[int, int]:
+    """(n_blocks, block_write) from knobs or the seed: write slot n_blocks (HF appends) or -1."""
+    g = gen_for(case, "layout")
+    n_blocks = int(torch.randint(0, BLOCK_SLOTS + 1, (1,), generator=g))
+    write = bool(torch.rand(1, generator=g) < 0.5) and n_blocks < BLOCK_SLOTS
+    n_blocks = int(case.knob("n_blocks", n_blocks))
+    block_write = int(case.knob("block_write", n_blocks if write else -1))
+    return n_blocks, block_write
+
+
+def _common(case: Case, scale: float) -> tuple[dict, dict]:
+    cfg = get_config(case.config)
+    wd, B, D = working_dtype(case), case.batch, cfg.hidden
+    n_blocks, block_write = _layout(case)
+    block_scales = torch.exp2(torch.randint(-2, 3, (BLOCK_SLOTS,), generator=gen_for(case, "block_scales")))
+    blocks = torch.stack([activation(case, f"block{i}", (B, D), wd, scale=scale * float(block_scales[i]))
+                          for i in range(BLOCK_SLOTS)], dim=1)
+    proj = torch.randn(D, generator=gen_for(case, "res_proj_w"), dtype=torch.float64) * 2 * D ** -0.5
+    tensors = {
+        "prefix": activation(case, "prefix", (B, D), wd, scale=scale),
+        "blocks": blocks,
+        "res_norm_w": norm_weight(case, "res_norm_w", D, wd),
+        "res_proj_w": proj.to(wd),
+        "norm_w": norm_weight(case, "norm_w", D, wd),
+    }
+    params = {"n_blocks": n_blocks, "block_write": block_write, "eps": cfg.rms_eps, "norm_eps": cfg.rms_eps}
+    return tensors, params
+
+
+def make_attn_res_rmsnorm_inputs(case: Case) -> OpInputs:
+    tensors, params = _common(case, 1.0)
+    delta = activation(case, "delta", tensors["prefix"].shape, working_dtype(case))
+    return OpInputs({"prefix": tensors.pop("prefix"), "delta": delta, **tensors}, params)
+
+
+def order_sensitive_deltas(case: Case, n_parts: int, shape, wd: torch.dtype) -> tuple[torch.Tensor, float]:
+    """Partials [big, s1, -big, s3, s4, ...] with |big| / |s| ~ 2^24: a left fold in fp32 loses s1
+    to the rounding of big + s1, another order loses other terms, so the sum depends on order.
+    Returns (deltas, scale of the small terms); fp16 uses big ~ 2^12, small ~ 2^-12 to stay finite."""
+    g = gen_for(case, "deltas")
+    big_scale, small = (2.0 ** 12, 2.0 ** -12) if wd == torch.float16 else (2.0 ** 24, 1.0)
+    big = draw(g, shape, "normal", scale=big_scale, dtype=wd)
+    parts = [draw(g, shape, "normal", scale=small, dtype=wd) for _ in range(n_parts)]
+    parts[0] = big
+    if n_parts >= 3:
+        parts[2] = -big
+    return torch.stack(parts), small
+
+
+def make_allreduce_attn_res_rmsnorm_inputs(case: Case) -> OpInputs:
+    wd = working_dtype(case)
+    n_parts = case.tp if case.tp > 1 else int(case.knob("partials", DEFAULT_PARTIALS))
+    B, D = case.batch, get_config(case.config).hidden
+    if case.dist == "order_sensitive":
+        deltas, small = order_sensitive_deltas(case, n_parts, (B, D), wd)
+        tensors, params = _common(case, small)      # sources as small as the surviving sum
+    else:
+        tensors, params = _common(case, 1.0)
+        # partials of one sub-layer output: each rank's share ~ 1/sqrt(T) so the sum stays O(1)
+        deltas = torch.stack([activation(case, f"delta{r}", (B, D), wd, scale=n_parts ** -0.5)
+                              for r in range(n_parts)])
+    return OpInputs({"prefix": tensors.pop("prefix"), "deltas": deltas, **tensors}, params)
+
+
+_SIG = ("prefix[B,D] wd (state), {delta}, blocks[B,8,D] wd (state), res_norm_w[D] wd, res_proj_w[D] wd, "
+        "norm_w[D] wd, n_blocks: int (0..8), block_write: int (-1 or slot), eps: float, norm_eps: float "
+        "-> out[B,D] wd")
+_NOTES = ("Replicated over TP: every rank runs the same op on the same inputs and must produce the same "
+          "bits. n_blocks/block_write come from the seed (knobs 'n_blocks', 'block_write' override).")
+
+OPS = [
+    OpDef(
+        name="attn_res_rmsnorm", family="attn_res", reference="references.attn_res:attn_res_rmsnorm",
+        make_inputs=make_attn_res_rmsnorm_inputs, outputs=("out",), state=("prefix", "blocks"),
+        signature=_SIG.format(delta="delta[B,D] wd"),
+        batch_dims={"prefix": 0, "delta": 0, "blocks": 0, "out": 0},
+        split=replicated_split(), fused="fused.attn_res_rmsnorm:attn_res_rmsnorm",
+        dists=GENERIC_DISTS, notes=_NOTES,
+    ),
+    OpDef(
+        name="allreduce_attn_res_rmsnorm", family="attn_res",
+        reference="references.attn_res:allreduce_attn_res_rmsnorm",
+        make_inputs=make_allreduce_attn_res_rmsnorm_inputs, outputs=("out",), state=("prefix", "blocks"),
+        signature=_SIG.format(delta="deltas[T,B,D] wd (partials, summed rank 0..T-1 in fp32)"),
+        batch_dims={"prefix": 0, "deltas": 1, "blocks": 0, "out": 0},
+        split=replicated_split(FOLD_ORDER) .__class__(
+            kind="replicated", shard=replicated_split().shard, combine=replicated_split().combine,
+            reduction_order=FOLD_ORDER, order_sensitive=True),
+        dists=GENERIC_DISTS + ("order_sensitive",),
+        notes=_NOTES + " deltas has T partials (T = case.tp, or knob 'partials' (default 4) when tp=1); "
+              "dist order_sensitive draws partials with cancelling magnitudes ~2^24 apart.",
+    ),
+]

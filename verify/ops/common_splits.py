@@ -1,0 +1,107 @@
+"""Input draws and rank-split helpers shared by the attn_res, moe, mxfp4 and gemm registry entries.
+
+Every tensor draws from its own generator salted by its name, so a weight does not change with the
+batch size and one tensor's distribution never shifts another's values. No OPS here.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from references.primitives import acc_dtype
+from verify.case import Case
+from verify.opdef import OpInputs, RankShard, SplitRule
+from verify.values import draw, generator
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "float64": torch.float64}
+FOLD_ORDER = "rank 0..T-1 left fold in fp32 (float64 for the oracle), rounded once to the working dtype"
+
+
+def working_dtype(case: Case) -> torch.dtype:
+    try:
+        return DTYPES[case.dtype]
+    except KeyError:
+        raise ValueError(f"dtype={case.dtype!r} is unknown; choose one of {sorted(DTYPES)}") from None
+
+
+def gen_for(case: Case, name: str) -> torch.Generator:
+    return generator(case.seed, zlib.crc32(name.encode()))
+
+
+def activation(case: Case, name: str, shape, dtype: torch.dtype, *, scale: float = 1.0,
+               dist: str | None = None) -> torch.Tensor:
+    dist = case.dist if dist is None else dist
+    if dist in ("near_ties", "order_sensitive"):     # built by the op itself; plain values elsewhere
+        dist = "normal"
+    return draw(gen_for(case, name), shape, dist, scale=scale, dtype=dtype)
+
+
+def weight(case: Case, name: str, shape, fan_in: int, dtype: torch.dtype) -> torch.Tensor:
+    """Normal weight with std fan_in^-1/2 (activations stay O(1)); drawn in fp32 (k3 weights are large)."""
+    w = torch.randn(tuple(shape), generator=gen_for(case, name), dtype=torch.float32)
+    return (w * fan_in ** -0.5).to(dtype)
+
+
+def norm_weight(case: Case, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+    return (1 + 0.1 * torch.randn(n, generator=gen_for(case, name), dtype=torch.float64)).to(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality, NaN == NaN."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point():
+        both_nan = torch.isnan(a) & torch.isnan(b)
+        return bool(torch.where(both_nan, True, (a == b) & (torch.signbit(a) == torch.signbit(b))).all())
+    return bool(torch.equal(a, b))
+
+
+def fold_ranks(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The declared reduction: rank 0..T-1 left fold in acc, rounded once to the parts' dtype."""
+    acc = acc_dtype(parts[0])
+    total = parts[0].to(acc)
+    for p in parts[1:]:
+        total = total + p.to(acc)
+    return total.to(parts[0].dtype)
+
+
+def check_tp(T, what: str = "T") -> None:
+    if not isinstance(T, int) or T < 1:
+        raise ValueError(f"{what}: {T!r} must be a positive int (tensor-parallel ranks)")
+
+
+def check_divides(T: int, dim: int, arg: str) -> None:
+    check_tp(T)
+    if dim % T:
+        raise ValueError(f"T: {T} does not divide {arg}={dim}; pick a T that divides it")
+
+
+def replicated_split(order: str = "none: replicated, every rank computes the same result") -> SplitRule:
+    """Every rank gets a copy of all inputs; ranks must agree bitwise, the result is rank 0's."""
+
+    def shard(inputs: OpInputs, T: int) -> list[RankShard]:
+        check_tp(T)
+        return [RankShard({k: v.clone() for k, v in inputs.tensors.items()}, dict(inputs.params))
+                for _ in range(T)]
+
+    def combine(per_rank: list[dict], inputs: OpInputs) -> dict:
+        first = per_rank[0]
+        for r, res in enumerate(per_rank[1:], start=1):
+            for name, t in first.items():
+                if not same_bits(t, res[name]):
+                    raise ValueError(f"per_rank_results: rank {r} {name!r} differs from rank 0; a replicated "
+                                     f"op must give identical bits on every rank")
+        return dict(first)
+
+    return SplitRule(kind="replicated", shard=shard, combine=combine, reduction_order=order)
+
+
+def sum_outputs_combine(names: tuple[str, ...]):
+    """combine() for partial-sum splits: each named output is the fold of the per-rank partials."""
+
+    def combine(per_rank: list[dict], inputs: OpInputs) -> dict:
+        return {n: fold_ranks([res[n] for res in per_rank]) for n in names}
+
+    return combine
