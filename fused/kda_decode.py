@@ -1,0 +1,275 @@
+"""Fused KDA decode step, one launch (docs/ARCHITECTURE.md `kda_decode`).
+
+One CTA per (head, sequence). The fp32 state [V, K] of the head (64 KiB at Dh=128) is the bytes
+that matter: every thread issues its state-row loads first, then the CTA does the three short
+convs (+ conv-state shift), SiLU, gate and beta while those loads are in flight. Rows of the
+state are independent: a group of Dh/4 lanes owns one row (4 fp32 per lane), decays it, takes
+k.S and q.S_new with group shuffles, writes it back. o (rounded to wd) goes through smem to the
+gated RMSNorm. Bytes: 2 * 4 * Dh^2 per head for the state, ~15 * Dh * elem for the rest.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from fused import runtime
+from references.primitives import check_tensor
+
+cutlass, cute = runtime.cutlass_modules()           # pins sm_90a before the DSL latches an arch
+from cutlass import Float32, const_expr  # noqa: E402
+
+WD_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class KdaConfig:
+    """Launch variant: warps per CTA (each CTA owns one head of one sequence)."""
+    num_warps: int = 16
+
+    @staticmethod
+    def all_configs() -> list["KdaConfig"]:
+        return [KdaConfig(4), KdaConfig(8), KdaConfig(16)]
+
+    @staticmethod
+    def for_shape(Dh: int) -> "KdaConfig":
+        """16 warps hold 8 state rows of 4 fp32 each per thread at Dh=128 (32 registers)."""
+        return KdaConfig(16 if Dh >= 128 else 4)
+
+
+def _sigmoid(x):
+    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
+
+
+class KdaDecode:
+    """Compile-time config: working dtype, head_dim Dh, conv width W, warps per CTA."""
+
+    def __init__(self, dtype, Dh: int, W: int = 4, config: KdaConfig = KdaConfig()):
+        if Dh % 4 != 0 or not 4 <= Dh <= 128 or 32 % (Dh // 4) != 0:
+            raise ValueError(f"head_dim: {Dh} not supported; use 16, 32, 64 or 128")
+        if W < 2:
+            raise ValueError(f"conv width: {W} must be >= 2")
+        self.dtype, self.Dh, self.W = dtype, Dh, W
+        self.num_warps = config.num_warps
+        self.num_threads = 32 * config.num_warps
+        self.lanes_per_row = Dh // 4                      # 4 fp32 (16 bytes) per lane
+        self.rows_per_warp = 32 // self.lanes_per_row
+        rows_per_pass = self.rows_per_warp * self.num_warps
+        self.n_pass = -(-Dh // rows_per_pass)
+        self.even = Dh % rows_per_pass == 0
+        self.scale = Dh ** -0.5
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
+                 mBeta: cute.Tensor, mZ: cute.Tensor, mConvW: cute.Tensor, mConvS: cute.Tensor,
+                 mALog: cute.Tensor, mDtBias: cute.Tensor, mNormW: cute.Tensor,
+                 mState: cute.Tensor, mY: cute.Tensor, lower_bound: Float32, l2_eps: Float32,
+                 norm_eps: Float32, stream):
+        self.kernel(mQ, mK, mV, mG, mBeta, mZ, mConvW, mConvS, mALog, mDtBias, mNormW, mState,
+                    mY, lower_bound, l2_eps, norm_eps).launch(
+            grid=[mState.shape[1], mState.shape[0], 1], block=[self.num_threads, 1, 1],
+            stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
+               mBeta: cute.Tensor, mZ: cute.Tensor, mConvW: cute.Tensor, mConvS: cute.Tensor,
+               mALog: cute.Tensor, mDtBias: cute.Tensor, mNormW: cute.Tensor,
+               mState: cute.Tensor, mY: cute.Tensor, lower_bound: Float32, l2_eps: Float32,
+               norm_eps: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        h, b, _ = cute.arch.block_idx()
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        Dh, L = self.Dh, self.lanes_per_row
+        cg = lane % L                                    # this lane's 4 key columns: 4cg..4cg+3
+        gS = cute.zipped_divide(mState[b, h, None, None], (1, 4))  # ((1,4), (V, Dh/4))
+        # 1. state rows first: they are the bytes, everything below overlaps their latency
+        st = cute.make_rmem_tensor((4, self.n_pass), Float32)
+        st.fill(0.0)
+        for s in cutlass.range_constexpr(self.n_pass):
+            v = (s * self.num_warps + warp) * self.rows_per_warp + lane // L
+            if const_expr(self.even) or v < Dh:
+                st[None, s].store(gS[None, (v, cg)].load())
+        # 2. convs + SiLU -> sQKV (fp32 of the wd-rounded value), gate decay -> sAlpha
+        smem = cutlass.utils.SmemAllocator()
+        sQKV = smem.allocate_tensor(Float32, cute.make_layout((Dh, 3)), 16)
+        sAlpha = smem.allocate_tensor(Float32, cute.make_layout(Dh), 16)
+        sO = smem.allocate_tensor(Float32, cute.make_layout(Dh), 16)
+        self.conv_and_gate(mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, sQKV, sAlpha,
+                           lower_bound, b, h, tidx)
+        beta = _sigmoid(mBeta[b, h].to(Float32))
+        cute.arch.sync_threads()
+        # 3. l2 norms of q, k (every warp redundantly: no second barrier)
+        rq = cute.math.rsqrt(self.warp_sum_sq(sQKV, 0, lane) + l2_eps) * self.scale
+        rk = cute.math.rsqrt(self.warp_sum_sq(sQKV, 1, lane) + l2_eps)
+        qv = cute.make_rmem_tensor(4, Float32)
+        kv = cute.make_rmem_tensor(4, Float32)
+        av = cute.make_rmem_tensor(4, Float32)
+        for e in cutlass.range_constexpr(4):
+            qv[e] = sQKV[4 * cg + e, 0] * rq
+            kv[e] = sQKV[4 * cg + e, 1] * rk
+            av[e] = sAlpha[4 * cg + e]
+        q, k, a = qv.load(), kv.load(), av.load()
+        # 4. per row: decay, delta rule, rank-1 write, read-out
+        for s in cutlass.range_constexpr(self.n_pass):
+            v = (s * self.num_warps + warp) * self.rows_per_warp + lane // L
+            if const_expr(self.even) or v < Dh:
+                sd = st[None, s].load() * a
+                ks = (sd * k).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                ks = cute.arch.warp_reduction(ks, operator.add, threads_in_group=L)
+                u = (sQKV[v, 2] - ks) * beta
+                sn = sd + k * u
+                gS[None, (v, cg)].store(sn)
+                o = (sn * q).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                o = cute.arch.warp_reduction(o, operator.add, threads_in_group=L)
+                if cg == 0:
+                    sO[v] = o.to(self.dtype).to(Float32)
+        cute.arch.sync_threads()
+        # 5. gated RMSNorm: y = o * rsqrt(mean o^2 + eps) * w * sigmoid(z)
+        rstd = cute.math.rsqrt(self.warp_sum_sq(sO, None, lane) / Dh + norm_eps)
+        for c0 in cutlass.range_constexpr(0, Dh, self.num_threads):
+            c = c0 + tidx
+            if c < Dh:
+                z = mZ[b, h * Dh + c].to(Float32)
+                y = sO[c] * rstd * mNormW[c].to(Float32) * _sigmoid(z)
+                mY[b, h * Dh + c] = y.to(mY.element_type)
+
+    @cute.jit
+    def conv_and_gate(self, mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, sQKV, sAlpha,
+                      lower_bound, b, h, tidx):
+        Dh, W = self.Dh, self.W
+        a_h = cute.math.exp(mALog[h].to(Float32))
+        for t0 in cutlass.range_constexpr(0, 4 * Dh, self.num_threads):
+            t = t0 + tidx
+            i, c = t // Dh, t % Dh                      # i = 0,1,2: q,k,v conv; 3: gate
+            ch = h * Dh + c
+            if t < 3 * Dh:
+                x = mQ[b, ch]
+                if i == 1:
+                    x = mK[b, ch]
+                if i == 2:
+                    x = mV[b, ch]
+                w = mConvW[i, ch, None].load()
+                acc = x.to(Float32) * w[W - 1]
+                for j in cutlass.range_constexpr(W - 1):
+                    old = mConvS[b, i, ch, j]
+                    acc = acc + old.to(Float32) * w[j]
+                    if const_expr(j > 0):
+                        mConvS[b, i, ch, j - 1] = old
+                mConvS[b, i, ch, W - 2] = x
+                y = acc * _sigmoid(acc)
+                sQKV[c, i] = y.to(self.dtype).to(Float32)
+            elif t < 4 * Dh:
+                g = mG[b, ch].to(Float32) + mDtBias[ch].to(Float32)
+                sAlpha[c] = cute.math.exp(lower_bound * _sigmoid(a_h * g))
+
+    @cute.jit
+    def warp_sum_sq(self, sX, col: cutlass.Constexpr, lane):
+        """sum over c < Dh of sX[c(, col)]^2, reduced over the warp (every lane gets it)."""
+        acc = Float32(0.0)
+        for c0 in cutlass.range_constexpr(0, self.Dh, 32):
+            c = c0 + lane
+            if c < self.Dh:
+                if const_expr(col is None):
+                    acc = acc + sX[c] * sX[c]
+                else:
+                    acc = acc + sX[c, col] * sX[c, col]
+        return cute.arch.warp_reduction(acc, operator.add)
+
+
+@runtime.compile_cache("kda_decode")
+def _compile(dtype: str, Dh: int, W: int, cfg: KdaConfig):
+    _, cute_ = runtime.cutlass_modules()
+    b, h, c = runtime.sym_int(), runtime.sym_int(), runtime.sym_int(Dh)
+    dt = runtime.cutlass_dtype(dtype)
+    # activations may be column slices of the merged in-projection: dynamic row stride
+    act = lambda n: cute_.runtime.make_fake_tensor(dt, (b, n), (cute_.sym_int64(), 1), assumed_align=2)
+    f32 = lambda shape, align=4: runtime.fake_tensor("float32", shape, align=align)
+    op = KdaDecode(dt, Dh, W, cfg)
+    return runtime.compile_tvm_ffi(
+        op, act(c), act(c), act(c), act(c), act(h), act(c), f32((3, c, W), 16 if W % 4 == 0 else 4),
+        runtime.fake_tensor(dtype, (b, 3, c, W - 1), align=2), f32((h,)), f32((c,)), f32((Dh,)),
+        f32((b, h, Dh, Dh), 16), runtime.fake_tensor(dtype, (b, c), align=2),
+        Float32(-5.0), Float32(1e-6), Float32(1e-5))
+
+
+def _check(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
+           state):
+    check_tensor("state", state, ndim=4, dtypes=(torch.float32,))
+    B, H, Dh, _ = state.shape
+    check_tensor("state", state, shape=(B, H, Dh, Dh))
+    check_tensor("q_raw", q_raw, shape=(B, H * Dh), dtypes=WD_DTYPES)
+    for name, t in (("k_raw", k_raw), ("v_raw", v_raw), ("g_raw", g_raw), ("z", z)):
+        check_tensor(name, t, shape=(B, H * Dh), dtypes=(q_raw.dtype,))
+    check_tensor("beta_raw", beta_raw, shape=(B, H), dtypes=(q_raw.dtype,))
+    check_tensor("conv_w", conv_w, ndim=3, dtypes=(torch.float32,))
+    W = conv_w.shape[-1]
+    check_tensor("conv_w", conv_w, shape=(3, H * Dh, W))
+    check_tensor("conv_state", conv_state, shape=(B, 3, H * Dh, W - 1), dtypes=(q_raw.dtype,))
+    check_tensor("A_log", A_log, shape=(H,), dtypes=(torch.float32,))
+    check_tensor("dt_bias", dt_bias, shape=(H * Dh,), dtypes=(torch.float32,))
+    check_tensor("o_norm_w", o_norm_w, shape=(Dh,), dtypes=(torch.float32,))
+    if Dh not in (16, 32, 64, 128) or W < 2:
+        raise ValueError(f"state: head_dim {Dh} / conv_w: width {W}; the kernel takes Dh in "
+                         "16, 32, 64, 128 and W >= 2")
+    for name, t in (("state", state), ("conv_state", conv_state)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: updated in place, so it must be contiguous; got strides {t.stride()}")
+        runtime.require_cuda(name, t)
+
+
+def _rows(t):
+    """A [B, n] activation the kernel can read: unit column stride, any row stride."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def launch(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
+           state, y, lower_bound: float, l2_eps: float, norm_eps: float,
+           variant: KdaConfig | None = None):
+    """Destination-passing launch on the current stream: writes y, updates conv_state, state."""
+    if state.shape[0] == 0:
+        return
+    Dh, W = state.shape[-1], conv_w.shape[-1]
+    cfg = variant or KdaConfig.for_shape(Dh)
+    fn = _compile(runtime.dtype_name(q_raw.dtype), Dh, W, cfg)
+    fn(*(_rows(t) for t in (q_raw, k_raw, v_raw, g_raw, beta_raw, z)), conv_w.contiguous(),
+       conv_state, A_log.contiguous(), dt_bias.contiguous(), o_norm_w.contiguous(), state, y,
+       lower_bound, l2_eps, norm_eps)
+
+
+_op = None
+
+
+def _custom_op():
+    global _op
+    if _op is None:
+        @runtime.register_op("kda_decode", mutates_args=("conv_state", "state", "y"))
+        def kda_decode_out(q_raw: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tensor,
+                           g_raw: torch.Tensor, beta_raw: torch.Tensor, z: torch.Tensor,
+                           conv_w: torch.Tensor, conv_state: torch.Tensor, A_log: torch.Tensor,
+                           dt_bias: torch.Tensor, o_norm_w: torch.Tensor, state: torch.Tensor,
+                           y: torch.Tensor, lower_bound: float, l2_eps: float,
+                           norm_eps: float) -> None:
+            launch(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias,
+                   o_norm_w, state, y, lower_bound, l2_eps, norm_eps)
+
+        _op = kda_decode_out
+    return _op
+
+
+def kda_decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias,
+               o_norm_w, state, lower_bound: float, l2_eps: float, norm_eps: float, *,
+               variant: KdaConfig | None = None):
+    """Fused replacement of references.kda.kda_decode (same signature; state, conv_state in place)."""
+    _check(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
+           state)
+    if not lower_bound < 0:
+        raise ValueError(f"lower_bound: expected a negative float (K3: -5.0), got {lower_bound!r}")
+    y = torch.empty(q_raw.shape, dtype=q_raw.dtype, device=q_raw.device)
+    args = (q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
+            state, y, float(lower_bound), float(l2_eps), float(norm_eps))
+    if variant is not None:
+        launch(*args, variant=variant)
+    else:
+        _custom_op()(*args)
+    return y
