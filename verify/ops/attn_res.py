@@ -106,9 +106,7 @@ OPS = [
         make_inputs=make_allreduce_attn_res_rmsnorm_inputs, outputs=("out",), state=("prefix", "blocks"),
         signature=_SIG.format(delta="deltas[T,B,D] wd (partials, summed rank 0..T-1 in fp32)"),
         batch_dims={"prefix": 0, "deltas": 1, "blocks": 0, "out": 0},
-        split=replicated_split(FOLD_ORDER) .__class__(
-            kind="replicated", shard=replicated_split().shard, combine=replicated_split().combine,
-            reduction_order=FOLD_ORDER, order_sensitive=True),
+        split=replicated_split(FOLD_ORDER, order_sensitive=True),
         dists=GENERIC_DISTS + ("order_sensitive",),
         notes=_NOTES + " deltas has T partials (T = case.tp, or knob 'partials' (default 4) when tp=1); "
               "dist order_sensitive draws partials with cancelling magnitudes ~2^24 apart.",

@@ -78,7 +78,8 @@ def check_divides(T: int, dim: int, arg: str) -> None:
         raise ValueError(f"T: {T} does not divide {arg}={dim}; pick a T that divides it")
 
 
-def replicated_split(order: str = "none: replicated, every rank computes the same result") -> SplitRule:
+def replicated_split(order: str = "none: replicated, every rank computes the same result",
+                     order_sensitive: bool = False) -> SplitRule:
     """Every rank gets a copy of all inputs; ranks must agree bitwise, the result is rank 0's."""
 
     def shard(inputs: OpInputs, T: int) -> list[RankShard]:
@@ -95,7 +96,8 @@ def replicated_split(order: str = "none: replicated, every rank computes the sam
                                      f"op must give identical bits on every rank")
         return dict(first)
 
-    return SplitRule(kind="replicated", shard=shard, combine=combine, reduction_order=order)
+    return SplitRule(kind="replicated", shard=shard, combine=combine, reduction_order=order,
+                     order_sensitive=order_sensitive)
 
 
 def sum_outputs_combine(names: tuple[str, ...]):
