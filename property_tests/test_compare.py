@@ -1,0 +1,97 @@
+"""Self-tests of the comparison classes: each can fail, and each accepts what it should."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from verify.compare import compare_bitwise, compare_derived, compare_tie_aware_ids, ulp, vacuous_reason
+
+DT = st.sampled_from([torch.bfloat16, torch.float16, torch.float32])
+
+
+def _draw(seed, shape, dtype):
+    g = torch.Generator().manual_seed(seed)
+    o = torch.randn(shape, generator=g, dtype=torch.float64)
+    return o, o.to(dtype)
+
+
+@given(st.integers(0, 10**6), DT)
+def test_baseline_itself_is_accepted(seed, dtype):
+    o, b = _draw(seed, (4, 33), dtype)
+    assert compare_derived("y", b, o, b, k=1.0, floor_ulps=0.0).ok
+
+
+@given(st.integers(0, 10**6), DT, st.integers(0, 3), st.integers(0, 32))
+def test_a_few_ulps_beyond_the_tolerance_fail(seed, dtype, row, col):
+    o, b = _draw(seed, (4, 33), dtype)
+    c = b.clone()
+    c[row, col] = (o[row, col] + 8 * ulp(o[row].abs().max(), dtype) + 4 * (b - o).abs().max()).to(dtype)
+    chk = compare_derived("y", c, o, b, k=2.0, floor_ulps=1.0)
+    assert not chk.ok and chk.worst[0][0] == (row, col)
+
+
+def test_exact_baseline_does_not_make_the_rule_fail():
+    o = torch.tensor([[1.0, 2.0, 4.0]], dtype=torch.float64)
+    b = o.to(torch.bfloat16)
+    c = b.clone()
+    c[0, 2] = torch.nextafter(c[0, 2].float(), torch.tensor(10.0)).to(torch.bfloat16)   # 1 ulp at scale 4
+    assert compare_derived("y", c, o, b, k=2.0, floor_ulps=1.0).ok
+    c[0, 2] = 4.0625                                 # 2 ulps at scale 4: beyond the floor
+    assert not compare_derived("y", c, o, b, k=2.0, floor_ulps=1.0).ok
+
+
+def test_nan_in_candidate_fails_and_rows_are_judged_separately():
+    o, b = _draw(3, (3, 8), torch.bfloat16)
+    c = b.clone()
+    c[1, 4] = float("nan")
+    chk = compare_derived("y", c, o, b, k=4.0, floor_ulps=4.0)
+    assert not chk.ok and "non-finite" in chk.detail
+
+
+def test_bitwise_nan_payloads_and_signed_zero():
+    a = torch.tensor([float("nan"), 0.0, 1.0])
+    b = a.clone()
+    b.view(torch.int32)[0] |= 1                     # another NaN payload: still NaN == NaN
+    assert compare_bitwise("y", a, b).ok
+    b[1] = -0.0
+    chk = compare_bitwise("y", a, b)
+    assert not chk.ok and chk.metrics["mismatches"] == 1
+
+
+def test_vacuous_oracles():
+    assert vacuous_reason(torch.zeros(3, 3, dtype=torch.float64)) == "oracle output is all zeros"
+    assert "non-finite" in vacuous_reason(torch.tensor([1.0, float("inf")], dtype=torch.float64))
+    assert vacuous_reason(torch.ones(2, dtype=torch.float64)) is None
+
+
+def _scores(seed, B=6, E=40):
+    g = torch.Generator().manual_seed(seed)
+    s64 = torch.rand(B, E, generator=g, dtype=torch.float64)
+    return s64, s64.float()
+
+
+@given(st.integers(0, 10**6))
+def test_tie_aware_accepts_exact_topk_and_rejects_a_swap(seed):
+    s64, s32 = _scores(seed)
+    ids = s64.topk(8, -1).indices
+    assert compare_tie_aware_ids("ids", ids, s64, s32, 8).ok
+    bad = ids.clone()
+    order = s64.sort(-1, descending=True).indices
+    bad[0, 0] = order[0, -1]                       # the clear loser instead of the clear winner
+    assert not compare_tie_aware_ids("ids", bad, s64, s32, 8).ok
+
+
+def test_tie_aware_accepts_either_side_of_an_exact_tie():
+    s64 = torch.tensor([[0.9, 0.5, 0.5, 0.1]], dtype=torch.float64)
+    for ids in ([[0, 1]], [[0, 2]]):
+        assert compare_tie_aware_ids("ids", torch.tensor(ids), s64, s64.float(), 2).ok
+    assert not compare_tie_aware_ids("ids", torch.tensor([[0, 3]]), s64, s64.float(), 2).ok
+    assert not compare_tie_aware_ids("ids", torch.tensor([[1, 1]]), s64, s64.float(), 2).ok
+
+
+@pytest.mark.parametrize("dtype,bits", [(torch.bfloat16, 7), (torch.float16, 10), (torch.float32, 23)])
+def test_ulp_matches_nextafter(dtype, bits):
+    x = torch.tensor([1.0, 3.0, 1000.0], dtype=torch.float64)
+    assert torch.equal(ulp(x, dtype), torch.exp2(torch.floor(torch.log2(x)) - bits))

@@ -1,0 +1,142 @@
+"""Guard self-tests on a toy op: each guard rejects its class of bug with the right reason,
+and a correct candidate passes every guard."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from references.primitives import linear
+from verify.case import Case
+from verify.evaluate import evaluate_case
+from verify.opdef import OpDef, OpInputs
+from verify.specs import parse_spec
+from verify.values import draw, generator
+
+
+def _inputs(case):
+    g = generator(case.seed)
+    dt = getattr(torch, case.dtype)
+    return OpInputs({"x": draw(g, (case.batch, 40), case.dist, dtype=dt),
+                     "w": draw(g, (24, 40), "normal", scale=40 ** -0.5, dtype=dt)})
+
+
+TOY = OpDef("toy_linear", "primitives", "references.primitives:linear", _inputs, ("y",), "x[M,K] w[N,K] -> y[M,N]",
+            batch_dims={"x": 0, "y": 0})
+SPEC = parse_spec('op = "toy_linear"\nderivation = "fp32 accumulation over K=40 then one bf16 rounding: '
+                  'another order stays within 1 ulp of the baseline"\n'
+                  '[outputs.y]\nclass = "derived"\nk = 2.0\nfloor_ulps = 1.0\n', "toy")
+CASE = Case("toy_linear", 7, 9)
+
+
+def good(x, w):
+    return linear(x, w)
+
+
+def unwritten_tail(x, w):
+    y = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype)
+    y[:-1] = linear(x[:-1], w)
+    return y
+
+
+def mutates_input(x, w):
+    y = linear(x, w)
+    x[0, 0] = 0.0
+    return y
+
+
+def aliases_input(x, w):
+    return x[:, :24]
+
+
+def nondeterministic(x, w):
+    y = linear(x, w)
+    y.view(torch.int16)[0, 0] ^= int(torch.randint(0, 2, ()))
+    y.view(torch.int16)[1, 0] ^= 1 - int(torch.randint(0, 2, ()))
+    return y
+
+
+def swapped_rows(x, w):
+    return linear(x, w).flip(0) if x.shape[0] > 1 else linear(x, w)
+
+
+def wrong_dtype(x, w):
+    return linear(x, w).to(torch.float16)
+
+
+class Sub(torch.Tensor):
+    pass
+
+
+def subclass(x, w):
+    return linear(x, w).as_subclass(Sub)
+
+
+def bf16_accumulate(x, w):
+    acc = x[:, :1] * w[:, 0][None]
+    for i in range(1, x.shape[1]):
+        acc = acc + x[:, i:i + 1] * w[:, i][None]
+    return acc
+
+
+def position_dependent(x, w):
+    y = linear(x, w)
+    if x.shape[0] > 1:
+        y[-1] = y[-1] * (1 + 2 ** -6)              # the last slot goes through a sloppy tail path
+    return y
+
+
+def writes_past_input(x, w):
+    y = linear(x, w)
+    x.as_strided((x.numel() + 1,), (1,), x.storage_offset())[-1] = 0.0   # one element past the end
+    return y
+
+
+def out_partial(x, w, out=None):
+    out[:-1] = linear(x[:-1], w)                   # destination-passing, forgets the last row
+    return out
+
+
+def strided_wrong(x, w):
+    if not x.is_contiguous():
+        return linear(x.contiguous(), w) * 1.01
+    return linear(x, w)
+
+
+def raises(x, w):
+    raise RuntimeError("kernel launch failed")
+
+
+def wrong_shape(x, w):
+    return linear(x, w)[:, :-1]
+
+
+@pytest.mark.parametrize("fn,stage,needle", [
+    (unwritten_tail, "guard:outputs_written", "unwritten"),
+    (mutates_input, "guard:inputs_unchanged", "x"),
+    (aliases_input, "guard:no_aliasing", "aliases input x"),
+    (nondeterministic, "guard:deterministic", "differ bitwise"),
+    (swapped_rows, "compare:y", "rows exceed"),
+    (wrong_dtype, "guard:output_type", "dtype"),
+    (subclass, "guard:output_type", "exactly torch.Tensor"),
+    (bf16_accumulate, "compare:y", "rows exceed"),
+    (position_dependent, "compare:y", "rows exceed"),
+    (strided_wrong, "guard:strided_inputs", "differ"),
+    (writes_past_input, "guard:canaries", "writes outside the tensors: x"),
+    (out_partial, "guard:outputs_written", "unwritten"),
+    (raises, "candidate", "RuntimeError: kernel launch failed"),
+    (wrong_shape, "guard:output_type", "shape"),
+])
+def test_guard_rejects(fn, stage, needle):
+    v = evaluate_case(TOY, CASE, fn, fn.__name__, spec=SPEC)
+    assert v.status == "fail", v
+    assert v.stage == stage, (v.stage, v.reason)
+    assert needle in v.reason, v.reason
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_correct_candidate_passes_every_guard(seed):
+    v = evaluate_case(TOY, Case("toy_linear", seed, 1 + seed % 7), good, "good", spec=SPEC)
+    assert v.status == "pass", v.reason
+    names = {c.name for c in v.checks}
+    assert {"guard:output_type", "guard:no_aliasing", "guard:inputs_unchanged", "guard:canaries",
+            "guard:outputs_written", "guard:deterministic", "guard:strided_inputs", "compare:y"} <= names

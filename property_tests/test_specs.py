@@ -1,0 +1,45 @@
+"""Specs are validated on load: a malformed spec names its file and field."""
+from __future__ import annotations
+
+import pytest
+
+from verify.specs import SpecError, load_spec, parse_spec
+
+GOOD = '''op = "x"
+derivation = "the reference rounds once to bf16 after an fp32 sum over K; k=2 covers another order"
+[outputs.y]
+class = "derived"
+k = 2.0
+floor_ulps = 1.0
+'''
+
+
+def test_good_spec_parses():
+    spec = parse_spec(GOOD, "x.toml")
+    assert spec.output("y").k == 2.0 and spec.claims.deterministic
+
+
+@pytest.mark.parametrize("mutate,field", [
+    (lambda s: s.replace('derivation = "the', 'derivation = "x"\n#'), "derivation"),
+    (lambda s: s.replace('"derived"', '"fuzzy"'), "outputs.y.class"),
+    (lambda s: s.replace("k = 2.0\n", ""), "outputs.y"),
+    (lambda s: s.replace('class = "derived"', 'class = "bitwise"'), "outputs.y"),
+    (lambda s: s + "tolerance = 3\n", "tolerance"),
+    (lambda s: s.replace("k = 2.0", "k = 0.5"), "outputs.y.k"),
+    (lambda s: s.replace("[outputs.y]", "[outputs.y"), "not valid TOML"),
+])
+def test_malformed_spec_names_the_field(mutate, field):
+    with pytest.raises(SpecError, match=field.replace(".", r"\.")) as e:
+        parse_spec(mutate(GOOD), "x.toml")
+    assert "x.toml" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_spec_says_where_to_create_it(tmp_path):
+    with pytest.raises(SpecError, match="create .*nope.toml"):
+        load_spec("nope", tmp_path)
+
+
+def test_spec_op_must_match_file(tmp_path):
+    (tmp_path / "z.toml").write_text(GOOD)
+    with pytest.raises(SpecError, match="does not match the file name"):
+        load_spec("z", tmp_path)
