@@ -182,6 +182,10 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
                 res = judge(op, spec, back, oracle, base, inputs, inputs64)
                 checks.append(Check("guard:batch_position", all(c.ok for c in res),
                                     "; ".join(c.detail for c in res if not c.ok) or "within tolerance after permutation"))
+    if str(device).startswith("cuda") and spec.claims.deterministic:
+        from verify.gpu_guards import cuda_graph_check, side_stream_check
+
+        checks += [side_stream_check(fn, op, inputs, base, first, device), cuda_graph_check(fn, op, inputs, first, device)]
     strided = guarded_call(fn, op, inputs, base, device, strided=True)
     if strided.error:
         low = strided.error.lower()

@@ -1,0 +1,55 @@
+"""GPU-only guards: the candidate launched on a side stream and captured in a CUDA graph must give
+the same bits as a plain launch (a kernel that ignores the caller's stream, or allocates, syncs or
+reads host state during capture, fails here)."""
+from __future__ import annotations
+
+import torch
+
+from verify.evaluate import guarded_call
+from verify.verdict import Check
+
+
+def _same(a: dict, b: dict) -> list[str]:
+    from verify.compare import compare_bitwise
+
+    return [n for n in a if not compare_bitwise(n, b[n], a[n]).ok]
+
+
+def side_stream_check(fn, op, inputs, base, first: dict, device) -> Check:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        res = guarded_call(fn, op, inputs, base, device)
+    torch.cuda.synchronize()
+    if res.error:
+        return Check("guard:side_stream", False, f"launch on a side stream raised {res.error}")
+    diff = _same(first, res.results)
+    return Check("guard:side_stream", not diff, f"side-stream launch differs: {', '.join(diff)}" if diff
+                 else "side-stream launch bitwise identical")
+
+
+def cuda_graph_check(fn, op, inputs, first: dict, device) -> Check:
+    """Capture one call in a CUDA graph (after a warm-up that compiles), replay it on fresh inputs."""
+    tensors = {k: v.to(device).clone() for k, v in inputs.tensors.items()}
+    pristine = {k: v.clone() for k, v in tensors.items()}
+    try:
+        fn(**{k: v.clone() for k, v in tensors.items()}, **inputs.params)      # warm-up: compile outside capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+            out = fn(**tensors, **inputs.params)
+        for k in tensors:                                      # capture does not run; reset state anyway
+            tensors[k].copy_(pristine[k])
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception as e:
+        return Check("guard:cuda_graph", False, f"capture or replay failed: {type(e).__name__}: {str(e)[:200]}")
+    names = op.outputs
+    got = () if not names else ((out,) if len(names) == 1 and not isinstance(out, (tuple, list)) else tuple(out))
+    results = dict(zip(names, got))
+    results.update({s_: tensors[s_] for s_ in op.state})
+    diff = _same(first, results)
+    return Check("guard:cuda_graph", not diff, f"graph replay differs: {', '.join(diff)}" if diff
+                 else "graph replay bitwise identical")
