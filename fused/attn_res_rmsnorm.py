@@ -108,7 +108,7 @@ class AttnResRMSNorm:
                 v = x[None, i, j].load().to(Float32)
                 part[2 * j] += (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 part[2 * j + 1] += (v * q).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         red = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps, 2 * S + 1)), 16)
         self.block_sum(part, red, 0, 2 * S)
         # softmax over sources of score_j = dot_j * rsqrt(mean x_j^2 + eps)
@@ -187,7 +187,6 @@ def _check(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, bloc
     for name, t in (("prefix", prefix), ("blocks", blocks)):
         if not t.is_contiguous():
             raise ValueError(f"{name}: updated in place, so it must be contiguous; got strides {t.stride()}")
-        runtime.require_cuda(name, t)
     if not isinstance(n_blocks, int) or not 0 <= n_blocks <= min(MAX_BLOCKS, blocks.shape[1]):
         raise ValueError(f"n_blocks: {n_blocks!r}; use 0..{min(MAX_BLOCKS, blocks.shape[1])} "
                          f"(at most 8 and at most the {blocks.shape[1]} slots of blocks)")
@@ -195,6 +194,7 @@ def _check(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, bloc
         raise ValueError(f"block_write: {block_write!r}; use -1 (no write) or 0..{blocks.shape[1] - 1}")
     if D % (16 // prefix.element_size()):
         raise ValueError(f"prefix: D={D} must be a multiple of {16 // prefix.element_size()} (16-byte vectors)")
+    runtime.require_cuda("prefix", prefix)
 
 
 def launch(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, out, n_blocks: int,

@@ -91,7 +91,7 @@ class KdaDecode:
             if const_expr(self.even) or v < Dh:
                 st[None, s].store(gS[None, (v, cg)].load())
         # 2. convs + SiLU -> sQKV (fp32 of the wd-rounded value), gate decay -> sAlpha
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sQKV = smem.allocate_tensor(Float32, cute.make_layout((Dh, 3)), 16)
         sAlpha = smem.allocate_tensor(Float32, cute.make_layout(Dh), 16)
         sO = smem.allocate_tensor(Float32, cute.make_layout(Dh), 16)
@@ -215,7 +215,6 @@ def _check(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, d
     for name, t in (("state", state), ("conv_state", conv_state)):
         if not t.is_contiguous():
             raise ValueError(f"{name}: updated in place, so it must be contiguous; got strides {t.stride()}")
-        runtime.require_cuda(name, t)
 
 
 def _rows(t):
@@ -265,6 +264,7 @@ def kda_decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_lo
            state)
     if not lower_bound < 0:
         raise ValueError(f"lower_bound: expected a negative float (K3: -5.0), got {lower_bound!r}")
+    runtime.require_cuda("state", state)
     y = torch.empty(q_raw.shape, dtype=q_raw.dtype, device=q_raw.device)
     args = (q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
             state, y, float(lower_bound), float(l2_eps), float(norm_eps))

@@ -1,0 +1,150 @@
+"""Wave 1b fused kernels (attn_res_rmsnorm, kda_decode): every static configuration compiles for
+sm_90a on a machine without a GPU; the compile cache does not recompile for a new batch size; the
+wrappers reject bad arguments by name. GPU numerics are in the `gpu`-marked tests (skipped here).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")   # before any cutlass import
+
+import pytest
+import torch
+
+from fused import runtime
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+ATTN_D = (7168, 256, 64)
+ATTN_NBLOCKS = range(0, 9)
+KDA_DH = (128, 64, 32, 16)
+
+
+def _attn():
+    from fused import attn_res_rmsnorm
+    return attn_res_rmsnorm
+
+
+def _kda():
+    from fused import kda_decode
+    return kda_decode
+
+
+@pytest.mark.parametrize("D", ATTN_D)
+def test_attn_res_rmsnorm_compiles_every_variant(D):
+    m = _attn()
+    for cfg in m.AttnResConfig.all_configs(D):
+        for nb in (0, 8):
+            assert runtime.compile_for_cpu_check("attn_res_rmsnorm", "bfloat16", D, nb, cfg) is not None
+
+
+@pytest.mark.parametrize("n_blocks", ATTN_NBLOCKS)
+def test_attn_res_rmsnorm_compiles_every_source_count(n_blocks):
+    m = _attn()
+    for dtype in ("bfloat16", "float16"):
+        cfg = m.AttnResConfig.for_shape(7168)
+        assert runtime.compile_for_cpu_check("attn_res_rmsnorm", dtype, 7168, n_blocks, cfg) is not None
+
+
+@pytest.mark.parametrize("Dh", KDA_DH)
+def test_kda_decode_compiles_every_variant(Dh):
+    m = _kda()
+    for cfg in m.KdaConfig.all_configs():
+        assert runtime.compile_for_cpu_check("kda_decode", "bfloat16", Dh, 4, cfg) is not None
+    assert runtime.compile_for_cpu_check("kda_decode", "float16", Dh, 4, m.KdaConfig.for_shape(Dh))
+
+
+def test_cache_key_has_no_batch_dimension():
+    """The batch is a dynamic dim: the compile key holds only dtype, static shapes, variant."""
+    m = _attn()
+    cfg = m.AttnResConfig.for_shape(256)
+    runtime.compile_for_cpu_check("attn_res_rmsnorm", "bfloat16", 256, 3, cfg)
+    before = runtime.cache_info()
+    runtime.compile_for_cpu_check("attn_res_rmsnorm", "bfloat16", 256, 3, cfg)
+    after = runtime.cache_info()
+    assert after.misses == before.misses and after.hits == before.hits + 1
+
+
+def test_configs_are_frozen_and_cover_the_dispatch():
+    a, k = _attn(), _kda()
+    for D in ATTN_D:
+        assert a.AttnResConfig.for_shape(D) in a.AttnResConfig.all_configs(D)
+    for Dh in KDA_DH:
+        assert k.KdaConfig.for_shape(Dh) in k.KdaConfig.all_configs()
+    with pytest.raises(Exception):
+        a.AttnResConfig(128).num_threads = 64
+
+
+def test_attn_res_rmsnorm_rejects_bad_arguments_by_name():
+    m = _attn()
+    B, D = 2, 64
+    t = lambda *s: torch.zeros(*s, dtype=torch.bfloat16)
+    good = dict(prefix=t(B, D), delta=t(B, D), blocks=t(B, 9, D), res_norm_w=t(D), res_proj_w=t(D),
+                norm_w=t(D), n_blocks=2, block_write=-1, eps=1e-5, norm_eps=1e-5)
+    for key, bad, word in (("n_blocks", 9, "n_blocks"), ("block_write", 9, "block_write"),
+                           ("delta", t(B, D + 8), "delta"), ("norm_w", t(D).float(), "norm_w")):
+        with pytest.raises((ValueError, TypeError), match=f"^{word}"):
+            m.attn_res_rmsnorm(**{**good, key: bad})
+
+
+def test_kda_decode_rejects_bad_arguments_by_name():
+    m = _kda()
+    B, H, Dh, W = 2, 2, 16, 4
+    C = H * Dh
+    bf = lambda *s: torch.zeros(*s, dtype=torch.bfloat16)
+    f32 = lambda *s: torch.zeros(*s)
+    good = dict(q_raw=bf(B, C), k_raw=bf(B, C), v_raw=bf(B, C), g_raw=bf(B, C), beta_raw=bf(B, H),
+                z=bf(B, C), conv_w=f32(3, C, W), conv_state=bf(B, 3, C, W - 1), A_log=f32(H),
+                dt_bias=f32(C), o_norm_w=f32(Dh), state=f32(B, H, Dh, Dh), lower_bound=-5.0,
+                l2_eps=1e-6, norm_eps=1e-5)
+    for key, bad, word in (("k_raw", bf(B, C + 1), "k_raw"), ("state", f32(B, H, Dh, Dh).double(), "state"),
+                           ("conv_state", bf(B, 3, C, W), "conv_state"), ("A_log", f32(H + 1), "A_log")):
+        with pytest.raises((ValueError, TypeError), match=f"^{word}"):
+            m.kda_decode(**{**good, key: bad})
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("nb,bw", [(0, -1), (3, 3), (8, -1)])
+def test_attn_res_rmsnorm_matches_oracle_on_gpu(nb, bw):
+    from references.attn_res import attn_res_rmsnorm as ref
+    m = _attn()
+    g = torch.Generator(device="cuda").manual_seed(nb)
+    B, D = 5, 7168
+    rn = lambda *s: torch.randn(*s, generator=g, device="cuda")
+    inp = dict(prefix=rn(B, D).bfloat16(), delta=rn(B, D).bfloat16(), blocks=rn(B, 9, D).bfloat16(),
+               res_norm_w=(1 + 0.2 * rn(D)).bfloat16(), res_proj_w=(rn(D) / 30).bfloat16(),
+               norm_w=(1 + 0.2 * rn(D)).bfloat16(), n_blocks=nb, block_write=bw, eps=1e-5, norm_eps=1e-5)
+    cl = lambda d, f: {k: (f(v) if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
+    o_in, b_in, f_in = cl(inp, torch.Tensor.double), cl(inp, torch.Tensor.clone), cl(inp, torch.Tensor.clone)
+    oracle, base, out = ref(**o_in), ref(**b_in), m.attn_res_rmsnorm(**f_in)
+    ec = (out.double() - oracle).abs().amax(-1)
+    eb = (base.double() - oracle).abs().amax(-1)
+    assert bool((ec <= 2 * eb + oracle.abs().amax(-1) * 2.0 ** -7).all())
+    assert torch.equal(f_in["prefix"], b_in["prefix"]) and torch.equal(f_in["blocks"], b_in["blocks"])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("H,Dh", [(12, 128), (4, 32)])
+def test_kda_decode_matches_oracle_on_gpu(H, Dh):
+    from references.kda import kda_decode as ref
+    m = _kda()
+    g = torch.Generator(device="cuda").manual_seed(H)
+    B, W, C = 3, 4, H * Dh
+    rn = lambda *s: torch.randn(*s, generator=g, device="cuda")
+    inp = dict(q_raw=rn(B, C).bfloat16(), k_raw=rn(B, C).bfloat16(), v_raw=rn(B, C).bfloat16(),
+               g_raw=rn(B, C).bfloat16(), beta_raw=rn(B, H).bfloat16(), z=rn(B, C).bfloat16(),
+               conv_w=rn(3, C, W) / 2, conv_state=rn(B, 3, C, W - 1).bfloat16(), A_log=rn(H) / 2,
+               dt_bias=rn(C) / 3, o_norm_w=1 + rn(Dh) / 5, state=rn(B, H, Dh, Dh) / 3,
+               lower_bound=-5.0, l2_eps=1e-6, norm_eps=1e-5)
+    cl = lambda d, f: {k: (f(v) if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
+    o_in, b_in, f_in = cl(inp, torch.Tensor.double), cl(inp, torch.Tensor.clone), cl(inp, torch.Tensor.clone)
+    oracle, base, y = ref(**o_in), ref(**b_in), m.kda_decode(**f_in)
+    ec = (y.double() - oracle).abs().amax(-1)
+    eb = (base.double() - oracle).abs().amax(-1)
+    assert bool((ec <= 2 * eb + oracle.abs().amax(-1) * 2.0 ** -7).all())
+    assert torch.equal(f_in["conv_state"], b_in["conv_state"])
+    assert float((f_in["state"].double() - o_in["state"]).abs().max()) < 1e-4
