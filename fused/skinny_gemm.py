@@ -112,7 +112,7 @@ class SkinnyGemm:
                             for e in cutlass.range_constexpr(vec):
                                 s = s + xr[e, m] * wr[e, j]
                             acc[m, j] = s
-            red = cutlass.utils.SmemAllocator().allocate_tensor(
+            red = cutlass.memory.SmemAllocator().allocate_tensor(
                 Float32, cute.make_layout((mt * nt, warps)), byte_alignment=16)
             for m in cutlass.range_constexpr(mt):
                 for j in cutlass.range_constexpr(nt):

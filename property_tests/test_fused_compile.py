@@ -1,0 +1,150 @@
+"""Every wave-1a CuTe DSL kernel compiles for sm_90a on a CPU-only machine, for each static
+configuration and variant it supports; a new batch size reuses the compiled kernel; numerics are
+checked on a CUDA device only (skipped here with the reason, never counted as passed)."""
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")      # before any cutlass import
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
+pytest.importorskip("tvm_ffi", reason="needs apache-tvm-ffi (the kernels compile for the TVM-FFI call path)")
+
+from fused import runtime  # noqa: E402
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+GEMM_SHAPES = [(7168, 49152), (7168, 6144), (12288, 7168), (1536, 7168), (7168, 3584), (7168, 896)]
+
+
+def test_runtime_import_is_lazy():
+    import subprocess
+    import sys
+    code = "import sys, fused, fused.runtime; print('cutlass' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("K,N", GEMM_SHAPES, ids=[f"{k}to{n}" for k, n in GEMM_SHAPES])
+def test_skinny_gemm_compiles_every_variant(K, N):
+    from fused import skinny_gemm as sg
+    for cfg in sg.all_configs(N, K):
+        assert runtime.compile_for_cpu_check("skinny_gemm", "bfloat16", "bfloat16", N, K, cfg) is not None
+
+
+def test_skinny_gemm_fp16_and_fp32_out_compile():
+    from fused import skinny_gemm as sg
+    cfg = sg.default_config(8, 7168, 1536)
+    runtime.compile_for_cpu_check("skinny_gemm", "float16", "float16", 7168, 1536, cfg)
+    runtime.compile_for_cpu_check("skinny_gemm", "bfloat16", "float32", 7168, 1536, cfg)
+
+
+def test_skinny_gemm_new_batch_size_does_not_recompile():
+    from fused import skinny_gemm as sg
+    N, K = 896, 7168
+    keys = set()
+    for M in (5, 6, 7, 8):                       # one m_tile bucket: one compiled kernel
+        cfg = sg.default_config(M, N, K)
+        keys.add(cfg)
+        sg._compile("bfloat16", "bfloat16", N, K, cfg)
+    before = runtime.cache_info()
+    for M in (5, 7):
+        sg._compile("bfloat16", "bfloat16", N, K, sg.default_config(M, N, K))
+    after = runtime.cache_info()
+    assert len(keys) == 1
+    assert after.misses == before.misses and after.entries == before.entries
+    assert after.hits == before.hits + 2
+
+
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16", "float32"])
+def test_mxfp4_dequant_compiles_every_variant(out_dtype):
+    from fused import mxfp4_dequant as fm
+    for cfg in fm.all_configs():
+        for I in (2048, 7168):
+            runtime.compile_for_cpu_check("mxfp4_dequant", out_dtype, I, cfg)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_mla_cache_write_compiles_every_variant(dtype):
+    from fused import mla_cache_write as fm
+    for cfg in fm.all_configs():
+        runtime.compile_for_cpu_check("mla_cache_write", dtype, 576, cfg)
+
+
+@pytest.mark.parametrize("E,k,D", [(896, 16, 7168), (48, 8, 1024)])
+def test_router_topk_compiles_every_variant(E, k, D):
+    from fused import router_topk as fr
+    for cfg in fr.all_configs():
+        gemv, topk = fr.compile_all_for("bfloat16", E, D, k, cfg)
+        assert gemv is not None and topk is not None
+
+
+def test_router_topk_rejects_k_over_warp():
+    from fused import router_topk as fr
+    with pytest.raises(ValueError, match="top_k"):
+        fr.RouterTopk(896, 33, fr.RouterTopkConfig())
+
+
+def test_custom_ops_register_under_project_namespace():
+    from fused import mla_cache_write, mxfp4_dequant, router_topk, skinny_gemm
+    for mod in (skinny_gemm, mxfp4_dequant, mla_cache_write, router_topk):
+        mod._custom_op()
+    for name in ("skinny_gemm", "mxfp4_dequant", "mla_cache_write", "router_topk"):
+        assert hasattr(torch.ops.verify_kernels, name)
+
+
+# ---------------------------------------------------------------------------------------- GPU only
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("M", [1, 3, 8, 13])
+def test_skinny_gemm_matches_float64(M):
+    from fused.skinny_gemm import skinny_gemm
+    x = torch.randn(M, 1536, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(7168, 1536, device="cuda", dtype=torch.bfloat16)
+    ref = x.double() @ w.double().T
+    base = torch.nn.functional.linear(x, w).double()
+    got = skinny_gemm(x, w).double()
+    assert (got - ref).abs().max() <= 2 * (base - ref).abs().max() + 1e-6
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_mxfp4_dequant_bitwise():
+    from fused.mxfp4_dequant import mxfp4_dequant
+    from references.mxfp4 import mxfp4_dequant as ref_dq
+    packed = torch.randint(0, 256, (64, 512), dtype=torch.uint8)
+    scale = torch.randint(0, 255, (64, 32), dtype=torch.uint8)
+    for dt in ("bfloat16", "float16", "float32"):
+        ref = ref_dq(packed, scale, dt)
+        got = mxfp4_dequant(packed.cuda(), scale.cuda(), dt).cpu()
+        assert torch.equal(ref, got)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_mla_cache_write_bitwise():
+    from fused.mla_cache_write import mla_cache_write
+    from references.mla import mla_cache_write as ref_cw
+    cache = torch.randn(16, 64, 576, device="cuda", dtype=torch.bfloat16)
+    latent = torch.randn(9, 576, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(16 * 64, device="cuda")[:9]
+    slots[::2] = -1
+    ref = cache.clone()
+    ref_cw(latent, ref, slots)
+    mla_cache_write(latent, cache, slots)
+    assert torch.equal(ref.view(torch.int16), cache.view(torch.int16))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_router_topk_ids_and_weights():
+    from fused.router_topk import router_topk
+    from references.moe import router_topk as ref_rt
+    x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(48, 1024, device="cuda", dtype=torch.bfloat16) * 0.02
+    bias = torch.randn(48, device="cuda") * 0.01
+    rid, rw = ref_rt(x, w, bias, 8, 2.5)
+    ids, wts = router_topk(x, w, bias, 8, 2.5)
+    assert torch.equal(ids, rid)
+    torch.testing.assert_close(wts, rw, rtol=1e-5, atol=1e-6)
