@@ -118,6 +118,11 @@ def test_attention_step_tp_equals_unsplit_in_float64(tp, seed, n_seq, n_q):
     split = mla_attention_step_tp(**b, tp=tp)
     torch.testing.assert_close(split, whole, rtol=1e-11, atol=1e-12)
     assert torch.equal(a["cache"], b["cache"]), "the replicated cache write is the same on every rank"
+    c = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+    c["cache"] = step_inputs(seed, "tiny", n_seq, n_q, torch.float64)["cache"]
+    partials = mla_attention_step_tp(**c, tp=tp, return_partials=True)
+    assert partials.shape == (tp, *whole.shape)
+    assert torch.equal(sum_partials_rank_order(list(partials)), split)
 
 
 def test_attention_step_tp1_is_bitwise_the_unsplit_step_in_bf16():

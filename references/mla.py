@@ -258,9 +258,10 @@ def sum_partials_rank_order(partials: list):
 
 
 def mla_attention_step_tp(x, w_qkv_a, q_a_norm_w, kv_a_norm_w, w_q_b, w_uk, w_uv, w_g, w_o, cache, block_table,
-                          seq_lens, slot_mapping, eps: float, scale: float, tp: int):
+                          seq_lens, slot_mapping, eps: float, scale: float, tp: int, *, return_partials=False):
     """mla_attention_step on T simulated ranks: qkv_a and the cache replicated; q_b/W_UK/attention/W_UV/g_proj by
-    head; o_proj row-split, each rank's partial rounded to wd, then summed rank 0..T-1 in fp32 (acc)."""
+    head; o_proj row-split, each rank's partial rounded to wd, then summed rank 0..T-1 in fp32 (acc).
+    return_partials=True gives the unreduced partials [T, N, D] instead, for a fused all-reduce op to fold."""
     n_heads = w_uk.shape[0]
     n_seq, kv_lora = block_table.shape[0], kv_a_norm_w.shape[0]
     n_q = x.shape[0] // max(n_seq, 1)
@@ -277,4 +278,4 @@ def mla_attention_step_tp(x, w_qkv_a, q_a_norm_w, kv_a_norm_w, w_q_b, w_uk, w_uv
                                 kv_lora)
         o = mla_out_gate(o_lat.reshape(x.shape[0], -1, kv_lora), w_uv_r, x, w_g_r)
         partials.append(linear(o, w_o_r))
-    return sum_partials_rank_order(partials)
+    return torch.stack(partials) if return_partials else sum_partials_rank_order(partials)
