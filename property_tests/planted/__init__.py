@@ -1,0 +1,108 @@
+"""Planted-bug catalogue: plausible kernel bugs, one per function, each with the op reference's exact
+signature, and the harness stage that must reject it.
+
+CATALOGUE rows: (op, candidate 'module:attr', expected, description). `expected` is
+"<stage>" or "<stage>|<substring of the reason>"; the op verdict's reason reads "<stage>: <detail>"
+(split cases prefix the detail with "T=<n>: " or "rank r/T: "). Stages: candidate (raised),
+guard:<name>, compare:<output or state>.
+Known harness gaps are listed in GAPS: bug -> why the harness does not reject it as expected.
+"""
+from __future__ import annotations
+
+P = "property_tests.planted"
+
+CATALOGUE: list[tuple[str, str, str, str]] = [
+    # ---- skinny_gemm
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_unwritten_tail", "guard:outputs_written|unwritten",
+     "unwritten tail: y from torch.empty, last column tile never stored"),
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_fp16_accum", "compare:y|exceed",
+     "fp16 accumulation in the GEMM"),
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_pow2_batch_only", "compare:y|exceed",
+     "shape special-casing: right only for power-of-two M (caught via the drawn batch sizes)"),
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_fp32_out", "guard:output_type|dtype torch.float32",
+     "wrong output dtype: fp32 accumulator returned"),
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_subclass", "guard:output_type|expected exactly torch.Tensor",
+     "returns a torch.Tensor subclass"),
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_assumes_contiguous", "guard:strided_inputs|differ bitwise",
+     "ignores input strides: wrong on strided/offset inputs"),
+    # ---- mxfp4_dequant
+    ("mxfp4_dequant", f"{P}.mxfp4:mxfp4_dequant_nibble_swap", "compare:w|differ from the reference bits",
+     "MXFP4 nibble order swapped"),
+    ("mxfp4_dequant", f"{P}.mxfp4:mxfp4_dequant_bias_126", "compare:w|differ from the reference bits",
+     "E8M0 scale bias 126"),
+    # ---- mla
+    ("mla_qkv_a", f"{P}.mla:mla_qkv_a_norm_without_eps", "guard:outputs_written|unwritten or NaN",
+     "eps missing in RMSNorm (zero rows give NaN)"),
+    ("mla_q_absorb", f"{P}.mla:mla_q_absorb_rot_first", "compare:q_abs|exceed",
+     "q_abs stored as [q_rot, ql]"),
+    ("mla_cache_write", f"{P}.mla:mla_cache_write_pair_store", "compare:cache|differ from the reference bits",
+     "cache write touches the neighbouring slot of its pair (bitwise)"),
+    ("mla_cache_write", f"{P}.mla:mla_cache_write_assumes_contiguous", "guard:canaries|writes outside the tensors",
+     "cache write ignores strides: writes into row padding (canary)"),
+    ("mla_decode_attn", f"{P}.mla:mla_decode_attn_scale_128", "compare:o_latent|exceed",
+     "softmax scale 128^-0.5 instead of 192^-0.5"),
+    ("mla_decode_attn", f"{P}.mla:mla_decode_attn_causal_off_by_one", "compare:o_latent|exceed",
+     "causal mask off by one among the speculative query tokens"),
+    ("mla_decode_attn", f"{P}.mla:mla_decode_attn_lse_drops_last_split", "compare:o_latent|exceed",
+     "split-KV LSE combine missing the last split's term"),
+    ("mla_decode_attn", f"{P}.mla:mla_decode_attn_flat_tokens", "guard:output_type|shape",
+     "wrong output shape [B*Q,H,C]"),
+    ("mla_decode_attn", f"{P}.mla:mla_decode_attn_last_bit_race", "guard:deterministic|differ bitwise",
+     "nondeterministic last bit (atomic combine order)"),
+    ("mla_out_gate", f"{P}.mla:mla_out_gate_row_parity_path", "guard:batch_position|differ bitwise",
+     "batch-position dependence: odd rows take another epilogue"),
+    ("mla_out_gate", f"{P}.mla:mla_out_gate_swapped_rows", "compare:o|exceed",
+     "swapped batch rows (pairs reversed)"),
+    # ---- kda
+    ("kda_decode", f"{P}.kda:kda_decode_no_decay", "compare:y|exceed", "KDA state not decayed"),
+    ("kda_decode", f"{P}.kda:kda_decode_no_beta", "compare:y|exceed", "beta not applied"),
+    ("kda_decode", f"{P}.kda:kda_decode_conv_state_not_shifted", "compare:conv_state",
+     "conv state not shifted"),
+    ("kda_decode", f"{P}.kda:kda_decode_gate_unbounded", "compare:y|exceed",
+     "gate without the lower bound (softplus gate)"),
+    ("kda_decode", f"{P}.kda:kda_decode_l2_eps_outside_sqrt", "compare:",
+     "eps outside the sqrt in the q/k L2 norm"),
+    ("kda_in_proj", f"{P}.kda:kda_in_proj_no_variant", "candidate|candidate raised RuntimeError",
+     "a candidate that raises (no variant for untuned M)"),
+    ("kda_in_proj", f"{P}.kda:kda_in_proj_beta_before_fa", "compare:g_raw|exceed",
+     "merged projection sliced in the wrong row order"),
+    # ---- attn_res
+    ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_keys_unnormalised", "compare:out|exceed",
+     "AttnRes keys not RMS-normalised"),
+    ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_prefix_not_reset", "compare:prefix",
+     "block write does not reset the prefix"),
+    ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_accumulates_into_delta",
+     "guard:inputs_unchanged|delta", "input mutated in place (delta += prefix)"),
+    ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_out_in_delta", "guard:no_aliasing|aliases input delta",
+     "output aliases an input"),
+    ("allreduce_attn_res_rmsnorm", f"{P}.attn_res:allreduce_attn_res_rmsnorm_reverse_fold", "compare:",
+     "all-reduce summed in the wrong order (order-sensitive partials)"),
+    # ---- moe
+    ("router_topk", f"{P}.moe:router_topk_higher_id_wins", "compare:ids",
+     "wrong tie-break in router top-k (higher id wins)"),
+    ("router_topk", f"{P}.moe:router_topk_renorm_over_all", "compare:weights|exceed",
+     "wrong top-k renormalisation (sum over all experts)"),
+    ("router_topk", f"{P}.moe:router_topk_not_renormalised", "compare:weights|exceed",
+     "expert weights not renormalised"),
+    ("router_topk", f"{P}.moe:router_topk_weights_in_wd", "guard:output_type|dtype",
+     "wrong output dtype for the weights"),
+    ("moe_experts_mxfp4", f"{P}.moe:moe_experts_mxfp4_no_linear_beta", "compare:y|exceed",
+     "SiTU linear_beta dropped"),
+    ("shared_experts", f"{P}.moe:shared_experts_halves_swapped", "compare:y|exceed",
+     "gate/up halves of the fused weight swapped"),
+    ("latent_norm_up", f"{P}.moe:latent_norm_up_batch_rms", "compare:out|exceed",
+     "RMSNorm reduced over the batch, not per row"),
+    ("l2_prefetch", f"{P}.moe:l2_prefetch_returns_handle", "guard:output_type|returns nothing",
+     "op with no outputs returns a tensor"),
+    ("l2_prefetch", f"{P}.moe:l2_prefetch_store_not_prefetch", "guard:inputs_unchanged|modified in place",
+     "prefetch writes the weights"),
+]
+
+# bug candidate -> the harness gap that keeps it from being rejected with the expected reason
+GAPS: dict[str, str] = {}
+
+# hypothesis examples per candidate (default 6, the quick profile's count): bugs that only show on
+# some drawn shapes or on unsplit cases get more draws
+EXAMPLES: dict[str, int] = {
+    "mla_out_gate_row_parity_path": 25,
+}

@@ -1,0 +1,72 @@
+"""Planted bugs in the AttnRes ops (references/attn_res.py)."""
+from __future__ import annotations
+
+import torch
+
+from references.attn_res import attn_res_mix
+from references.primitives import rms_norm
+
+
+def _mix_unnormalised_keys(sources, res_norm_w, res_proj_w, eps):
+    v = sources.float()
+    query = res_norm_w.float() * res_proj_w.reshape(-1).float()
+    probs = (v * query).sum(-1).softmax(-1)                 # keys = raw sources
+    return torch.matmul(probs.unsqueeze(1), v).squeeze(1).to(sources.dtype)
+
+
+def _finish(prefix, p, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, block_write, eps, norm_eps,
+            *, mix=attn_res_mix, reset_prefix=True):
+    sources = torch.cat([blocks[:, :n_blocks], p.unsqueeze(1)], dim=1)
+    out = rms_norm(mix(sources, res_norm_w, res_proj_w, eps), norm_w, norm_eps)
+    if block_write >= 0:
+        blocks[:, block_write] = p
+        if reset_prefix:
+            prefix.zero_()
+        else:
+            prefix.copy_(p)
+    else:
+        prefix.copy_(p)
+    return out
+
+
+def attn_res_rmsnorm_keys_unnormalised(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w,
+                                       n_blocks: int, block_write: int, eps: float, norm_eps: float):
+    """Scores use the raw sources as keys (the RMS normalisation of the keys is skipped)."""
+    p = prefix + delta
+    return _finish(prefix, p, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, block_write, eps, norm_eps,
+                   mix=_mix_unnormalised_keys)
+
+
+def attn_res_rmsnorm_prefix_not_reset(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w,
+                                      n_blocks: int, block_write: int, eps: float, norm_eps: float):
+    """On a block write the snapshot is stored but the prefix keeps p instead of restarting at 0."""
+    p = prefix + delta
+    return _finish(prefix, p, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, block_write, eps, norm_eps,
+                   reset_prefix=False)
+
+
+def attn_res_rmsnorm_accumulates_into_delta(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w,
+                                            n_blocks: int, block_write: int, eps: float, norm_eps: float):
+    """Computes p in place in the delta buffer (`delta += prefix`), treating delta as dead."""
+    p = delta.add_(prefix)
+    return _finish(prefix, p.clone(), blocks, res_norm_w, res_proj_w, norm_w, n_blocks, block_write, eps,
+                   norm_eps)
+
+
+def attn_res_rmsnorm_out_in_delta(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w,
+                                  n_blocks: int, block_write: int, eps: float, norm_eps: float):
+    """Writes the output into delta's buffer and returns it (an 'in-place' residual kernel)."""
+    p = prefix + delta
+    out = _finish(prefix, p, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, block_write, eps, norm_eps)
+    delta.copy_(out)
+    return delta
+
+
+def allreduce_attn_res_rmsnorm_reverse_fold(prefix, deltas, blocks, res_norm_w, res_proj_w, norm_w,
+                                            n_blocks: int, block_write: int, eps: float, norm_eps: float):
+    """All-reduce folds the partials rank T-1..0 (ring order seen from the last rank), not 0..T-1."""
+    total = deltas[-1].float()
+    for r in range(deltas.shape[0] - 2, -1, -1):
+        total = total + deltas[r].float()
+    p = prefix + total.to(deltas.dtype)
+    return _finish(prefix, p, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, block_write, eps, norm_eps)

@@ -1,0 +1,56 @@
+"""Planted bugs in skinny_gemm (references.gemm:skinny_gemm): x[M,K], w[N,K] -> y[M,N]."""
+from __future__ import annotations
+
+import torch
+
+from references.primitives import linear
+
+BLOCK_N = 16
+
+
+def skinny_gemm_unwritten_tail(x, w):
+    """Grid of (N - 1) // BLOCK_N column tiles (off by one): the last tile of y is never stored."""
+    M, N = x.shape[0], w.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    n_done = ((N - 1) // BLOCK_N) * BLOCK_N
+    y[:, :n_done] = linear(x, w[:n_done])
+    return y
+
+
+def skinny_gemm_fp16_accum(x, w):
+    """HMMA with an fp16 accumulator: every K-step of 8 products is added into a half-precision sum."""
+    acc = torch.zeros((x.shape[0], w.shape[0]), dtype=torch.float16)
+    for k0 in range(0, x.shape[1], 8):
+        part = x[:, k0:k0 + 8].float() @ w[:, k0:k0 + 8].float().T
+        acc = (acc.float() + part).half()
+    return acc.to(x.dtype)
+
+
+def skinny_gemm_pow2_batch_only(x, w):
+    """Variant table tuned for M in {1, 2, 4, 8, 16, 32, 64}; other M run the largest power-of-two
+    variant below M and its M-tile wraps: row r >= P reads x row r % P."""
+    M = x.shape[0]
+    P = 1 << (M.bit_length() - 1)
+    rows = torch.arange(M) % P
+    return linear(x[rows], w)
+
+
+def skinny_gemm_fp32_out(x, w):
+    """Epilogue forgets the cast: returns the fp32 accumulator."""
+    return x.float() @ w.float().T
+
+
+class _KernelOutput(torch.Tensor):
+    """A tensor subclass a wrapper might return (e.g. to carry launch metadata)."""
+
+
+def skinny_gemm_subclass(x, w):
+    """Returns the result wrapped in a torch.Tensor subclass."""
+    return linear(x, w).as_subclass(_KernelOutput)
+
+
+def skinny_gemm_assumes_contiguous(x, w):
+    """Loads w through a raw pointer with row stride K (ignores w.stride()): wrong on padded rows."""
+    N, K = w.shape
+    w_flat = w.as_strided((N, K), (K, 1), w.storage_offset())
+    return linear(x, w_flat)

@@ -1,0 +1,102 @@
+"""Planted bugs in the KDA ops (references/kda.py)."""
+from __future__ import annotations
+
+import torch
+
+from references.kda import gated_rms_norm, in_proj_layout, kda_in_proj
+from references.primitives import linear, silu
+
+TUNED_M = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w, state,
+            lower_bound, l2_eps, norm_eps, *, decay=True, use_beta=True, shift=True, bounded_gate=True,
+            eps_inside=True):
+    B, H, Dh = state.shape[0], state.shape[1], state.shape[-1]
+    acc, wd = torch.float32, q_raw.dtype
+    new_conv = conv_state.clone()
+    outs = []
+    for i, x in enumerate((q_raw, k_raw, v_raw)):
+        window = torch.cat([conv_state[:, i], x.unsqueeze(-1)], dim=-1)
+        outs.append(silu((window.to(acc) * conv_w[i].to(acc)).sum(-1)).to(wd).to(acc).view(B, H, Dh))
+        if shift:
+            new_conv[:, i] = window[..., 1:]
+    q, k, v = outs
+
+    def l2(t):
+        if eps_inside:
+            return t / torch.sqrt((t * t).sum(-1, keepdim=True) + l2_eps)
+        return t / (torch.sqrt((t * t).sum(-1, keepdim=True)) + l2_eps)
+
+    q = l2(q) * Dh ** -0.5
+    k = l2(k)
+    A = A_log.to(acc).exp().view(H, 1)
+    pre = A * (g_raw.view(B, H, Dh).to(acc) + dt_bias.to(acc).view(H, Dh))
+    g = lower_bound * torch.sigmoid(pre) if bounded_gate else -torch.nn.functional.softplus(pre)
+    alpha = g.exp()
+    beta = torch.sigmoid(beta_raw.to(acc)) if use_beta else torch.ones_like(beta_raw, dtype=acc)
+    S = state.to(acc)
+    decayed = S * alpha.unsqueeze(-2) if decay else S
+    u = beta.unsqueeze(-1) * (v - (decayed * k.unsqueeze(-2)).sum(-1))
+    new_state = decayed + u.unsqueeze(-1) * k.unsqueeze(-2)
+    o = (new_state * q.unsqueeze(-2)).sum(-1)
+    y = gated_rms_norm(o.to(wd), o_norm_w, z.view(B, H, Dh), norm_eps).reshape(B, H * Dh)
+    conv_state.copy_(new_conv)
+    state.copy_(new_state)
+    return y
+
+
+def kda_decode_no_decay(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias,
+                        o_norm_w, state, lower_bound: float, l2_eps: float, norm_eps: float):
+    """The state is never multiplied by alpha = exp(g) before the delta-rule update."""
+    return _decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
+                   state, lower_bound, l2_eps, norm_eps, decay=False)
+
+
+def kda_decode_no_beta(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias,
+                       o_norm_w, state, lower_bound: float, l2_eps: float, norm_eps: float):
+    """beta = sigmoid(beta_raw) is computed but never applied to the delta (beta = 1)."""
+    return _decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
+                   state, lower_bound, l2_eps, norm_eps, use_beta=False)
+
+
+def kda_decode_conv_state_not_shifted(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log,
+                                      dt_bias, o_norm_w, state, lower_bound: float, l2_eps: float,
+                                      norm_eps: float):
+    """Convolves correctly but never writes the shifted window back to conv_state."""
+    return _decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
+                   state, lower_bound, l2_eps, norm_eps, shift=False)
+
+
+def kda_decode_gate_unbounded(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias,
+                              o_norm_w, state, lower_bound: float, l2_eps: float, norm_eps: float):
+    """fla's default gate g = -softplus(A (g_raw + dt_bias)) instead of the K3 lower-bound gate."""
+    return _decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
+                   state, lower_bound, l2_eps, norm_eps, bounded_gate=False)
+
+
+def kda_decode_l2_eps_outside_sqrt(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log,
+                                   dt_bias, o_norm_w, state, lower_bound: float, l2_eps: float,
+                                   norm_eps: float):
+    """q/k L2 norm as x / (sqrt(sum x^2) + eps) (torch F.normalize style), not x / sqrt(sum x^2 + eps)."""
+    return _decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
+                   state, lower_bound, l2_eps, norm_eps, eps_inside=False)
+
+
+def kda_in_proj_no_variant(x, w_in, w_fb, n_heads: int):
+    """Dispatches on a table of tuned M; any other batch size raises instead of falling back."""
+    if x.shape[0] not in TUNED_M:
+        raise RuntimeError(f"kda_in_proj: no tuned kernel variant for M={x.shape[0]} (have {TUNED_M})")
+    return kda_in_proj(x, w_in, w_fb, n_heads)
+
+
+def kda_in_proj_beta_before_fa(x, w_in, w_fb, n_heads: int):
+    """Slices the merged output with beta before f_a (the HF module order), not the vLLM row order."""
+    C, r = w_fb.shape
+    lay = in_proj_layout(n_heads, C // n_heads, r)
+    merged = linear(x, w_in)
+    start = lay["f_a"].start
+    beta_raw = merged[:, start:start + n_heads]
+    f_a = merged[:, start + n_heads:start + n_heads + r]
+    g_raw = linear(f_a, w_fb)
+    return (merged[:, lay["q"]], merged[:, lay["k"]], merged[:, lay["v"]], g_raw, beta_raw, merged[:, lay["z"]])

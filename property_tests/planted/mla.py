@@ -1,0 +1,176 @@
+"""Planted bugs in the MLA ops (references/mla.py)."""
+from __future__ import annotations
+
+import torch
+
+from references.mla import causal_visible, mla_decode_attn, paged_cache_read, mla_q_absorb
+from references.primitives import acc_dtype, linear
+
+# ---------------------------------------------------------------------------------- mla_qkv_a
+
+
+def _rms_norm_no_eps(x, weight, eps):
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True))      # eps forgotten
+    return weight.to(x.dtype) * y.to(x.dtype)
+
+
+def mla_qkv_a_norm_without_eps(x, w_qkv_a, q_a_norm_w, kv_a_norm_w, eps: float):
+    """Latent RMSNorms written without eps: a zero row gives 0 * inf = NaN."""
+    q_lora, kv_lora = q_a_norm_w.shape[0], kv_a_norm_w.shape[0]
+    qkv = linear(x, w_qkv_a)
+    q_c = _rms_norm_no_eps(qkv[:, :q_lora], q_a_norm_w, eps)
+    kv_c = _rms_norm_no_eps(qkv[:, q_lora:q_lora + kv_lora], kv_a_norm_w, eps)
+    return q_c.contiguous(), kv_c.contiguous(), qkv[:, q_lora + kv_lora:].contiguous()
+
+
+# ---------------------------------------------------------------------------------- mla_q_absorb
+
+
+def mla_q_absorb_rot_first(q_c, w_q_b, w_uk):
+    """Epilogue stores [q_rot, ql] instead of [ql, q_rot] (the FlashMLA 'rope first' layout)."""
+    out = mla_q_absorb(q_c, w_q_b, w_uk)
+    kv_lora = w_uk.shape[2]
+    return torch.cat([out[..., kv_lora:], out[..., :kv_lora]], dim=-1)
+
+
+# ---------------------------------------------------------------------------------- mla_cache_write
+
+
+def mla_cache_write_pair_store(latent, cache, slot_mapping) -> None:
+    """A 2-row vector store: writes latent[i] into its slot and zero-fills the other slot of the
+    aligned pair (slot ^ 1), clobbering a neighbouring slot nobody asked to write."""
+    C = cache.shape[-1]
+    flat = cache.view(-1, C)
+    for i, s in enumerate(slot_mapping.tolist()):
+        if s < 0:
+            continue
+        flat[s ^ 1] = 0
+    for i, s in enumerate(slot_mapping.tolist()):
+        if s >= 0:
+            flat[s] = latent[i]
+
+
+def mla_cache_write_assumes_contiguous(latent, cache, slot_mapping) -> None:
+    """Computes slot addresses as slot * C from the base pointer (ignores cache/latent strides):
+    with padded rows it writes into the padding between rows."""
+    P, page, C = cache.shape
+    flat = cache.as_strided((P * page, C), (C, 1), cache.storage_offset())
+    lat = latent.as_strided(latent.shape, (C, 1), latent.storage_offset())
+    for i, s in enumerate(slot_mapping.tolist()):
+        if s >= 0:
+            flat[s] = lat[i]
+
+
+# ---------------------------------------------------------------------------------- mla_decode_attn
+
+
+def mla_decode_attn_scale_128(q_abs, cache, block_table, seq_lens, scale: float, kv_lora_rank: int):
+    """Hard-codes the softmax scale as head_dim^-0.5 = 128^-0.5, not (nope + rope)^-0.5 = 192^-0.5."""
+    return mla_decode_attn(q_abs, cache, block_table, seq_lens, 128 ** -0.5, kv_lora_rank)
+
+
+def _attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, *, causal_shift=0):
+    n_seq, n_q, n_heads, _ = q_abs.shape
+    acc = acc_dtype(q_abs)
+    out = torch.zeros(n_seq, n_q, n_heads, kv_lora_rank, dtype=acc)
+    for b in range(n_seq):
+        length = int(seq_lens[b])
+        kv = paged_cache_read(cache, block_table[b], length).to(acc)
+        s = torch.einsum("qhc,tc->qht", q_abs[b].to(acc), kv) * scale
+        pos = torch.arange(length)
+        last = length - n_q + torch.arange(n_q) + causal_shift
+        s = s.masked_fill(~(pos[None, :] <= last[:, None])[:, None, :], float("-inf"))
+        out[b] = torch.einsum("qht,tc->qhc", torch.softmax(s, dim=-1), kv[:, :kv_lora_rank])
+    return out.to(q_abs.dtype)
+
+
+def mla_decode_attn_causal_off_by_one(q_abs, cache, block_table, seq_lens, scale: float, kv_lora_rank: int):
+    """Causal mask built with `<= last + 1`: each speculative query token also sees the next one."""
+    return _attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, causal_shift=1)
+
+
+def mla_decode_attn_lse_drops_last_split(q_abs, cache, block_table, seq_lens, scale: float,
+                                         kv_lora_rank: int):
+    """Split-KV over 2 page-aligned chunks; the combine's logsumexp omits the last split's LSE, so
+    the last chunk is weighted as if it held all the probability mass."""
+    n_seq, n_q, n_heads, _ = q_abs.shape
+    page, acc = cache.shape[1], acc_dtype(q_abs)
+    out = torch.zeros(n_seq, n_q, n_heads, kv_lora_rank, dtype=acc)
+    for b in range(n_seq):
+        length = int(seq_lens[b])
+        kv_all = paged_cache_read(cache, block_table[b], length).to(acc)
+        n_pages = -(-length // page)
+        chunk = -(-n_pages // 2) * page
+        parts_o, parts_lse = [], []
+        for start in range(0, length, chunk):
+            stop = min(length, start + chunk)
+            kv = kv_all[start:stop]
+            s = torch.einsum("qhc,tc->qht", q_abs[b].to(acc), kv) * scale
+            s = s.masked_fill(~causal_visible(length, n_q, start, stop)[:, None, :], float("-inf"))
+            m = s.amax(-1, keepdim=True)
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            e = torch.exp(s - m)
+            d = e.sum(-1, keepdim=True)
+            parts_o.append(torch.einsum("qht,tc->qhc", e, kv[:, :kv_lora_rank]) / torch.where(d > 0, d, 1))
+            parts_lse.append((m + torch.log(d)).squeeze(-1))
+        lse_i = torch.stack(parts_lse)
+        lse = torch.logsumexp(lse_i[:-1], dim=0) if len(parts_lse) > 1 else lse_i[0]   # BUG: last term
+        lse = torch.maximum(lse, lse_i[-1]) if len(parts_lse) > 1 else lse
+        out[b] = (torch.exp(lse_i - lse)[..., None] * torch.stack(parts_o)).sum(0)
+    return out.to(q_abs.dtype)
+
+
+def mla_decode_attn_flat_tokens(q_abs, cache, block_table, seq_lens, scale: float, kv_lora_rank: int):
+    """Returns the output in the kernel's token-major layout [B*Q, H, kv_lora], not [B, Q, H, kv_lora]."""
+    o = mla_decode_attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank)
+    return o.reshape(-1, o.shape[2], o.shape[3])
+
+
+_CALLS = [0]
+
+
+def mla_decode_attn_last_bit_race(q_abs, cache, block_table, seq_lens, scale: float, kv_lora_rank: int):
+    """Split-KV combine by atomics: which partial lands last changes from launch to launch, flipping
+    the last bit of an output element (simulated by the launch count's parity)."""
+    o = mla_decode_attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank)
+    _CALLS[0] += 1
+    if _CALLS[0] % 2:
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[o.element_size()]
+        flat = o.view(-1).view(bits)
+        flat[0] += 1
+    return o
+
+
+# ---------------------------------------------------------------------------------- mla_out_gate
+
+
+def _out_gate_rows(o_latent, w_uv, x, w_g, fused):
+    acc = torch.float32
+    wd = o_latent.dtype
+    o = torch.einsum("bhc,hdc->bhd", o_latent.to(acc), w_uv.to(acc))
+    g = x.to(acc) @ w_g.to(acc).T
+    if fused:               # one rounding at the end
+        return (o.reshape(o.shape[0], -1) * torch.sigmoid(g)).to(wd)
+    o = o.to(wd).reshape(o.shape[0], -1)
+    gate = torch.sigmoid(g.to(wd).to(acc)).to(wd)
+    return (o.to(acc) * gate.to(acc)).to(wd)
+
+
+def mla_out_gate_row_parity_path(o_latent, w_uv, x, w_g):
+    """Two CTAs per row pair: even rows keep the four K3 roundings, odd rows take a fused
+    one-rounding epilogue. Both are within tolerance, but a row's bits depend on its batch index."""
+    a = _out_gate_rows(o_latent, w_uv, x, w_g, fused=False)
+    b = _out_gate_rows(o_latent, w_uv, x, w_g, fused=True)
+    odd = (torch.arange(a.shape[0]) % 2 == 1)[:, None]
+    return torch.where(odd, b, a)
+
+
+def mla_out_gate_swapped_rows(o_latent, w_uv, x, w_g):
+    """Token index from blockIdx with the pair order reversed: rows 2i and 2i+1 are swapped."""
+    y = _out_gate_rows(o_latent, w_uv, x, w_g, fused=False)
+    B = y.shape[0]
+    idx = torch.arange(B)
+    pairs = idx[: B - B % 2].view(-1, 2).flip(-1).reshape(-1)
+    idx[: B - B % 2] = pairs
+    return y[idx].contiguous()

@@ -1,0 +1,71 @@
+"""Planted bugs in the MoE ops (references/moe.py)."""
+from __future__ import annotations
+
+import torch
+
+from references.moe import RENORM_EPS, moe_experts_mxfp4, router_choice_scores, router_topk, shared_experts
+from references.primitives import linear, rms_norm
+
+
+def router_topk_higher_id_wins(x, w_gate, bias, top_k: int, routed_scale: float):
+    """Warp argmax compares with >= instead of >: on equal choice scores the HIGHER id wins."""
+    s, choice = router_choice_scores(x, w_gate, bias)
+    E = choice.shape[1]
+    rev = torch.sort(choice.flip(-1), dim=-1, descending=True, stable=True).indices[:, :top_k]
+    ids = (E - 1 - rev).contiguous()
+    w = s.gather(1, ids)
+    return ids, w / (w.sum(-1, keepdim=True) + RENORM_EPS) * routed_scale
+
+
+def router_topk_renorm_over_all(x, w_gate, bias, top_k: int, routed_scale: float):
+    """Renormalises by the sum of ALL experts' scores instead of the selected top-k."""
+    s, choice = router_choice_scores(x, w_gate, bias)
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    return ids, s.gather(1, ids) / (s.sum(-1, keepdim=True) + RENORM_EPS) * routed_scale
+
+
+def router_topk_not_renormalised(x, w_gate, bias, top_k: int, routed_scale: float):
+    """Returns the raw sigmoid scores of the chosen experts (norm_topk_prob ignored)."""
+    s, choice = router_choice_scores(x, w_gate, bias)
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    return ids, s.gather(1, ids) * routed_scale
+
+
+def router_topk_weights_in_wd(x, w_gate, bias, top_k: int, routed_scale: float):
+    """Stores the weights in the activation dtype instead of fp32."""
+    ids, w = router_topk(x, w_gate, bias, top_k, routed_scale)
+    return ids, w.to(x.dtype)
+
+
+def moe_experts_mxfp4_no_linear_beta(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                                     situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+    """SiTU-and-mul without the up-branch soft cap 25 tanh(up / 25) (linear_beta dropped)."""
+    return moe_experts_mxfp4(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_beta, None)
+
+
+def shared_experts_halves_swapped(x, w_gate_up, w_down, situ_beta: float = 4.0,
+                                  situ_linear_beta: float = 25.0):
+    """Reads w_gate_up as [up; gate] (the other fused-layout convention)."""
+    half = w_gate_up.shape[0] // 2
+    swapped = torch.cat([w_gate_up[half:], w_gate_up[:half]], dim=0)
+    return shared_experts(x, swapped, w_down, situ_beta, situ_linear_beta)
+
+
+def latent_norm_up_batch_rms(y_latent, norm_w, w_up, shared_out, eps: float):
+    """RMSNorm reduction over the whole batch (mean over every element), not per row."""
+    x32 = y_latent.float()
+    y = (x32 * torch.rsqrt(x32.pow(2).mean() + eps)).to(y_latent.dtype) * norm_w
+    return linear(y, w_up) + shared_out
+
+
+def l2_prefetch_returns_handle(*weights, **named_weights):
+    """Returns the prefetch 'handle' (the dense weight) instead of nothing."""
+    return named_weights.get("w_dense")
+
+
+def l2_prefetch_store_not_prefetch(*weights, **named_weights):
+    """Uses a store (st.global.L2) for the touch instead of prefetch.global.L2: the last element of
+    every weight is written back as zero."""
+    for w in list(weights) + list(named_weights.values()):
+        w.view(-1)[-1] = 0
+    return None

@@ -1,0 +1,27 @@
+"""Planted bugs in mxfp4_dequant (references.mxfp4:mxfp4_dequant)."""
+from __future__ import annotations
+
+import torch
+
+from references.mxfp4 import E2M1_LUT, GROUP, out_dtype_of
+
+
+def _dequant(packed, scale, out_dtype, *, high_nibble_first=False, bias=127, nan_scale=True):
+    dtype = out_dtype_of(out_dtype)
+    lo, hi = packed & 0xF, packed >> 4
+    first, second = (hi, lo) if high_nibble_first else (lo, hi)
+    codes = torch.stack([first, second], dim=-1).reshape(packed.shape[0], -1)
+    s = torch.exp2(scale.to(torch.float64) - bias)
+    if nan_scale:
+        s = torch.where(scale == 0xFF, torch.full_like(s, float("nan")), s)
+    return (E2M1_LUT[codes.long()] * s.repeat_interleave(GROUP, dim=1)).to(dtype)
+
+
+def mxfp4_dequant_nibble_swap(packed, scale, out_dtype: str = "bfloat16"):
+    """Unpacks the HIGH nibble as the even column (the other common packing convention)."""
+    return _dequant(packed, scale, out_dtype, high_nibble_first=True)
+
+
+def mxfp4_dequant_bias_126(packed, scale, out_dtype: str = "bfloat16"):
+    """E8M0 exponent bias 126 instead of 127 (every value twice too large)."""
+    return _dequant(packed, scale, out_dtype, bias=126)

@@ -1,0 +1,100 @@
+"""The planted-bug catalogue (property_tests/planted): every plausible kernel bug there must be
+rejected by `certify_op` on the CPU, at the right stage and for the right reason.
+
+Each row runs the real pipeline (hypothesis draws cases, guards, oracle, comparison by class) on a
+candidate 'module:attr', profile 'quick' (no shrinking) with the example count in EXAMPLES, and
+checks the op verdict's failing stage and a substring of its reason. Rows whose expected rejection
+the harness does not deliver today are in planted.GAPS and run as strict xfails: the gap is
+documented, and the test fails loudly once the harness is fixed. A table bug -> stage is printed
+at the end of the module.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from property_tests.planted import CATALOGUE, EXAMPLES, GAPS  # noqa: E402
+from verify.candidates import Candidate  # noqa: E402
+from verify.cases import get_profile  # noqa: E402
+from verify.certify import RunOptions, certify_op  # noqa: E402
+from verify.registry import all_ops, get_op  # noqa: E402
+from verify.specs import SpecError, load_spec  # noqa: E402
+from verify.verdict import FAIL  # noqa: E402
+
+GUARDS = ("guard:output_type", "guard:no_aliasing", "guard:inputs_unchanged", "guard:canaries",
+          "guard:outputs_written", "guard:deterministic", "guard:batch_position", "guard:strided_inputs")
+_TABLE: list[tuple[str, str, str, str]] = []
+
+
+def _expected(exp: str) -> tuple[str, str]:
+    stage, _, sub = exp.partition("|")
+    return stage, sub
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _print_table(request):
+    yield
+    rep = request.config.pluginmanager.get_plugin("terminalreporter")
+    write = rep.write_line if rep else print
+    write("")
+    write("planted bug -> stage that rejected it")
+    for cand, stage, secs, mark in _TABLE:
+        write(f"  {mark:5s} {cand:48s} {stage:28s} {secs}")
+
+
+def _row_id(row):
+    return row[1].rsplit(":", 1)[1]
+
+
+@pytest.mark.parametrize("op_name,candidate,expected,description", CATALOGUE, ids=[_row_id(r) for r in CATALOGUE])
+def test_planted_bug_rejected(op_name, candidate, expected, description, request):
+    attr = candidate.rsplit(":", 1)[1]
+    if attr in GAPS:
+        request.node.add_marker(pytest.mark.xfail(strict=True, reason=f"harness gap: {GAPS[attr]}"))
+    if op_name not in all_ops():
+        pytest.skip(f"op {op_name} is not in the registry yet")
+    try:
+        load_spec(op_name)
+    except SpecError as e:
+        pytest.skip(f"op {op_name} has no tolerance spec yet: {e}")
+    stage, sub = _expected(expected)
+    opts = RunOptions(device="cpu", profile=get_profile("quick"), examples=EXAMPLES.get(attr, 6))
+    v = certify_op(get_op(op_name), Candidate(candidate), opts)
+    got = (v.failure.stage if v.failure else v.reason.split(":", 1)[0]) if v.status == FAIL else f"({v.status})"
+    _TABLE.append((attr, got, f"{v.seconds:5.1f}s {v.cases_run} cases", "ok" if (got == stage and sub in v.reason)
+                   else "MISS"))
+    assert v.status == FAIL, f"{description}: planted bug NOT rejected ({v.status}, {v.cases_run} cases)"
+    assert got == stage, f"{description}: rejected at {got!r}, expected {stage!r}: {v.reason}\n  {v.repro}"
+    assert sub in v.reason, f"{description}: reason lacks {sub!r}: {v.reason}\n  {v.repro}"
+
+
+def test_catalogue_covers_every_op_and_guard():
+    ops_hit = {row[0] for row in CATALOGUE}
+    missing = sorted(set(all_ops()) - ops_hit)
+    assert not missing, f"ops of the registry with no planted bug: {missing}"
+    stages = {_expected(row[2])[0] for row in CATALOGUE}
+    assert not set(GUARDS) - stages, f"guards no planted bug targets: {sorted(set(GUARDS) - stages)}"
+    assert "candidate" in stages and any(s.startswith("compare:") for s in stages)
+    assert len(CATALOGUE) >= 30
+
+
+def test_planted_candidates_have_the_reference_signature():
+    import inspect
+
+    from verify.candidates import reference_fn
+    from verify.registry import import_callable
+
+    for op_name, candidate, _, _ in CATALOGUE:
+        if op_name not in all_ops():
+            continue
+        ref = inspect.signature(reference_fn(get_op(op_name)))
+        got = inspect.signature(import_callable(candidate))
+        want = [(p.name, p.kind) for p in ref.parameters.values() if p.kind != p.KEYWORD_ONLY]
+        have = [(p.name, p.kind) for p in got.parameters.values() if p.kind != p.KEYWORD_ONLY]
+        assert have == want, f"{candidate}: parameters {have} differ from the reference's {want}"
