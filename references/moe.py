@@ -95,11 +95,13 @@ def _check_expert_args(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_sca
                          f"{int(ids.min())}..{int(ids.max())}")
 
 
-def _expert_forward(z_rows, e, w13_packed, w13_scale, w2_packed, w2_scale, beta, linear_beta):
+def _dequant_expert(e, w13_packed, w13_scale, w2_packed, w2_scale, wd: str):
+    """(w13[2I, L], w2[L, I]) of expert e in the working dtype; exact, so caching it changes nothing."""
+    return (mxfp4_dequant(w13_packed[e], w13_scale[e], wd), mxfp4_dequant(w2_packed[e], w2_scale[e], wd))
+
+
+def _expert_forward(z_rows, w13, w2, beta, linear_beta):
     """One expert on rows z_rows[M, L]: w2( situ_and_mul( w13 z ) ), every GEMV rounded to wd."""
-    wd = dtype_name(z_rows.dtype)
-    w13 = mxfp4_dequant(w13_packed[e], w13_scale[e], wd)            # [2I, L], exact
-    w2 = mxfp4_dequant(w2_packed[e], w2_scale[e], wd)               # [L, I], exact
     return linear(situ_and_mul(linear(z_rows, w13), beta, linear_beta), w2)
 
 
@@ -116,13 +118,15 @@ def moe_experts_mxfp4(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     acc = acc_dtype(z)
     B, k = ids.shape
     y = torch.zeros((B, z.shape[1]), dtype=acc)
+    dequantised = {}
     for b in range(B):
         for j in range(k):
             e = int(ids[b, j])
             if e < 0:
                 continue
-            o = _expert_forward(z[b:b + 1], e, w13_packed, w13_scale, w2_packed, w2_scale,
-                                situ_beta, situ_linear_beta)
+            if e not in dequantised:
+                dequantised[e] = _dequant_expert(e, w13_packed, w13_scale, w2_packed, w2_scale, dtype_name(z.dtype))
+            o = _expert_forward(z[b:b + 1], *dequantised[e], situ_beta, situ_linear_beta)
             y[b] += weights[b, j].to(acc) * o[0].to(acc)
     return y.to(z.dtype)
 
@@ -140,8 +144,8 @@ def moe_experts_mxfp4_grouped(z, ids, weights, w13_packed, w13_scale, w2_packed,
     for e in torch.unique(flat[flat >= 0]).tolist():
         pairs = order[flat[order] == e]
         rows = z[pairs // k]
-        per_pair[pairs] = _expert_forward(rows, e, w13_packed, w13_scale, w2_packed, w2_scale,
-                                          situ_beta, situ_linear_beta).to(acc)
+        weights_e = _dequant_expert(e, w13_packed, w13_scale, w2_packed, w2_scale, dtype_name(z.dtype))
+        per_pair[pairs] = _expert_forward(rows, *weights_e, situ_beta, situ_linear_beta).to(acc)
     weighted = per_pair.reshape(B, k, -1) * weights.to(acc).unsqueeze(-1)
     return weighted.sum(1).to(z.dtype)
 

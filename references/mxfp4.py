@@ -96,36 +96,35 @@ def _scale_bytes(unbiased_exp: torch.Tensor, amax: torch.Tensor) -> torch.Tensor
     return byte.to(torch.uint8)
 
 
-def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """|x| rounded to the E2M1 magnitudes with ties to even mantissa, saturating at 6 (float64 in/out).
+# Midpoints between neighbouring E2M1 magnitudes. A value exactly on a midpoint goes to the even
+# mantissa: down at 0.25, 1.25, 2.5, 5 and up at 0.75, 1.75, 3.5 (the `TIES_UP` ones).
+MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)
+TIES_UP = torch.tensor([0.75, 1.75, 3.5], dtype=torch.float64)
 
-    Thresholds (compressed-tensors cast_to_fp4): <=0.25 -> 0, <0.75 -> 0.5, <=1.25 -> 1, <1.75 -> 1.5,
-    <=2.5 -> 2, <3.5 -> 3, <=5 -> 4, else 6. Inclusive bounds are the ties that go to the even code.
+
+def e2m1_index(x: torch.Tensor) -> torch.Tensor:
+    """Index 0..7 of |x| rounded to the E2M1 magnitudes, ties to even, saturating at 6 (NaN -> 0).
+
+    Same as compressed-tensors cast_to_fp4: <=0.25 -> 0, <0.75 -> 0.5, <=1.25 -> 1, <1.75 -> 1.5,
+    <=2.5 -> 2, <3.5 -> 3, <=5 -> 4, else 6.
     """
-    a = x.abs()
-    out = torch.full_like(a, 6.0)
-    # walk from the top so each lower threshold overwrites: (value, upper bound, bound inclusive?)
-    for value, bound, inclusive in ((4.0, 5.0, True), (3.0, 3.5, False), (2.0, 2.5, True),
-                                    (1.5, 1.75, False), (1.0, 1.25, True), (0.5, 0.75, False),
-                                    (0.0, 0.25, True)):
-        below = a <= bound if inclusive else a < bound
-        out = torch.where(below, torch.full_like(a, value), out)
-    return torch.where(torch.isnan(a), a, out)
+    a = x.abs().to(torch.float64)
+    idx = torch.bucketize(a, MIDPOINTS, right=False) + torch.isin(a, TIES_UP).to(torch.int64)
+    return torch.where(torch.isnan(a), torch.zeros_like(idx), idx)
 
 
-def _codes_of(mag: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
-    idx = torch.searchsorted(E2M1_LUT[:8].contiguous(), mag.contiguous())
-    return (idx + 8 * negative.to(torch.int64)).to(torch.uint8)
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """|x| rounded to an E2M1 magnitude (float64), see `e2m1_index`."""
+    return E2M1_LUT[e2m1_index(x)]
 
 
 def _quantize(w: torch.Tensor, unbiased_exp: torch.Tensor, amax: torch.Tensor, signed_zero: bool):
     g = w.to(torch.float64).reshape(w.shape[0], -1, GROUP)
     byte = _scale_bytes(unbiased_exp, amax)
-    x = g / scale_values(byte).clamp_min(2.0 ** -127).unsqueeze(-1)   # exact: division by a power of two
-    mag = round_to_e2m1(x)
-    mag = torch.nan_to_num(mag, nan=0.0)            # NaN groups: codes 0 under the 0xFF (NaN) scale
-    negative = torch.signbit(g) if signed_zero else (g < 0) & (mag > 0)
-    codes = _codes_of(mag, negative).reshape(w.shape)
+    x = g / scale_values(byte).unsqueeze(-1)      # exact: division by a power of two (NaN for 0xFF)
+    idx = e2m1_index(x)                             # NaN groups get codes 0 under the NaN scale
+    negative = torch.signbit(g) if signed_zero else (g < 0) & (idx > 0)
+    codes = (idx + 8 * negative.to(torch.int64)).to(torch.uint8).reshape(w.shape)
     return pack_fp4(codes), byte
 
 

@@ -1,0 +1,184 @@
+"""Registry entries for the LatentMoE ops (references/moe.py): router_topk, moe_experts_mxfp4,
+latent_norm_up, shared_experts, l2_prefetch. Splits live in verify/ops/moe_splits.py.
+
+Weights are normal with std fan_in^-1/2 (MXFP4 experts: quantised the same way), so every
+activation stays O(1); activations follow the case's distribution.
+"""
+from __future__ import annotations
+
+import torch
+
+from references.config import get_config
+from references.moe import router_choice_scores
+from verify.case import Case
+from verify.opdef import OpDef, OpInputs
+from verify.ops.common_splits import activation, gen_for, norm_weight, replicated_split, weight, working_dtype
+from verify.ops.moe_splits import MOE_EXPERTS_TP_SPLIT, SHARED_EXPERTS_SPLIT
+from verify.ops.mxfp4 import mxfp4_weight
+from verify.values import GENERIC_DISTS
+
+ROUTER_BIAS_STD = 0.1          # e_score_correction_bias: small next to the sigmoid's (0, 1) range
+K3_CPU_EXPERTS = 32            # k3 expert dims with fewer experts (896 x 16.5 MB of MXFP4 = 14.8 GB)
+
+
+# ---------------------------------------------------------------------------------------------- router
+def _near_tie_router(case: Case, x: torch.Tensor, w_gate: torch.Tensor, top_k: int):
+    """Scores that tie or nearly tie at the k-th place, for every token.
+
+    A group of g experts (random ids) shares one gate row and one bias, and competes for the last m
+    slots (m < g): the k-m surest experts get bias +2, every other expert -2. Members other than the
+    first are exact copies (exact tie: lower id wins) or differ by one ulp in one weight or in the
+    bias (a near tie inside the scores' rounding band).
+    """
+    g = gen_for(case, "near_ties")
+    E = w_gate.shape[0]
+    perm = torch.randperm(E, generator=g)
+    size = int(torch.randint(2, min(4, E - top_k + 1) + 1, (1,), generator=g))
+    slots = int(torch.randint(1, min(top_k, size - 1) + 1, (1,), generator=g))
+    sure, group = perm[:top_k - slots], perm[top_k - slots:top_k - slots + size]
+    bias = torch.full((E,), -2.0, dtype=torch.float32)
+    bias[sure] = 2.0
+    bias[group] = 0.5
+    w_gate = w_gate.clone()
+    base = w_gate[group[0]].clone()
+    for e in group[1:].tolist():
+        w_gate[e] = base
+        kind = int(torch.randint(0, 3, (1,), generator=g))   # 0 exact, 1 weight ulp, 2 bias ulp
+        if kind == 1:
+            d = int(torch.randint(0, w_gate.shape[1], (1,), generator=g))
+            w_gate[e, d] = torch.nextafter(base[d:d + 1], torch.tensor([float("inf")], dtype=base.dtype))[0]
+        elif kind == 2:
+            bias[e] = torch.nextafter(bias[e:e + 1], torch.tensor([1.0]))[0]
+    return x, w_gate, bias
+
+
+def make_router_topk_inputs(case: Case) -> OpInputs:
+    cfg = get_config(case.config)
+    wd, B, D, E = working_dtype(case), case.batch, cfg.hidden, cfg.n_experts
+    top_k = int(case.knob("top_k", cfg.top_k))
+    x = activation(case, "x", (B, D), wd)
+    w_gate = weight(case, "w_gate", (E, D), D, wd)
+    bias = (torch.randn(E, generator=gen_for(case, "bias")) * ROUTER_BIAS_STD).to(torch.float32)
+    if case.dist == "near_ties":
+        x, w_gate, bias = _near_tie_router(case, x, w_gate, top_k)
+    return OpInputs({"x": x, "w_gate": w_gate, "bias": bias},
+                    {"top_k": top_k, "routed_scale": float(case.knob("routed_scale", cfg.routed_scale))})
+
+
+def router_tie_scores(inputs: OpInputs) -> torch.Tensor:
+    """The selection scores (sigmoid + bias) in float64: what ties are judged on."""
+    t = inputs.tensors
+    return router_choice_scores(t["x"].double(), t["w_gate"].double(), t["bias"].double())[1]
+
+
+# ---------------------------------------------------------------------------------------------- experts
+def expert_dims(case: Case) -> tuple[int, int, int, int]:
+    """(E, L, I, top_k); k3 keeps its per-expert dims with K3_CPU_EXPERTS experts (knob 'n_experts')."""
+    cfg = get_config(case.config)
+    E = cfg.n_experts if case.config != "k3" else K3_CPU_EXPERTS
+    return int(case.knob("n_experts", E)), cfg.latent, cfg.moe_inter, cfg.top_k
+
+
+def make_moe_experts_inputs(case: Case) -> OpInputs:
+    cfg = get_config(case.config)
+    wd, B = working_dtype(case), case.batch
+    E, L, I, k = expert_dims(case)
+    g = gen_for(case, "routing")
+    ids = torch.argsort(torch.rand((B, E), generator=g), dim=1)[:, :k].contiguous()   # k distinct per token
+    w = torch.rand((B, k), generator=g, dtype=torch.float64) + 0.05
+    weights = (w / w.sum(-1, keepdim=True)).to(torch.float32)
+    wdist = "mxfp4_grid" if case.dist == "mxfp4_grid" else "normal"
+    # all experts in one [E*O, I] draw + quantisation (MXFP4 groups never cross a row)
+    w13_p, w13_s = mxfp4_weight(case, "w13", (E * 2 * I, L), L, wdist)
+    w2_p, w2_s = mxfp4_weight(case, "w2", (E * L, I), I, wdist)
+    return OpInputs(
+        {"z": activation(case, "z", (B, L), wd), "ids": ids, "weights": weights,
+         "w13_packed": w13_p.reshape(E, 2 * I, L // 2), "w13_scale": w13_s.reshape(E, 2 * I, -1),
+         "w2_packed": w2_p.reshape(E, L, I // 2), "w2_scale": w2_s.reshape(E, L, -1)},
+        {"situ_beta": cfg.situ_beta, "situ_linear_beta": cfg.situ_linear_beta})
+
+
+# ---------------------------------------------------------------------------------------------- dense
+def make_latent_norm_up_inputs(case: Case) -> OpInputs:
+    cfg = get_config(case.config)
+    wd, B, D, L = working_dtype(case), case.batch, cfg.hidden, cfg.latent
+    return OpInputs({"y_latent": activation(case, "y_latent", (B, L), wd),
+                     "norm_w": norm_weight(case, "norm_w", L, wd),
+                     "w_up": weight(case, "w_up", (D, L), L, wd),
+                     "shared_out": activation(case, "shared_out", (B, D), wd)},
+                    {"eps": cfg.rms_eps})
+
+
+def make_shared_experts_inputs(case: Case) -> OpInputs:
+    cfg = get_config(case.config)
+    wd, B, D, SI = working_dtype(case), case.batch, cfg.hidden, cfg.shared_inter
+    return OpInputs({"x": activation(case, "x", (B, D), wd),
+                     "w_gate_up": weight(case, "w_gate_up", (2 * SI, D), D, wd),
+                     "w_down": weight(case, "w_down", (D, SI), SI, wd)},
+                    {"situ_beta": cfg.situ_beta, "situ_linear_beta": cfg.situ_linear_beta})
+
+
+def make_l2_prefetch_inputs(case: Case) -> OpInputs:
+    """The next layer's expert weights (uint8) and a dense weight in the case dtype."""
+    cfg = get_config(case.config)
+    L, I = cfg.latent, cfg.moe_inter
+    packed, scale = mxfp4_weight(case, "next_w13", (2 * I, L), L, "mxfp4_grid")
+    return OpInputs({"w13_packed": packed, "w13_scale": scale,
+                     "w_dense": weight(case, "next_dense", (L, cfg.hidden), cfg.hidden, working_dtype(case))})
+
+
+OPS = [
+    OpDef(
+        name="router_topk", family="moe", reference="references.moe:router_topk",
+        make_inputs=make_router_topk_inputs, outputs=("ids", "weights"),
+        signature=("x[B,D] wd, w_gate[E,D] wd, bias[E] fp32, top_k: int, routed_scale: float "
+                   "-> ids[B,k] int64 (descending choice, lower id first on ties), weights[B,k] fp32"),
+        batch_dims={"x": 0, "ids": 0, "weights": 0},
+        split=replicated_split(), fused="fused.router_topk:router_topk",
+        dists=GENERIC_DISTS + ("near_ties",), tie_scores=router_tie_scores,
+        notes="Split: replicated (vLLM GateLinear). The expert-range scores split + gather is "
+              "references.moe.router_topk_scores_split, tested in test_tp_split_moe.py. near_ties "
+              "builds a tie group at the k-th place (exact copies and 1-ulp differences).",
+    ),
+    OpDef(
+        name="moe_experts_mxfp4", family="moe", reference="references.moe:moe_experts_mxfp4",
+        make_inputs=make_moe_experts_inputs, outputs=("y",),
+        signature=("z[B,L] wd, ids[B,k] int64, weights[B,k] fp32, w13_packed[E,2I,L/2] u8, "
+                   "w13_scale[E,2I,L/32] u8, w2_packed[E,L,I/2] u8, w2_scale[E,L,I/32] u8, "
+                   "situ_beta: float, situ_linear_beta: float -> y[B,L] wd"),
+        batch_dims={"z": 0, "ids": 0, "weights": 0, "y": 0},
+        split=MOE_EXPERTS_TP_SPLIT, configs=("tiny", "small"), cpu_ok=False, max_batch=32,
+        dists=GENERIC_DISTS + ("mxfp4_grid",),
+        notes="k3 is not in configs: 896 experts hold 14.8 GB of MXFP4 and the float64 oracle costs "
+              "~0.2 s per (token, expert) at k3 dims, so a case exceeds the ~2 s CPU budget; "
+              "make_inputs serves k3 dims with 32 experts (knob 'n_experts') for device runs; "
+              "max_batch 32 keeps a small-config case (256 (token, expert) pairs) near 1 s. "
+              "Split: TP over the intermediate dim (zero-padded, moe_tp_shard_width); EP is "
+              "verify.ops.moe_splits.MOE_EXPERTS_EP_SPLIT, tested in test_tp_split_moe.py.",
+    ),
+    OpDef(
+        name="latent_norm_up", family="moe", reference="references.moe:latent_norm_up",
+        make_inputs=make_latent_norm_up_inputs, outputs=("out",),
+        signature="y_latent[B,L] wd, norm_w[L] wd, w_up[D,L] wd, shared_out[B,D] wd, eps: float -> out[B,D] wd",
+        batch_dims={"y_latent": 0, "shared_out": 0, "out": 0},
+        split=replicated_split(), dists=GENERIC_DISTS,
+        notes="Replicated: runs after the one all-reduce of (latent partial, shared partial).",
+    ),
+    OpDef(
+        name="shared_experts", family="moe", reference="references.moe:shared_experts",
+        make_inputs=make_shared_experts_inputs, outputs=("y",),
+        signature=("x[B,D] wd, w_gate_up[2I,D] wd ([gate; up]), w_down[D,I] wd, situ_beta: float, "
+                   "situ_linear_beta: float -> y[B,D] wd"),
+        batch_dims={"x": 0, "y": 0},
+        split=SHARED_EXPERTS_SPLIT, dists=GENERIC_DISTS,
+        notes="Column (gate/up rows) then row (down columns) split; partial [B,D] per rank, rank-order "
+              "fp32 fold. k3 weights are 12288x7168 + 7168x6144 (about 1 GB upcast to float64).",
+    ),
+    OpDef(
+        name="l2_prefetch", family="moe", reference="references.moe:l2_prefetch",
+        make_inputs=make_l2_prefetch_inputs, outputs=(),
+        signature="w13_packed[2I,L/2] u8, w13_scale[2I,L/32] u8, w_dense[L,D] wd -> None (no effect)",
+        split=None, dists=("normal",),
+        notes="No observable effect: every input bitwise unchanged, nothing written. dtype = the dense weight's.",
+    ),
+]
