@@ -24,23 +24,29 @@ MAX_BLOCKS = 8                                      # n_blocks + 1 <= 9 sources
 
 @dataclass(frozen=True)
 class AttnResConfig:
-    """Launch variant: threads per CTA (one CTA per row)."""
+    """Launch variant: threads per CTA, and CTAs per row (a cluster splitting D; partial sums
+    are exchanged through distributed shared memory). One CTA streams ~26 GB/s, so one CTA per
+    row leaves a small batch latency-bound on a few SMs; a cluster spreads a row over up to 8."""
     num_threads: int = 256
+    cluster_n: int = 1
 
     @staticmethod
-    def for_shape(D: int, elem_bits: int = 16) -> "AttnResConfig":
-        """Fewest vectors per thread without idle warps: 448 threads x 2 vectors at D=7168."""
-        n_vec = D // (128 // elem_bits)
-        for t in (448, 512, 256, 128):
-            if n_vec % t == 0:
-                return AttnResConfig(t)
-        return AttnResConfig(min(512, -(-n_vec // 32) * 32))
+    def for_shape(D: int, elem_bits: int = 16, B: int = 64) -> "AttnResConfig":
+        n = 8 if B <= 16 else 4 if B <= 32 else 2
+        while n > 1 and (D // (128 // elem_bits)) % n:
+            n //= 2
+        n_vec = D // (128 // elem_bits) // n
+        for t in (448, 512, 256, 224, 128):
+            if n_vec % t == 0 and n_vec // t <= 2:
+                return AttnResConfig(t, n)
+        return AttnResConfig(min(512, -(-n_vec // 32) * 32), n)
 
     @staticmethod
     def all_configs(D: int, elem_bits: int = 16) -> list["AttnResConfig"]:
-        """Every variant a launch may use at this D: the dispatcher's pick and the fixed sizes."""
-        picks = {AttnResConfig.for_shape(D, elem_bits).num_threads, 128, 256, 448, 512}
-        return [AttnResConfig(t) for t in sorted(picks)]
+        """Every variant a launch may use at this D: the dispatcher's picks and the fixed sizes."""
+        picks = {AttnResConfig.for_shape(D, elem_bits, b) for b in (1, 32, 64)}
+        picks |= {AttnResConfig(t) for t in (128, 256, 448, 512)}
+        return sorted(picks, key=lambda c: (c.cluster_n, c.num_threads))
 
 
 class AttnResRMSNorm:
@@ -48,14 +54,15 @@ class AttnResRMSNorm:
 
     def __init__(self, dtype, D: int, n_blocks: int, config: AttnResConfig = AttnResConfig()):
         self.dtype, self.D, self.n_blocks = dtype, D, n_blocks
-        self.num_threads = config.num_threads
+        self.num_threads, self.cluster_n = config.num_threads, config.cluster_n
         self.num_warps = config.num_threads // 32
         self.vec = 128 // dtype.width
-        if D % self.vec != 0:
-            raise ValueError(f"D: {D} must be a multiple of {self.vec} (16-byte vectors)")
+        if D % (self.vec * self.cluster_n) != 0:
+            raise ValueError(f"D: {D} must be a multiple of {self.vec * self.cluster_n} "
+                             f"(16-byte vectors x {self.cluster_n} CTAs per row)")
         if not 0 <= n_blocks <= MAX_BLOCKS:
             raise ValueError(f"n_blocks: {n_blocks} must be in 0..8 (n_blocks + 1 <= 9 sources)")
-        self.n_vec = D // self.vec
+        self.n_vec = D // self.vec // self.cluster_n     # vectors of this CTA's column slice
         self.vpt = -(-self.n_vec // self.num_threads)  # vectors per thread
         self.even = self.n_vec % self.num_threads == 0
         self.n_src = n_blocks + 1
@@ -67,14 +74,16 @@ class AttnResRMSNorm:
                  stream):
         self.kernel(mPrefix, mDelta, mBlocks, mResNormW, mResProjW, mNormW, mOut,
                     block_write, eps, norm_eps).launch(
-            grid=[mPrefix.shape[0], 1, 1], block=[self.num_threads, 1, 1], stream=stream)
+            grid=[self.cluster_n, mPrefix.shape[0], 1], block=[self.num_threads, 1, 1],
+            cluster=[self.cluster_n, 1, 1] if const_expr(self.cluster_n > 1) else None,
+            stream=stream)
 
     @cute.kernel
     def kernel(self, mPrefix: cute.Tensor, mDelta: cute.Tensor, mBlocks: cute.Tensor,
                mResNormW: cute.Tensor, mResProjW: cute.Tensor, mNormW: cute.Tensor,
                mOut: cute.Tensor, block_write: Int32, eps: Float32, norm_eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
-        row, _, _ = cute.arch.block_idx()
+        rank, row, _ = cute.arch.block_idx()             # rank = CTA's column slice of the row
         vec, V, S, dt = self.vec, self.vpt, self.n_src, self.dtype
         rows = lambda t: cute.zipped_divide(t, (vec,))  # ((vec), n_vec)
         gP, gD, gO = rows(mPrefix[row, None]), rows(mDelta[row, None]), rows(mOut[row, None])
@@ -88,8 +97,8 @@ class AttnResRMSNorm:
         dl.fill(0.0)
         w.fill(0.0)
         for i in cutlass.range_constexpr(V):  # every load issued before the first use
-            c = tidx + i * self.num_threads
-            if const_expr(self.even) or c < self.n_vec:
+            c = rank * self.n_vec + tidx + i * self.num_threads
+            if const_expr(self.even) or tidx + i * self.num_threads < self.n_vec:
                 for j in cutlass.range_constexpr(S - 1):
                     x[None, i, j].store(rows(mBlocks[row, j, None])[None, c].load())
                 x[None, i, S - 1].store(gP[None, c].load())
@@ -110,7 +119,8 @@ class AttnResRMSNorm:
                 part[2 * j + 1] += (v * q).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         smem = cutlass.memory.SmemAllocator()
         red = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps, 2 * S + 1)), 16)
-        self.block_sum(part, red, 0, 2 * S)
+        xch = smem.allocate_tensor(Float32, cute.make_layout(2 * S + 1), 16)  # read by the cluster
+        self.block_sum(part, red, xch, 0, 2 * S)
         # softmax over sources of score_j = dot_j * rsqrt(mean x_j^2 + eps)
         score = cute.make_rmem_tensor(S, Float32)
         m = -Float32.inf
@@ -133,13 +143,13 @@ class AttnResRMSNorm:
             mix[None, i].store(acc.to(dt))
             mx = mix[None, i].load().to(Float32)
             ss[0] += (mx * mx).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        self.block_sum(ss, red, 2 * S, 1)
+        self.block_sum(ss, red, xch, 2 * S, 1)
         rstd = cute.math.rsqrt(ss[0] / self.D + norm_eps)
         zero = cute.make_rmem_tensor(vec, dt)
         zero.fill(0.0)
         for i in cutlass.range_constexpr(V):
-            c = tidx + i * self.num_threads
-            if const_expr(self.even) or c < self.n_vec:
+            c = rank * self.n_vec + tidx + i * self.num_threads
+            if const_expr(self.even) or tidx + i * self.num_threads < self.n_vec:
                 y = (mix[None, i].load().to(Float32) * rstd).to(dt).to(Float32)
                 gO[None, c].store((y * w[None, i, 2].load().to(Float32)).to(dt))
                 if block_write >= 0:
@@ -147,11 +157,15 @@ class AttnResRMSNorm:
                     gP[None, c].store(zero.load())
                 else:
                     gP[None, c].store(x[None, i, S - 1].load())
+        if const_expr(self.cluster_n > 1):   # peers may still read this CTA's xch
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     @cute.jit
-    def block_sum(self, vals: cute.Tensor, red: cute.Tensor, col0: cutlass.Constexpr[int],
-                  n: cutlass.Constexpr[int]):
-        """vals[k] <- sum over the CTA of vals[k], k < n; red[:, col0:col0+n] is scratch."""
+    def block_sum(self, vals: cute.Tensor, red: cute.Tensor, xch: cute.Tensor,
+                  col0: cutlass.Constexpr[int], n: cutlass.Constexpr[int]):
+        """vals[k] <- sum over the CTA (and its cluster) of vals[k], k < n. Butterfly sums in a
+        fixed order: every thread of every CTA of the row gets the same bits."""
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         for k in cutlass.range_constexpr(n):
             vals[k] = cute.arch.warp_reduction(vals[k], operator.add)
@@ -164,6 +178,20 @@ class AttnResRMSNorm:
             if lane < self.num_warps:
                 t = red[lane, col0 + k]
             vals[k] = cute.arch.warp_reduction(t, operator.add)
+        if const_expr(self.cluster_n > 1):
+            if cute.arch.thread_idx()[0] == 0:
+                for k in cutlass.range_constexpr(n):
+                    xch[col0 + k] = vals[k]
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            for k in cutlass.range_constexpr(n):
+                t = Float32(0.0)
+                if lane < self.cluster_n:
+                    peer = cute.arch.map_dsmem_ptr(xch.iterator + (col0 + k), lane)
+                    t = cute.arch.inline_ptx("ld.shared::cluster.f32 {$w0}, [{$r0}];",
+                                             write_only_types=[Float32],
+                                             read_only_args=[peer.toint()])
+                vals[k] = cute.arch.warp_reduction(t, operator.add)
 
 
 @runtime.compile_cache("attn_res_rmsnorm")
@@ -203,7 +231,7 @@ def launch(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, out, n_blocks:
     if prefix.shape[0] == 0:
         return
     D = prefix.shape[1]
-    cfg = variant or AttnResConfig.for_shape(D, 8 * prefix.element_size())
+    cfg = variant or AttnResConfig.for_shape(D, 8 * prefix.element_size(), prefix.shape[0])
     fn = _compile(runtime.dtype_name(prefix.dtype), D, n_blocks, cfg)
     fn(prefix, delta.contiguous(), blocks, res_norm_w.contiguous(),
        res_proj_w.reshape(-1).contiguous(), norm_w.contiguous(), out, block_write, eps, norm_eps)
