@@ -176,9 +176,10 @@ OPS = [
     ),
     OpDef(
         name="l2_prefetch", family="moe", reference="references.moe:l2_prefetch",
-        make_inputs=make_l2_prefetch_inputs, outputs=(),
+        make_inputs=make_l2_prefetch_inputs, outputs=(), state=("w13_packed", "w13_scale", "w_dense"),
         signature="w13_packed[2I,L/2] u8, w13_scale[2I,L/32] u8, w_dense[L,D] wd -> None (no effect)",
         split=None, dists=("normal",),
-        notes="No observable effect: every input bitwise unchanged, nothing written. dtype = the dense weight's.",
+        notes="No observable effect: every input bitwise unchanged, nothing written. The inputs are "
+              "declared state only so that they are judged (bitwise) after the call. dtype = the dense weight's.",
     ),
 ]
