@@ -17,6 +17,7 @@ from verify.cases import Profile, case_strategy, tp_sweep_cases
 from verify.evaluate import evaluate_case
 from verify.opdef import OpDef
 from verify.specs import SpecError, load_spec
+from verify.worker import FATAL_STAGES
 from verify.verdict import FAIL, PASS, SKIP, VACUOUS, WAIVED, XPASS, CaseVerdict, OpVerdict
 
 
@@ -34,6 +35,7 @@ class RunOptions:
     tps: list[int] | None = None
     on_case: Callable[[CaseVerdict], None] | None = None     # called for every case as it completes
     examples: int | None = None                               # override profile.examples
+    evaluator: Callable | None = None     # (op_name, case, label, device) -> CaseVerdict; None = in-process
 
 
 def repro_command(case: Case, candidate: str, device: str) -> str:
@@ -70,8 +72,25 @@ def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions) -> OpVerdict:
     seen: list[CaseVerdict] = []
     waived_fail, waived_pass = [], []
 
+    done: dict[str, CaseVerdict] = {}       # case json -> verdict: hypothesis replays and shrinks reuse it
+    fatal: list[CaseVerdict] = []           # a hang or crash: stop drawing (each would cost a timeout)
+
     def run_one(case: Case) -> CaseVerdict:
-        v = safe_evaluate(op, case, fn, label, opts.device, spec)
+        key = case.to_json()
+        if key in done:
+            v = done[key]
+            if v.status == XPASS or (v.status == FAIL and v not in waived_fail):
+                raise _CaseFailed(v)
+            return v
+        if fatal:
+            reject()
+        if opts.evaluator is not None:
+            v = opts.evaluator(op.name, case, label, opts.device)
+        else:
+            v = safe_evaluate(op, case, fn, label, opts.device, spec)
+        done[key] = v
+        if v.status == FAIL and v.stage in FATAL_STAGES:
+            fatal.append(v)
         seen.append(v)
         if opts.on_case:
             opts.on_case(v)
@@ -79,8 +98,9 @@ def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions) -> OpVerdict:
         if waiver is not None and v.status in (PASS, FAIL):
             (waived_pass if v.status == PASS else waived_fail).append(v)
             if v.status == PASS:
-                raise _CaseFailed(CaseVerdict(v.op, label, v.case, XPASS, "waiver",
-                                              f"waived case now passes; remove the waiver ({waiver.reason})"))
+                done[key] = CaseVerdict(v.op, label, v.case, XPASS, "waiver",
+                                        f"waived case now passes; remove the waiver ({waiver.reason})")
+                raise _CaseFailed(done[key])
             return v
         return v
 
@@ -102,9 +122,15 @@ def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions) -> OpVerdict:
         failure = e.verdict
     except Unsatisfiable:
         failure = CaseVerdict(op.name, label, "", FAIL, "inputs", "every drawn case was vacuous")
+    if failure is None and fatal:
+        failure = fatal[0]
     if failure is None:
         for case in tp_sweep_cases(op, profile, opts.seed, opts.tps):
-            v = run_one(case)
+            try:
+                v = run_one(case)
+            except _CaseFailed as e:      # a waived case that now passes
+                failure = e.verdict
+                break
             if v.status == FAIL and v not in waived_fail:
                 failure = v
                 break
