@@ -107,3 +107,23 @@ def sum_outputs_combine(names: tuple[str, ...]):
         return {n: fold_ranks([res[n] for res in per_rank]) for n in names}
 
     return combine
+
+
+def run_reference(op, inputs: OpInputs, fn=None) -> dict[str, torch.Tensor]:
+    """Run op's reference (or fn) on a copy of inputs; return {output name: tensor, state name: after}."""
+    from verify.registry import import_callable
+    fn = fn or import_callable(op.reference)
+    tensors = {k: v.clone() for k, v in inputs.tensors.items()}
+    result = fn(**tensors, **inputs.params)
+    if len(op.outputs) == 1:
+        result = (result,)
+    named = dict(zip(op.outputs, result or ()))
+    named.update({s: tensors[s] for s in op.state})
+    return named
+
+
+def run_split(op, inputs: OpInputs, T: int, split: SplitRule | None = None, fn=None) -> dict[str, torch.Tensor]:
+    """Shard inputs over T simulated ranks, run the reference per rank, combine (one process)."""
+    split = split or op.split
+    per_rank = [run_reference(op, OpInputs(s.tensors, s.params), fn) for s in split.shard(inputs, T)]
+    return split.combine(per_rank, inputs)
