@@ -170,19 +170,17 @@ def mla_attention(x: torch.Tensor, w: LayerWeights, state: LayerState, slots: to
     return out
 
 
-def router_margin(x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
-    """k-th minus (k+1)-th biased choice score per token (acc): how near the routing is to a tie."""
-    _, choice = router_choice_scores(x, w["w_router"], w["router_bias"])
-    top = choice.topk(w.config.top_k + 1, dim=-1).values
-    return top[:, -2] - top[:, -1]
+def router_choice(x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+    """The biased choice scores [B,E] (acc) the top-k selected from: what a tie-aware check needs."""
+    return router_choice_scores(x, w["w_router"], w["router_bias"])[1]
 
 
 def latent_moe(x: torch.Tensor, w: LayerWeights, routing: list | None = None) -> torch.Tensor:
-    """K3 LatentMoE on the normed x[B,D]; appends (ids, margin) to `routing` when given."""
+    """K3 LatentMoE on the normed x[B,D]; appends (ids, choice scores) to `routing` when given."""
     cfg = w.config
     ids, route_w = router_topk(x, w["w_router"], w["router_bias"], cfg.top_k, cfg.routed_scale)
     if routing is not None:
-        routing.append((ids, router_margin(x, w)))
+        routing.append((ids, router_choice(x, w)))
     z = linear(x, w["w_latent_down"])
     y = moe_experts_mxfp4(z, ids, route_w, w["w13_packed"], w["w13_scale"], w["w2_packed"], w["w2_scale"],
                           cfg.situ_beta, cfg.situ_linear_beta)
@@ -252,7 +250,7 @@ def decode_steps(layer_kind: str, weights: LayerWeights, state: LayerState, x_st
     to x_steps[t] before step t; state.blocks stay the token's block snapshots). Returns prefix_out[N,B,D].
 
     tp=None runs the unsplit layer, tp=T the tensor-parallel form (references.layers_tp). `routing`
-    collects (ids, margin) per step for MoE layers.
+    collects (ids[B,k], choice scores[B,E]) per step for MoE layers.
     """
     if layer_kind not in DEFAULT_LAYER:
         raise ValueError(f"layer_kind: {layer_kind!r} is unknown; use one of {sorted(DEFAULT_LAYER)}")
@@ -277,3 +275,31 @@ def decode_steps(layer_kind: str, weights: LayerWeights, state: LayerState, x_st
         else:
             outs.append(dense_layer0(weights, state))
     return torch.stack(outs)
+
+
+# ---------------------------------------------------------------------------------------------- registry form
+def _flat_state(x_steps, blocks, **state_tensors) -> LayerState:
+    check_tensor("x_steps", x_steps, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("blocks", blocks, ndim=3, dtypes=(x_steps.dtype,))
+    # prefix and blocks are working copies: the registry's x_steps and blocks are plain inputs
+    return LayerState(prefix=torch.zeros_like(x_steps[0]), blocks=blocks.clone(), **state_tensors)
+
+
+def kda_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, conv_state: torch.Tensor,
+                    recurrent_state: torch.Tensor, layer_idx: int, config: str, **weights: torch.Tensor) -> torch.Tensor:
+    """Registry form of decode_steps for a KDA layer: flat tensors in, prefix_steps[N,B,D] out;
+    conv_state and recurrent_state updated in place. weights: the names of references.weights."""
+    from references.config import get_config
+    w = LayerWeights("kda", get_config(config), x_steps.dtype, weights)
+    state = _flat_state(x_steps, blocks, conv_state=conv_state, recurrent_state=recurrent_state)
+    return decode_steps("kda", w, state, x_steps, layer_idx)
+
+
+def mla_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, layer_idx: int, config: str, **weights: torch.Tensor) -> torch.Tensor:
+    """Registry form of decode_steps for a gated MLA layer: prefix_steps[N,B,D] out; each step's latents
+    are written to cache at the next slot of block_table, seq_lens advanced by N (both in place)."""
+    from references.config import get_config
+    w = LayerWeights("mla", get_config(config), x_steps.dtype, weights)
+    state = _flat_state(x_steps, blocks, cache=cache, block_table=block_table, seq_lens=seq_lens)
+    return decode_steps("mla", w, state, x_steps, layer_idx)

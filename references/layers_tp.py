@@ -21,7 +21,7 @@ from references.config import K3Config
 from references.kda import kda_attention_step
 from references.kda_tp import combine_kda_attention_step, shard_kda_attention_step
 from references.layers import (LayerState, attn_side, check_layer_args, check_layer_idx, next_slots,
-                               router_margin)
+                               router_choice)
 from references.mla import mla_attention_step_tp
 from references.moe import (latent_norm_up, moe_experts_mxfp4, moe_tp_shard_width, router_topk,
                             shared_experts)
@@ -106,7 +106,7 @@ def latent_moe_tp(x: torch.Tensor, w: LayerWeights, T: int, routing: list | None
     cfg = w.config
     ids, route_w = router_topk(x, w["w_router"], w["router_bias"], cfg.top_k, cfg.routed_scale)   # replicated
     if routing is not None:
-        routing.append((ids, router_margin(x, w)))
+        routing.append((ids, router_choice(x, w)))
     z = linear(x, w["w_latent_down"])                                                              # replicated
     latent_parts = [moe_experts_mxfp4(z, ids, route_w, s["w13_packed"], s["w13_scale"], s["w2_packed"],
                                       s["w2_scale"], cfg.situ_beta, cfg.situ_linear_beta)

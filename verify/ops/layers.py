@@ -1,0 +1,122 @@
+"""Registry entries for whole layers over decode steps: kda_layer and mla_layer (references/layers.py).
+
+A case is one K3 layer (index from the seed or the `layer_idx` knob) with seeded synthetic weights
+(references.weights, seed = case.seed), B sequences with warm state, stepped N decode steps (knob
+`steps`, default 3). x_steps follows the case's distribution; weights stay as references.weights
+draws them. The block snapshots fill all 8 slots (those past n_blocks must be ignored; a push layer
+overwrites slot n_blocks) at per-block scales 2^-2..2^2, as block sums differ in size.
+"""
+from __future__ import annotations
+
+import torch
+
+from references.config import get_config
+from references.layers import BLOCK_SLOTS, layer_kind_of
+from references.weights import make_layer_weights
+from verify.case import Case
+from verify.opdef import OpDef, OpInputs
+from verify.ops.common_splits import activation, gen_for, working_dtype
+from verify.ops.kda import starting_state
+
+DEFAULT_STEPS = 3
+MAX_BATCH = 4            # the reference loops over (token, expert) pairs in Python: keep a case ~1 s
+MAX_CONTEXT_PAGES = 4    # MLA context already cached before the first step, per sequence
+# layer indices worth drawing: first layer of a block (push), 1..8 blocks before the layer, the last layers
+KDA_LAYERS = (1, 2, 12, 13, 24, 50, 84, 85, 90)
+MLA_LAYERS = (3, 11, 15, 47, 83, 87, 91, 92)
+DISTS = ("normal", "heavy_tailed", "outliers", "zero_rows")
+
+
+def _layer_idx(case: Case, kind: str) -> int:
+    choices = KDA_LAYERS if kind == "kda" else MLA_LAYERS
+    idx = int(case.knob("layer_idx", choices[int(torch.randint(0, len(choices), (1,), generator=gen_for(case, "layer")))]))
+    if layer_kind_of(idx) != kind:
+        raise ValueError(f"layer_idx={idx}: K3 layer {idx} is a {layer_kind_of(idx)!r} layer, not {kind!r}")
+    return idx
+
+
+def _steps(case: Case) -> int:
+    n = int(case.knob("steps", DEFAULT_STEPS))
+    if n < 1:
+        raise ValueError(f"steps={n}: a layer case needs at least one decode step")
+    return n
+
+
+def _common(case: Case, kind: str) -> tuple[dict, dict]:
+    cfg, wd, B = get_config(case.config), working_dtype(case), case.batch
+    weights = make_layer_weights(kind, cfg, case.seed, wd)
+    scales = torch.exp2(torch.randint(-2, 3, (BLOCK_SLOTS,), generator=gen_for(case, "block_scales")).double())
+    blocks = torch.stack([activation(case, f"block{i}", (B, cfg.hidden), wd, scale=float(scales[i]))
+                          for i in range(BLOCK_SLOTS)], dim=1)
+    x_steps = activation(case, "x_steps", (_steps(case), B, cfg.hidden), wd)
+    params = {"layer_idx": _layer_idx(case, kind), "config": case.config}
+    return {"x_steps": x_steps, "blocks": blocks, **weights.tensors}, params
+
+
+def make_kda_layer_inputs(case: Case) -> OpInputs:
+    tensors, params = _common(case, "kda")
+    cfg, wd, B = get_config(case.config), working_dtype(case), case.batch
+    C = cfg.n_heads * cfg.head_dim
+    tensors["conv_state"] = activation(case, "conv_state", (B, 3, C, cfg.conv_kernel - 1), wd, dist="normal")
+    tensors["recurrent_state"] = starting_state(case, B, cfg.n_heads, cfg.head_dim)
+    return OpInputs(tensors, params)
+
+
+def mla_paged_state(case: Case, n_steps: int) -> dict[str, torch.Tensor]:
+    """Cached context of 0..MAX_CONTEXT_PAGES pages per sequence (lengths around page boundaries drawn
+    too), pages a random permutation, room for n_steps more tokens, -1 past each row's pages; the whole
+    cache holds normal values, so a stray read or write shows."""
+    cfg, wd, B = get_config(case.config), working_dtype(case), case.batch
+    page, g = cfg.page_size, gen_for(case, "paged")
+    lengths = []
+    for _ in range(B):
+        m = int(torch.randint(0, MAX_CONTEXT_PAGES + 1, (1,), generator=g))
+        lengths.append(max(0, m * page + int(torch.randint(-1, 2, (1,), generator=g))))
+    need = [-(-(n + n_steps) // page) for n in lengths]
+    n_pages = sum(need) + 1
+    perm = torch.randperm(n_pages, generator=g).to(torch.int32)
+    table = torch.full((B, max(need) + 1), -1, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[start:start + n]
+        start += n
+    cache = activation(case, "cache", (n_pages, page, cfg.cache_dim), wd, dist="normal")
+    return {"cache": cache, "block_table": table, "seq_lens": torch.tensor(lengths, dtype=torch.int32)}
+
+
+def make_mla_layer_inputs(case: Case) -> OpInputs:
+    tensors, params = _common(case, "mla")
+    tensors.update(mla_paged_state(case, tensors["x_steps"].shape[0]))
+    return OpInputs(tensors, params)
+
+
+_SIG_COMMON = ("x_steps[N,B,D] wd (layer input h per step); blocks[B,8,D] wd (block snapshots)\n"
+               "weights: the tensors of references.weights.make_layer_weights (wd; conv_w, A_log, dt_bias, "
+               "o_norm_w, router_bias fp32; w13/w2 MXFP4 uint8)\n"
+               "layer_idx: int (K3 0-based); config: str (tiny | small | k3)\n")
+_NOTES = ("k3 is not run on CPU: the 896 MXFP4 experts are ~9.9 GB per layer and the Python (token, expert) "
+          "loop is slow; tiny/small have the same structure. No harness split rule: a whole layer all-reduces "
+          "mid-layer, which per-rank candidate calls cannot express; the TP form (references.layers_tp) is checked "
+          "against the unsplit layer in property_tests/test_layers.py for T in 1, 2, 4. Known limit: a token "
+          "whose router top-k is inside the tie band may pick another expert set in the candidate than in the "
+          "baseline; that row then differs by a whole expert (measured ~3% of bf16 rows at small, relative "
+          "error ~0.3): router_topk's tie-aware entry is where routing is certified. Knobs: steps, layer_idx.")
+
+OPS: list[OpDef] = [
+    OpDef(
+        name="kda_layer", family="layers", reference="references.layers:kda_layer_steps",
+        make_inputs=make_kda_layer_inputs, outputs=("prefix_steps",), state=("conv_state", "recurrent_state"),
+        signature=(_SIG_COMMON + "conv_state[B,3,H*Dh,W-1] wd (state); recurrent_state[B,H,Dh,Dh] fp32 (state)\n"
+                   "-> prefix_steps[N,B,D] wd (the layer's output prefix = next layer's h, per step)"),
+        batch_dims={"x_steps": 1, "blocks": 0, "conv_state": 0, "recurrent_state": 0, "prefix_steps": 1},
+        configs=("tiny", "small"), dists=DISTS, max_batch=MAX_BATCH, cpu_ok=False, notes=_NOTES,
+    ),
+    OpDef(
+        name="mla_layer", family="layers", reference="references.layers:mla_layer_steps",
+        make_inputs=make_mla_layer_inputs, outputs=("prefix_steps",), state=("cache", "seq_lens"),
+        signature=(_SIG_COMMON + "cache[P,page,kv_lora+rope] wd (state); block_table[B,pages] int32 (-1 padded); "
+                   "seq_lens[B] int32 (state: tokens cached, advanced by N)\n-> prefix_steps[N,B,D] wd"),
+        batch_dims={"x_steps": 1, "blocks": 0, "block_table": 0, "seq_lens": 0, "prefix_steps": 1},
+        configs=("tiny", "small"), dists=DISTS, max_batch=MAX_BATCH, cpu_ok=False, notes=_NOTES,
+    ),
+]
