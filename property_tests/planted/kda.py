@@ -87,7 +87,7 @@ def kda_in_proj_no_variant(x, w_in, w_fb, n_heads: int):
     """Dispatches on a table of tuned M; any other batch size raises instead of falling back."""
     if x.shape[0] not in TUNED_M:
         raise RuntimeError(f"kda_in_proj: no tuned kernel variant for M={x.shape[0]} (have {TUNED_M})")
-    return kda_in_proj(x, w_in, w_fb, n_heads)
+    return tuple(t.clone() for t in kda_in_proj(x, w_in, w_fb, n_heads))
 
 
 def kda_in_proj_beta_before_fa(x, w_in, w_fb, n_heads: int):
@@ -99,4 +99,5 @@ def kda_in_proj_beta_before_fa(x, w_in, w_fb, n_heads: int):
     beta_raw = merged[:, start:start + n_heads]
     f_a = merged[:, start + n_heads:start + n_heads + r]
     g_raw = linear(f_a, w_fb)
-    return (merged[:, lay["q"]], merged[:, lay["k"]], merged[:, lay["v"]], g_raw, beta_raw, merged[:, lay["z"]])
+    return tuple(t.clone() for t in (merged[:, lay["q"]], merged[:, lay["k"]], merged[:, lay["v"]], g_raw, beta_raw,
+                                      merged[:, lay["z"]]))
