@@ -48,10 +48,14 @@ def aliases_input(x, w):
     return x[:, :24]
 
 
+_calls = [0]
+
+
 def nondeterministic(x, w):
+    """Last bit depends on call parity, as an atomics-ordered reduction's might."""
     y = linear(x, w)
-    y.view(torch.int16)[0, 0] ^= int(torch.randint(0, 2, ()))
-    y.view(torch.int16)[1, 0] ^= 1 - int(torch.randint(0, 2, ()))
+    _calls[0] += 1
+    y.view(torch.int16)[0, 0] ^= _calls[0] % 2
     return y
 
 

@@ -140,18 +140,35 @@ def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu"
         return verdict(VACUOUS, "inputs", why)
     if case.tp > 1:
         return run_split(op, case, fn, inputs, inputs64, oracle, base, spec, device, verdict)
-    first = guarded_call(fn, op, inputs, base, device)
-    if first.error:
-        return verdict(FAIL, "candidate", f"candidate raised {first.error}")
-    checks = list(first.checks)
-    if all(c.ok for c in checks):
-        checks += judge(op, spec, first.results, oracle, base, inputs, inputs64)
-    if guards_on and all(c.ok for c in checks):
-        checks += _extra_runs(op, spec, case, fn, inputs, base, first.results, oracle, inputs64, device)
-    bad = [c for c in checks if not c.ok]
-    if bad:
-        return verdict(FAIL, bad[0].name, bad[0].detail, checks)
+    checks: list[Check] = []
+    for label, fn_v in launch_variants(fn, inputs):
+        first = guarded_call(fn_v, op, inputs, base, device)
+        if first.error:
+            return verdict(FAIL, "candidate", f"{label}candidate raised {first.error}", checks)
+        run = list(first.checks)
+        if all(c.ok for c in run):
+            run += judge(op, spec, first.results, oracle, base, inputs, inputs64)
+        if guards_on and all(c.ok for c in run):
+            run += _extra_runs(op, spec, case, fn_v, inputs, base, first.results, oracle, inputs64, device)
+        checks += [c if not label else Check(c.name, c.ok, label + c.detail, c.metrics, c.worst) for c in run]
+        bad = [c for c in checks if not c.ok]
+        if bad:
+            return verdict(FAIL, bad[0].name, bad[0].detail, checks)
     return verdict(PASS, checks=checks)
+
+
+def launch_variants(fn, inputs: OpInputs) -> list[tuple[str, object]]:
+    """The default launch plus every shape-tuned variant the candidate's module declares through
+    `variants(tensors, params)`: each is certified, not only the one the dispatcher picks."""
+    import functools
+    import sys
+
+    declare = getattr(sys.modules.get(getattr(fn, "__module__", ""), None), "variants", None)
+    runs = [("", fn)]
+    if callable(declare):
+        for v in declare(inputs.tensors, inputs.params):
+            runs.append((f"variant {getattr(v, 'name', v)}: ", functools.partial(fn, variant=v)))
+    return runs
 
 
 def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, device) -> list[Check]:
