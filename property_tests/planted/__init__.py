@@ -96,6 +96,11 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "op with no outputs returns a tensor"),
     ("l2_prefetch", f"{P}.moe:l2_prefetch_store_not_prefetch", "guard:inputs_unchanged|modified in place",
      "prefetch writes the weights"),
+    # ---- whole layers
+    ("kda_layer", f"{P}.layers:kda_layer_state_not_stored", "compare:recurrent_state",
+     "KDA recurrent state kept in scratch, never stored back"),
+    ("mla_layer", f"{P}.layers:mla_layer_seq_lens_not_advanced", "compare:seq_lens",
+     "seq_lens state not advanced after the cache writes"),
 ]
 
 
