@@ -27,8 +27,9 @@ def _near_tie_router(case: Case, x: torch.Tensor, w_gate: torch.Tensor, top_k: i
 
     A group of g experts (random ids) shares one gate row and one bias, and competes for the last m
     slots (m < g): the k-m surest experts get bias +2, every other expert -2. Members other than the
-    first are exact copies (exact tie: lower id wins) or differ by one ulp in one weight or in the
-    bias (a near tie inside the scores' rounding band).
+    first are exact copies (exact tie: lower id wins), differ by one fp32 ulp in the bias (a near tie
+    inside the scores' rounding band) or by one wd ulp in one gate weight (a close call, ~1e-4 apart,
+    just outside the band: the selection must then match exactly).
     """
     g = gen_for(case, "near_ties")
     E = w_gate.shape[0]
