@@ -79,9 +79,9 @@ def test_float64_and_bf16_agree_to_the_derived_bound(runs):
     """Derivation (also in tolerance_specs/{kda,mla}_layer.toml). Every op reference rounds its result
     once to bf16 (relative error <= u = 2^-8). The longest path from the layer input to the output prefix
     has R roundings (KDA 22, MLA 24); the maps between them are normalising (RMSNorm, L2 norm, softmax mixes,
-    fan_in^-1/2 projections), so each reaches the output with gain <= 1. Hence per row:
-      worst case (errors aligned):        max|err| / max|out| <= R u
-      independent roundings (quadrature): rms(err) / rms(out) <= u sqrt(2R/3)
+    fan_in^-1/2 projections), so each reaches the output with gain <= 1. Hence:
+      every row (errors aligned, worst case):        max|err| / max|out| <= R u
+      mean over rows (independent roundings add in quadrature):  rms(err) / rms(out) <= u sqrt(2R/3)
     where uniform rounding has rms u/sqrt(3) and the factor 2 under the root is the error the state carries
     from earlier steps: KDA's fp32 state follows S_t = A_t S_{t-1} + beta k u^T with ||A_t|| <= 1, each
     write carrying its own relative error, so the carried relative error stays at the per-write level (at
@@ -89,7 +89,8 @@ def test_float64_and_bf16_agree_to_the_derived_bound(runs):
     So the error must not grow with t: the mean rms error of the last 8 steps <= 2x that of the first 8
     (a compounding error, e.g. a state kept in bf16, grows ~t-fold over 32 steps).
     Rows whose expert set differs between the runs (router near-ties, checked to lie inside the tie band)
-    differ by a whole expert and are excluded."""
+    differ by a whole expert and are excluded. Measured (seed 21): KDA max 4.1u (bound 22u), mean rms
+    1.7u (bound 3.8u), early 1.72u -> late 1.77u; MLA max 2.5u (24u), mean rms 1.6u (4.0u), 1.59u -> 1.53u."""
     kind, R = runs["kind"], ROUNDINGS[runs["kind"]]
     o, b = runs["f64"]["prefix"], runs["bf16"]["prefix"].double()
     keep = ~_flipped_rows(runs)
@@ -99,24 +100,25 @@ def test_float64_and_bf16_agree_to_the_derived_bound(runs):
     rms_rel = err.pow(2).mean(-1).sqrt() / o.pow(2).mean(-1).sqrt()
     worst, rms_bound = R * U_BF16, U_BF16 * math.sqrt(2 * R / 3)
     assert float(max_rel[keep].max()) <= worst, f"{kind}: max rel error {float(max_rel[keep].max()):.4f} > {worst:.4f}"
-    assert float(rms_rel[keep].max()) <= rms_bound, \
-        f"{kind}: rms rel error {float(rms_rel[keep].max()) / U_BF16:.2f}u > {rms_bound / U_BF16:.2f}u"
+    assert float(rms_rel[keep].mean()) <= rms_bound, \
+        f"{kind}: mean rms rel error {float(rms_rel[keep].mean()) / U_BF16:.2f}u > {rms_bound / U_BF16:.2f}u"
     per_step = torch.stack([rms_rel[t][keep[t]].mean() for t in range(STEPS)])
     early, late = float(per_step[:8].mean()), float(per_step[-8:].mean())
     assert late <= 2 * early, f"{kind}: error grows over steps: {early / U_BF16:.2f}u -> {late / U_BF16:.2f}u"
 
 
 def test_state_agrees_and_does_not_drift(runs):
-    """State error stays at the per-write level (derivation above): KDA recurrent state relative error
-    (Frobenius per head) <= u sqrt(2R/3); MLA cache rows <= 2u (qkv_a rounding + RMSNorm rounding)."""
+    """State error stays at the per-write level (derivation above), worst case over the roundings before
+    the write: KDA (attn side 3, in_proj 1, conv 1, f_a/f_b 2) <= 7u per head (Frobenius, relative);
+    MLA cache rows (attn side 3, qkv_a 1, RMSNorm 2) <= 6u. Measured: ~2-2.7u and <= 2.3u, flat over 32 steps."""
     kind, s6, sb = runs["kind"], runs["f64"]["state"], runs["bf16"]["state"]
     if kind == "kda":
         S6, Sb = s6.recurrent_state, sb.recurrent_state.double()
         rel = (Sb - S6).norm(dim=(-2, -1)) / S6.norm(dim=(-2, -1))
-        assert float(rel.max()) <= U_BF16 * math.sqrt(2 * ROUNDINGS[kind] / 3)
+        assert float(rel.max()) <= 7 * U_BF16, f"recurrent state error {float(rel.max()) / U_BF16:.2f}u"
     else:
         rel = (sb.cache.double() - s6.cache).abs().amax(-1) / s6.cache.abs().amax(-1).clamp_min(1e-30)
-        assert float(rel.max()) <= 2 * U_BF16 * 2, f"cache row error {float(rel.max()) / U_BF16:.2f}u"
+        assert float(rel.max()) <= 6 * U_BF16, f"cache row error {float(rel.max()) / U_BF16:.2f}u"
 
 
 def test_state_evolves(runs):
