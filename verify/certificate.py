@@ -77,13 +77,50 @@ def op_sources(op: OpDef) -> dict[str, str | None]:
     }
 
 
-def build(verdicts: list[OpVerdict], ops: dict[str, OpDef], options: dict, device: str) -> dict:
+def _waivers(op_name: str) -> list[dict]:
+    from verify.specs import SpecError, load_spec
+
+    try:
+        return [w.model_dump() for w in load_spec(op_name).waivers]
+    except SpecError:
+        return []
+
+
+def build(verdicts: list[OpVerdict], ops: dict[str, OpDef], options: dict, device: str,
+          cases: dict | None = None, carried: dict | None = None) -> dict:
+    """cases: (op, candidate) -> compact case records (runlog.case_record); carried: op -> the old
+    certificate's entry for an op whose sources did not change (kept, marked carried_from)."""
     per_op: dict[str, dict] = {}
     for v in verdicts:
-        entry = per_op.setdefault(v.op, {"sources": op_sources(ops[v.op]), "verdicts": {}})
+        entry = per_op.setdefault(v.op, {"sources": op_sources(ops[v.op]), "verdicts": {}, "cases": {},
+                                         "waivers": _waivers(v.op)})
         entry["verdicts"][v.candidate] = asdict(v)
+        entry["cases"][v.candidate] = list((cases or {}).get((v.op, v.candidate), []))
+    for name, old in (carried or {}).items():
+        per_op[name] = old
     return {"format": FORMAT, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "environment": environment(device), "options": options, "ops": per_op}
+
+
+def carry_forward(old: dict, ops: dict[str, OpDef], candidates: list[str]) -> tuple[dict, list[str]]:
+    """Split ops into carried (sources unchanged since `old`, every candidate has a verdict there) and
+    changed. Returns (carried entries marked with carried_from, names to certify)."""
+    origin = {"created": old.get("created"), "git_commit": old.get("environment", {}).get("git_commit")}
+    carried, changed = {}, []
+    for name, op in ops.items():
+        prev = old.get("ops", {}).get(name)
+        if prev and prev.get("sources") == op_sources(op) and all(c in prev.get("verdicts", {}) for c in candidates):
+            entry = json.loads(json.dumps(prev))
+            for v in entry["verdicts"].values():
+                v.setdefault("carried_from", origin)
+            carried[name] = entry
+        else:
+            changed.append(name)
+    return carried, changed
+
+
+def op_verdicts(cert: dict) -> dict[tuple[str, str], dict]:
+    return {(name, cand): v for name, e in cert.get("ops", {}).items() for cand, v in e.get("verdicts", {}).items()}
 
 
 def write(cert: dict, out_dir: Path) -> Path:

@@ -160,3 +160,61 @@ def _summarise(op, label, opts, seen, failure, waived_fail, seconds) -> OpVerdic
 def replay(op: OpDef, case: Case, candidate: Candidate, device: str) -> CaseVerdict:
     fn = candidate.resolve(op, device)
     return safe_evaluate(op, case, fn, candidate.label, device, load_spec(op.name))
+
+
+def run_all(args, ops, candidates, profile, tps, device, log, console) -> tuple[list[OpVerdict], dict]:
+    """Every op x candidate of a `run`, by mode; each verdict goes to the run log as it completes.
+    Returns the op verdicts and (op, candidate) -> compact case records for the certificate."""
+    from rich.progress import Progress
+
+    from verify.runlog import case_record
+
+    prev = log.previous
+    cases: dict[tuple[str, str], list[dict]] = {k: list(v) for k, v in prev.cases.items()}
+
+    def on_case(v: CaseVerdict) -> None:
+        log.case(v)
+        cases.setdefault((v.op, v.candidate), []).append(case_record(v))
+
+    if args.distributed:
+        from verify.distributed import certify_distributed, collective_ops
+
+        chosen = ops if args.ops else collective_ops(ops)
+        verdicts = []
+        for cand in candidates:
+            verdicts += certify_distributed(chosen, cand.label, args.distributed, tps or [2, 4], args.seed,
+                                            on_case=on_case)
+        for v in verdicts:
+            log.op(v)
+        return verdicts, cases
+    runner = None
+    if not args.no_isolate and not args.sanitize:
+        from verify.worker import IsolatedRunner
+
+        runner = IsolatedRunner(case_timeout=args.case_timeout)
+    opts = RunOptions(device=device, profile=profile, seed=args.seed, tps=tps, examples=args.examples,
+                      on_case=on_case, evaluator=runner.evaluate if runner else None)
+    verdicts = []
+    try:
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("certifying", total=len(ops) * len(candidates))
+            for op in ops:
+                for cand in candidates:
+                    progress.update(task, description=f"{op.name} / {cand.label}")
+                    done = prev.op_verdicts.get((op.name, cand.label))
+                    if done is not None:
+                        v = done
+                    elif args.sanitize:
+                        from verify.sanitize import sanitize_op
+
+                        v = sanitize_op(op, cand.label, args.sanitize, args.seed)
+                    else:
+                        v = certify_op(op, cand, opts)
+                    if done is None:
+                        log.op(v)
+                    verdicts.append(v)
+                    progress.advance(task)
+    finally:
+        if runner is not None:
+            runner.close()
+    return verdicts, cases

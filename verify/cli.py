@@ -2,6 +2,8 @@
 
 Heavy imports (torch, hypothesis, cutlass) are deferred so --help and list answer at once.
 Exit codes: 0 every op certified (skips allowed and listed), 1 any op failed, 2 bad usage or config.
+`run` isolates candidates in a worker process (--no-isolate to run in-process), appends every verdict
+to OUT/run.jsonl (--resume continues a killed run), and writes OUT/certificate.json.
 """
 from __future__ import annotations
 
@@ -34,6 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("case", help="the case JSON printed with a failure")
     rp.add_argument("--candidate", default="reference", help="fused | compiled | reference | module:attr")
     rp.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    rep = sub.add_parser("report", help="one self-contained HTML page from a certificate")
+    rep.add_argument("certificate", metavar="CERT.json")
+    rep.add_argument("-o", "--output", default=None, help="HTML file (default: report.html beside CERT)")
+    di = sub.add_parser("diff", help="new failures, fixed ops and error growth between two certificates")
+    di.add_argument("old", metavar="OLD.json")
+    di.add_argument("new", metavar="NEW.json")
+    di.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
 
@@ -50,6 +59,19 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
     run.add_argument("--out", default="verify-out", help="directory for certificate.json")
     run.add_argument("--json", action="store_true", help="print the certificate JSON on stdout")
     run.add_argument("--junit", default=None, metavar="FILE", help="also write JUnit XML")
+    run.add_argument("--no-isolate", action="store_true",
+                     help="run candidates in this process (faster; a crash or hang ends the run)")
+    run.add_argument("--case-timeout", type=float, default=120.0, metavar="S",
+                     help="seconds per case before a candidate counts as hung (isolated runs; default 120)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue from OUT/run.jsonl: skip op/candidate pairs already finished")
+    run.add_argument("--changed-since", default=None, metavar="OLD.json",
+                     help="certify only ops whose sources changed since OLD.json; carry the rest forward")
+    run.add_argument("--distributed", default=None, choices=["gloo", "nccl"],
+                     help="real multi-process rank splits (one process per rank) for ops with a collective; "
+                          "T from --tp (default 2,4)")
+    run.add_argument("--sanitize", default=None, choices=["memcheck", "racecheck", "synccheck", "initcheck"],
+                     help="run each op's GPU cases under compute-sanitizer with this tool")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["run"] + argv
     args = build_parser().parse_args(argv)
     try:
-        return {"list": cmd_list, "describe": cmd_describe, "run": cmd_run, "repro": cmd_repro}[args.command](args)
+        return {"list": cmd_list, "describe": cmd_describe, "run": cmd_run, "repro": cmd_repro,
+                "report": cmd_report, "diff": cmd_diff}[args.command](args)
     except UsageError as e:
         print(f"verify-kernels: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -151,42 +174,69 @@ def _candidates(text: str | None, device: str) -> list:
     return out
 
 
-def cmd_run(args) -> int:
-    from rich.console import Console
-
-    from verify import certificate
+def _run_setup(args):
     from verify.cases import get_profile, validate_tp
-    from verify.certify import RunOptions, certify_op
-    from verify.registry import UnknownOpError, all_ops, select_ops
-    from verify.reporters.terminal import print_failure, print_skips, summary_table
-    from verify.verdict import FAIL, XPASS
+    from verify.registry import UnknownOpError, select_ops
 
-    console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 160)
     try:
         ops = select_ops(args.ops)
         profile = get_profile(args.profile)
         tps = validate_tp([int(t) for t in args.tp.split(",")]) if args.tp else None
     except (UnknownOpError, ValueError) as e:
         raise UsageError(str(e)) from None
-    device = _resolve_device(args.device)
-    candidates = _candidates(args.candidate, device)
-    opts = RunOptions(device=device, profile=profile, seed=args.seed, tps=tps, examples=args.examples)
-    verdicts = []
-    from rich.progress import Progress
+    if args.case_timeout <= 0:
+        raise UsageError(f"--case-timeout {args.case_timeout:g}: must be a positive number of seconds")
+    modes = [m for m in ("resume", "changed_since", "distributed", "sanitize") if getattr(args, m)]
+    if len(set(modes) - {"resume"}) > 1:
+        raise UsageError(f"--{modes[0].replace('_', '-')} and --{modes[1].replace('_', '-')} cannot be combined")
+    return ops, profile, tps
 
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("certifying", total=len(ops) * len(candidates))
-        for op in ops:
-            for cand in candidates:
-                progress.update(task, description=f"{op.name} / {cand.label}")
-                v = certify_op(op, cand, opts)
-                verdicts.append(v)
-                progress.advance(task)
-                if v.status in (FAIL, XPASS):
-                    print_failure(console, v)
+
+def cmd_run(args) -> int:
+    from rich.console import Console
+
+    from verify import certificate
+    from verify.certify import run_all
+    from verify.registry import all_ops
+    from verify.reporters.terminal import print_failure, print_skips, summary_table
+    from verify.runlog import RunLog
+    from verify.verdict import FAIL, XPASS
+
+    console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 160)
+    ops, profile, tps = _run_setup(args)
+    if args.sanitize:
+        from verify.sanitize import unavailable_reason
+
+        why = unavailable_reason()
+        if why:
+            raise UsageError(f"--sanitize {args.sanitize}: {why}")
+    device = "cuda" if args.sanitize or args.distributed == "nccl" else _resolve_device(args.device)
+    candidates = _candidates(args.candidate or ("fused" if args.sanitize else "reference" if args.distributed
+                                                 else None), device)
+    carried = {}
+    if args.changed_since:
+        try:
+            old = certificate.load(args.changed_since)
+        except ValueError as e:
+            raise UsageError(f"--changed-since: {e}") from None
+        carried, changed = certificate.carry_forward(old, {o.name: o for o in ops}, [c.label for c in candidates])
+        ops = [o for o in ops if o.name in changed]
+        console.print(f"changed since {args.changed_since}: {', '.join(changed) or 'nothing'}; "
+                      f"carried forward: {', '.join(carried) or 'nothing'}")
     options = {"profile": profile.name, "seed": args.seed, "tp": tps, "device": device,
-               "candidates": [c.label for c in candidates], "ops": [o.name for o in ops]}
-    cert = certificate.build(verdicts, all_ops(), options, device)
+               "candidates": [c.label for c in candidates], "ops": [o.name for o in ops],
+               "isolated": not args.no_isolate, "case_timeout": args.case_timeout, "distributed": args.distributed,
+               "sanitize": args.sanitize, "changed_since": args.changed_since}
+    log = RunLog(Path(args.out), resume=args.resume)
+    log.start(options)
+    try:
+        verdicts, cases = run_all(args, ops, candidates, profile, tps, device, log, console)
+    finally:
+        log.close()
+    for v in verdicts:
+        if v.status in (FAIL, XPASS):
+            print_failure(console, v)
+    cert = certificate.build(verdicts, all_ops(), options, device, cases, carried)
     path = certificate.write(cert, Path(args.out))
     if args.junit:
         from verify.reporters.junit import write_junit
@@ -196,10 +246,36 @@ def cmd_run(args) -> int:
     print_skips(console, verdicts)
     failed = [v for v in verdicts if v.status in (FAIL, XPASS)]
     console.print(f"certificate: {path}  ({len(verdicts) - len(failed)} of {len(verdicts)} op/candidate pairs "
-                  f"certified or skipped, {len(failed)} failed)")
+                  f"certified or skipped, {len(failed)} failed, {len(carried)} ops carried; log {log.path})")
     if args.json:
         print(json.dumps(cert, indent=1, default=str))
     return EXIT_FAIL if failed else EXIT_OK
+
+
+def cmd_report(args) -> int:
+    from verify import certificate
+    from verify.reporters.html import write_report
+
+    try:
+        cert = certificate.load(args.certificate)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    out = Path(args.output) if args.output else Path(args.certificate).with_name("report.html")
+    print(write_report(cert, out))
+    return EXIT_OK
+
+
+def cmd_diff(args) -> int:
+    from verify import certificate
+    from verify.diff import diff, render_text
+
+    try:
+        old, new = certificate.load(args.old), certificate.load(args.new)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    d = diff(old, new)
+    print(json.dumps(d.to_dict(), indent=1) if args.json else render_text(d))
+    return EXIT_FAIL if d.of("new_failure") else EXIT_OK
 
 
 def cmd_repro(args) -> int:
