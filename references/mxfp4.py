@@ -47,7 +47,7 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """packed[O, I/2] uint8 -> codes[O, I] uint8 (low nibble = even column)."""
     check_tensor("packed", packed, ndim=2, dtypes=(torch.uint8,))
-    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], 2 * packed.shape[1])
 
 
 def scale_values(scale: torch.Tensor) -> torch.Tensor:

@@ -127,3 +127,27 @@ def run_split(op, inputs: OpInputs, T: int, split: SplitRule | None = None, fn=N
     split = split or op.split
     per_rank = [run_reference(op, OpInputs(s.tensors, s.params), fn) for s in split.shard(inputs, T)]
     return split.combine(per_rank, inputs)
+
+
+def split_mismatches(op, inputs: OpInputs, T: int, split: SplitRule | None = None,
+                     rtol: float = 1e-12) -> list[str]:
+    """Problems of shard + per-rank reference + combine against the unsplit run ([] = none).
+
+    Meant for float64 inputs, where a split run differs only by reassociated sums: floats must agree
+    to rtol of the output's largest magnitude, integers exactly."""
+    unsplit, combined = run_reference(op, inputs), run_split(op, inputs, T, split)
+    problems = [f"combine did not return {n!r}" for n in op.outputs if n not in combined]
+    for name, want in unsplit.items():
+        got = combined.get(name)
+        if got is None:
+            continue
+        if got.shape != want.shape or got.dtype != want.dtype:
+            problems.append(f"{name}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}")
+        elif want.is_floating_point():
+            scale = float(want.abs().max()) if want.numel() else 0.0
+            err = float((got - want).abs().max()) if want.numel() else 0.0
+            if not err <= rtol * scale:
+                problems.append(f"{name}: max |split - unsplit| = {err:.3g} > {rtol:g} x {scale:.3g}")
+        elif not torch.equal(got, want):
+            problems.append(f"{name}: integer outputs differ")
+    return problems
