@@ -10,6 +10,10 @@ the m-tiles of one column block run together and share W through L2.
 
 Variants: `gemv` m_tile in {1,2,4,8} (one m-tile when M <= 8) and `tiled` m_tile=8 for M > 8.
 Both are SIMT (CUDA-core FMA): past M ~ 16 the FMA rate, not HBM, is the limit.
+`mma_*` (fused/skinny_gemm_mma.py): tensor-core mma.sync m16n8k16, swap-AB, for 2 <= M <= 64; its
+own fixed split-K order (a function of K only), so it is batch invariant across its variants but
+not bitwise equal to the SIMT kernel. `default_config` picks per (M bucket, N, K) from the H200
+measurements in results/gpu/skinny_gemm_mma.md.
 """
 
 import math
@@ -19,6 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from fused import runtime
+from fused import skinny_gemm_mma as mma
+from fused.skinny_gemm_mma import SkinnyGemmMmaConfig
 
 THREADS = 128                      # fixed: it defines the reduction order (batch invariance)
 K3_SHAPES = ((7168, 49152), (7168, 6144), (12288, 7168), (1536, 7168), (7168, 3584), (7168, 896))
@@ -42,14 +48,31 @@ def _n_per_cta(n: int, m_tile: int) -> int:
     return 1 if n % 2 else 2
 
 
-def all_configs(N: int, K: int) -> list[SkinnyGemmConfig]:
-    """Every variant the dispatcher can pick for this (N, K): one per m_tile bucket."""
-    return [SkinnyGemmConfig(m, _n_per_cta(N, m)) for m in (1, 2, 4, 8)]
+def all_configs(N: int, K: int) -> list[SkinnyGemmConfig | SkinnyGemmMmaConfig]:
+    """Every variant the dispatcher can pick for this (N, K): one SIMT variant per m_tile bucket,
+    then the tensor-core variants (one per m_pad bucket and rows-per-CTA choice)."""
+    simt = [SkinnyGemmConfig(m, _n_per_cta(N, m)) for m in (1, 2, 4, 8)]
+    return simt + [c for p in (8, 16, 32, 64) for c in mma.configs_for(N, K, p)]
 
 
-def default_config(M: int, N: int, K: int) -> SkinnyGemmConfig:
+def simt_config(M: int, N: int, K: int) -> SkinnyGemmConfig:
     m_tile = 1 << max(0, math.ceil(math.log2(max(M, 1)))) if M <= 8 else 8
     return SkinnyGemmConfig(m_tile, _n_per_cta(N, m_tile))
+
+
+# Tensor-core choice measured on the H200 (results/gpu/skinny_gemm_mma.md): (N, K) -> {m_pad: rows}
+# for the M buckets where the MMA variant was measured correct and faster than the SIMT one.
+MMA_DEFAULTS: dict[tuple[int, int], dict[int, int]] = {}
+
+
+def default_config(M: int, N: int, K: int) -> SkinnyGemmConfig | SkinnyGemmMmaConfig:
+    if 2 <= M <= 64 and mma.supports(K):
+        rows = MMA_DEFAULTS.get((N, K), {}).get(mma.m_pad_for(M))
+        if rows is not None:
+            for c in mma.configs_for(N, K, mma.m_pad_for(M)):
+                if c.rows == rows:
+                    return c
+    return simt_config(M, N, K)
 
 
 class SkinnyGemm:
@@ -133,7 +156,9 @@ class SkinnyGemm:
 
 
 @runtime.compile_cache("skinny_gemm")
-def _compile(dtype: str, out_dtype: str, N: int, K: int, cfg: SkinnyGemmConfig):
+def _compile(dtype: str, out_dtype: str, N: int, K: int, cfg: SkinnyGemmConfig | SkinnyGemmMmaConfig):
+    if isinstance(cfg, SkinnyGemmMmaConfig):
+        return mma.build(dtype, out_dtype, N, K, cfg)
     m = runtime.sym_int()
     op = SkinnyGemm(N, K, cfg)
     return runtime.compile_tvm_ffi(
@@ -157,13 +182,15 @@ def _check(x, w):
     runtime.require_cuda("x", x)
 
 
-def launch(x, w, out, variant: SkinnyGemmConfig | None = None) -> None:
+def launch(x, w, out, variant: SkinnyGemmConfig | SkinnyGemmMmaConfig | None = None) -> None:
     """y = x @ w.T into `out` (bf16/fp16 like x, or fp32), on the current stream."""
     M, K = x.shape
     N = w.shape[0]
     cfg = variant or default_config(M, N, K)
     if M == 0:
         return
+    if isinstance(cfg, SkinnyGemmMmaConfig) and M > cfg.m_pad:
+        raise ValueError(f"x: M={M} is over the variant's m_pad={cfg.m_pad}")
     fn = _compile(runtime.dtype_name(x.dtype), runtime.dtype_name(out.dtype), N, K, cfg)
     fn(x, w, out)
 
@@ -182,7 +209,7 @@ def _custom_op():
     return _op
 
 
-def skinny_gemm(x, w, *, out=None, variant: SkinnyGemmConfig | None = None):
+def skinny_gemm(x, w, *, out=None, variant: SkinnyGemmConfig | SkinnyGemmMmaConfig | None = None):
     """Fused replacement of references.gemm.skinny_gemm (same signature)."""
     import torch
 

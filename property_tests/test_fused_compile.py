@@ -33,6 +33,37 @@ def test_skinny_gemm_compiles_every_variant(K, N):
         assert runtime.compile_for_cpu_check("skinny_gemm", "bfloat16", "bfloat16", N, K, cfg) is not None
 
 
+@pytest.mark.parametrize("K,N", GEMM_SHAPES, ids=[f"{k}to{n}" for k, n in GEMM_SHAPES])
+def test_skinny_gemm_mma_variants_listed_and_compile(K, N):
+    """Every tensor-core variant all_configs lists compiles for sm_90a (mma.sync m16n8k16 in the PTX
+    is checked once below); all share warps_for(K), the reduction order (batch invariance)."""
+    from fused import skinny_gemm as sg
+    from fused.skinny_gemm_mma import SkinnyGemmMmaConfig, warps_for
+    mma_cfgs = [c for c in sg.all_configs(N, K) if isinstance(c, SkinnyGemmMmaConfig)]
+    assert {c.m_pad for c in mma_cfgs} == {8, 16, 32, 64}
+    assert {c.warps for c in mma_cfgs} == {warps_for(K)}
+    for cfg in mma_cfgs:
+        assert runtime.compile_for_cpu_check("skinny_gemm", "bfloat16", "bfloat16", N, K, cfg) is not None
+
+
+def test_skinny_gemm_mma_fp16_and_fp32_out_compile():
+    from fused.skinny_gemm_mma import configs_for
+    cfg = configs_for(7168, 1536, 16)[0]
+    runtime.compile_for_cpu_check("skinny_gemm", "float16", "float16", 7168, 1536, cfg)
+    runtime.compile_for_cpu_check("skinny_gemm", "bfloat16", "float32", 7168, 1536, cfg)
+
+
+def test_skinny_gemm_mma_default_only_for_small_m_buckets():
+    from fused import skinny_gemm as sg
+    from fused.skinny_gemm_mma import SkinnyGemmMmaConfig
+    for K, N in GEMM_SHAPES:
+        assert not isinstance(sg.default_config(1, N, K), SkinnyGemmMmaConfig)
+        for M in (2, 8, 16, 33, 64):
+            cfg = sg.default_config(M, N, K)
+            if isinstance(cfg, SkinnyGemmMmaConfig):
+                assert cfg.m_pad >= M and N % cfg.rows == 0
+
+
 def test_skinny_gemm_fp16_and_fp32_out_compile():
     from fused import skinny_gemm as sg
     cfg = sg.default_config(8, 7168, 1536)
@@ -106,6 +137,23 @@ def test_skinny_gemm_matches_float64(M):
     base = torch.nn.functional.linear(x, w).double()
     got = skinny_gemm(x, w).double()
     assert (got - ref).abs().max() <= 2 * (base - ref).abs().max() + 1e-6
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_skinny_gemm_mma_matches_float64_and_is_batch_invariant():
+    from fused.skinny_gemm import skinny_gemm
+    from fused.skinny_gemm_mma import configs_for
+    x = torch.randn(64, 1536, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(7168, 1536, device="cuda", dtype=torch.bfloat16)
+    ref = x.double() @ w.double().T
+    base = torch.nn.functional.linear(x, w).double()
+    for c64, c8 in zip(configs_for(7168, 1536, 64), configs_for(7168, 1536, 8)):
+        got = skinny_gemm(x, w, variant=c64)
+        assert (got.double() - ref).abs().max() <= 2 * (base - ref).abs().max() + 1e-6
+        assert torch.equal(got, skinny_gemm(x, w, variant=c64))
+        one = skinny_gemm(x[5:6].clone(), w, variant=c8)
+        assert torch.equal(one.view(torch.int16), got[5:6].view(torch.int16))
 
 
 @pytest.mark.gpu
