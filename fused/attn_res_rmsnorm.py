@@ -1,10 +1,12 @@
 """Fused AttnRes + RMSNorm, one launch (docs/ARCHITECTURE.md `attn_res_rmsnorm`).
 
-One CTA per token row. Every thread owns the same 16-byte column vectors of all sources, so the
-whole op is: issue every load (prefix, delta, the n_blocks block rows, the three weights), form
-p = wd(prefix + delta), one block reduction of (sum x^2, sum x*w) for each source, softmax in
-registers, mix, round to wd, a second block reduction for the RMSNorm, write out/blocks/prefix.
-HBM bytes = (n_blocks + 3 + written block) * D * elem per row; the op is latency-bound below B~32.
+One CTA (or a cluster of 2..8 CTAs, each a column slice) per token row. Every thread owns the
+same 16-byte column vectors of all sources, so the op is: issue every load (prefix, delta, the
+n_blocks block rows, the three weights), form p = wd(prefix + delta), one reduction of
+(sum x^2, sum x*w) per source over the CTA (and the cluster, through DSMEM), softmax in registers,
+mix, round to wd, a second reduction for the RMSNorm, write out/blocks/prefix.
+HBM bytes = (n_blocks + 4 (+1 block write)) * D * elem per row; measured latency-bound (~5-10 us,
+results/gpu/wave1b.md).
 """
 from __future__ import annotations
 
@@ -25,27 +27,29 @@ MAX_BLOCKS = 8                                      # n_blocks + 1 <= 9 sources
 @dataclass(frozen=True)
 class AttnResConfig:
     """Launch variant: threads per CTA, and CTAs per row (a cluster splitting D; partial sums
-    are exchanged through distributed shared memory). One CTA streams ~26 GB/s, so one CTA per
-    row leaves a small batch latency-bound on a few SMs; a cluster spreads a row over up to 8."""
+    are exchanged through distributed shared memory). One CTA per row streams only ~26 GB/s
+    (measured), so a small batch spreads each row over a cluster of 2..8 CTAs."""
     num_threads: int = 256
     cluster_n: int = 1
 
     @staticmethod
     def for_shape(D: int, elem_bits: int = 16, B: int = 64) -> "AttnResConfig":
-        n = 8 if B <= 16 else 4 if B <= 32 else 2
-        while n > 1 and (D // (128 // elem_bits)) % n:
+        """Picks measured best on the H200 at D=7168 (results/gpu/wave1b.md): 4 CTAs x 224
+        threads per row up to B=16, 2 x 448 up to B=32, one CTA of 256 threads beyond."""
+        n_vec = D // (128 // elem_bits)
+        n = 4 if B <= 16 else 2 if B <= 32 else 1
+        while n > 1 and n_vec % n:
             n //= 2
-        n_vec = D // (128 // elem_bits) // n
-        for t in (448, 512, 256, 224, 128):
-            if n_vec % t == 0 and n_vec // t <= 2:
-                return AttnResConfig(t, n)
-        return AttnResConfig(min(512, -(-n_vec // 32) * 32), n)
+        per_cta = n_vec // n
+        if n == 1 and per_cta >= 256:
+            return AttnResConfig(256, 1)
+        return AttnResConfig(min(512, -(-per_cta // 32) * 32), n)
 
     @staticmethod
     def all_configs(D: int, elem_bits: int = 16) -> list["AttnResConfig"]:
         """Every variant a launch may use at this D: the dispatcher's picks and the fixed sizes."""
         picks = {AttnResConfig.for_shape(D, elem_bits, b) for b in (1, 32, 64)}
-        picks |= {AttnResConfig(t) for t in (128, 256, 448, 512)}
+        picks |= {AttnResConfig(t) for t in (128, 256, 448, 512)} | {AttnResConfig(128, 8)}
         return sorted(picks, key=lambda c: (c.cluster_n, c.num_threads))
 
 
