@@ -60,4 +60,4 @@ def compiled_fn(op_name: str):
     """torch.compile of the reference: a fused implementation nobody here wrote (inductor on CPU)."""
     from verify.registry import get_op
 
-    return torch.compile(reference_fn(get_op(op_name)), dynamic=False, fullgraph=False)
+    return torch.compile(reference_fn(get_op(op_name)), dynamic=True, fullgraph=False)
