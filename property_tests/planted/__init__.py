@@ -2,7 +2,8 @@
 signature, and the harness stage that must reject it.
 
 CATALOGUE rows: (op, candidate 'module:attr', expected, description). `expected` is
-"<stage>" or "<stage>|<substring of the reason>"; the op verdict's reason reads "<stage>: <detail>"
+"<stage>" or "<stage>|<substring of the reason>" (a stage ending in ':' matches any stage it starts);
+the op verdict's reason reads "<stage>: <detail>"
 (split cases prefix the detail with "T=<n>: " or "rank r/T: "). Stages: candidate (raised),
 guard:<name>, compare:<output or state>.
 Known harness gaps are listed in GAPS: bug -> why the harness does not reject it as expected.
@@ -94,8 +95,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "RMSNorm reduced over the batch, not per row"),
     ("l2_prefetch", f"{P}.moe:l2_prefetch_returns_handle", "guard:output_type|returns nothing",
      "op with no outputs returns a tensor"),
-    ("l2_prefetch", f"{P}.moe:l2_prefetch_store_not_prefetch", "guard:inputs_unchanged|modified in place",
-     "prefetch writes the weights"),
+    ("l2_prefetch", f"{P}.moe:l2_prefetch_store_not_prefetch", "compare:w13_packed|differ from the reference bits",
+     "prefetch writes the weights (declared as state, so judged bitwise)"),
     # ---- whole layers
     ("kda_layer", f"{P}.layers:kda_layer_state_not_stored", "compare:recurrent_state",
      "KDA recurrent state kept in scratch, never stored back"),
