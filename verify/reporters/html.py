@@ -91,7 +91,7 @@ def _plots(cert: dict) -> list[tuple[str, str]]:
     plots = []
     keys = sorted(series)
     fig, ax = plt.subplots(figsize=(12, max(3.0, 0.28 * len(keys) + 1)))
-    ax.boxplot([series[k] for k in keys], vert=False, whis=(0, 100), widths=0.6)
+    ax.boxplot([series[k] for k in keys], orientation="horizontal", whis=(0, 100), widths=0.6)
     for i, k in enumerate(keys, start=1):
         ax.scatter(series[k], [i] * len(series[k]), s=8, alpha=0.5, color="#0969da")
     ax.set_yticks(range(1, len(keys) + 1), keys, fontsize=8)

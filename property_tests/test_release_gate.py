@@ -1,0 +1,154 @@
+"""Release gate: fault isolation of planted candidates, the JSONL log, --resume, waivers, carry-forward,
+certificate diff and the HTML report. CPU only; op attn_res_rmsnorm (fast, never vacuous)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from verify import certificate  # noqa: E402
+from verify.cli import main  # noqa: E402
+
+OP = "attn_res_rmsnorm"
+P = "property_tests.planted_release:"
+PLANTED = {  # candidate -> (stage, words the reason must contain)
+    P + "raising": ("candidate", "RuntimeError: planted"),
+    P + "hanging": ("timeout", "per-case timeout"),
+    P + "exiting": ("crash", "exited with status 3"),
+    P + "segfaulting": ("crash", "SIGSEGV"),
+    P + "corrupting": ("guard:canaries", "writes outside the tensors: delta"),
+}
+
+
+def _log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "run.jsonl").read_text().splitlines()]
+
+
+def test_planted_candidates_fail_alone_and_the_run_goes_on(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    cands = ["reference", P + "printing", *PLANTED, "reference"][:-1]
+    rc = main(["run", "--ops", OP, "--candidate", ",".join(cands), "--examples", "2", "--case-timeout", "8",
+               "--out", str(tmp_path), "--junit", str(tmp_path / "junit.xml")])
+    assert rc == 1
+    cert = certificate.load(tmp_path / "certificate.json")
+    verdicts = cert["ops"][OP]["verdicts"]
+    assert verdicts["reference"]["status"] == "pass"
+    assert verdicts[P + "printing"]["status"] == "pass"
+    for cand, (stage, words) in PLANTED.items():
+        v = verdicts[cand]
+        assert v["status"] == "fail", cand
+        assert v["failure"]["stage"] == stage, (cand, v["reason"])
+        assert words in v["reason"], (cand, v["reason"])
+        assert "verify-kernels repro" in v["repro"]
+    log = _log(tmp_path)
+    ops_logged = {(r["op"], r["candidate"]) for r in log if r["kind"] == "op"}
+    assert ops_logged == {(OP, c) for c in cands}
+    cases_logged = [r for r in log if r["kind"] == "case"]
+    for c in cands:   # every case the op verdict counted is in the log
+        n = verdicts[c]["cases_run"]
+        assert sum(r["candidate"] == c for r in cases_logged) == n >= 1
+    assert (tmp_path / "junit.xml").read_text().count("<failure") == len(PLANTED)
+
+
+def test_resume_after_a_killed_run(tmp_path):
+    cmd = [sys.executable, "-m", "verify.cli", "run", "--ops", f"{OP},allreduce_attn_res_rmsnorm", "--candidate",
+           "reference", "--examples", "3", "--no-isolate", "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "run.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if log.exists() and '"kind":"op"' in log.read_text():
+            proc.kill()
+            break
+        time.sleep(0.05)
+    proc.wait()
+    first = _log(tmp_path)
+    finished = [r for r in first if r["kind"] == "op"]
+    assert [r["op"] for r in finished] == [OP], "kill the run after the first op verdict"
+    assert not (tmp_path / "certificate.json").exists()
+    rc = subprocess.run(cmd + ["--resume"], cwd=ROOT, capture_output=True, text=True).returncode
+    assert rc == 0
+    after = _log(tmp_path)
+    assert after[:len(first)] == first                                       # appended, nothing lost
+    assert [r["op"] for r in after if r["kind"] == "op"] == [OP, "allreduce_attn_res_rmsnorm"]
+    assert not any(r["kind"] == "case" and r["op"] == OP for r in after[len(first):])   # not rerun
+    cert = certificate.load(tmp_path / "certificate.json")
+    assert set(cert["ops"]) == {OP, "allreduce_attn_res_rmsnorm"}
+    assert len(cert["ops"][OP]["cases"]["reference"]) == cert["ops"][OP]["verdicts"]["reference"]["cases_run"]
+
+
+def test_waived_case_that_passes_fails_the_run(monkeypatch):
+    from verify import certify
+    from verify.candidates import Candidate
+    from verify.cases import get_profile
+    from verify.specs import Waiver, load_spec
+
+    spec = load_spec(OP).model_copy(deep=True)
+    spec.waivers.append(Waiver(candidate="reference", match={"dtype": "bfloat16"}, reason="planted stale waiver",
+                               expected_error="none: it passes"))
+    monkeypatch.setattr(certify, "load_spec", lambda name: spec)
+    from verify.registry import get_op
+
+    v = certify.certify_op(get_op(OP), Candidate("reference"),
+                           certify.RunOptions(profile=get_profile("quick"), examples=2))
+    assert v.status == "unexpected_pass"
+    assert "remove the waiver" in v.reason
+
+
+@pytest.fixture(scope="module")
+def base_cert(tmp_path_factory):
+    out = tmp_path_factory.mktemp("base")
+    assert main(["run", "--ops", f"{OP},allreduce_attn_res_rmsnorm", "--candidate", "reference",
+                 "--examples", "2", "--no-isolate", "--out", str(out)]) == 0
+    return out / "certificate.json"
+
+
+def test_changed_since_certifies_only_the_changed_op(base_cert, tmp_path, monkeypatch):
+    real = certificate.op_sources
+
+    def edited(op):   # as if references/attn_res.py had changed for allreduce_attn_res_rmsnorm only
+        s = real(op)
+        return dict(s, reference="0" * 64) if op.name == "allreduce_attn_res_rmsnorm" else s
+
+    monkeypatch.setattr(certificate, "op_sources", edited)
+    rc = main(["run", "--ops", f"{OP},allreduce_attn_res_rmsnorm", "--candidate", "reference", "--examples", "2",
+               "--no-isolate", "--changed-since", str(base_cert), "--out", str(tmp_path)])
+    assert rc == 0
+    assert [r["op"] for r in _log(tmp_path) if r["kind"] == "op"] == ["allreduce_attn_res_rmsnorm"]
+    cert = certificate.load(tmp_path / "certificate.json")
+    assert "carried_from" in cert["ops"][OP]["verdicts"]["reference"]
+    assert "carried_from" not in cert["ops"]["allreduce_attn_res_rmsnorm"]["verdicts"]["reference"]
+
+
+def test_diff_names_the_change(base_cert, tmp_path, capsys):
+    old = json.loads(base_cert.read_text())
+    new = json.loads(json.dumps(old))
+    v = new["ops"][OP]["verdicts"]["reference"]
+    v["status"], v["reason"] = "fail", "compare:out: planted"
+    w = new["ops"]["allreduce_attn_res_rmsnorm"]["verdicts"]["reference"]["worst_ratio"]
+    w["out"] = w["out"] * 3
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    assert main(["diff", str(base_cert), str(tmp_path / "new.json")]) == 1
+    text = capsys.readouterr().out
+    assert "NEW FAILURES (1)" in text and f"{OP} [reference]: pass -> fail" in text
+    assert "error growth" in text and "allreduce_attn_res_rmsnorm" in text and "(x3.00)" in text
+    assert main(["diff", str(tmp_path / "new.json"), str(base_cert)]) == 0
+    assert "fixed (1)" in capsys.readouterr().out
+
+
+def test_report_is_one_self_contained_page(base_cert, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "r.html"
+    assert main(["report", str(base_cert), "-o", str(out)]) == 0
+    html = out.read_text()
+    assert html.count("data:image/png;base64,") == 2
+    assert "bfloat16 T=1" in html and "src=\"http" not in html and "<link" not in html
