@@ -56,6 +56,6 @@ class OpDef:
     dists: tuple[str, ...] = ("normal", "heavy_tailed", "outliers", "zero_rows", "wide_range")
     max_batch: int = 64
     tie_scores: Callable[[OpInputs], torch.Tensor] | None = None   # fp64 selection scores, tie-aware ops
-    reweigh: Callable | None = None             # tie-aware ops: judge weights with the candidate's ids -> [Check]
+    reweigh: Callable[[OpInputs, torch.Tensor], dict[str, torch.Tensor]] | None = None  # ids -> reference outputs for them
     cpu_ok: bool = True                         # reference practical on CPU at the k3 config
     notes: str = ""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from references.config import get_config
-from references.moe import router_choice_scores
+from references.moe import router_choice_scores, renormalise
 from verify.case import Case
 from verify.opdef import OpDef, OpInputs
 from verify.ops.common_splits import activation, gen_for, norm_weight, replicated_split, weight, working_dtype
@@ -67,9 +67,17 @@ def make_router_topk_inputs(case: Case) -> OpInputs:
 
 
 def router_tie_scores(inputs: OpInputs) -> torch.Tensor:
-    """The selection scores (sigmoid + bias) in float64: what ties are judged on."""
+    """The selection scores (sigmoid + bias) as the reference computes them for these inputs: float64
+    for the oracle's inputs, fp32 for the working ones, so their difference is the scores' own rounding."""
     t = inputs.tensors
-    return router_choice_scores(t["x"].double(), t["w_gate"].double(), t["bias"].double())[1]
+    return router_choice_scores(t["x"], t["w_gate"], t["bias"])[1]
+
+
+def router_reweigh(inputs: OpInputs, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The reference's weights for the candidate's ids (judged when a near-tie let it choose)."""
+    t = inputs.tensors
+    s, _ = router_choice_scores(t["x"], t["w_gate"], t["bias"])
+    return {"weights": renormalise(s, ids.to(device=s.device, dtype=torch.int64), inputs.params["routed_scale"])}
 
 
 # ---------------------------------------------------------------------------------------------- experts
@@ -136,7 +144,7 @@ OPS = [
                    "-> ids[B,k] int64 (descending choice, lower id first on ties), weights[B,k] fp32"),
         batch_dims={"x": 0, "ids": 0, "weights": 0},
         split=replicated_split(), fused="fused.router_topk:router_topk",
-        dists=GENERIC_DISTS + ("near_ties",), tie_scores=router_tie_scores,
+        dists=GENERIC_DISTS + ("near_ties",), tie_scores=router_tie_scores, reweigh=router_reweigh,
         notes="Split: replicated (vLLM GateLinear). The expert-range scores split + gather is "
               "references.moe.router_topk_scores_split, tested in test_tp_split_moe.py. near_ties "
               "builds a tie group at the k-th place (exact copies and 1-ulp differences).",
