@@ -14,8 +14,10 @@ elements 0..3 to the first MMA's slots (2q, 2q+1, 2q+8, 2q+9) and 4..7 to the se
 row segment a warp reads per step is 64 contiguous bytes (two full sectors); `unroll` steps are
 loaded before their MMAs so several 16-byte loads per thread are in flight.
 
-Split-K: the CTA's `warps` warps own contiguous k ranges (K/32/warps steps each). Their fp32
-partials are summed through shared memory in warp order, ((w0 + w1) + w2) + ..., then rounded once.
+Split-K: the CTA's `warps` warps share the k-steps, warp w taking steps w, w+warps, ...
+(`interleave`, so the CTA's warps read adjacent bytes of each row at once; the first H200 run used
+contiguous ranges, K/32/warps steps per warp, `_kc` in the name). Each warp accumulates its steps in
+order; the warps' fp32 partials are summed through shared memory in warp order, ((w0 + w1) + w2) + ..., then rounded once.
 `warps` is a function of K alone (`warps_for(K)`), so the summation order of an output depends only
 on K: no m_pad, rows or unroll changes it, and each output element of an MMA depends only on its own
 row and column. Results are therefore deterministic and batch invariant across every variant of this
@@ -54,10 +56,12 @@ class SkinnyGemmMmaConfig:
     rows: int            # weight rows (output columns) per CTA: 8, 16 or 32
     warps: int           # split-K warps (fixed by K: warps_for(K))
     unroll: int          # k-steps loaded before their MMAs
+    interleave: bool = True   # warp w takes k-steps w, w+warps, ... (else one contiguous k range)
 
     @property
     def name(self) -> str:
-        return f"mma_m{self.m_pad}_r{self.rows}_w{self.warps}_u{self.unroll}"
+        kmap = "" if self.interleave else "_kc"
+        return f"mma_m{self.m_pad}_r{self.rows}_w{self.warps}_u{self.unroll}{kmap}"
 
 
 def _unroll(K: int, warps: int, m_pad: int) -> int:
@@ -69,12 +73,12 @@ def _unroll(K: int, warps: int, m_pad: int) -> int:
     return 1
 
 
-def configs_for(N: int, K: int, m_pad: int) -> list[SkinnyGemmMmaConfig]:
+def configs_for(N: int, K: int, m_pad: int, interleave: bool = True) -> list[SkinnyGemmMmaConfig]:
     if not supports(K):
         return []
     w = warps_for(K)
     rows = [r for r in (8, 16, 32) if N % r == 0 and (r == 8 or N // r >= 132)]
-    return [SkinnyGemmMmaConfig(m_pad, r, w, _unroll(K, w, m_pad)) for r in rows]
+    return [SkinnyGemmMmaConfig(m_pad, r, w, _unroll(K, w, m_pad), interleave) for r in rows]
 
 
 def m_pad_for(M: int) -> int:
@@ -126,6 +130,7 @@ class SkinnyGemmMma:
         nb, nfrag, wrows, half = self.nb, self.nfrag, self.wrows, self.half
         U, iters, spw, warps = cfg.unroll, self.iters, self.steps_per_warp, self.warps
         rows = cfg.rows
+        inter = cfg.interleave
         nacc = 4 * nb * nfrag
 
         @cute.kernel
@@ -146,12 +151,14 @@ class SkinnyGemmMma:
             for j in cutlass.range_constexpr(nb):
                 xrow[j] = cutlass.min(Int32(j * 8) + r, M - 1)      # clamp padded token rows
             step0 = warp * spw
+            kmul = warps if inter else 1
+            kadd = warp if inter else step0
 
             for it in cutlass.range(iters):
                 wv = cute.make_rmem_tensor(cute.make_layout((VEC, nfrag * wrows, U)), ab)
                 xv = cute.make_rmem_tensor(cute.make_layout((VEC, nb, U)), ab)
                 for u in cutlass.range_constexpr(U):
-                    kv = (step0 + it * U + u) * 4 + q
+                    kv = ((it * U + u) * kmul + kadd) * 4 + q
                     for f in cutlass.range_constexpr(nfrag):
                         for h in cutlass.range_constexpr(wrows):
                             wv[None, f * wrows + h, u].store(gW[None, (n0 + f * 16 + h * 8 + r, kv)].load())
@@ -178,7 +185,7 @@ class SkinnyGemmMma:
             # split-K reduction in warp order, then one rounding; C values: (r,2q) (r,2q+1) (r+8,2q) (r+8,2q+1)
             if cutlass.const_expr(warps > 1):
                 red = cutlass.memory.SmemAllocator().allocate_tensor(
-                    Float32, cute.make_layout((nacc, 32)), byte_alignment=16)
+                    Float32, cute.make_layout((nacc, 32), stride=(32, 1)), byte_alignment=16)   # lane-contiguous
                 if warp == 0:
                     for i in cutlass.range_constexpr(nacc):
                         red[i, lane] = acc[i]
