@@ -155,7 +155,8 @@ def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu"
         if all(c.ok for c in run):
             run += judge(op, spec, first.results, oracle, base, inputs, inputs64)
         if guards_on and all(c.ok for c in run):
-            run += _extra_runs(op, spec, case, fn_v, inputs, base, first.results, oracle, inputs64, device)
+            run += _extra_runs(op, spec, case, fn_v, inputs, base, first.results, oracle, inputs64, device,
+                                  binds_claims(candidate))
         checks += [c if not label else Check(c.name, c.ok, label + c.detail, c.metrics, c.worst) for c in run]
         bad = [c for c in checks if not c.ok]
         if bad:
@@ -177,7 +178,15 @@ def launch_variants(fn, inputs: OpInputs) -> list[tuple[str, object]]:
     return runs
 
 
-def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, device) -> list[Check]:
+def binds_claims(candidate: str) -> bool:
+    """The spec's bitwise claims (batch invariance, identical bits for strided views) are promises of
+    our fused kernels. Other candidates (the reference on CPU BLAS, inductor, a user's kernel) are
+    held to the class tolerance in those runs: a row at another batch index or a strided view may
+    take another BLAS path and differ in the last bits without being wrong."""
+    return candidate == "fused" or candidate.startswith("fused.")
+
+
+def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, device, strict: bool = True) -> list[Check]:
     """Second run (determinism), permuted batch (position independence), strided/offset views."""
     from verify.candidates import reference_fn
 
@@ -199,7 +208,7 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
             checks.append(Check("guard:batch_position", False, f"permuted batch raised {moved.error}"))
         else:
             back = unpermute(op, moved.results, perm)
-            if spec.claims.batch_invariant:
+            if spec.claims.batch_invariant and strict:
                 checks.append(_bitwise_same("guard:batch_position", first, back))
             else:
                 res = judge(op, spec, back, oracle, base, inputs, inputs64)
@@ -217,9 +226,10 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
                             else f"strided/offset inputs raised {strided.error}"))
     else:
         checks += [c for c in strided.checks if not c.ok]
-        if spec.claims.deterministic:
+        if spec.claims.deterministic and strict:
             checks.append(_bitwise_same("guard:strided_inputs", first, strided.results))
         else:
             res = judge(op, spec, strided.results, oracle, base, inputs, inputs64)
-            checks.append(Check("guard:strided_inputs", all(c.ok for c in res), "strided inputs judged by class"))
+            checks.append(Check("guard:strided_inputs", all(c.ok for c in res), "strided/offset views: " + (
+                "; ".join(c.detail for c in res if not c.ok) or "within tolerance")))
     return checks
