@@ -271,3 +271,9 @@ def attn_res_rmsnorm(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, n_bl
         _custom_op()(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, out, n_blocks,
                      block_write, float(eps), float(norm_eps))
     return out
+
+
+def variants(tensors: dict, params: dict) -> list[AttnResConfig]:
+    """Every launch variant the harness must certify for these inputs."""
+    prefix = tensors["prefix"]
+    return AttnResConfig.all_configs(prefix.shape[-1], prefix.element_size() * 8)
