@@ -43,9 +43,9 @@ def attn_res_mix_online(sources: torch.Tensor, res_norm_w: torch.Tensor, res_pro
     acc = acc_dtype(sources)
     query = res_norm_w.to(acc) * res_proj_w.reshape(-1).to(acc)
     B, S, D = sources.shape
-    m = torch.full((B, 1), float("-inf"), dtype=acc)
-    l = torch.zeros((B, 1), dtype=acc)
-    o = torch.zeros((B, D), dtype=acc)
+    m = torch.full((B, 1), float("-inf"), dtype=acc, device=sources.device)
+    l = torch.zeros((B, 1), dtype=acc, device=sources.device)
+    o = torch.zeros((B, D), dtype=acc, device=sources.device)
     for s in range(S):
         v = sources[:, s].to(acc)
         logit = (v * query).sum(-1, keepdim=True) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)

@@ -117,7 +117,7 @@ def moe_experts_mxfp4(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     _check_expert_args(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale)
     acc = acc_dtype(z)
     B, k = ids.shape
-    y = torch.zeros((B, z.shape[1]), dtype=acc)
+    y = torch.zeros((B, z.shape[1]), dtype=acc, device=z.device)
     dequantised = {}
     for b in range(B):
         for j in range(k):
@@ -140,7 +140,7 @@ def moe_experts_mxfp4_grouped(z, ids, weights, w13_packed, w13_scale, w2_packed,
     B, k = ids.shape
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    per_pair = torch.zeros((B * k, z.shape[1]), dtype=acc)
+    per_pair = torch.zeros((B * k, z.shape[1]), dtype=acc, device=z.device)
     for e in torch.unique(flat[flat >= 0]).tolist():
         pairs = order[flat[order] == e]
         rows = z[pairs // k]

@@ -68,7 +68,7 @@ def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, out_dtype: str = "b
     if I % GROUP:
         raise ValueError(f"packed: input dim {I} (= 2 x {packed.shape[1]}) is not a multiple of the group {GROUP}")
     check_tensor("scale", scale, shape=(O, I // GROUP), dtypes=(torch.uint8,))
-    values = E2M1_LUT[unpack_fp4(packed).long()]
+    values = E2M1_LUT.to(packed.device)[unpack_fp4(packed).long()]
     return (values * scale_values(scale).repeat_interleave(GROUP, dim=1)).to(dtype)
 
 
