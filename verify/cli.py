@@ -19,8 +19,13 @@ class UsageError(Exception):
     pass
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):     # one line a tired engineer can act on, not the whole usage block
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="verify-kernels",
         description="Certify fused kernels of a Kimi K3 decode layer against plain-PyTorch references. "
                     "With no command: `run` on every op with the default candidates.")
@@ -50,7 +55,7 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
     run.add_argument("--ops", default=None, help="comma-separated op names (default: all)")
     run.add_argument("--candidate", default=None,
                      help="fused | compiled | reference | module:attr, comma-separated "
-                          "(default: fused,compiled)")
+                          "(default: fused,compiled; reference with --distributed; fused with --sanitize)")
     run.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
     run.add_argument("--profile", default="quick", help="quick | ci | release")
     run.add_argument("--seed", type=int, default=0)

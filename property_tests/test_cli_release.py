@@ -1,0 +1,69 @@
+"""The CLI's interface is pinned: --help texts match the files in planted_release/help (regenerate them
+deliberately with `COLUMNS=100 python -m verify.cli [COMMAND] --help`), and bad usage exits 2 with one line."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HELP = ROOT / "property_tests" / "planted_release" / "help"
+
+
+def _cli(*args, **env):
+    return subprocess.run([sys.executable, "-m", "verify.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "100", **env}, timeout=120)
+
+
+@pytest.mark.parametrize("command", ["top", "run", "report", "diff"])
+def test_help_is_pinned(command):
+    got = _cli(*([] if command == "top" else [command]), "--help")
+    assert got.returncode == 0
+    assert got.stdout == (HELP / f"{command}.txt").read_text(), \
+        f"`verify-kernels {command} --help` changed; if deliberate, regenerate {HELP / (command + '.txt')}"
+
+
+@pytest.mark.parametrize("args, words", [
+    (["run", "--profile", "nope"], "--profile 'nope' is unknown"),
+    (["run", "--ops", "no_such_op"], "unknown op 'no_such_op'"),
+    (["run", "--bogus"], "unrecognized arguments: --bogus"),
+    (["run", "--case-timeout", "0"], "--case-timeout 0"),
+    (["run", "--tp", "3"], "--tp 3"),
+    (["run", "--changed-since", "/nonexistent/cert.json"], "--changed-since: certificate /nonexistent/cert.json"),
+    (["run", "--distributed", "gloo", "--sanitize", "memcheck"], "cannot be combined"),
+    (["run", "--candidate", "nomodule_xyz:fn"], "--candidate"),
+    (["diff", "/nonexistent/a.json", "/nonexistent/b.json"], "cannot read it"),
+    (["report", "/nonexistent/a.json"], "cannot read it"),
+])
+def test_bad_usage_exits_2_with_one_line(args, words):
+    got = _cli(*args)
+    assert got.returncode == 2, got.stderr
+    lines = got.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], got.stderr
+
+
+def test_sanitize_without_sanitizer_or_gpu_says_so():
+    from verify.sanitize import unavailable_reason
+
+    why = unavailable_reason()
+    if why is None:
+        pytest.skip("compute-sanitizer and a GPU are present")
+    got = _cli("run", "--sanitize", "memcheck", "--ops", "mla_qkv_a")
+    assert got.returncode == 2 and why in got.stderr
+
+
+def test_sanitizer_report_is_parsed():
+    from verify.sanitize import parse_report
+
+    text = """========= COMPUTE-SANITIZER
+========= Invalid __global__ write of size 4 bytes
+=========     at kernel_cutlass_rmsnorm+0x1f0
+=========     by thread (32,0,0) in block (3,0,0)
+========= Invalid __global__ write of size 4 bytes
+========= ERROR SUMMARY: 2 errors"""
+    assert parse_report(text) == (2, ["Invalid __global__ write of size 4 bytes"])
+    assert parse_report("========= ERROR SUMMARY: 0 errors") == (0, [])
+    assert parse_report("========= RACECHECK SUMMARY: 3 hazards displayed (3 errors, 0 warnings)")[0] == 3
