@@ -180,7 +180,7 @@ def rank_main(rank: int, world: int, backend: str, store: str, request: dict, re
     import torch
     import torch.distributed as dist
 
-    from verify.candidates import Candidate
+    from verify.candidates import Candidate, CandidateUnavailable
     from verify.case import Case
     from verify.registry import get_op
 
@@ -199,6 +199,8 @@ def rank_main(rank: int, world: int, backend: str, store: str, request: dict, re
             fn = Candidate(request["candidate"]).resolve(op, "cuda" if backend == "nccl" else "cpu")
             combined = form(dist, op, fn, op.make_inputs(case), rank, world, device, reduce)
             status, reason, checks = judge_distributed(op, case, combined, device) if rank == 0 else ("pass", "", [])
+        except CandidateUnavailable as e:
+            status, reason, checks = "skip", str(e), []
         except Exception as e:  # a rank's failure is this case's verdict; the group stays in step
             status, reason, checks = "fail", f"rank {rank}/{world}: {type(e).__name__}: {str(e)[:300]}", []
         flags = [None] * world
@@ -267,7 +269,7 @@ def certify_distributed(ops, candidate: str, backend: str, tps: list[int], seed:
                  for c in dist_cases(op, seed, T, cases_per_op) for m in reduces]
         for r in run_group(cases, candidate, backend, T, timeout) if cases else []:
             d = {"op": json.loads(r["case"])["op"], "candidate": label(r["reduce"]), "case": r["case"],
-                 "status": r["status"], "stage": "" if r["status"] == PASS else "distributed", "reason": r["reason"],
+                 "status": r["status"], "stage": "" if r["status"] in (PASS, SKIP) else "distributed", "reason": r["reason"],
                  "checks": r["checks"], "seconds": r["seconds"]}
             v = verdict_from_dict(d)
             per[(v.op, r["reduce"])].append(v)
@@ -275,8 +277,9 @@ def certify_distributed(ops, candidate: str, backend: str, tps: list[int], seed:
                 on_case(v)
     out = []
     for (name, m), seen in per.items():
-        if not seen:
-            out.append(OpVerdict(name, label(m), SKIP, reason="op has no split rule or collective form"))
+        if not seen or all(v.status == SKIP for v in seen):
+            why = seen[0].reason if seen else "op has no split rule or collective form"
+            out.append(OpVerdict(name, label(m), SKIP, reason=why))
             continue
         bad = next((v for v in seen if v.status != PASS), None)
         out.append(OpVerdict(name, label(m), FAIL if bad else PASS, cases_run=len(seen),
