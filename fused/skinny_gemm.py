@@ -60,18 +60,28 @@ def simt_config(M: int, N: int, K: int) -> SkinnyGemmConfig:
     return SkinnyGemmConfig(m_tile, _n_per_cta(N, m_tile))
 
 
-# Tensor-core choice measured on the H200 (results/gpu/skinny_gemm_mma.md): (N, K) -> {m_pad: rows}
-# for the M buckets where the MMA variant was measured correct and faster than the SIMT one.
-MMA_DEFAULTS: dict[tuple[int, int], dict[int, int]] = {}
+# Tensor-core choice measured on the H200 (results/gpu/skinny_gemm_mma.md, run 2, 2026-11-29):
+# (N, K) -> (min_M, {m_pad: rows}). The MMA variant is the default for min_M <= M <= 64, where it was
+# measured correct and more than 2 % faster than the SIMT variant of the same M bucket (the SIMT cost
+# is set by its m_tile bucket {2}, {3,4}, {5..8}, {9..64}, measured at M = 2, 4, 8, 16/32/64; 2 % is
+# about twice the run-to-run spread seen). Shapes not listed keep the SIMT kernel.
+MMA_DEFAULTS: dict[tuple[int, int], tuple[int, dict[int, int]]] = {
+    (49152, 7168): (5, {8: 16, 16: 32, 32: 32, 64: 32}),
+    (6144, 7168): (5, {8: 16, 16: 16, 32: 32, 64: 32}),
+    (7168, 12288): (2, {8: 16, 16: 32, 32: 32, 64: 32}),
+    (7168, 1536): (3, {8: 16, 16: 16, 32: 16, 64: 16}),
+    (3584, 7168): (5, {8: 16, 16: 8, 32: 16, 64: 16}),
+    (896, 7168): (9, {8: 8, 16: 8, 32: 8, 64: 8}),
+}
 
 
 def default_config(M: int, N: int, K: int) -> SkinnyGemmConfig | SkinnyGemmMmaConfig:
-    if 2 <= M <= 64 and mma.supports(K):
-        rows = MMA_DEFAULTS.get((N, K), {}).get(mma.m_pad_for(M))
-        if rows is not None:
-            for c in mma.configs_for(N, K, mma.m_pad_for(M)):
-                if c.rows == rows:
-                    return c
+    entry = MMA_DEFAULTS.get((N, K))
+    if entry is not None and entry[0] <= M <= 64 and mma.supports(K):
+        pad = mma.m_pad_for(M)
+        for c in mma.configs_for(N, K, pad):
+            if c.rows == entry[1][pad]:
+                return c
     return simt_config(M, N, K)
 
 
