@@ -83,12 +83,19 @@ def test_tie_aware_accepts_exact_topk_and_rejects_a_swap(seed):
     assert not compare_tie_aware_ids("ids", bad, s64, s32, 8).ok
 
 
-def test_tie_aware_accepts_either_side_of_an_exact_tie():
-    s64 = torch.tensor([[0.9, 0.5, 0.5, 0.1]], dtype=torch.float64)
+def test_tie_aware_accepts_either_side_of_a_near_tie():
+    s64 = torch.tensor([[0.9, 0.5, 0.5 + 1e-9, 0.1]], dtype=torch.float64)
     for ids in ([[0, 1]], [[0, 2]]):
         assert compare_tie_aware_ids("ids", torch.tensor(ids), s64, s64.float(), 2).ok
     assert not compare_tie_aware_ids("ids", torch.tensor([[0, 3]]), s64, s64.float(), 2).ok
     assert not compare_tie_aware_ids("ids", torch.tensor([[1, 1]]), s64, s64.float(), 2).ok
+
+
+def test_exact_ties_follow_the_declared_lower_id_rule():
+    s64 = torch.tensor([[0.9, 0.5, 0.5, 0.1]], dtype=torch.float64)
+    assert compare_tie_aware_ids("ids", torch.tensor([[0, 1]]), s64, s64.float(), 2).ok
+    chk = compare_tie_aware_ids("ids", torch.tensor([[0, 2]]), s64, s64.float(), 2)
+    assert not chk.ok and "lower-id" in chk.detail
 
 
 @pytest.mark.parametrize("dtype,bits", [(torch.bfloat16, 7), (torch.float16, 10), (torch.float32, 23)])

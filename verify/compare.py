@@ -137,6 +137,14 @@ def compare_tie_aware_ids(name: str, ids: torch.Tensor, scores64: torch.Tensor, 
             bad_rows.append((r, f"missing certain winners {sorted(must - chosen)[:4]}"))
         elif not chosen <= may:
             bad_rows.append((r, f"chose certain losers {sorted(chosen - may)[:4]}"))
+        else:
+            # Exact ties (identical scores in exact arithmetic, e.g. duplicated experts) tie in any
+            # arithmetic: there the declared tie-break decides, lower id first.
+            tied = torch.nonzero(scores64[r] == kth[r]).flatten().tolist()
+            picked = [e for e in tied if e in chosen]
+            if 0 < len(picked) < len(tied) and picked != tied[:len(picked)]:
+                bad_rows.append((r, f"exact tie at the k-th score broken against the declared lower-id rule: "
+                                    f"chose {picked[:4]} of tied {tied[:8]}"))
     metrics = {"rows": B, "rows_in_tie_band": ties, "bad_rows": len(bad_rows)}
     if not bad_rows:
         return Check(f"compare:{name}", True, f"sets match ({ties} rows inside the tie band)", metrics)

@@ -85,6 +85,21 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1 and a1 > a0 and b1 > b0
 
 
+def _element_offsets(t: torch.Tensor) -> torch.Tensor:
+    n = t.untyped_storage().nbytes() // t.element_size()
+    return torch.arange(n).as_strided(t.shape, t.stride(), t.storage_offset()).reshape(-1)
+
+
+def elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True if two views share an element. Disjoint slices of one buffer (a merged GEMM's q, k, v
+    columns) are legitimate outputs; the same element reachable from two outputs is not."""
+    if not overlaps(a, b):
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or a.element_size() != b.element_size():
+        return True
+    return bool(torch.isin(_element_offsets(a), _element_offsets(b)).any())
+
+
 def accepts_out(fn) -> bool:
     try:
         return "out" in inspect.signature(fn).parameters
@@ -93,10 +108,15 @@ def accepts_out(fn) -> bool:
 
 
 def poison_allocator(like: list[torch.Tensor], device) -> None:
-    """Leave NaN-filled freed blocks of the outputs' sizes in the allocator so torch.empty
-    in a candidate returns poison, not zeros, where it forgets to write."""
-    junk = [torch.full((t.numel() + 16,), float("nan"), dtype=torch.float32, device=device) if t.is_floating_point()
-            else torch.full((t.numel() + 16,), -1, dtype=torch.int64, device=device) for t in like]
+    """Leave freed blocks of exactly the outputs' byte sizes, filled with NaN (or -1), in the
+    allocator, so torch.empty in a candidate gets poison back, not zeros or a stale copy of the
+    answer, where it forgets to write (the CUDA caching allocator and glibc both reuse them)."""
+    junk = []
+    for t in like:
+        for size in (t.numel(), t.numel() + 16):
+            buf = torch.empty(size, dtype=t.dtype, device=device)
+            buf.fill_(poison_value(t.dtype))
+            junk.append(buf)
     del junk
 
 
@@ -150,7 +170,7 @@ def check_outputs(op, returned, expected: dict[str, torch.Tensor], inputs_guarde
             if overlaps(t, g.buf):
                 alias.append(f"output {name} aliases input {gname}")
         for other, u in results.items():
-            if other < name and overlaps(t, u) and not (name in out_buffers and other in out_buffers):
+            if other < name and elements_overlap(t, u) and not (name in out_buffers and other in out_buffers):
                 alias.append(f"outputs {other} and {name} share memory")
     checks.append(Check("guard:no_aliasing", not alias, "; ".join(alias) or "outputs are fresh memory"))
     return results, checks
