@@ -231,3 +231,14 @@ def skinny_gemm(x, w, *, out=None, variant: SkinnyGemmConfig | SkinnyGemmMmaConf
     else:
         _custom_op()(x, w, out)
     return out
+
+
+def variants(tensors: dict, params: dict) -> list[SkinnyGemmConfig | SkinnyGemmMmaConfig]:
+    """The variants the harness certifies for this case: every SIMT m-tile (each handles any M) and
+    the tensor-core variants of this M's padding bucket (those a launch at this M can use)."""
+    M, K = tensors["x"].shape
+    N = tensors["w"].shape[0]
+    simt = [SkinnyGemmConfig(m, _n_per_cta(N, m)) for m in (1, 2, 4, 8)]
+    if not (2 <= M <= 64 and mma.supports(K)):
+        return simt
+    return simt + mma.configs_for(N, K, mma.m_pad_for(M))

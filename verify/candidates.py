@@ -65,4 +65,11 @@ def compiled_fn(op_name: str):
     # Keep every bf16/fp16 rounding the reference writes (e.g. prefix + delta, then a fold): by
     # default inductor fuses through them in fp32, which no bitwise-class output can survive.
     inductor_config.emulate_precision_casts = True
+    inductor_config.compile_threads = 1            # no worker pool: it costs more than it saves on 2 cores
+    import torch._dynamo.config as dynamo_config
+    import torch.fx.experimental._config as fx_config
+
+    dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 64)   # never fall back to eager
+    dynamo_config.accumulated_cache_size_limit = max(dynamo_config.accumulated_cache_size_limit, 512)
+    fx_config.use_duck_shape = False               # equal sizes by coincidence must not add guards
     return torch.compile(reference_fn(get_op(op_name)), dynamic=True, fullgraph=False)
