@@ -20,6 +20,7 @@ class Profile:
     all_dtypes: bool         # False: the op's first (working) dtype only
     shrink: bool
     tp_sweep: bool           # one explicit case per T in the op's tp_values
+    dtypes: tuple[str, ...] | None = None   # restrict working dtypes (None: as all_dtypes says)
 
 
 PROFILES = {
@@ -55,6 +56,8 @@ def case_strategy(op: OpDef, profile: Profile, tps: list[int] | None = None, dev
     """Cases for one op. Shrinks toward seed 0, batch 1, the smallest config, the first dtype, T=1."""
     configs = [c for c in CONFIG_ORDER if c in op.configs and c in profile.configs] or [op.configs[0]]
     dtypes = list(op.dtypes) if profile.all_dtypes else [op.dtypes[0]]
+    if profile.dtypes is not None:
+        dtypes = [d for d in op.dtypes if d in profile.dtypes] or [op.dtypes[0]]
     tp_choices = sorted(set([1] + op_tps(op, tps)))
     return st.builds(
         Case,

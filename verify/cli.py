@@ -61,6 +61,8 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--tp", default=None, help="comma-separated T values for split cases, e.g. 1,2,4")
     run.add_argument("--examples", type=int, default=None, help="override the profile's cases per op")
+    run.add_argument("--configs", default=None, help="restrict configs, e.g. k3 or tiny,small")
+    run.add_argument("--dtypes", default=None, help="restrict working dtypes, e.g. bfloat16")
     run.add_argument("--out", default="verify-out", help="directory for certificate.json")
     run.add_argument("--json", action="store_true", help="print the certificate JSON on stdout")
     run.add_argument("--junit", default=None, metavar="FILE", help="also write JUnit XML")
@@ -179,13 +181,35 @@ def _candidates(text: str | None, device: str) -> list:
     return out
 
 
+def restrict_profile(profile, configs: str | None, dtypes: str | None):
+    """--configs / --dtypes narrow a profile (e.g. the real K3 shapes only on a GPU run)."""
+    import dataclasses
+
+    from verify.cases import CONFIG_ORDER
+
+    if configs:
+        wanted = tuple(c.strip() for c in configs.split(",") if c.strip())
+        bad = [c for c in wanted if c not in CONFIG_ORDER]
+        if bad:
+            raise ValueError(f"--configs {','.join(bad)}: unknown; choose from {', '.join(CONFIG_ORDER)}")
+        profile = dataclasses.replace(profile, configs=wanted)
+    if dtypes:
+        wanted = tuple(d.strip() for d in dtypes.split(",") if d.strip())
+        bad = [d for d in wanted if d not in ("bfloat16", "float16", "float32")]
+        if bad:
+            raise ValueError(f"--dtypes {','.join(bad)}: unknown; choose from bfloat16, float16, float32")
+        profile = dataclasses.replace(profile, dtypes=wanted)
+    return profile
+
+
 def _run_setup(args):
     from verify.cases import get_profile, validate_tp
     from verify.registry import UnknownOpError, select_ops
 
     try:
         ops = select_ops(args.ops)
-        profile = get_profile(args.profile)
+        profile = restrict_profile(get_profile(args.profile), getattr(args, "configs", None),
+                                   getattr(args, "dtypes", None))
         tps = validate_tp([int(t) for t in args.tp.split(",")]) if args.tp else None
     except (UnknownOpError, ValueError) as e:
         raise UsageError(str(e)) from None
