@@ -147,4 +147,8 @@ def test_kda_decode_matches_oracle_on_gpu(H, Dh):
     eb = (base.double() - oracle).abs().amax(-1)
     assert bool((ec <= 2 * eb + oracle.abs().amax(-1) * 2.0 ** -7).all())
     assert torch.equal(f_in["conv_state"], b_in["conv_state"])
-    assert float((f_in["state"].double() - o_in["state"]).abs().max()) < 1e-4
+    # The fp32 state carries the bf16 rounding of q/k/v (the oracle has none): judge it against the
+    # fp32 reference's own error, as the harness's derived class does.
+    es = (f_in["state"].double() - o_in["state"]).abs().amax(-1)
+    eb_state = (b_in["state"].double() - o_in["state"]).abs().amax(-1)
+    assert bool((es <= 2 * eb_state + o_in["state"].abs().amax(-1) * 2.0 ** -23).all())
