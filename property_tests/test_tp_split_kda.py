@@ -5,6 +5,8 @@ kda_attention_step (not a registered op) through references.kda_tp directly.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -25,6 +27,14 @@ def _float64(inputs: OpInputs) -> OpInputs:
     """The oracle's view of the inputs: every floating tensor upcast to float64 (exact)."""
     return OpInputs({n: t.to(torch.float64) if t.is_floating_point() else t for n, t in inputs.tensors.items()},
                     dict(inputs.params))
+
+
+@functools.lru_cache(maxsize=None)
+def _inputs64(op_name: str, config: str, batch: int) -> OpInputs:
+    """Built once per (op, config) and shared by every T: nothing below writes these tensors."""
+    make = {"kda_in_proj": KDA_IN_PROJ.make_inputs, "kda_decode": KDA_DECODE.make_inputs,
+            "kda_attention_step": make_kda_attention_step_inputs}[op_name]
+    return _float64(make(Case(op_name, 11, batch, config, "float32")))
 
 
 def _run(fn, outputs: tuple[str, ...], state: tuple[str, ...], tensors: dict, params: dict,
@@ -67,7 +77,7 @@ def test_registered_ops_use_the_kda_references():
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("T", TPS)
 def test_kda_in_proj_split(config, T):
-    inputs = _float64(KDA_IN_PROJ.make_inputs(Case("kda_in_proj", 11, 3, config, "float32", tp=T)))
+    inputs = _inputs64("kda_in_proj", config, 3)
     _registered_split(KDA_IN_PROJ, inputs, T)
 
 
@@ -75,7 +85,7 @@ def test_kda_in_proj_split(config, T):
 @pytest.mark.parametrize("T", TPS)
 def test_kda_decode_split(config, T):
     batch = 1 if config == "k3" else 3
-    inputs = _float64(KDA_DECODE.make_inputs(Case("kda_decode", 12, batch, config, "float32", tp=T)))
+    inputs = _inputs64("kda_decode", config, batch)
     _registered_split(KDA_DECODE, inputs, T, bitwise=("conv_state",))
 
 
@@ -83,7 +93,7 @@ def test_kda_decode_split(config, T):
 @pytest.mark.parametrize("T", TPS)
 def test_kda_attention_step_split(config, T):
     """o_proj is row-parallel: partial sums folded rank-ascending; equal to unsplit up to fp64 rounding."""
-    inputs = _float64(make_kda_attention_step_inputs(Case("kda_attention_step", 13, 3, config, "float32")))
+    inputs = _inputs64("kda_attention_step", config, 3)
     state = ("conv_state", "state")
     unsplit = _run(kda_attention_step, ("out",), state, inputs.tensors, inputs.params)
     per_rank = [_run(kda_attention_step, ("out",), state, t, p)
