@@ -21,10 +21,15 @@ class Profile:
     shrink: bool
     tp_sweep: bool           # one explicit case per T in the op's tp_values
     dtypes: tuple[str, ...] | None = None   # restrict working dtypes (None: as all_dtypes says)
+    sweep_tps: tuple[int, ...] | None = None  # T values of the sweep (None: all the op declares)
+    compile_heavy: bool = True               # also run torch.compile on ops marked compile_heavy
+    strided_run: bool = True                 # the strided/offset-views guard run (a recompile for inductor)
 
 
 PROFILES = {
-    "quick": Profile("quick", 6, ("tiny", "small"), 16, False, False, True),
+    # quick: the default job; must finish in minutes on a 2-core CPU with the compiled candidate.
+    "quick": Profile("quick", 4, ("tiny", "small"), 16, False, False, True, sweep_tps=(4,), compile_heavy=False,
+                     strided_run=False),
     "ci": Profile("ci", 25, ("tiny", "small"), 64, True, True, True),
     "release": Profile("release", 200, ("tiny", "small", "k3"), 64, True, True, True),
 }
@@ -79,4 +84,5 @@ def tp_sweep_cases(op: OpDef, profile: Profile, seed: int, tps: list[int] | None
     config = next((c for c in CONFIG_ORDER if c in op.configs and c in profile.configs), op.configs[0])
     batch = min(5, op.max_batch)
     dist = "order_sensitive" if op.split.order_sensitive and "order_sensitive" in op.dists else op.dists[0]
-    return [Case(op.name, seed + t, batch, config, op.dtypes[0], dist, t) for t in op_tps(op, tps) if t > 1]
+    sweep = [t for t in op_tps(op, tps) if t > 1 and (profile.sweep_tps is None or t in profile.sweep_tps)]
+    return [Case(op.name, seed + t, batch, config, op.dtypes[0], dist, t) for t in sweep]

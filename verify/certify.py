@@ -42,11 +42,11 @@ def repro_command(case: Case, candidate: str, device: str) -> str:
     return f"verify-kernels repro {shlex.quote(case.to_json())} --candidate {shlex.quote(candidate)} --device {device}"
 
 
-def safe_evaluate(op: OpDef, case: Case, fn, candidate: str, device: str, spec) -> CaseVerdict:
+def safe_evaluate(op: OpDef, case: Case, fn, candidate: str, device: str, spec, strided_run: bool = True) -> CaseVerdict:
     """evaluate_case, with any failure outside the candidate (input builder, reference) as a verdict."""
     t0 = time.perf_counter()
     try:
-        return evaluate_case(op, case, fn, candidate, device, spec)
+        return evaluate_case(op, case, fn, candidate, device, spec, strided_run=strided_run)
     except Exception as e:
         tb = traceback.extract_tb(e.__traceback__)[-1]
         where = f"{tb.filename.rsplit('/', 1)[-1]}:{tb.lineno}"
@@ -62,6 +62,9 @@ def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions) -> OpVerdict:
         spec = load_spec(op.name)
     except SpecError as e:
         return OpVerdict(op.name, label, FAIL, reason=f"spec: {e}")
+    if candidate.label == "compiled" and op.compile_heavy and not opts.profile.compile_heavy:
+        return OpVerdict(op.name, label, SKIP, reason=f"torch.compile of {op.name} takes minutes on a CPU; "
+                                                      "not in the quick profile (run --profile ci)")
     try:
         fn = candidate.resolve(op, opts.device)
     except CandidateUnavailable as e:
@@ -82,9 +85,9 @@ def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions) -> OpVerdict:
         if fatal:
             reject()
         if opts.evaluator is not None:
-            v = opts.evaluator(op.name, case, label, opts.device)
+            v = opts.evaluator(op.name, case, label, opts.device, strided_run=profile.strided_run)
         else:
-            v = safe_evaluate(op, case, fn, label, opts.device, spec)
+            v = safe_evaluate(op, case, fn, label, opts.device, spec, profile.strided_run)
         done[key] = v
         if v.status == FAIL and v.stage in FATAL_STAGES:
             fatal.append(v)

@@ -124,7 +124,7 @@ def _bitwise_same(tag: str, a: dict, b: dict) -> Check:
 
 
 def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu",
-                  spec: ToleranceSpec | None = None, guards_on: bool = True) -> CaseVerdict:
+                  spec: ToleranceSpec | None = None, guards_on: bool = True, strided_run: bool = True) -> CaseVerdict:
     """The whole pipeline for one case; never raises for a candidate's failure."""
     t0 = time.perf_counter()
     spec = spec or load_spec(op.name)
@@ -156,7 +156,7 @@ def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu"
             run += judge(op, spec, first.results, oracle, base, inputs, inputs64)
         if guards_on and all(c.ok for c in run):
             run += _extra_runs(op, spec, case, fn_v, inputs, base, first.results, oracle, inputs64, device,
-                                  binds_claims(candidate))
+                                  binds_claims(candidate), strided_run)
         checks += [c if not label else Check(c.name, c.ok, label + c.detail, c.metrics, c.worst) for c in run]
         bad = [c for c in checks if not c.ok]
         if bad:
@@ -186,7 +186,8 @@ def binds_claims(candidate: str) -> bool:
     return candidate == "fused" or candidate.startswith("fused.")
 
 
-def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, device, strict: bool = True) -> list[Check]:
+def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, device, strict: bool = True,
+                strided_run: bool = True) -> list[Check]:
     """Second run (determinism), permuted batch (position independence), strided/offset views."""
     from verify.candidates import reference_fn
 
@@ -218,6 +219,8 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
         from verify.gpu_guards import cuda_graph_check, side_stream_check
 
         checks += [side_stream_check(fn, op, inputs, base, first, device), cuda_graph_check(fn, op, inputs, first, device)]
+    if not strided_run:
+        return checks
     strided = guarded_call(fn, op, inputs, base, device, strided=True)
     if strided.error:
         low = strided.error.lower()

@@ -57,5 +57,6 @@ class OpDef:
     max_batch: int = 64
     tie_scores: Callable[[OpInputs], torch.Tensor] | None = None   # fp64 selection scores, tie-aware ops
     reweigh: Callable[[OpInputs, torch.Tensor], dict[str, torch.Tensor]] | None = None  # ids -> reference outputs for them
+    compile_heavy: bool = False                 # torch.compile of the reference takes minutes on a CPU
     cpu_ok: bool = True                         # reference practical on CPU at the k3 config
     notes: str = ""

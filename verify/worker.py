@@ -40,7 +40,7 @@ def _serve_one(req: dict) -> dict:
     try:
         op = get_op(case.op)
         fn = Candidate(label).resolve(op, device)
-        v = safe_evaluate(op, case, fn, label, device, load_spec(op.name))
+        v = safe_evaluate(op, case, fn, label, device, load_spec(op.name), req.get("strided_run", True))
     except CandidateUnavailable as e:
         v = CaseVerdict(case.op, label, req["case"], SKIP, "candidate", str(e))
     except BaseException as e:  # SystemExit from a candidate, or import failures: a verdict, not a dead worker
@@ -156,13 +156,14 @@ class IsolatedRunner:
         return json.loads(line)
 
     # -- one case -------------------------------------------------------------------------------
-    def evaluate(self, op_name: str, case, label: str, device: str):
+    def evaluate(self, op_name: str, case, label: str, device: str, strided_run: bool = True):
         from verify.verdict import FAIL, CaseVerdict
 
         if self.proc is None or self.proc.poll() is not None:
             self._start()
         t0 = time.perf_counter()
-        req = {"op": op_name, "candidate": label, "device": device, "case": case.to_json()}
+        req = {"op": op_name, "candidate": label, "device": device, "case": case.to_json(),
+               "strided_run": strided_run}
         try:
             self.proc.stdin.write((json.dumps(req) + "\n").encode())
             self.proc.stdin.flush()

@@ -109,7 +109,7 @@ OPS: list[OpDef] = [
         signature=(_SIG_COMMON + "conv_state[B,3,H*Dh,W-1] wd (state); recurrent_state[B,H,Dh,Dh] fp32 (state)\n"
                    "-> prefix_steps[N,B,D] wd (the layer's output prefix = next layer's h, per step)"),
         batch_dims={"x_steps": 1, "blocks": 0, "conv_state": 0, "recurrent_state": 0, "prefix_steps": 1},
-        configs=("tiny", "small"), dists=DISTS, max_batch=MAX_BATCH, cpu_ok=False, notes=_NOTES,
+        configs=("tiny", "small"), dists=DISTS, max_batch=MAX_BATCH, compile_heavy=True, cpu_ok=False, notes=_NOTES,
     ),
     OpDef(
         name="mla_layer", family="layers", reference="references.layers:mla_layer_steps",
@@ -117,6 +117,6 @@ OPS: list[OpDef] = [
         signature=(_SIG_COMMON + "cache[P,page,kv_lora+rope] wd (state); block_table[B,pages] int32 (-1 padded); "
                    "seq_lens[B] int32 (state: tokens cached, advanced by N)\n-> prefix_steps[N,B,D] wd"),
         batch_dims={"x_steps": 1, "blocks": 0, "block_table": 0, "seq_lens": 0, "prefix_steps": 1},
-        configs=("tiny", "small"), dists=DISTS, max_batch=MAX_BATCH, cpu_ok=False, notes=_NOTES,
+        configs=("tiny", "small"), dists=DISTS, max_batch=MAX_BATCH, compile_heavy=True, cpu_ok=False, notes=_NOTES,
     ),
 ]
