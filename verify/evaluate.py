@@ -57,7 +57,8 @@ def guarded_call(fn, op: OpDef, inputs: OpInputs, expected: dict[str, torch.Tens
             else out_buffers[op.outputs[0]].view
     guards.poison_allocator([expected[n] for n in op.outputs], device)
     try:
-        returned = fn(**kwargs, **inputs.params)
+        with guards.poisoned_empty():
+            returned = fn(**kwargs, **inputs.params)
         if device == "cuda" or str(device).startswith("cuda"):
             torch.cuda.synchronize()
     except Exception as e:  # the candidate's own failure is a verdict, never a crash of the run
@@ -179,11 +180,11 @@ def launch_variants(fn, inputs: OpInputs) -> list[tuple[str, object]]:
 
 
 def binds_claims(candidate: str) -> bool:
-    """The spec's bitwise claims (batch invariance, identical bits for strided views) are promises of
-    our fused kernels. Other candidates (the reference on CPU BLAS, inductor, a user's kernel) are
-    held to the class tolerance in those runs: a row at another batch index or a strided view may
-    take another BLAS path and differ in the last bits without being wrong."""
-    return candidate == "fused" or candidate.startswith("fused.")
+    """The spec's bitwise claims (batch invariance, identical bits for strided views) bind every kernel
+    judged: ours and a user's. Only the two CPU-BLAS stand-ins are held to the class tolerance in
+    those runs: the reference and torch.compile of it call MKL/oneDNN, whose row results depend on
+    the row's position in the blocked GEMM and on the operand strides, without being wrong."""
+    return candidate not in ("reference", "compiled")
 
 
 def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, device, strict: bool = True,

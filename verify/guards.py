@@ -6,6 +6,7 @@ compared bit-for-bit afterwards; outputs must be fresh memory of the exact type,
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, field
 
@@ -118,6 +119,39 @@ def poison_allocator(like: list[torch.Tensor], device) -> None:
             buf.fill_(poison_value(t.dtype))
             junk.append(buf)
     del junk
+
+
+def _poisoning(fn):
+    def alloc(*args, **kwargs):
+        t = fn(*args, **kwargs)
+        if isinstance(t, torch.Tensor) and t.numel():
+            t.fill_(True if t.dtype == torch.bool else poison_value(t.dtype))
+        return t
+
+    alloc.__wrapped__ = fn
+    return alloc
+
+
+# Created once so their identity is stable (torch.compile guards on the functions it sees).
+_EMPTY = {name: _poisoning(getattr(torch, name)) for name in ("empty", "empty_like", "empty_strided")}
+_NEW_EMPTY = _poisoning(torch.Tensor.new_empty)
+
+
+@contextlib.contextmanager
+def poisoned_empty():
+    """While the candidate runs, torch.empty & co. hand out poisoned memory (NaN, 0xAB, -0x1234567),
+    so an output element the candidate never writes shows as poison on any allocator, CPU included."""
+    saved = {name: getattr(torch, name) for name in _EMPTY}
+    saved_new = torch.Tensor.new_empty
+    try:
+        for name, fn in _EMPTY.items():
+            setattr(torch, name, fn)
+        torch.Tensor.new_empty = _NEW_EMPTY
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch, name, fn)
+        torch.Tensor.new_empty = saved_new
 
 
 @dataclass

@@ -121,16 +121,7 @@ ALL_DTYPES: set[str] = {"skinny_gemm_fp16_accum", "kda_decode_l2_eps_outside_sqr
 # Harness gaps found by this catalogue: candidate -> (why the expected rejection does not happen,
 # the stage that rejects it instead, or None if nothing rejects it). See the test for how they run.
 GAPS: dict[str, tuple[str, str | None]] = {
-    "skinny_gemm_unwritten_tail": (
-        "guard:outputs_written only sees NaN left by guards.poison_allocator, which on the CPU does not "
-        "make the candidate's torch.empty return NaN (the freed fp32 NaN blocks are not the ones malloc "
-        "hands back for a bf16 output of another size), so the unwritten tile holds stale memory; only "
-        "the comparison rejects it, and a stale tile that happens to match the reference would pass",
-        "compare:y"),
-    "router_topk_higher_id_wins": (
-        "tie_aware_ids accepts any choice inside the tie band, and an exact tie (identical fp32 choice "
-        "scores, which the near_ties draw builds on purpose) is inside every band; the reweigh check then "
-        "judges the weights with the candidate's ids, so the declared 'lower id first' tie-break is "
-        "never tested. Exact ties in the fp32 choice scores should be judged bitwise",
-        None),
+    # Empty today. Fixed gaps: unwritten outputs on the CPU (poison blocks of the outputs' exact byte
+    # size are reused by malloc) and the router's declared lower-id tie-break (exact ties in the
+    # float64 scores are judged against it). A new gap goes here with its reason and fallback stage.
 }
