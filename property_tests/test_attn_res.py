@@ -13,14 +13,6 @@ from references.primitives import linear, rms_norm
 EPS = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Tiny tensors: one thread avoids oversubscription stalls on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _sources(seed, B, S, D, dtype):
     g = torch.Generator().manual_seed(seed)

@@ -12,13 +12,6 @@ from verify.ops.gemm import OPS, PROJECTIONS, projection_shape
 GEMM = OPS[0]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), M=st.integers(1, 64), dtype=st.sampled_from(["bfloat16", "float16", "float32"]))

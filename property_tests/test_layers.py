@@ -25,13 +25,6 @@ LAYER = {"kda": 13, "mla": 15}              # 2 blocks before the layer, no push
 ROUNDINGS = {"kda": 22, "mla": 24}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _inputs(cfg, B, N, seed=5):
     g = torch.Generator().manual_seed(seed)

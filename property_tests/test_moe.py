@@ -16,13 +16,6 @@ from verify.ops.moe import OPS
 EXPERTS = next(op for op in OPS if op.name == "moe_experts_mxfp4")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _inputs(seed, B, dtype="float64", dist="normal"):
     return EXPERTS.make_inputs(Case("moe_experts_mxfp4", seed, B, "tiny", dtype, dist))

@@ -14,13 +14,6 @@ from references.mxfp4 import (E2M1_LUT, E2M1_MAGNITUDES, GROUP, MIDPOINTS, mxfp4
 RULES = {"ocp": quantize_mxfp4_ocp, "ct": quantize_mxfp4_ct}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def test_low_nibble_is_the_even_column():
     codes = torch.tensor([[0x1, 0x2, 0xF, 0x8]], dtype=torch.uint8)

@@ -13,13 +13,6 @@ from verify.ops.moe import OPS
 ROUTER = next(op for op in OPS if op.name == "router_topk")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def brute_force_ids(choice: torch.Tensor, k: int) -> list[list[int]]:
     rows = choice.tolist()

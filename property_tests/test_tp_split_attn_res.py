@@ -15,13 +15,6 @@ TP_VALUES = (1, 2, 4, 8, 16)
 BY_NAME = {op.name: op for op in OPS}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.mark.parametrize("T", TP_VALUES)
 @pytest.mark.parametrize("name", sorted(BY_NAME))

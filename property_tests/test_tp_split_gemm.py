@@ -13,13 +13,6 @@ TP_VALUES = (1, 2, 4, 8, 16)
 GEMM = OPS[0]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.mark.parametrize("T", TP_VALUES)
 @pytest.mark.parametrize("split", [SKINNY_GEMM_COLUMN_SPLIT, SKINNY_GEMM_ROW_SPLIT], ids=["column", "row"])

@@ -15,13 +15,6 @@ BY_NAME = {op.name: op for op in OPS}
 SPLIT_OPS = sorted(n for n, op in BY_NAME.items() if op.split is not None)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.mark.parametrize("T", TP_VALUES)
 @pytest.mark.parametrize("name", SPLIT_OPS)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from references.primitives import FLOAT_DTYPES, acc_dtype, check_tensor, rms_norm
+from references.primitives import FLOAT_DTYPES, acc_dtype, check_tensor, rms_norm, fold_ranks
 
 MAX_SOURCES = 9  # 8 block snapshots + the running prefix (K3: 93 layers, block size 12)
 
@@ -102,12 +102,8 @@ def attn_res_rmsnorm(prefix: torch.Tensor, delta: torch.Tensor, blocks: torch.Te
 
 
 def fold_partials(deltas: torch.Tensor) -> torch.Tensor:
-    """Declared all-reduce order: rank 0..T-1 left fold in acc (fp32), rounded once to the working dtype."""
-    acc = acc_dtype(deltas)
-    total = deltas[0].to(acc)
-    for r in range(1, deltas.shape[0]):
-        total = total + deltas[r].to(acc)
-    return total.to(deltas.dtype)
+    """Declared all-reduce order of the T partial deltas [T, B, D] (primitives.fold_ranks)."""
+    return fold_ranks(deltas)
 
 
 def allreduce_attn_res_rmsnorm(prefix: torch.Tensor, deltas: torch.Tensor, blocks: torch.Tensor,

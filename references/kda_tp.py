@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from references.kda import in_proj_layout
-from references.primitives import acc_dtype
+from references.primitives import acc_dtype, fold_ranks
 
 Tensors = dict[str, torch.Tensor]
 IN_PROJ_OUTPUTS = ("q_raw", "k_raw", "v_raw", "g_raw", "beta_raw", "z")
@@ -74,12 +74,8 @@ def shard_decode_tensors(t: Tensors, T: int) -> list[Tensors]:
 
 
 def fold_partial_sums(partials: list[torch.Tensor]) -> torch.Tensor:
-    """sum_r partials[r], rank 0..T-1 left fold in acc dtype (fp32; fp64 oracle), rounded once to wd."""
-    acc = acc_dtype(partials[0])
-    total = partials[0].to(acc)
-    for p in partials[1:]:
-        total = total + p.to(acc)
-    return total.to(partials[0].dtype)
+    """o_proj partial outputs summed in the declared order (primitives.fold_ranks)."""
+    return fold_ranks(partials)
 
 
 # ---------------------------------------------------------------------------------------------- kda_in_proj

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from references.primitives import FLOAT_DTYPES, acc_dtype, check_tensor, linear, rms_norm
+from references.primitives import FLOAT_DTYPES, acc_dtype, check_tensor, linear, rms_norm, fold_ranks
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -250,11 +250,8 @@ def shard_heads(t, n_heads: int, tp: int, dim: int, name: str) -> list:
 
 
 def sum_partials_rank_order(partials: list):
-    """The all-reduce of row-parallel partial outputs: rank 0..T-1 left fold in acc, rounded once to wd."""
-    total = partials[0].to(acc_dtype(partials[0]))
-    for p in partials[1:]:
-        total = total + p.to(total.dtype)
-    return total.to(partials[0].dtype)
+    """The all-reduce of row-parallel partial outputs in the declared order (primitives.fold_ranks)."""
+    return fold_ranks(partials)
 
 
 def mla_attention_step_tp(x, w_qkv_a, q_a_norm_w, kv_a_norm_w, w_q_b, w_uk, w_uv, w_g, w_o, cache, block_table,

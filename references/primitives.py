@@ -57,3 +57,14 @@ def situ_and_mul(x: torch.Tensor, beta: float = 4.0, linear_beta: float | None =
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(x)
+
+
+def fold_ranks(parts) -> torch.Tensor:
+    """The declared cross-rank reduction of every split in this project: rank 0..T-1 left fold in
+    the acc dtype (fp32; fp64 for the oracle), rounded once to the parts' dtype. `parts` is a list
+    of per-rank tensors or a tensor whose dim 0 is the rank."""
+    acc = acc_dtype(parts[0])
+    total = parts[0].to(acc)
+    for r in range(1, len(parts)):
+        total = total + parts[r].to(acc)
+    return total.to(parts[0].dtype)

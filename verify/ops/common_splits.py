@@ -9,7 +9,7 @@ import zlib
 
 import torch
 
-from references.primitives import acc_dtype
+from references.primitives import acc_dtype, fold_ranks  # noqa: F401  (fold_ranks re-exported for the splits)
 from verify.case import Case
 from verify.opdef import OpInputs, RankShard, SplitRule
 from verify.values import draw, generator
@@ -56,15 +56,6 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         both_nan = torch.isnan(a) & torch.isnan(b)
         return bool(torch.where(both_nan, True, (a == b) & (torch.signbit(a) == torch.signbit(b))).all())
     return bool(torch.equal(a, b))
-
-
-def fold_ranks(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The declared reduction: rank 0..T-1 left fold in acc, rounded once to the parts' dtype."""
-    acc = acc_dtype(parts[0])
-    total = parts[0].to(acc)
-    for p in parts[1:]:
-        total = total + p.to(acc)
-    return total.to(parts[0].dtype)
 
 
 def check_tp(T, what: str = "T") -> None:
