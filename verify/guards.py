@@ -27,7 +27,14 @@ def _canary_fill(buf: torch.Tensor) -> None:
 
 
 def poison_value(dtype: torch.dtype):
-    return float("nan") if dtype.is_floating_point else (0xAB if dtype == torch.uint8 else -0x1234567)
+    """NaN for floats; for integers a value no index or count takes (0xAB for bytes, the type's min)."""
+    if dtype.is_floating_point:
+        return float("nan")
+    if dtype == torch.bool:
+        return True
+    if dtype == torch.uint8:
+        return 0xAB
+    return torch.iinfo(dtype).min if dtype.is_signed else 0xAB
 
 
 @dataclass
@@ -124,8 +131,10 @@ def poison_allocator(like: list[torch.Tensor], device) -> None:
 def _poisoning(fn):
     def alloc(*args, **kwargs):
         t = fn(*args, **kwargs)
-        if isinstance(t, torch.Tensor) and t.numel():
-            t.fill_(True if t.dtype == torch.bool else poison_value(t.dtype))
+        # Only real memory: not while torch.compile traces or compiles, not fake or meta tensors.
+        if (type(t) is torch.Tensor and t.numel() and t.device.type != "meta"
+                and not torch.compiler.is_compiling()):
+            t.fill_(poison_value(t.dtype))
         return t
 
     alloc.__wrapped__ = fn
