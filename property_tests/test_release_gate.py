@@ -59,8 +59,12 @@ def test_planted_candidates_fail_alone_and_the_run_goes_on(tmp_path, monkeypatch
     assert (tmp_path / "junit.xml").read_text().count("<failure") == len(PLANTED)
 
 
+SECOND = "kda_layer"
+
+
 def test_resume_after_a_killed_run(tmp_path):
-    cmd = [sys.executable, "-m", "verify.cli", "run", "--ops", f"{OP},allreduce_attn_res_rmsnorm", "--candidate",
+    # the second op is a whole layer (seconds a case), so the kill lands before it finishes
+    cmd = [sys.executable, "-m", "verify.cli", "run", "--ops", f"{OP},{SECOND}", "--candidate",
            "reference", "--examples", "3", "--no-isolate", "--out", str(tmp_path)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     log = tmp_path / "run.jsonl"
@@ -69,7 +73,7 @@ def test_resume_after_a_killed_run(tmp_path):
         if log.exists() and '"kind":"op"' in log.read_text():
             proc.kill()
             break
-        time.sleep(0.05)
+        time.sleep(0.01)
     proc.wait()
     first = _log(tmp_path)
     finished = [r for r in first if r["kind"] == "op"]
@@ -79,10 +83,10 @@ def test_resume_after_a_killed_run(tmp_path):
     assert rc == 0
     after = _log(tmp_path)
     assert after[:len(first)] == first                                       # appended, nothing lost
-    assert [r["op"] for r in after if r["kind"] == "op"] == [OP, "allreduce_attn_res_rmsnorm"]
+    assert [r["op"] for r in after if r["kind"] == "op"] == [OP, SECOND]
     assert not any(r["kind"] == "case" and r["op"] == OP for r in after[len(first):])   # not rerun
     cert = certificate.load(tmp_path / "certificate.json")
-    assert set(cert["ops"]) == {OP, "allreduce_attn_res_rmsnorm"}
+    assert set(cert["ops"]) == {OP, SECOND}
     assert len(cert["ops"][OP]["cases"]["reference"]) == cert["ops"][OP]["verdicts"]["reference"]["cases_run"]
 
 
