@@ -43,3 +43,11 @@ def test_spec_op_must_match_file(tmp_path):
     (tmp_path / "z.toml").write_text(GOOD)
     with pytest.raises(SpecError, match="does not match the file name"):
         load_spec("z", tmp_path)
+
+
+def test_per_dtype_bounds_override_only_their_dtype():
+    spec = parse_spec(GOOD + "by_dtype.float32 = { k = 3.0, floor_ulps = 16.0 }\n", "x.toml")
+    assert spec.output("y").bounds("float32") == (3.0, 16.0)
+    assert spec.output("y").bounds("bfloat16") == (2.0, 1.0)
+    with pytest.raises(SpecError, match="by_dtype"):
+        parse_spec(GOOD + "by_dtype.int8 = { k = 3.0, floor_ulps = 16.0 }\n", "x.toml")

@@ -94,8 +94,9 @@ def judge(op: OpDef, spec: ToleranceSpec, cand: dict, oracle: dict, base: dict, 
         if out_spec.klass == "bitwise":
             checks.append(compare.compare_bitwise(name, c, base[name]))
         elif out_spec.klass == "derived":
-            checks.append(compare.compare_derived(name, c, oracle[name], base[name], out_spec.k,
-                                                  out_spec.floor_ulps, (baseline_err or {}).get(name)))
+            k, floor = out_spec.bounds(base[name].dtype)
+            checks.append(compare.compare_derived(name, c, oracle[name], base[name], k, floor,
+                                                  (baseline_err or {}).get(name)))
     return checks
 
 

@@ -19,19 +19,34 @@ class SpecError(ValueError):
     """A spec file is missing or malformed; the message names the file and the field."""
 
 
+class DtypeBounds(BaseModel):
+    """k and floor for one working dtype, where the derivation differs (e.g. fp32, whose outputs carry
+    no dominant final rounding); the derivation text must say why."""
+    model_config = ConfigDict(extra="forbid")
+    k: float = Field(ge=1.0, le=64.0)
+    floor_ulps: float = Field(ge=0.0, le=64.0)
+
+
 class OutputSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     klass: Literal["bitwise", "derived", "tie_aware_ids"] = Field(alias="class")
     k: float | None = Field(default=None, ge=1.0, le=64.0)
     floor_ulps: float | None = Field(default=None, ge=0.0, le=64.0)
+    by_dtype: dict[Literal["bfloat16", "float16", "float32"], DtypeBounds] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _derived_needs_bounds(self):
         if self.klass == "derived" and (self.k is None or self.floor_ulps is None):
             raise ValueError("class 'derived' needs both k and floor_ulps")
-        if self.klass != "derived" and (self.k is not None or self.floor_ulps is not None):
-            raise ValueError(f"class {self.klass!r} takes no k or floor_ulps")
+        if self.klass != "derived" and (self.k is not None or self.floor_ulps is not None or self.by_dtype):
+            raise ValueError(f"class {self.klass!r} takes no k, floor_ulps or by_dtype")
         return self
+
+    def bounds(self, dtype) -> tuple[float, float]:
+        """(k, floor_ulps) for an output of this working dtype (a torch.dtype or its name)."""
+        name = str(dtype).removeprefix("torch.")
+        b = self.by_dtype.get(name)
+        return (b.k, b.floor_ulps) if b else (self.k, self.floor_ulps)
 
 
 class Claims(BaseModel):
