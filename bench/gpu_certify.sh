@@ -10,6 +10,8 @@ EXAMPLES=${1:-20}; PER_OP=${2:-70}
 [ -d /tmp/site/nvidia_cutlass_dsl ] || { mkdir -p /tmp/site && tar xJf .device/cutedsl.tar.xz -C /tmp/site; }
 [ -d /tmp/site/pydantic ] || for w in .device/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
 export PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages CUTE_DSL_ARCH=sm_90a
+# the tree arrives without .git: name the commit for the certificates (write .device/commit before the call)
+export VERIFY_GIT_COMMIT=${VERIFY_GIT_COMMIT:-$(cat .device/commit 2>/dev/null)}
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader;
   python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; } > "$R/env.txt" 2>&1
 for op in ${OPS:-mxfp4_dequant mla_cache_write router_topk skinny_gemm attn_res_rmsnorm kda_decode}; do

@@ -5,8 +5,10 @@ import datetime as _dt
 import hashlib
 import importlib.util
 import json
+import os
 import platform
 import subprocess
+import sys
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
@@ -31,8 +33,11 @@ def environment(device: str) -> dict:
 
     env = {
         "python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
-        "cutlass_dsl": _version("nvidia-cutlass-dsl"), "hypothesis": _version("hypothesis"), "device": device,
-        "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain")),
+        "cutlass_dsl": _version("nvidia-cutlass-dsl") or _loaded_cutlass_version(),
+        "hypothesis": _version("hypothesis"), "device": device,
+        # a checkout copied without .git (a GPU machine) names its commit in VERIFY_GIT_COMMIT
+        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("VERIFY_GIT_COMMIT"),
+        "git_dirty": bool(_git("status", "--porcelain")),
     }
     if device == "cuda" and torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
@@ -44,6 +49,12 @@ def environment(device: str) -> dict:
         except (OSError, subprocess.SubprocessError):
             env["driver"] = None
     return env
+
+
+def _loaded_cutlass_version() -> str | None:
+    """The DSL's version when it was carried unpacked (no dist metadata) and a kernel imported it."""
+    mod = sys.modules.get("cutlass")
+    return getattr(mod, "__version__", None) if mod is not None else None
 
 
 def _git(*args) -> str | None:
