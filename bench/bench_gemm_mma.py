@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from timing import graph_time_us  # bench/timing.py (scripts run from bench/ on sys.path)
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -73,34 +74,6 @@ def compile_all(shapes, workers):
             runtime._cache[("skinny_gemm", "bfloat16", "bfloat16", N, K, cfg)] = getattr(mod, f"k{idx}")
         except Exception as e:                                   # noqa: BLE001
             log(f"LOAD FAIL K={K} N={N} {cfg.name}: {type(e).__name__}: {e}"[:300])
-
-
-def graph_time_us(torch, fn_list, reps=20, trials=5):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fn_list:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            fn_list[i % len(fn_list)]()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(10):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (10 * reps))
-    times.sort()
-    return times[len(times) // 2]
-
 
 def main():
     ap = argparse.ArgumentParser()
@@ -163,7 +136,7 @@ def main():
                                                                        cfg.interleave))
                             inv = inv and bool(torch.equal(o1.view(torch.int16), out[r:r + 1].view(torch.int16)))
                 fns = [lambda w=w, o=out, c=cfg: sg.skinny_gemm(x, w, out=o, variant=c) for w in ws]
-                us = graph_time_us(torch, fns)
+                us = graph_time_us(fns)
                 r = dict(shape=shape, K=K, N=N, M=M, impl=cfg.name, us=round(us, 2),
                          pct_bw=round(100 * nb / (us * 1e-6) / COPY_BW, 1), maxerr=err, cublas_err=base_err,
                          rel=rel, ok=ok, le_cublas=err <= base_err, deterministic=det, batch_invariant=inv)
@@ -171,7 +144,7 @@ def main():
                 log(f"{shape:22s} {cfg.name:22s} {us:8.2f} us {r['pct_bw']:5.1f}%  err={err:.3g} "
                     f"cublas_err={base_err:.3g} rel={rel:.2e} {'OK' if ok else 'FAIL'} det={det} inv={inv}")
             fns = [lambda w=w: F.linear(x, w) for w in ws]
-            us = graph_time_us(torch, fns)
+            us = graph_time_us(fns)
             RESULTS.append(dict(shape=shape, K=K, N=N, M=M, impl="cublas", us=round(us, 2),
                                 pct_bw=round(100 * nb / (us * 1e-6) / COPY_BW, 1)))
             log(f"{shape:22s} {'cublas(F.linear)':22s} {us:8.2f} us {RESULTS[-1]['pct_bw']:5.1f}%")

@@ -12,6 +12,7 @@ import sys
 import time
 
 import torch
+from timing import graph_time_us  # bench/timing.py (scripts run from bench/ on sys.path)
 
 COPY_BW = 4.24e12            # bytes/s, measured device-to-device copy (shared/reference/h200-anchors.md)
 ROT_BYTES = 256 << 20
@@ -21,35 +22,6 @@ LOG = []
 def log(msg):
     print(msg, flush=True)
     LOG.append(msg)
-
-
-def graph_time_us(fn_list, reps=20, trials=5):
-    """Median per-call time of fn_list[i % n] over CUDA-graph replays of `reps` calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fn_list:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            fn_list[i % len(fn_list)]()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(10):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (10 * reps))
-    times.sort()
-    return times[len(times) // 2]
-
 
 def n_copies(nbytes):
     return max(2, math.ceil(ROT_BYTES / max(nbytes, 1)))
