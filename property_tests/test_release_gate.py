@@ -156,3 +156,15 @@ def test_report_is_one_self_contained_page(base_cert, tmp_path):
     html = out.read_text()
     assert html.count("data:image/png;base64,") == 2
     assert "bfloat16 T=1" in html and "src=\"http" not in html and "<link" not in html
+
+
+def test_diff_does_not_call_a_skipped_failure_fixed(base_cert, tmp_path, capsys):
+    old = json.loads(base_cert.read_text())
+    failed, skipped = json.loads(json.dumps(old)), json.loads(json.dumps(old))
+    failed["ops"][OP]["verdicts"]["reference"]["status"] = "fail"
+    skipped["ops"][OP]["verdicts"]["reference"].update(status="skip", reason="needs a CUDA device")
+    (tmp_path / "f.json").write_text(json.dumps(failed))
+    (tmp_path / "s.json").write_text(json.dumps(skipped))
+    main(["diff", str(tmp_path / "f.json"), str(tmp_path / "s.json")])
+    text = capsys.readouterr().out
+    assert "fixed" not in text and "failed before, not run now" in text

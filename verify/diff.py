@@ -54,6 +54,8 @@ def diff(old: dict, new: dict) -> CertDiff:
         sa, sb = va["status"], vb["status"]
         if sb in BAD and sa not in BAD:
             out.changes.append(Change(op, cand, "new_failure", sa, sb, vb.get("reason", "")))
+        elif sa in BAD and sb == "skip":      # not run is not fixed: the failure is simply unknown now
+            out.changes.append(Change(op, cand, "status", sa, sb, "failed before, not run now: " + vb.get("reason", "")))
         elif sa in BAD and sb not in BAD:
             out.changes.append(Change(op, cand, "fixed", sa, sb))
         elif sa != sb:
