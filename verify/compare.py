@@ -17,9 +17,12 @@ def ulp(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.exp2(exp.clamp_min(_MIN_EXP.get(dtype, -126)) - mant)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def _rows(t: torch.Tensor, row_ndim: int = 1) -> torch.Tensor:
+    """Rows to judge: the last `row_ndim` dims flattened (elements that share one scale)."""
     t = t.detach().to("cpu", torch.float64)
-    return t.reshape(1, -1) if t.dim() <= 1 else t.reshape(-1, t.shape[-1])
+    if t.dim() <= row_ndim:
+        return t.reshape(1, -1)
+    return t.reshape(-1, int(torch.tensor(t.shape[-row_ndim:]).prod()))
 
 
 def _worst(c: torch.Tensor, o: torch.Tensor, b: torch.Tensor | None, err: torch.Tensor, shape) -> tuple:
@@ -73,11 +76,12 @@ def compare_bitwise(name: str, cand: torch.Tensor, base: torch.Tensor) -> Check:
 
 
 def compare_derived(name: str, cand: torch.Tensor, oracle: torch.Tensor, base: torch.Tensor,
-                    k: float, floor_ulps: float, baseline_err_rows: torch.Tensor | None = None) -> Check:
+                    k: float, floor_ulps: float, baseline_err_rows: torch.Tensor | None = None,
+                    row_ndim: int = 1) -> Check:
     """Per row: |cand - oracle| <= k * E_row + floor_ulps * ulp(max|oracle|), E_row = the baseline's
     max error in the row, or the tensor's median relative baseline error at the row's scale if larger."""
     dtype = base.dtype
-    c, o, b = _rows(cand), _rows(oracle), _rows(base)
+    c, o, b = _rows(cand, row_ndim), _rows(oracle, row_ndim), _rows(base, row_ndim)
     err_c = (c - o).abs()
     err_b_rows = (b - o).abs().amax(-1) if baseline_err_rows is None else baseline_err_rows.to(torch.float64)
     scale = o.abs().amax(-1)

@@ -96,7 +96,7 @@ def judge(op: OpDef, spec: ToleranceSpec, cand: dict, oracle: dict, base: dict, 
         elif out_spec.klass == "derived":
             k, floor = out_spec.bounds(base[name].dtype)
             checks.append(compare.compare_derived(name, c, oracle[name], base[name], k, floor,
-                                                  (baseline_err or {}).get(name)))
+                                                  (baseline_err or {}).get(name), op.row_ndims.get(name, 1)))
     return checks
 
 

@@ -49,6 +49,7 @@ class OpDef:
     signature: str                              # one readable line per argument: shapes and dtypes
     state: tuple[str, ...] = ()                 # inputs updated in place; judged like outputs
     batch_dims: dict[str, int] = field(default_factory=dict)  # input/output/state name -> batch dim
+    row_ndims: dict[str, int] = field(default_factory=dict)   # output -> trailing dims forming one judged row (1)
     split: SplitRule | None = None
     fused: str | None = None                    # "fused.module:function" of our CuTe DSL candidate
     dtypes: tuple[str, ...] = ("bfloat16", "float16", "float32")

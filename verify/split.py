@@ -7,10 +7,10 @@ from verify.evaluate import guarded_call, judge, run_plain
 from verify.verdict import FAIL, PASS, Check
 
 
-def _row_err(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    a, o = a.detach().cpu().double(), o.detach().cpu().double()
-    d = (a - o).abs()
-    return d.reshape(1, -1).amax(-1) if d.dim() <= 1 else d.reshape(-1, d.shape[-1]).amax(-1)
+def _row_err(a: torch.Tensor, o: torch.Tensor, row_ndim: int = 1) -> torch.Tensor:
+    from verify.compare import _rows
+
+    return (_rows(a, row_ndim) - _rows(o, row_ndim)).abs().amax(-1)
 
 
 def run_split(op, case, fn, inputs, inputs64, oracle, base, spec, device, verdict):
@@ -36,7 +36,8 @@ def run_split(op, case, fn, inputs, inputs64, oracle, base, spec, device, verdic
             return verdict(FAIL, bad[0].name, f"rank {rank}/{case.tp}: {bad[0].detail}", res.checks)
         cand_ranks.append(res.results)
     cand = op.split.combine(cand_ranks, inputs)
-    base_err = {n: torch.maximum(_row_err(base[n], oracle[n]), _row_err(base_split[n], oracle[n]))
+    base_err = {n: torch.maximum(_row_err(base[n], oracle[n], op.row_ndims.get(n, 1)),
+                                 _row_err(base_split[n], oracle[n], op.row_ndims.get(n, 1)))
                 for n in op.outputs + op.state if base[n].is_floating_point()}
     judge_base = {n: base_split[n] if spec.output(n).klass == "bitwise" else base[n] for n in op.outputs + op.state}
     checks += judge(op, spec, cand, oracle, judge_base, inputs, inputs64, base_err)

@@ -109,6 +109,9 @@ OPS: list[OpDef] = [
         signature=(_SIG_COMMON + "conv_state[B,3,H*Dh,W-1] wd (state); recurrent_state[B,H,Dh,Dh] fp32 (state)\n"
                    "-> prefix_steps[N,B,D] wd (the layer's output prefix = next layer's h, per step)"),
         batch_dims={"x_steps": 1, "blocks": 0, "conv_state": 0, "recurrent_state": 0, "prefix_steps": 1},
+        # a conv_state row of W-1 = 3 time steps has no scale of its own (projections cancel): judge
+        # all channels of one conv of one sequence together, [C, W-1]
+        row_ndims={"conv_state": 2},
         configs=("tiny", "small"), dists=DISTS, max_batch=MAX_BATCH, compile_heavy=True, cpu_ok=False, notes=_NOTES,
     ),
     OpDef(
