@@ -3,7 +3,6 @@ certificate diff and the HTML report. CPU only; op attn_res_rmsnorm (fast, never
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time

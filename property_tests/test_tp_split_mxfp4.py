@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from verify.case import Case
 from verify.ops.common_splits import run_reference, run_split, same_bits

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from references.kda import in_proj_layout
-from references.primitives import acc_dtype, fold_ranks
+from references.primitives import fold_ranks
 
 Tensors = dict[str, torch.Tensor]
 IN_PROJ_OUTPUTS = ("q_raw", "k_raw", "v_raw", "g_raw", "beta_raw", "z")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import shlex
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from hypothesis import HealthCheck, Phase, given, reject, settings

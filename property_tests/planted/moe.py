@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from references.moe import RENORM_EPS, moe_experts_mxfp4, router_choice_scores, router_topk, shared_experts
-from references.primitives import linear, rms_norm
+from references.primitives import linear
 
 
 def router_topk_higher_id_wins(x, w_gate, bias, top_k: int, routed_scale: float):

@@ -9,7 +9,7 @@ import zlib
 
 import torch
 
-from references.primitives import acc_dtype, fold_ranks  # noqa: F401  (fold_ranks re-exported for the splits)
+from references.primitives import fold_ranks  # noqa: F401  (re-exported for the splits)
 from verify.case import Case
 from verify.opdef import OpInputs, RankShard, SplitRule
 from verify.values import draw, generator
