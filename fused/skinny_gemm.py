@@ -169,13 +169,7 @@ class SkinnyGemm:
 def _compile(dtype: str, out_dtype: str, N: int, K: int, cfg: SkinnyGemmConfig | SkinnyGemmMmaConfig):
     if isinstance(cfg, SkinnyGemmMmaConfig):
         return mma.build(dtype, out_dtype, N, K, cfg)
-    m = runtime.sym_int()
-    op = SkinnyGemm(N, K, cfg)
-    return runtime.compile_tvm_ffi(
-        op.jit_host(),
-        runtime.fake_tensor(dtype, (m, K)),
-        runtime.fake_tensor(dtype, (N, K)),
-        runtime.fake_tensor(out_dtype, (m, N), align=4))
+    return mma.compile_host(SkinnyGemm(N, K, cfg).jit_host(), dtype, out_dtype, N, K)
 
 
 def _check(x, w):

@@ -124,7 +124,7 @@ class SkinnyGemmMma:
 
     def device_kernel(self):
         cutlass, cute = runtime.cutlass_modules()
-        from cutlass import BFloat16, Float16, Float32, Int32
+        from cutlass import Float32, Int32
 
         cfg = self.cfg
         nb, nfrag, wrows, half = self.nb, self.nfrag, self.wrows, self.half
@@ -210,13 +210,17 @@ class SkinnyGemmMma:
         return kernel
 
 
-def build(dtype: str, out_dtype: str, N: int, K: int, cfg: SkinnyGemmMmaConfig):
-    """Compile one variant (skinny_gemm._compile caches it under the op "skinny_gemm")."""
+def compile_host(host, dtype: str, out_dtype: str, N: int, K: int):
+    """Compile a skinny-GEMM host function (x[M,K], w[N,K] -> y[M,N], M dynamic), SIMT or MMA."""
     m = runtime.sym_int()
-    op = SkinnyGemmMma(N, K, cfg)
     return runtime.compile_tvm_ffi(
-        op.jit_host(),
+        host,
         runtime.fake_tensor(dtype, (m, K)),
         runtime.fake_tensor(dtype, (N, K)),
         runtime.fake_tensor(out_dtype, (m, N), align=4))
+
+
+def build(dtype: str, out_dtype: str, N: int, K: int, cfg: SkinnyGemmMmaConfig):
+    """Compile one variant (skinny_gemm._compile caches it under the op "skinny_gemm")."""
+    return compile_host(SkinnyGemmMma(N, K, cfg).jit_host(), dtype, out_dtype, N, K)
 
