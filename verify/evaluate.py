@@ -126,7 +126,7 @@ def _bitwise_same(tag: str, a: dict, b: dict) -> Check:
 
 
 def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu",
-                  spec: ToleranceSpec | None = None, guards_on: bool = True, strided_run: bool = True) -> CaseVerdict:
+                  spec: ToleranceSpec | None = None, strided_run: bool = True) -> CaseVerdict:
     """The whole pipeline for one case; never raises for a candidate's failure."""
     t0 = time.perf_counter()
     spec = spec or load_spec(op.name)
@@ -156,7 +156,7 @@ def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu"
         run = list(first.checks)
         if all(c.ok for c in run):
             run += judge(op, spec, first.results, oracle, base, inputs, inputs64)
-        if guards_on and all(c.ok for c in run):
+        if all(c.ok for c in run):
             run += _extra_runs(op, spec, case, fn_v, inputs, base, first.results, oracle, inputs64, device,
                                   binds_claims(candidate), strided_run)
         checks += [c if not label else Check(c.name, c.ok, label + c.detail, c.metrics, c.worst) for c in run]
