@@ -77,9 +77,10 @@ def compare_bitwise(name: str, cand: torch.Tensor, base: torch.Tensor) -> Check:
 
 def compare_derived(name: str, cand: torch.Tensor, oracle: torch.Tensor, base: torch.Tensor,
                     k: float, floor_ulps: float, baseline_err_rows: torch.Tensor | None = None,
-                    row_ndim: int = 1) -> Check:
-    """Per row: |cand - oracle| <= k * E_row + floor_ulps * ulp(max|oracle|), E_row = the baseline's
-    max error in the row, or the tensor's median relative baseline error at the row's scale if larger."""
+                    row_ndim: int = 1, magnitude: torch.Tensor | None = None) -> Check:
+    """Per row: |cand - oracle| <= k * E_row + floor_ulps * ulp(M_row), E_row = the baseline's max error
+    in the row, or the tensor's median relative baseline error at the row's scale if larger; M_row =
+    max |oracle| in the row, or the row's max running-error `magnitude` (OpDef.magnitudes) if larger."""
     dtype = base.dtype
     c, o, b = _rows(cand, row_ndim), _rows(oracle, row_ndim), _rows(base, row_ndim)
     err_c = (c - o).abs()
@@ -90,7 +91,8 @@ def compare_derived(name: str, cand: torch.Tensor, oracle: torch.Tensor, base: t
     if err_b_rows.numel() > 1:
         typical = (err_b_rows / scale.clamp_min(torch.finfo(torch.float64).tiny)).median()
         err_b_rows = torch.maximum(err_b_rows, typical * scale)
-    tol = k * err_b_rows + floor_ulps * ulp(scale, dtype)
+    floor_scale = scale if magnitude is None else torch.maximum(scale, _rows(magnitude, row_ndim).amax(-1))
+    tol = k * err_b_rows + floor_ulps * ulp(floor_scale, dtype)
     nonfinite = ~torch.isfinite(c)
     row_err = torch.where(nonfinite, torch.full_like(c, float("inf")), err_c).amax(-1)
     ratio = row_err / tol.clamp_min(torch.finfo(torch.float64).tiny)

@@ -88,6 +88,7 @@ def judge(op: OpDef, spec: ToleranceSpec, cand: dict, oracle: dict, base: dict, 
             oracle = {**oracle, **op.reweigh(inputs64, c.to(next(iter(oracle.values())).device))}
             base = {**base, **op.reweigh(inputs, c.to(next(iter(base.values())).device))}
             baseline_err = None
+    magnitudes = op.magnitudes(inputs64) if op.magnitudes is not None else {}
     for name in names:
         out_spec = spec.output(name)
         c = cand[name]
@@ -96,7 +97,8 @@ def judge(op: OpDef, spec: ToleranceSpec, cand: dict, oracle: dict, base: dict, 
         elif out_spec.klass == "derived":
             k, floor = out_spec.bounds(base[name].dtype)
             checks.append(compare.compare_derived(name, c, oracle[name], base[name], k, floor,
-                                                  (baseline_err or {}).get(name), op.row_ndims.get(name, 1)))
+                                                  (baseline_err or {}).get(name), op.row_ndims.get(name, 1),
+                                                  magnitudes.get(name)))
     return checks
 
 

@@ -12,6 +12,8 @@ import zlib
 import torch
 
 from references.config import get_config
+from references.kda import kda_gate
+from references.primitives import silu
 from references.kda_tp import (combine_kda_decode, combine_kda_in_proj, shard_kda_decode,
                                shard_kda_in_proj)
 from verify.case import Case
@@ -85,6 +87,49 @@ def make_kda_decode_inputs(case: Case) -> OpInputs:
     t["state"] = starting_state(case, B, H, Dh)
     params = {"lower_bound": cfg.gate_lower_bound, "l2_eps": cfg.l2_eps, "norm_eps": cfg.rms_eps}
     return OpInputs(tensors=t, params=params)
+
+
+def decode_state_magnitude(inputs: OpInputs) -> dict[str, torch.Tensor]:
+    """First-order running error magnitude of the new KDA state (Higham, Accuracy and Stability, 3.1):
+    for every element, m such that any evaluation order of the reference's sums errs by about
+    c * u * m (c ~ sqrt of the longest sum). Computed in fp64 from the case's inputs; |.| of every term:
+
+      conv (W terms, then SiLU):  m(v_c) = 1.1 * sum_w |window_w conv_w_w| + |v_c|   (|silu'| <= 1.1)
+      k = ks / |ks|:              m(k_i) = (m(ks_i) + |k_i| |m(ks)|_2) / |ks|_2
+      S' = alpha S:               m(S'_i) = 2 |S'_i|                     (the gate's own few ulps)
+      dot_j = sum_i S'_ji k_i:    m(dot_j) = sum_i (m(S'_ji) |k_i| + |S'_ji| m(k_i))
+      u_j = beta (v_j - dot_j):   m(u_j) = beta (m(v_j) + m(dot_j)) + |u_j|
+      new_ji = S'_ji + k_i u_j:   m(new_ji) = m(S'_ji) + m(k_i) |u_j| + |k_i| m(u_j)
+
+    Where the conv's terms cancel (|v_c| << sum |terms|) an order change moves u_j, and with it the
+    whole state row, by ulps of the terms, not of the result: the row's floor is scaled by this m."""
+    t, p = inputs.tensors, inputs.params
+    d = {n: t[n].to(torch.float64) for n in ("q_raw", "k_raw", "v_raw", "g_raw", "beta_raw", "conv_w",
+                                             "conv_state", "A_log", "dt_bias", "state")}
+    B, H, V, K = d["state"].shape
+
+    def conv(i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        window = torch.cat([d["conv_state"][:, i], x.unsqueeze(-1)], dim=-1)
+        pre = (window * d["conv_w"][i]).sum(-1)
+        val = silu(pre)
+        mag = 1.1 * (window * d["conv_w"][i]).abs().sum(-1) + val.abs()
+        return val.view(B, H, -1), mag.view(B, H, -1)
+
+    ks, m_ks = conv(1, d["k_raw"])
+    v, m_v = conv(2, d["v_raw"])
+    norm = torch.sqrt((ks * ks).sum(-1, keepdim=True) + p["l2_eps"])
+    k = ks / norm
+    m_k = (m_ks + k.abs() * m_ks.norm(dim=-1, keepdim=True)) / norm
+    _, alpha = kda_gate(d["g_raw"].view(B, H, K), d["A_log"], d["dt_bias"], p["lower_bound"])
+    beta = torch.sigmoid(d["beta_raw"]).unsqueeze(-1)                               # [B, H, 1]
+    sd = d["state"] * alpha.unsqueeze(-2)                                            # [B, H, V, K]
+    m_sd = 2 * sd.abs()
+    dot = (sd * k.unsqueeze(-2)).sum(-1)
+    m_dot = (m_sd * k.abs().unsqueeze(-2) + sd.abs() * m_k.unsqueeze(-2)).sum(-1)  # [B, H, V]
+    u = beta * (v - dot)
+    m_u = beta * (m_v + m_dot) + u.abs()
+    m_new = m_sd + m_k.unsqueeze(-2) * u.abs().unsqueeze(-1) + k.abs().unsqueeze(-2) * m_u.unsqueeze(-1)
+    return {"state": m_new}
 
 
 def in_proj_weights(case: Case, hidden: int, n_heads: int, head_dim: int, f_rank: int,
@@ -165,6 +210,7 @@ KDA_DECODE = OpDef(
     split=_split_rule("heads", shard_kda_decode, combine_kda_decode,
                       "none: heads are independent; y, conv_state, state concatenated by head"),
     fused="fused.kda_decode:kda_decode",
+    magnitudes=decode_state_magnitude,
     max_batch=DECODE_MAX_BATCH,
     notes=(f"batch capped at {DECODE_MAX_BATCH}: at k3 the fp32 state is 6 MiB per sequence and the oracle "
            "holds an fp64 copy; the batch-invariance guard covers the larger decode batches."),
