@@ -1,8 +1,18 @@
 """router_topk: fp32 router logits, sigmoid, + bias, exact top-k, renormalised weights.
 
-Two launches on the caller's stream: (1) the skinny_gemm GEMV kernel writes fp32 logits[B, E]
-(bf16 products are exact in fp32; fp32 accumulation); (2) one warp per token selects the top k
-of choice = sigmoid(logit) + bias by k rounds of warp argmax. Lane l holds experts l, l+32, ...
+Two launches on the caller's stream: (1) a skinny_gemm kernel writes fp32 logit partials
+ws[S, B, E] (bf16 products are exact in fp32; fp32 accumulation); (2) one warp per token folds the
+S partials in order s = 0..S-1 (IEEE fp32 adds), then selects the top k of
+choice = sigmoid(logit) + bias by k rounds of warp argmax.
+
+The logits GEMM (`logits_config`): the SIMT GEMV (S = 1, IEEE FMA chains) up to M = SIMT_MAX tokens;
+above it the tensor-core kernel with split-K over S CTAs (`split_for(D)`, so 112 x S CTAs fill the
+132 SMs at E = 896) and `fresh_acc`: each mma.sync sums its 16 products into zeroed fragments that
+are added to the fp32 accumulator with IEEE adds. Accumulating straight in the MMA's C fragment was
+measured on the H200 (results/gpu/certification.md, 2026-11-29): the tensor core aligns and
+truncates its addends to the largest one, so a 448-MMA chain over D = 7168 erred 3x more than the
+fp32 reference and failed the weights' derived bound at every M >= 9. The logit selects experts:
+it is held to fp32 accuracy, not to a bf16 GEMM's. Lane l holds experts l, l+32, ...
 in registers; a round takes each lane's best (strict >, so the lower id wins a tie inside a lane),
 then a butterfly argmax that prefers the larger choice and, on equal choice, the lower id; the
 owner drops the winner. Rounds run in descending order, so ids come out sorted as the reference's
@@ -16,17 +26,49 @@ import torch
 
 from fused import runtime
 from fused import skinny_gemm as sg
+from fused import skinny_gemm_mma as mma
+from fused.skinny_gemm_mma import SkinnyGemmMmaConfig
 
 RENORM_EPS = 1e-20
+
+
+SIMT_MAX = 8                        # tokens up to which the SIMT GEMV computes the logits
+
+
+def split_for(D: int) -> int:
+    """K-split of the tensor-core logits: the largest of 7, 4, 2 leaving >= 16 k-steps of 32 per CTA."""
+    steps = D // mma.KSTEP
+    for S in (7, 4, 2):
+        if steps % S == 0 and steps // S >= 16:
+            return S
+    return 1
+
+
+def mma_logits_config(M: int, E: int, D: int) -> SkinnyGemmMmaConfig | None:
+    """The split-K, fresh-accumulator tensor-core config for M tokens, or None where it does not apply."""
+    if not (2 <= M <= 64 and mma.supports(D) and E % 8 == 0):
+        return None
+    S = split_for(D)
+    pad, w = mma.m_pad_for(M), mma.warps_for(D // S)
+    return SkinnyGemmMmaConfig(pad, 8, w, mma._unroll(D // S, w, pad), True, S, True)
+
+
+def logits_config(M: int, E: int, D: int):
+    if M > SIMT_MAX:
+        cfg = mma_logits_config(M, E, D)
+        if cfg is not None:
+            return cfg
+    return sg.simt_config(max(M, 1), E, D)
 
 
 @dataclass(frozen=True)
 class RouterTopkConfig:
     tokens_per_cta: int = 4          # one warp per token
+    gemm: object = None              # logits GEMM config; None: logits_config(M, E, D)
 
     @property
     def name(self) -> str:
-        return f"warp_argmax_t{self.tokens_per_cta}"
+        return f"warp_argmax_t{self.tokens_per_cta}" + (f"+{self.gemm.name}" if self.gemm is not None else "")
 
 
 def all_configs() -> list[RouterTopkConfig]:
@@ -34,15 +76,23 @@ def all_configs() -> list[RouterTopkConfig]:
 
 
 def variants(tensors: dict, params: dict) -> list:
-    """Every launch variant the harness must certify for these inputs."""
-    return all_configs()
+    """Every launch variant the harness must certify for these inputs: both top-k tilings with the
+    default logits GEMM, and the other logits path (SIMT <-> split-K MMA) where this M allows it."""
+    M, D = tensors["x"].shape
+    E = tensors["w_gate"].shape[0]
+    out = all_configs()
+    default = logits_config(M, E, D)
+    other = sg.simt_config(max(M, 1), E, D) if isinstance(default, SkinnyGemmMmaConfig) else mma_logits_config(M, E, D)
+    if other is not None:
+        out.append(RouterTopkConfig(4, other))
+    return out
 
 
 class RouterTopk:
-    def __init__(self, E: int, top_k: int, cfg: RouterTopkConfig):
+    def __init__(self, E: int, top_k: int, cfg: RouterTopkConfig, S: int = 1):
         if not 1 <= top_k <= min(32, E):
             raise ValueError(f"top_k: {top_k} must be in 1..{min(32, E)} for the warp kernel")
-        self.E, self.k, self.cfg = E, top_k, cfg
+        self.E, self.k, self.cfg, self.S = E, top_k, cfg, S
         self.per_lane = -(-E // 32)
 
     def jit_host(self):
@@ -53,7 +103,7 @@ class RouterTopk:
         @cute.jit
         def host(mLogit: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor,
                  routed_scale: cutlass.Float32, stream):
-            B = mLogit.shape[0]
+            B = mLogit.shape[1]
             kernel(mLogit, mBias, mIds, mW, routed_scale).launch(
                 grid=[(B + tpc - 1) // tpc, 1, 1], block=[32 * tpc, 1, 1], stream=stream)
 
@@ -63,7 +113,14 @@ class RouterTopk:
         cutlass, cute = runtime.cutlass_modules()
         from cutlass import Float32, Int32, Int64
 
-        E, k, pl, tpc = self.E, self.k, self.per_lane, self.cfg.tokens_per_cta
+        E, k, pl, tpc, S = self.E, self.k, self.per_lane, self.cfg.tokens_per_cta, self.S
+
+        @cute.jit
+        def logit(mLogit: cute.Tensor, b, e):
+            v = mLogit[0, b, e]
+            for s in cutlass.range_constexpr(1, S):
+                v = v + mLogit[s, b, e]                  # the S partials folded in order
+            return v
 
         @cute.kernel
         def kernel(mLogit: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor,
@@ -72,13 +129,13 @@ class RouterTopk:
             warp = cute.arch.warp_idx()
             lane = cute.arch.lane_idx()
             b = bidx * tpc + warp
-            if b < mLogit.shape[0]:
+            if b < mLogit.shape[1]:
                 choice = cute.make_rmem_tensor(cute.make_layout(pl), Float32)
                 for j in cutlass.range_constexpr(pl):
                     choice[j] = Float32(-float("inf"))
                     e = j * 32 + lane
                     if e < E:
-                        s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-mLogit[b, e]))
+                        s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logit(mLogit, b, e)))
                         choice[j] = s + mBias[e]
                 my_id = Int32(0)
                 my_s = Float32(0.0)
@@ -100,7 +157,7 @@ class RouterTopk:
                             choice[j] = Float32(-float("inf"))
                     if lane == r:
                         my_id = bid
-                        my_s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-mLogit[b, bid]))
+                        my_s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logit(mLogit, b, bid)))
                 total = cute.arch.warp_reduction(my_s if lane < k else Float32(0.0), operator.add)
                 if lane < k:
                     mIds[b, lane] = Int64(my_id)
@@ -110,30 +167,51 @@ class RouterTopk:
 
 
 @runtime.compile_cache("router_topk")
-def _compile(E: int, top_k: int, cfg: RouterTopkConfig):
+def _compile(E: int, top_k: int, tokens_per_cta: int, S: int):
     cutlass, _ = runtime.cutlass_modules()
     b = runtime.sym_int()
-    op = RouterTopk(E, top_k, cfg)
+    op = RouterTopk(E, top_k, RouterTopkConfig(tokens_per_cta), S)
     return runtime.compile_tvm_ffi(
         op.jit_host(),
-        runtime.fake_tensor("float32", (b, E), align=4),
+        runtime.fake_tensor("float32", (S, b, E), align=4),
         runtime.fake_tensor("float32", (E,), align=4),
         runtime.fake_tensor("int64", (b, top_k), align=8),
         runtime.fake_tensor("float32", (b, top_k), align=4),
         cutlass.Float32(1.0))
 
 
-def compile_all_for(dtype: str, E: int, D: int, top_k: int, cfg: RouterTopkConfig):
-    """Both launches' compiled functions (for CPU compile checks)."""
-    sg_cfg = sg.default_config(1, E, D)
-    return (sg._compile(dtype, "float32", E, D, sg_cfg), _compile(E, top_k, cfg))
+def compile_all_for(dtype: str, E: int, D: int, top_k: int, cfg: RouterTopkConfig) -> list:
+    """Every compiled function a launch with this top-k config can use, for any M (CPU compile checks):
+    the SIMT GEMV, the split-K tensor-core logits of each token bucket, and the top-k kernels."""
+    out = [sg._compile(dtype, "float32", E, D, sg.simt_config(1, E, D)), _compile(E, top_k, cfg.tokens_per_cta, 1)]
+    for M in (SIMT_MAX + 1, 16, 32, 64):
+        g = mma_logits_config(M, E, D)
+        if g is not None:
+            out += [sg._compile(dtype, "float32", E, D, g), _compile(E, top_k, cfg.tokens_per_cta, g.ksplit)]
+    return out
+
+
+def logits_workspace(B: int, E: int, D: int, device, gemm=None):
+    import torch
+
+    cfg = gemm or logits_config(B, E, D)
+    S = getattr(cfg, "ksplit", 1)
+    return torch.empty(S, B, E, dtype=torch.float32, device=device)
 
 
 def launch(x, w_gate, bias, top_k, routed_scale, ids, weights, logits, variant=None) -> None:
-    if x.shape[0] == 0:
+    """logits: fp32 [S, B, E] from logits_workspace (S given by the logits GEMM config)."""
+    B, D = x.shape
+    E = w_gate.shape[0]
+    if B == 0:
         return
-    sg.launch(x, w_gate, logits)
-    fn = _compile(w_gate.shape[0], top_k, variant or RouterTopkConfig())
+    variant = variant or RouterTopkConfig()
+    gemm = variant.gemm or logits_config(B, E, D)
+    S = getattr(gemm, "ksplit", 1)
+    if logits.shape != (S, B, E):
+        raise ValueError(f"logits: expected the workspace [{S}, {B}, {E}], got {tuple(logits.shape)}")
+    sg.launch(x, w_gate, logits if S > 1 else logits[0], gemm)
+    fn = _compile(E, top_k, variant.tokens_per_cta, S)
     fn(logits, bias, ids, weights, float(routed_scale))
 
 
@@ -165,7 +243,7 @@ def router_topk(x, w_gate, bias, top_k: int, routed_scale: float, *, variant=Non
     B = x.shape[0]
     ids = torch.empty(B, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(B, top_k, dtype=torch.float32, device=x.device)
-    logits = torch.empty(B, E, dtype=torch.float32, device=x.device)
+    logits = logits_workspace(B, E, x.shape[1], x.device, variant.gemm if variant is not None else None)
     if variant is not None:
         launch(x.contiguous(), w_gate.contiguous(), bias.contiguous(), top_k, routed_scale,
                ids, weights, logits, variant)

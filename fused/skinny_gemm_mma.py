@@ -57,11 +57,15 @@ class SkinnyGemmMmaConfig:
     warps: int           # split-K warps (fixed by K: warps_for(K))
     unroll: int          # k-steps loaded before their MMAs
     interleave: bool = True   # warp w takes k-steps w, w+warps, ... (else one contiguous k range)
+    ksplit: int = 1      # CTAs along K; >1 writes fp32 partials y[ks, M, N] that the caller folds in ks order
+    fresh_acc: bool = False   # each MMA sums into zeroed fragments, added to the fp32 accumulator by IEEE FADD
 
     @property
     def name(self) -> str:
         kmap = "" if self.interleave else "_kc"
-        return f"mma_m{self.m_pad}_r{self.rows}_w{self.warps}_u{self.unroll}{kmap}"
+        split = f"_s{self.ksplit}" if self.ksplit > 1 else ""
+        fresh = "_f" if self.fresh_acc else ""
+        return f"mma_m{self.m_pad}_r{self.rows}_w{self.warps}_u{self.unroll}{kmap}{split}{fresh}"
 
 
 def _unroll(K: int, warps: int, m_pad: int) -> int:
@@ -97,8 +101,11 @@ class SkinnyGemmMma:
         if cfg.m_pad not in (8, 16, 32, 64) or cfg.rows not in (8, 16, 32):
             raise ValueError(f"variant: bad config {cfg}")
         steps = K // KSTEP
+        if cfg.ksplit < 1 or steps % cfg.ksplit:
+            raise ValueError(f"variant: K/{KSTEP}={steps} not a multiple of ksplit in {cfg}")
+        steps //= cfg.ksplit                           # k-steps of one CTA
         if steps % (cfg.warps * cfg.unroll):
-            raise ValueError(f"variant: K/{KSTEP}={steps} not a multiple of warps*unroll in {cfg}")
+            raise ValueError(f"variant: K/{KSTEP}/ksplit={steps} not a multiple of warps*unroll in {cfg}")
         self.N, self.K, self.cfg = N, K, cfg
         self.warps = cfg.warps
         self.threads = 32 * cfg.warps
@@ -112,13 +119,13 @@ class SkinnyGemmMma:
     def jit_host(self):
         cutlass, cute = runtime.cutlass_modules()
         kernel = self.device_kernel()
-        threads, rows, N = self.threads, self.cfg.rows, self.N
+        threads, rows, N, ksplit = self.threads, self.cfg.rows, self.N, self.cfg.ksplit
 
         @cute.jit
         def host(mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, stream):
             gX = cute.zipped_divide(mX, (1, VEC))
             gW = cute.zipped_divide(mW, (1, VEC))
-            kernel(gX, gW, mY).launch(grid=[N // rows, 1, 1], block=[threads, 1, 1], stream=stream)
+            kernel(gX, gW, mY).launch(grid=[N // rows, ksplit, 1], block=[threads, 1, 1], stream=stream)
 
         return host
 
@@ -132,17 +139,19 @@ class SkinnyGemmMma:
         rows = cfg.rows
         inter = cfg.interleave
         nacc = 4 * nb * nfrag
+        S, fresh = cfg.ksplit, cfg.fresh_acc
+        cta_steps = spw * warps
 
         @cute.kernel
         def kernel(gX: cute.Tensor, gW: cute.Tensor, mY: cute.Tensor):
             ab = gW.element_type
             atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(ab, Float32, (16, 8, 16)))
-            bn, _, _ = cute.arch.block_idx()
+            bn, ks, _ = cute.arch.block_idx()
             warp = cute.arch.warp_idx()
             lane = cute.arch.lane_idx()
             q = lane % 4
             r = lane // 4
-            M = mY.shape[0]
+            M = mY.shape[1] if cutlass.const_expr(S > 1) else mY.shape[0]
             n0 = bn * rows
 
             acc = cute.make_rmem_tensor(cute.make_layout((4, nfrag, nb)), Float32)
@@ -152,7 +161,7 @@ class SkinnyGemmMma:
                 xrow[j] = cutlass.min(Int32(j * 8) + r, M - 1)      # clamp padded token rows
             step0 = warp * spw
             kmul = warps if inter else 1
-            kadd = warp if inter else step0
+            kadd = (warp if inter else step0) + ks * cta_steps
 
             for it in cutlass.range(iters):
                 wv = cute.make_rmem_tensor(cute.make_layout((VEC, nfrag * wrows, U)), ab)
@@ -180,7 +189,14 @@ class SkinnyGemmMma:
                         for j in cutlass.range_constexpr(nb):
                             for e in cutlass.range_constexpr(4):
                                 bfr[e, j, 0] = xv[4 * kk + e, j, u]
-                        cute.gemm(atom, acc, afr, bfr, acc)     # (V,nfrag,1) x (V,nb,1) -> (V,nfrag,nb)
+                        if cutlass.const_expr(fresh):
+                            part = cute.make_rmem_tensor(cute.make_layout((4, nfrag, nb)), Float32)
+                            part.fill(0.0)
+                            cute.gemm(atom, part, afr, bfr, part)
+                            for i in cutlass.range_constexpr(nacc):
+                                acc[i] = acc[i] + part[i]
+                        else:
+                            cute.gemm(atom, acc, afr, bfr, acc)     # (V,nfrag,1) x (V,nb,1) -> (V,nfrag,nb)
 
             # split-K reduction in warp order, then one rounding; C values: (r,2q) (r,2q+1) (r+8,2q) (r+8,2q+1)
             if cutlass.const_expr(warps > 1):
@@ -205,22 +221,29 @@ class SkinnyGemmMma:
                             tok = Int32(j * 8) + 2 * q + (c % 2)
                             col = n0 + f * 16 + (c // 2) * 8 + r
                             if tok < M:
-                                mY[tok, col] = acc[c, f, j].to(mY.element_type)
+                                if cutlass.const_expr(S > 1):
+                                    mY[ks, tok, col] = acc[c, f, j]
+                                else:
+                                    mY[tok, col] = acc[c, f, j].to(mY.element_type)
 
         return kernel
 
 
-def compile_host(host, dtype: str, out_dtype: str, N: int, K: int):
-    """Compile a skinny-GEMM host function (x[M,K], w[N,K] -> y[M,N], M dynamic), SIMT or MMA."""
+def compile_host(host, dtype: str, out_dtype: str, N: int, K: int, ksplit: int = 1):
+    """Compile a skinny-GEMM host function (x[M,K], w[N,K] -> y[M,N], M dynamic), SIMT or MMA;
+    with ksplit > 1 the output is the fp32 partials y[ksplit, M, N]."""
     m = runtime.sym_int()
+    out = (m, N) if ksplit == 1 else (ksplit, m, N)
     return runtime.compile_tvm_ffi(
         host,
         runtime.fake_tensor(dtype, (m, K)),
         runtime.fake_tensor(dtype, (N, K)),
-        runtime.fake_tensor(out_dtype, (m, N), align=4))
+        runtime.fake_tensor(out_dtype, out, align=4))
 
 
 def build(dtype: str, out_dtype: str, N: int, K: int, cfg: SkinnyGemmMmaConfig):
     """Compile one variant (skinny_gemm._compile caches it under the op "skinny_gemm")."""
-    return compile_host(SkinnyGemmMma(N, K, cfg).jit_host(), dtype, out_dtype, N, K)
+    if cfg.ksplit > 1 and out_dtype != "float32":
+        raise ValueError(f"variant: ksplit={cfg.ksplit} writes fp32 partials, not {out_dtype}")
+    return compile_host(SkinnyGemmMma(N, K, cfg).jit_host(), dtype, out_dtype, N, K, cfg.ksplit)
 

@@ -1,0 +1,113 @@
+"""router_topk on the GPU: where the logits' error comes from, then CUDA-graph timings.
+
+Diagnosis: fp32 logits of E=896 x D=7168 against the fp64 product, per implementation: torch fp32
+(the reference, cuBLAS SGEMM), the SIMT GEMV, the tensor-core kernel accumulating in the MMA's C
+fragment (the 2026-11-29 default for M >= 9), and the split-K fresh-accumulator kernel (now the
+default). Error unit: u * sum_d |x_d w_d| (u = 2^-24), the scale any fp32 summation order errs by.
+Timing: the fused op per B against the reference eager, torch.compile and cuBLAS bf16 logits alone.
+
+    PYTHONPATH=$PWD python3 bench/bench_router.py --out $OUT
+"""
+import argparse
+import json
+import math
+import time
+
+import torch
+from timing import graph_time_us
+
+COPY_BW = 4.24e12
+LOG, RESULTS = [], []
+
+
+def log(msg):
+    print(msg, flush=True)
+    LOG.append(msg)
+
+
+def diagnose():
+    from fused import skinny_gemm as sg
+    from fused.skinny_gemm_mma import SkinnyGemmMmaConfig
+    from fused import router_topk as fr
+    E, D = 896, 7168
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(E, D, device="cuda", generator=g) * D ** -0.5).to(torch.bfloat16)
+    for dist in ("normal", "wide_range"):
+        for B in (16, 64):
+            x = torch.randn(B, D, device="cuda", generator=g)
+            if dist == "wide_range":
+                x = x * torch.exp2(torch.randint(-8, 9, (B, D), device="cuda", generator=g).float())
+            x = x.to(torch.bfloat16)
+            exact = x.double() @ w.double().T
+            unit = 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)
+            impls = {"torch fp32 (reference)": lambda: x.float() @ w.float().T}
+            for name, cfg in (("simt gemv", sg.simt_config(B, E, D)),
+                              ("mma, C-fragment chain", SkinnyGemmMmaConfig(16 if B <= 16 else 64, 8, 8, 4 if B <= 16 else 2)),
+                              ("mma split7, C-fragment", SkinnyGemmMmaConfig(16 if B <= 16 else 64, 8, 8, 4 if B <= 16 else 2, True, 7, False)),
+                              ("mma split7 fresh_acc (default)", fr.logits_config(B, E, D))):
+                def run(cfg=cfg):
+                    S = getattr(cfg, "ksplit", 1)
+                    out = torch.full((S, B, E), float("nan"), device="cuda")
+                    sg.launch(x, w, out if S > 1 else out[0], cfg)
+                    acc = out[0].clone()
+                    for s in range(1, S):
+                        acc = acc + out[s]
+                    return acc
+                impls[f"{name} [{cfg.name}]"] = run
+            for name, fn in impls.items():
+                err = (fn().double() - exact).abs() / unit
+                r = dict(dist=dist, B=B, impl=name, max_err_units=round(err.max().item(), 3),
+                         median_err_units=round(err.median().item(), 4), p99=round(err.quantile(0.99).item(), 3))
+                RESULTS.append(r)
+                log(f"DIAG {dist:10s} B={B:2d} {name:55s} max {r['max_err_units']:8.3f}  p99 {r['p99']:7.3f}  "
+                    f"median {r['median_err_units']:7.4f}  (units of u*sum|xw|)")
+
+
+def timing(args):
+    from fused import router_topk as fr
+    from references.moe import router_topk as ref_rt
+    E, k, D = 896, 16, 7168
+    nb = E * D * 2
+    copies = max(2, math.ceil((256 << 20) / nb))
+    ws = [(torch.randn(E, D, device="cuda") * D ** -0.5).to(torch.bfloat16) for _ in range(copies)]
+    bias = torch.randn(E, device="cuda") * 0.01
+    empty = torch.empty(1, device="cuda")
+    t_empty = graph_time_us([lambda: empty.add_(0)])
+    log(f"TIME empty elementwise kernel in a graph: {t_empty:.2f} us; bytes at copy bw: {nb / COPY_BW * 1e6:.2f} us")
+    cr = torch.compile(ref_rt) if not args.no_compile else None
+    for B in (1, 2, 4, 8, 9, 16, 32, 64):
+        x = torch.randn(B, D, device="cuda").to(torch.bfloat16)
+        row = {"B": B}
+        row["fused"] = graph_time_us([lambda w_=w_: fr.router_topk(x, w_, bias, k, 2.5) for w_ in ws])
+        for v in fr.variants({"x": x, "w_gate": ws[0]}, {})[2:]:
+            row[f"fused {v.name}"] = graph_time_us([lambda w_=w_, v=v: fr.router_topk(x, w_, bias, k, 2.5, variant=v) for w_ in ws])
+        row["eager"] = graph_time_us([lambda w_=w_: ref_rt(x, w_, bias, k, 2.5) for w_ in ws])
+        if cr is not None:
+            row["compile"] = graph_time_us([lambda w_=w_: cr(x, w_, bias, k, 2.5) for w_ in ws])
+        lo = torch.empty(B, E, device="cuda", dtype=torch.bfloat16)
+        row["cublas bf16 logits only"] = graph_time_us([lambda w_=w_: torch.matmul(x, w_.T, out=lo) for w_ in ws])
+        row["target 1.5x(empty + bytes)"] = 1.5 * (t_empty + nb / COPY_BW * 1e6)
+        RESULTS.append({"timing": {k_: round(v_, 2) if isinstance(v_, float) else v_ for k_, v_ in row.items()}})
+        log("TIME " + "  ".join(f"{k_}={v_:.2f}" if isinstance(v_, float) else f"{k_}={v_}" for k_, v_ in row.items()))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--no-compile", action="store_true")
+    args = ap.parse_args()
+    log(f"device: {torch.cuda.get_device_name()} torch {torch.__version__} date {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    for step in (diagnose, lambda: timing(args)):
+        try:
+            step()
+        except Exception as e:
+            import traceback
+            log(f"ERROR: {type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")
+        with open(f"{args.out}/router.json", "w") as f:
+            json.dump(RESULTS, f, indent=1)
+    with open(f"{args.out}/router.log", "w") as f:
+        f.write("\n".join(LOG) + "\n")
+
+
+if __name__ == "__main__":
+    main()
