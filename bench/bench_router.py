@@ -91,13 +91,36 @@ def timing(args):
         log("TIME " + "  ".join(f"{k_}={v_:.2f}" if isinstance(v_, float) else f"{k_}={v_}" for k_, v_ in row.items()))
 
 
+def kernels():
+    """Per-kernel device time of one fused call (torch.profiler): which launch the time goes to."""
+    from torch.profiler import ProfilerActivity, profile
+    from fused import router_topk as fr
+    E, k, D = 896, 16, 7168
+    w = (torch.randn(E, D, device="cuda") * D ** -0.5).to(torch.bfloat16)
+    bias = torch.randn(E, device="cuda") * 0.01
+    for B in (1, 16, 64):
+        x = torch.randn(B, D, device="cuda").to(torch.bfloat16)
+        for _ in range(3):
+            fr.router_topk(x, w, bias, k, 2.5)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                fr.router_topk(x, w, bias, k, 2.5)
+            torch.cuda.synchronize()
+        for ev in prof.key_averages():
+            if ev.device_time_total > 0:
+                log(f"KERNEL B={B:2d} {ev.key[:70]:70s} calls {ev.count:3d} avg {ev.device_time_total / max(ev.count, 1):8.2f} us")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--steps", default="diagnose,kernels,timing")
     args = ap.parse_args()
     log(f"device: {torch.cuda.get_device_name()} torch {torch.__version__} date {time.strftime('%Y-%m-%d %H:%M:%S')}")
-    for step in (diagnose, lambda: timing(args)):
+    table = {"diagnose": diagnose, "kernels": kernels, "timing": lambda: timing(args)}
+    for step in (table[n] for n in args.steps.split(",")):
         try:
             step()
         except Exception as e:

@@ -16,13 +16,14 @@ step() { local name=$1 limit=$2; shift 2; local t0=$(date +%s)
 FUSED_OPS=mxfp4_dequant,mla_cache_write,router_topk,skinny_gemm,attn_res_rmsnorm,kda_decode
 for s in ${STEPS:-bench cert repro gpu_tests nccl_pytest nccl_cli sanitize}; do case $s in
   gpu_tests) step pytest_gpu 120 python3 -m pytest -q -m gpu property_tests -p no:cacheprovider -rs ;;
-  bench) step bench_router 150 python3 bench/bench_router.py --out "$R" ;;
+  bench) step bench_router 150 python3 bench/bench_router.py --out "$R" --steps ${BENCH_STEPS:-diagnose,kernels,timing} ;;
   cert) step cert_router_topk ${CERT_S:-200} python3 -m verify.cli run --ops router_topk --candidate fused --device cuda \
           --profile release --examples ${EXAMPLES:-20} --configs k3 --dtypes bfloat16 --no-isolate --out "$R/router_topk" \
           --junit "$R/router_topk/junit.xml" ;;
   repro) for c in '{"batch":45,"config":"k3","dist":"near_ties","dtype":"bfloat16","extra":[],"op":"router_topk","seed":0,"tp":1}' \
                   '{"batch":45,"config":"k3","dist":"wide_range","dtype":"bfloat16","extra":[],"op":"router_topk","seed":0,"tp":1}' \
-                  '{"batch":45,"config":"k3","dist":"near_ties","dtype":"bfloat16","extra":[],"op":"router_topk","seed":48424,"tp":8}'; do
+                  '{"batch":45,"config":"k3","dist":"near_ties","dtype":"bfloat16","extra":[],"op":"router_topk","seed":48424,"tp":8}' \
+                  '{"batch":20,"config":"k3","dist":"wide_range","dtype":"bfloat16","extra":[],"op":"router_topk","seed":5191,"tp":1}'; do
            timeout 60 python3 -m verify.cli repro "$c" --candidate fused --device cuda >> "$R/repro_router.log" 2>&1
            echo "repro rc=$?" >> "$R/repro_router.log"; done ;;
   nccl_pytest) step nccl_pytest 300 python3 -m pytest -q -m multi_gpu property_tests/test_distributed_nccl.py -p no:cacheprovider -rs ;;

@@ -85,3 +85,45 @@ def test_bad_input_names_the_argument(change, error, arg):
     args = dict(x=torch.zeros(2, 16), w_gate=torch.zeros(8, 16), bias=torch.zeros(8), top_k=2, routed_scale=1.0)
     with pytest.raises(error, match=f"^{arg}"):
         router_topk(**{**args, **change})
+
+
+# ----------------------------------------------------------------------------------------------
+# weights' running-error magnitude (verify.ops.moe.router_weights_magnitude)
+
+
+@pytest.mark.parametrize("dist", ["normal", "wide_range", "heavy_tailed"])
+def test_any_fp32_order_of_the_logits_errs_by_ulps_of_the_terms(dist):
+    """The derivation's premise: an fp32 logit in any summation order is within 2 u sum|x w| of the
+    exact one (u = 2^-24), where the same error can be many ulps of a cancelling logit."""
+    op = next(o for o in OPS if o.name == "router_topk")
+    for seed in range(6):
+        t = op.make_inputs(Case("router_topk", seed, 16, "k3", "bfloat16", dist, 1)).tensors
+        x, w = t["x"], t["w_gate"][:256]
+        exact = x.double() @ w.double().T
+        unit = 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)
+        chunks = [x[:, i:i + 896].float() @ w[:, i:i + 896].float().T for i in range(0, x.shape[1], 896)]
+        folded = chunks[0]
+        for c in chunks[1:]:
+            folded = folded + c
+        for logit in (x.float() @ w.float().T, folded, (x.float().flip(-1) @ w.float().flip(-1).T)):
+            assert float(((logit.double() - exact).abs() / unit).max()) <= 2.0
+
+
+def test_weights_magnitude_bounds_the_weights_and_scales_a_cancelling_row():
+    from verify.compare import compare_derived
+    from verify.ops.moe import router_weights_magnitude
+
+    op = next(o for o in OPS if o.name == "router_topk")
+    inputs = op.make_inputs(Case("router_topk", 3, 8, "small", "float32", "wide_range", 1))
+    i64 = type(inputs)({n: v.double() if v.is_floating_point() else v for n, v in inputs.tensors.items()},
+                       inputs.params)
+    ids, w64 = router_topk(**i64.tensors, **i64.params)
+    _, w32 = router_topk(**inputs.tensors, **inputs.params)
+    m = router_weights_magnitude(i64, {"ids": ids})["weights"]
+    assert (m >= w64.abs()).all() and m.shape == w64.shape
+    # a candidate off by one u*m everywhere passes; off by 64 u*m (a bf16 logit on a typical row) fails
+    u = 2.0 ** -24
+    near = (w64 + u * m).float()
+    assert compare_derived("weights", near, w64, w32, 4.0, 4.0, magnitude=m).ok
+    far = (w64 + 64 * u * m).float()
+    assert not compare_derived("weights", far, w64, w32, 4.0, 4.0, magnitude=m).ok

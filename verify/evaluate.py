@@ -88,7 +88,7 @@ def judge(op: OpDef, spec: ToleranceSpec, cand: dict, oracle: dict, base: dict, 
             oracle = {**oracle, **op.reweigh(inputs64, c.to(next(iter(oracle.values())).device))}
             base = {**base, **op.reweigh(inputs, c.to(next(iter(base.values())).device))}
             baseline_err = None
-    magnitudes = op.magnitudes(inputs64) if op.magnitudes is not None else {}
+    magnitudes = op.magnitudes(inputs64, cand) if op.magnitudes is not None else {}
     for name in names:
         out_spec = spec.output(name)
         c = cand[name]

@@ -58,9 +58,10 @@ class OpDef:
     max_batch: int = 64
     tie_scores: Callable[[OpInputs], torch.Tensor] | None = None   # fp64 selection scores, tie-aware ops
     reweigh: Callable[[OpInputs, torch.Tensor], dict[str, torch.Tensor]] | None = None  # ids -> reference outputs for them
-    # fp64 running-error magnitude per output element (the |terms| its sums add up): a derived floor's
-    # scale where larger than the row's max |oracle| (cancelling rows err by ulps of their terms)
-    magnitudes: Callable[[OpInputs], dict[str, torch.Tensor]] | None = None
+    # (fp64 inputs, candidate outputs) -> fp64 running-error magnitude per output element (the |terms|
+    # its sums add up): a derived floor's scale where larger than the row's max |oracle| (cancelling
+    # rows err by ulps of their terms); gets the candidate's outputs for ops judged on its ids
+    magnitudes: Callable[[OpInputs, dict], dict[str, torch.Tensor]] | None = None
     compile_heavy: bool = False                 # torch.compile of the reference takes minutes on a CPU
     cpu_ok: bool = True                         # reference practical on CPU at the k3 config
     notes: str = ""

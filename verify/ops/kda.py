@@ -89,7 +89,7 @@ def make_kda_decode_inputs(case: Case) -> OpInputs:
     return OpInputs(tensors=t, params=params)
 
 
-def decode_state_magnitude(inputs: OpInputs) -> dict[str, torch.Tensor]:
+def decode_state_magnitude(inputs: OpInputs, cand: dict | None = None) -> dict[str, torch.Tensor]:
     """First-order running error magnitude of the new KDA state (Higham, Accuracy and Stability, 3.1):
     for every element, m such that any evaluation order of the reference's sums errs by about
     c * u * m (c ~ sqrt of the longest sum). Computed in fp64 from the case's inputs; |.| of every term:

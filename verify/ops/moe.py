@@ -80,6 +80,26 @@ def router_reweigh(inputs: OpInputs, ids: torch.Tensor) -> dict[str, torch.Tenso
     return {"weights": renormalise(s, ids.to(device=s.device, dtype=torch.int64), inputs.params["routed_scale"])}
 
 
+def router_weights_magnitude(inputs: OpInputs, cand: dict) -> dict[str, torch.Tensor]:
+    """First-order running-error magnitude of the renormalised weights for the candidate's ids (fp64):
+    any fp32 order of the length-D logit errs by about u * A, A = sum_d |x_d w_ed| (measured on the H200,
+    results/gpu/certification.md: cuBLAS fp32 up to 1.76 u A, the fused kernel 0.53 u A), so
+      m(s_e)   = s_e (1 - s_e) A_e + s_e                    (sigmoid' = s (1 - s); its own ulps)
+      m(w_i)   = r (m(s_i) / S + s_i sum_j m(s_j) / S^2) + |w_i|     (w_i = r s_i / S, S = sum over the ids)
+    A row whose logits cancel (A >> |logit|) errs by ulps of A, not of its weights."""
+    t = inputs.tensors
+    x, w = t["x"].to(torch.float64), t["w_gate"].to(torch.float64)
+    logit = x @ w.T
+    A = x.abs() @ w.abs().T
+    s = torch.sigmoid(logit)
+    m_s = s * (1 - s) * A + s
+    ids = cand["ids"].to(device=s.device, dtype=torch.int64).clamp(0, s.shape[1] - 1)
+    si, mi = s.gather(1, ids), m_s.gather(1, ids)
+    S = si.sum(-1, keepdim=True)
+    r = inputs.params["routed_scale"]
+    return {"weights": r * (mi / S + si * mi.sum(-1, keepdim=True) / S ** 2) + r * si / S}
+
+
 # ---------------------------------------------------------------------------------------------- experts
 def expert_dims(case: Case) -> tuple[int, int, int, int]:
     """(E, L, I, top_k); k3 keeps its per-expert dims with K3_CPU_EXPERTS experts (knob 'n_experts')."""
@@ -145,6 +165,7 @@ OPS = [
         batch_dims={"x": 0, "ids": 0, "weights": 0},
         split=replicated_split(), fused="fused.router_topk:router_topk",
         dists=GENERIC_DISTS + ("near_ties",), tie_scores=router_tie_scores, reweigh=router_reweigh,
+        magnitudes=router_weights_magnitude,
         notes="Split: replicated (vLLM GateLinear). The expert-range scores split + gather is "
               "references.moe.router_topk_scores_split, tested in test_tp_split_moe.py. near_ties "
               "builds a tie group at the k-th place (exact copies and 1-ulp differences).",
