@@ -112,6 +112,37 @@ def kernels():
                 log(f"KERNEL B={B:2d} {ev.key[:70]:70s} calls {ev.count:3d} avg {ev.device_time_total / max(ev.count, 1):8.2f} us")
 
 
+def gemm_sweep():
+    """The logits GEMM alone per split-K config (fresh accumulators), to pick the default per M."""
+    from fused import skinny_gemm as sg
+    from fused import skinny_gemm_mma as mma
+    from fused.skinny_gemm_mma import SkinnyGemmMmaConfig
+    E, D = 896, 7168
+    nb = E * D * 2
+    ws = [(torch.randn(E, D, device="cuda") * D ** -0.5).to(torch.bfloat16) for _ in range(max(2, math.ceil((256 << 20) / nb)))]
+    for B in (2, 8, 9, 16, 32, 64):
+        x = torch.randn(B, D, device="cuda").to(torch.bfloat16)
+        pad = mma.m_pad_for(B)
+        row = {}
+        simt = sg.simt_config(B, E, D)
+        out1 = torch.empty(B, E, device="cuda")
+        row[simt.name] = graph_time_us([lambda w_=w_: sg.launch(x, w_, out1, simt) for w_ in ws])
+        for S in (2, 4, 7, 14):
+            if (D // 32) % S:
+                continue
+            w = mma.warps_for(D // S)
+            for rows in (8, 16):
+                cfg = SkinnyGemmMmaConfig(pad, rows, w, mma._unroll(D // S, w, pad), True, S, True)
+                out = torch.empty(S, B, E, device="cuda")
+                try:
+                    row[cfg.name] = graph_time_us([lambda w_=w_, c=cfg, o=out: sg.launch(x, w_, o, c) for w_ in ws])
+                except Exception as e:
+                    log(f"GEMM {cfg.name} failed: {type(e).__name__}: {str(e)[:200]}")
+        best = min(row, key=row.get)
+        RESULTS.append({"gemm_sweep": {"B": B, **{k: round(v, 2) for k, v in row.items()}}})
+        log(f"GEMM B={B:2d} best {best} {row[best]:.2f} us | " + "  ".join(f"{k}={v:.2f}" for k, v in sorted(row.items(), key=lambda kv: kv[1])))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -119,7 +150,7 @@ def main():
     ap.add_argument("--steps", default="diagnose,kernels,timing")
     args = ap.parse_args()
     log(f"device: {torch.cuda.get_device_name()} torch {torch.__version__} date {time.strftime('%Y-%m-%d %H:%M:%S')}")
-    table = {"diagnose": diagnose, "kernels": kernels, "timing": lambda: timing(args)}
+    table = {"diagnose": diagnose, "kernels": kernels, "timing": lambda: timing(args), "gemm_sweep": gemm_sweep}
     for step in (table[n] for n in args.steps.split(",")):
         try:
             step()

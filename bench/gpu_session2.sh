@@ -29,9 +29,9 @@ for s in ${STEPS:-bench cert repro gpu_tests nccl_pytest nccl_cli sanitize}; do 
   nccl_pytest) step nccl_pytest 300 python3 -m pytest -q -m multi_gpu property_tests/test_distributed_nccl.py -p no:cacheprovider -rs ;;
   nccl_cli) step nccl_cli 200 python3 -m verify.cli run --distributed nccl --tp 2 --candidate reference,fused --out "$R/nccl" \
           --junit "$R/nccl/junit.xml" ;;
-  sanitize) for tool in memcheck racecheck synccheck initcheck; do
-           step "sanitize_$tool" ${SAN_S:-150} python3 -m verify.cli run --ops $FUSED_OPS --candidate fused --sanitize $tool \
-             --out "$R/sanitize_$tool"; done ;;
+  sanitize) for tool in memcheck racecheck synccheck initcheck; do     # the four tools side by side
+           step "sanitize_$tool" ${SAN_S:-150} python3 -m verify.cli run --ops ${SAN_OPS:-$FUSED_OPS} --candidate fused \
+             --sanitize $tool --out "$R/sanitize_$tool" & done; wait ;;
 esac; done
 tar czf "$OUT/gpu-results.tgz" "$R"
 for f in "$R"/*.log; do echo "== $f"; grep -E "certified|FAILED|failed|passed|skipped|FAIL|Error|error|DIAG|TIME|status" "$f" | head -40; done

@@ -13,8 +13,9 @@ measured on the H200 (results/gpu/certification.md, 2026-11-29): the tensor core
 truncates its addends to the largest one, so a 448-MMA chain over D = 7168 erred 3x more than the
 fp32 reference and failed the weights' derived bound at every M >= 9. The logit selects experts:
 it is held to fp32 accuracy, not to a bf16 GEMM's. Lane l holds experts l, l+32, ...
-in registers; a round takes each lane's best (strict >, so the lower id wins a tie inside a lane),
-then a butterfly argmax that prefers the larger choice and, on equal choice, the lower id; the
+in registers with their sigmoids; a round takes each lane's best by a select tree (strict >, so the
+lower id wins a tie inside a lane), then a butterfly argmax that prefers the larger choice and, on
+equal choice, the lower id, carrying the winner's sigmoid (no memory access inside a round); the
 owner drops the winner. Rounds run in descending order, so ids come out sorted as the reference's
 stable descending sort gives them. Lane r keeps round r's id and s; weights are
 s / (sum + 1e-20) * routed_scale.
@@ -122,6 +123,19 @@ class RouterTopk:
                 v = v + mLogit[s, b, e]                  # the S partials folded in order
             return v
 
+        def better(a, b):
+            """(value, id, s) of the winner: larger value; on equal values the lower id (a's id < b's)."""
+            take = b[0] > a[0]
+            return (Float32(cutlass.select_(take, b[0], a[0])), Int32(cutlass.select_(take, b[1], a[1])),
+                    Float32(cutlass.select_(take, b[2], a[2])))
+
+        def tree_best(cand):
+            """Pairwise tree of `better` over (value, id, s) in ascending id order (depth log2 len)."""
+            while len(cand) > 1:
+                cand = [better(cand[i], cand[i + 1]) if i + 1 < len(cand) else cand[i]
+                        for i in range(0, len(cand), 2)]
+            return cand[0]
+
         @cute.kernel
         def kernel(mLogit: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor,
                    routed_scale: Float32):
@@ -131,33 +145,34 @@ class RouterTopk:
             b = bidx * tpc + warp
             if b < mLogit.shape[1]:
                 choice = cute.make_rmem_tensor(cute.make_layout(pl), Float32)
+                sig = cute.make_rmem_tensor(cute.make_layout(pl), Float32)
                 for j in cutlass.range_constexpr(pl):
                     choice[j] = Float32(-float("inf"))
+                    sig[j] = Float32(0.0)
                     e = j * 32 + lane
                     if e < E:
-                        s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logit(mLogit, b, e)))
-                        choice[j] = s + mBias[e]
+                        sv = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logit(mLogit, b, e)))
+                        sig[j] = sv
+                        choice[j] = sv + mBias[e]
                 my_id = Int32(0)
                 my_s = Float32(0.0)
                 for r in cutlass.range_constexpr(k):
-                    best = choice[0]
-                    bid = lane
-                    for j in cutlass.range_constexpr(1, pl):
-                        if choice[j] > best:
-                            best = choice[j]
-                            bid = j * 32 + lane
+                    # the lane's best by a tree over its experts (ids j*32+lane rise with j), then a
+                    # butterfly argmax over the warp carrying the winner's sigmoid along
+                    best, bid, bs = tree_best([(choice[j], Int32(j * 32) + lane, sig[j]) for j in range(pl)])
                     for sh in cutlass.range_constexpr(5):
                         ov = cute.arch.shuffle_sync_bfly(best, offset=1 << sh)
                         oi = cute.arch.shuffle_sync_bfly(bid, offset=1 << sh)
-                        if ov > best or (ov == best and oi < bid):
-                            best = ov
-                            bid = oi
+                        os_ = cute.arch.shuffle_sync_bfly(bs, offset=1 << sh)
+                        take = (ov > best) | ((ov == best) & (oi < bid))
+                        best = Float32(cutlass.select_(take, ov, best))
+                        bid = Int32(cutlass.select_(take, oi, bid))
+                        bs = Float32(cutlass.select_(take, os_, bs))
                     for j in cutlass.range_constexpr(pl):
-                        if bid == j * 32 + lane:
-                            choice[j] = Float32(-float("inf"))
+                        choice[j] = Float32(cutlass.select_(bid == Int32(j * 32) + lane, Float32(-float("inf")), choice[j]))
                     if lane == r:
                         my_id = bid
-                        my_s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logit(mLogit, b, bid)))
+                        my_s = bs
                 total = cute.arch.warp_reduction(my_s if lane < k else Float32(0.0), operator.add)
                 if lane < k:
                     mIds[b, lane] = Int64(my_id)
