@@ -6,8 +6,8 @@ S partials in order s = 0..S-1 (IEEE fp32 adds), then selects the top k of
 choice = sigmoid(logit) + bias by k rounds of warp argmax.
 
 The logits GEMM (`logits_config`): the SIMT GEMV (S = 1, IEEE FMA chains) up to M = SIMT_MAX tokens;
-above it the tensor-core kernel with split-K over S CTAs (`split_for(D)`, so 112 x S CTAs fill the
-132 SMs at E = 896) and `fresh_acc`: each mma.sync sums its 16 products into zeroed fragments that
+above it the tensor-core kernel with split-K over S CTAs (`split_for`, so 56 x S CTAs fill the
+132 SMs at E = 896; per-M choice measured on the H200, results/gpu/router_topk.md) and `fresh_acc`: each mma.sync sums its 16 products into zeroed fragments that
 are added to the fp32 accumulator with IEEE adds. Accumulating straight in the MMA's C fragment was
 measured on the H200 (results/gpu/certification.md, 2026-11-29): the tensor core aligns and
 truncates its addends to the largest one, so a 448-MMA chain over D = 7168 erred 3x more than the
@@ -33,25 +33,30 @@ from fused.skinny_gemm_mma import SkinnyGemmMmaConfig
 RENORM_EPS = 1e-20
 
 
-SIMT_MAX = 8                        # tokens up to which the SIMT GEMV computes the logits
+SIMT_MAX = 1                        # tokens up to which the SIMT GEMV computes the logits
 
 
-def split_for(D: int) -> int:
-    """K-split of the tensor-core logits: the largest of 7, 4, 2 leaving >= 16 k-steps of 32 per CTA."""
+def split_for(D: int, m_pad: int = 8) -> int:
+    """K-split of the tensor-core logits: the largest of 7, 4, 2 leaving >= 16 k-steps of 32 per CTA
+    (4 first at 64 tokens, where the accumulators fill the registers: measured 13.4 us vs 16.6 at 7)."""
     steps = D // mma.KSTEP
-    for S in (7, 4, 2):
+    for S in ((4, 7, 2) if m_pad == 64 else (7, 4, 2)):
         if steps % S == 0 and steps // S >= 16:
             return S
     return 1
 
 
 def mma_logits_config(M: int, E: int, D: int) -> SkinnyGemmMmaConfig | None:
-    """The split-K, fresh-accumulator tensor-core config for M tokens, or None where it does not apply."""
+    """The split-K, fresh-accumulator tensor-core config for M tokens, or None where it does not apply.
+    16 weight rows per CTA where E allows (E = 896: 56 x S CTAs), measured faster than 8 at every M
+    (results/gpu/router_topk.md)."""
     if not (2 <= M <= 64 and mma.supports(D) and E % 8 == 0):
         return None
-    S = split_for(D)
-    pad, w = mma.m_pad_for(M), mma.warps_for(D // S)
-    return SkinnyGemmMmaConfig(pad, 8, w, mma._unroll(D // S, w, pad), True, S, True)
+    pad = mma.m_pad_for(M)
+    S = split_for(D, pad)
+    w = mma.warps_for(D // S)
+    rows = 16 if E % 16 == 0 else 8
+    return SkinnyGemmMmaConfig(pad, rows, w, mma._unroll(D // S, w, pad), True, S, True)
 
 
 def logits_config(M: int, E: int, D: int):
@@ -199,7 +204,7 @@ def compile_all_for(dtype: str, E: int, D: int, top_k: int, cfg: RouterTopkConfi
     """Every compiled function a launch with this top-k config can use, for any M (CPU compile checks):
     the SIMT GEMV, the split-K tensor-core logits of each token bucket, and the top-k kernels."""
     out = [sg._compile(dtype, "float32", E, D, sg.simt_config(1, E, D)), _compile(E, top_k, cfg.tokens_per_cta, 1)]
-    for M in (SIMT_MAX + 1, 16, 32, 64):
+    for M in (8, 16, 32, 64):
         g = mma_logits_config(M, E, D)
         if g is not None:
             out += [sg._compile(dtype, "float32", E, D, g), _compile(E, top_k, cfg.tokens_per_cta, g.ksplit)]
