@@ -102,3 +102,14 @@ def test_exact_ties_follow_the_declared_lower_id_rule():
 def test_ulp_matches_nextafter(dtype, bits):
     x = torch.tensor([1.0, 3.0, 1000.0], dtype=torch.float64)
     assert torch.equal(ulp(x, dtype), torch.exp2(torch.floor(torch.log2(x)) - bits))
+
+
+def test_tie_band_widens_with_the_scores_running_error_magnitude():
+    """Two scores 3e-6 apart at the k-th place: a different pick is a wrong set while the band is the
+    baseline's rounding, and allowed once the scores' terms are large enough (4 ulps of m >= 3e-6)."""
+    scores64 = torch.tensor([[0.9, 0.5 + 3e-6, 0.5, 0.1]], dtype=torch.float64)
+    scores_wd = scores64.to(torch.float32)
+    swapped = torch.tensor([[0, 2]])
+    assert not compare_tie_aware_ids("ids", swapped, scores64, scores_wd, 2).ok
+    assert not compare_tie_aware_ids("ids", swapped, scores64, scores_wd, 2, torch.full((1, 4), 1.0)).ok
+    assert compare_tie_aware_ids("ids", swapped, scores64, scores_wd, 2, torch.full((1, 4), 8.0)).ok

@@ -118,14 +118,20 @@ def compare_derived(name: str, cand: torch.Tensor, oracle: torch.Tensor, base: t
     return Check(f"compare:{name}", False, detail, metrics, worst)
 
 
-def tie_band(scores64: torch.Tensor, scores_wd: torch.Tensor, kth: torch.Tensor) -> torch.Tensor:
-    """Scores' own rounding error near the k-th place: 2x the working-precision error + 2 fp32 ulps."""
+def tie_band(scores64: torch.Tensor, scores_wd: torch.Tensor, kth: torch.Tensor,
+             magnitude: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores' own rounding error near the k-th place: 2x the working-precision error + 2 fp32 ulps,
+    or 4 fp32 ulps of the row's largest running-error magnitude if larger (any summation order errs by
+    ulps of a score's terms, which the one baseline draw can miss)."""
     err = (scores_wd.to(torch.float64) - scores64).abs().amax(-1)
-    return 2 * err + 2 * ulp(kth.abs(), torch.float32)
+    band = 2 * err + 2 * ulp(kth.abs(), torch.float32)
+    if magnitude is not None:
+        band = torch.maximum(band, 4 * ulp(magnitude.detach().cpu().to(torch.float64).amax(-1), torch.float32))
+    return band
 
 
 def compare_tie_aware_ids(name: str, ids: torch.Tensor, scores64: torch.Tensor, scores_wd: torch.Tensor,
-                          k: int) -> Check:
+                          k: int, magnitude: torch.Tensor | None = None) -> Check:
     """Selected sets must match wherever the k-th and (k+1)-th scores differ by more than the band."""
     ids = ids.detach().cpu().to(torch.int64)
     B, E = scores64.shape
@@ -135,7 +141,7 @@ def compare_tie_aware_ids(name: str, ids: torch.Tensor, scores64: torch.Tensor, 
         return Check(f"compare:{name}", False, f"ids outside [0, {E})")
     srt = scores64.sort(-1, descending=True).values
     kth, next_ = srt[:, k - 1], srt[:, k] if k < E else torch.full((B,), -float("inf"), dtype=torch.float64)
-    band = tie_band(scores64, scores_wd, kth)
+    band = tie_band(scores64, scores_wd, kth, magnitude)
     bad_rows, ties = [], 0
     for r in range(B):
         chosen = set(ids[r].tolist())

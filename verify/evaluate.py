@@ -78,17 +78,18 @@ def judge(op: OpDef, spec: ToleranceSpec, cand: dict, oracle: dict, base: dict, 
     candidate's ids (OpDef.reweigh), so an allowed choice inside the tie band is not punished."""
     checks = []
     names = list(op.outputs + op.state)
+    magnitudes = op.magnitudes(inputs64, cand) if op.magnitudes is not None else {}
     for name in [n for n in names if spec.output(n).klass == "tie_aware_ids"]:
         if op.tie_scores is None:
             raise ValueError(f"op {op.name}: output {name} is tie_aware_ids but the OpDef has no tie_scores")
         c = cand[name]
         s64, swd = op.tie_scores(inputs64), op.tie_scores(inputs)
-        checks.append(compare.compare_tie_aware_ids(name, c, s64.cpu().double(), swd.cpu(), c.shape[-1]))
+        checks.append(compare.compare_tie_aware_ids(name, c, s64.cpu().double(), swd.cpu(), c.shape[-1],
+                                                    magnitudes.get(name)))
         if op.reweigh is not None and checks[-1].ok:
             oracle = {**oracle, **op.reweigh(inputs64, c.to(next(iter(oracle.values())).device))}
             base = {**base, **op.reweigh(inputs, c.to(next(iter(base.values())).device))}
             baseline_err = None
-    magnitudes = op.magnitudes(inputs64, cand) if op.magnitudes is not None else {}
     for name in names:
         out_spec = spec.output(name)
         c = cand[name]

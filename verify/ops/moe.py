@@ -81,7 +81,8 @@ def router_reweigh(inputs: OpInputs, ids: torch.Tensor) -> dict[str, torch.Tenso
 
 
 def router_weights_magnitude(inputs: OpInputs, cand: dict) -> dict[str, torch.Tensor]:
-    """First-order running-error magnitude of the renormalised weights for the candidate's ids (fp64):
+    """First-order running-error magnitude of the renormalised weights for the candidate's ids, and of
+    the selection scores s + bias ("ids": widens the tie band on cancelling rows), in fp64:
     any fp32 order of the length-D logit errs by about u * A, A = sum_d |x_d w_ed| (measured on the H200,
     results/gpu/certification.md: cuBLAS fp32 up to 1.76 u A, the fused kernel 0.53 u A), so
       m(s_e)   = s_e (1 - s_e) A_e + s_e                    (sigmoid' = s (1 - s); its own ulps)
@@ -97,7 +98,9 @@ def router_weights_magnitude(inputs: OpInputs, cand: dict) -> dict[str, torch.Te
     si, mi = s.gather(1, ids), m_s.gather(1, ids)
     S = si.sum(-1, keepdim=True)
     r = inputs.params["routed_scale"]
-    return {"weights": r * (mi / S + si * mi.sum(-1, keepdim=True) / S ** 2) + r * si / S}
+    choice = s + t["bias"].to(torch.float64)
+    return {"weights": r * (mi / S + si * mi.sum(-1, keepdim=True) / S ** 2) + r * si / S,
+            "ids": m_s + choice.abs()}              # the selection scores' magnitude (tie band)
 
 
 # ---------------------------------------------------------------------------------------------- experts
