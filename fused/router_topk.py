@@ -1,24 +1,31 @@
 """router_topk: fp32 router logits, sigmoid, + bias, exact top-k, renormalised weights.
 
 Two launches on the caller's stream: (1) a skinny_gemm kernel writes fp32 logit partials
-ws[S, B, E] (bf16 products are exact in fp32; fp32 accumulation); (2) one warp per token folds the
-S partials in order s = 0..S-1 (IEEE fp32 adds), then selects the top k of
-choice = sigmoid(logit) + bias by k rounds of warp argmax.
+ws[S, B, E] (bf16 products are exact in fp32; fp32 accumulation); (2) the top-k kernel folds the S
+partials in order s = 0..S-1 (IEEE fp32 adds), then selects the top k of
+choice = sigmoid(logit) + bias by k rounds of argmax.
 
 The logits GEMM (`logits_config`): the SIMT GEMV (S = 1, IEEE FMA chains) up to M = SIMT_MAX tokens;
-above it the tensor-core kernel with split-K over S CTAs (`split_for`, so 56 x S CTAs fill the
-132 SMs at E = 896; per-M choice measured on the H200, results/gpu/router_topk.md) and `fresh_acc`: each mma.sync sums its 16 products into zeroed fragments that
-are added to the fp32 accumulator with IEEE adds. Accumulating straight in the MMA's C fragment was
-measured on the H200 (results/gpu/certification.md, 2026-11-29): the tensor core aligns and
-truncates its addends to the largest one, so a 448-MMA chain over D = 7168 erred 3x more than the
-fp32 reference and failed the weights' derived bound at every M >= 9. The logit selects experts:
-it is held to fp32 accuracy, not to a bf16 GEMM's. Lane l holds experts l, l+32, ...
-in registers with their sigmoids; a round takes each lane's best by a select tree (strict >, so the
-lower id wins a tie inside a lane), then a butterfly argmax that prefers the larger choice and, on
-equal choice, the lower id, carrying the winner's sigmoid (no memory access inside a round); the
-owner drops the winner. Rounds run in descending order, so ids come out sorted as the reference's
-stable descending sort gives them. Lane r keeps round r's id and s; weights are
-s / (sum + 1e-20) * routed_scale.
+above it the tensor-core kernel with split-K over S CTAs (`split_for`, so 56 x S CTAs fill the 132
+SMs at E = 896; per-M choice measured on the H200, results/gpu/router_topk.md) and `fresh_acc`: each
+mma.sync sums its 16 products into zeroed fragments that are added to the fp32 accumulator with
+IEEE adds. Accumulating straight in the MMA's C fragment was measured on the H200
+(results/gpu/router_topk.md): the tensor core aligns and truncates its addends to the largest one,
+so a 448-MMA chain over D = 7168 erred 3x more than the fp32 reference and failed the weights'
+derived bound at every M >= 9. The logit selects experts: it is held to fp32 accuracy, not to a
+bf16 GEMM's.
+
+The top-k kernel. Default (`cta_argmax_w4`): a token's experts over 4 warps, thread t holding
+experts t, t+128, ... (7 at E = 896); `warp_argmax_t*`: one warp per token, lane l holding l, l+32,
+... (28; issue-latency bound on the H200, 12 us at B = 1). Each thread keeps its experts in
+registers with their sigmoids. A round takes the thread's best by a select tree (strict >, so the
+lower id wins a tie inside a thread), then a butterfly argmax that prefers the larger choice and,
+on equal choice, the lower id, carrying the winner's sigmoid; with several warps the warps' winners
+meet in shared memory (one barrier per round, double-buffered by round parity) and are combined by
+the same rule; the owner drops the winner. Rounds run in descending order, so ids come out sorted
+as the reference's stable descending sort gives them. Thread r keeps round r's id and s; the
+token's first warp sums them (warp reduction) and writes weights s / (sum + 1e-20) * routed_scale.
+Both top-k kernels compute the same sigmoids and the same sum, so they agree bit for bit.
 """
 import operator
 from dataclasses import dataclass
@@ -69,16 +76,19 @@ def logits_config(M: int, E: int, D: int):
 
 @dataclass(frozen=True)
 class RouterTopkConfig:
-    tokens_per_cta: int = 4          # one warp per token
+    tokens_per_cta: int = 1          # tokens per CTA
     gemm: object = None              # logits GEMM config; None: logits_config(M, E, D)
+    warps_per_token: int = 4         # 1: a warp per token; 4: a token's experts over 128 threads
 
     @property
     def name(self) -> str:
-        return f"warp_argmax_t{self.tokens_per_cta}" + (f"+{self.gemm.name}" if self.gemm is not None else "")
+        base = (f"warp_argmax_t{self.tokens_per_cta}" if self.warps_per_token == 1
+                else f"cta_argmax_w{self.warps_per_token}")
+        return base + (f"+{self.gemm.name}" if self.gemm is not None else "")
 
 
 def all_configs() -> list[RouterTopkConfig]:
-    return [RouterTopkConfig(4), RouterTopkConfig(1)]
+    return [RouterTopkConfig(1, None, 4), RouterTopkConfig(4, None, 1), RouterTopkConfig(1, None, 1)]
 
 
 def variants(tensors: dict, params: dict) -> list:
@@ -90,7 +100,7 @@ def variants(tensors: dict, params: dict) -> list:
     default = logits_config(M, E, D)
     other = sg.simt_config(max(M, 1), E, D) if isinstance(default, SkinnyGemmMmaConfig) else mma_logits_config(M, E, D)
     if other is not None:
-        out.append(RouterTopkConfig(4, other))
+        out.append(RouterTopkConfig(1, other, 4))
     return out
 
 
@@ -98,20 +108,23 @@ class RouterTopk:
     def __init__(self, E: int, top_k: int, cfg: RouterTopkConfig, S: int = 1):
         if not 1 <= top_k <= min(32, E):
             raise ValueError(f"top_k: {top_k} must be in 1..{min(32, E)} for the warp kernel")
+        if cfg.warps_per_token not in (1, 2, 4, 8) or (cfg.warps_per_token > 1 and cfg.tokens_per_cta != 1):
+            raise ValueError(f"variant: {cfg}: warps_per_token in 1, 2, 4, 8; several warps need one token per CTA")
         self.E, self.k, self.cfg, self.S = E, top_k, cfg, S
-        self.per_lane = -(-E // 32)
+        self.threads_per_token = 32 * cfg.warps_per_token
+        self.per_lane = -(-E // self.threads_per_token)
 
     def jit_host(self):
         cutlass, cute = runtime.cutlass_modules()
         kernel = self.device_kernel()
-        tpc = self.cfg.tokens_per_cta
+        tpc, wpt = self.cfg.tokens_per_cta, self.cfg.warps_per_token
 
         @cute.jit
         def host(mLogit: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor,
                  routed_scale: cutlass.Float32, stream):
             B = mLogit.shape[1]
             kernel(mLogit, mBias, mIds, mW, routed_scale).launch(
-                grid=[(B + tpc - 1) // tpc, 1, 1], block=[32 * tpc, 1, 1], stream=stream)
+                grid=[(B + tpc - 1) // tpc, 1, 1], block=[32 * tpc * wpt, 1, 1], stream=stream)
 
         return host
 
@@ -120,6 +133,7 @@ class RouterTopk:
         from cutlass import Float32, Int32, Int64
 
         E, k, pl, tpc, S = self.E, self.k, self.per_lane, self.cfg.tokens_per_cta, self.S
+        wpt, T = self.cfg.warps_per_token, self.threads_per_token
 
         @cute.jit
         def logit(mLogit: cute.Tensor, b, e):
@@ -147,14 +161,20 @@ class RouterTopk:
             bidx, _, _ = cute.arch.block_idx()
             warp = cute.arch.warp_idx()
             lane = cute.arch.lane_idx()
-            b = bidx * tpc + warp
+            b = bidx * tpc + warp // wpt
+            t = (warp % wpt) * 32 + lane                 # thread within the token: experts t, t+T, ...
+            if cutlass.const_expr(wpt > 1):
+                smem = cutlass.memory.SmemAllocator()
+                xv = smem.allocate_tensor(Float32, cute.make_layout((2, wpt)), byte_alignment=16)
+                xi = smem.allocate_tensor(Int32, cute.make_layout((2, wpt)), byte_alignment=16)
+                xs = smem.allocate_tensor(Float32, cute.make_layout((2, wpt)), byte_alignment=16)
             if b < mLogit.shape[1]:
                 choice = cute.make_rmem_tensor(cute.make_layout(pl), Float32)
                 sig = cute.make_rmem_tensor(cute.make_layout(pl), Float32)
                 for j in cutlass.range_constexpr(pl):
                     choice[j] = Float32(-float("inf"))
                     sig[j] = Float32(0.0)
-                    e = j * 32 + lane
+                    e = j * T + t
                     if e < E:
                         sv = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logit(mLogit, b, e)))
                         sig[j] = sv
@@ -162,9 +182,10 @@ class RouterTopk:
                 my_id = Int32(0)
                 my_s = Float32(0.0)
                 for r in cutlass.range_constexpr(k):
-                    # the lane's best by a tree over its experts (ids j*32+lane rise with j), then a
-                    # butterfly argmax over the warp carrying the winner's sigmoid along
-                    best, bid, bs = tree_best([(choice[j], Int32(j * 32) + lane, sig[j]) for j in range(pl)])
+                    # the thread's best by a tree over its experts (ids j*T+t rise with j), a butterfly
+                    # argmax over the warp carrying the winner's sigmoid along, then (several warps
+                    # per token) the warps' winners through shared memory, double-buffered by round
+                    best, bid, bs = tree_best([(choice[j], Int32(j * T) + t, sig[j]) for j in range(pl)])
                     for sh in cutlass.range_constexpr(5):
                         ov = cute.arch.shuffle_sync_bfly(best, offset=1 << sh)
                         oi = cute.arch.shuffle_sync_bfly(bid, offset=1 << sh)
@@ -173,24 +194,42 @@ class RouterTopk:
                         best = Float32(cutlass.select_(take, ov, best))
                         bid = Int32(cutlass.select_(take, oi, bid))
                         bs = Float32(cutlass.select_(take, os_, bs))
+                    if cutlass.const_expr(wpt > 1):
+                        if lane == 0:
+                            xv[r % 2, warp] = best
+                            xi[r % 2, warp] = bid
+                            xs[r % 2, warp] = bs
+                        cute.arch.sync_threads()
+                        best = xv[r % 2, 0]
+                        bid = xi[r % 2, 0]
+                        bs = xs[r % 2, 0]
+                        for w in cutlass.range_constexpr(1, wpt):
+                            ov = xv[r % 2, w]
+                            oi = xi[r % 2, w]
+                            os_ = xs[r % 2, w]
+                            take = (ov > best) | ((ov == best) & (oi < bid))
+                            best = Float32(cutlass.select_(take, ov, best))
+                            bid = Int32(cutlass.select_(take, oi, bid))
+                            bs = Float32(cutlass.select_(take, os_, bs))
                     for j in cutlass.range_constexpr(pl):
-                        choice[j] = Float32(cutlass.select_(bid == Int32(j * 32) + lane, Float32(-float("inf")), choice[j]))
-                    if lane == r:
+                        choice[j] = Float32(cutlass.select_(bid == Int32(j * T) + t, Float32(-float("inf")), choice[j]))
+                    if t == r:
                         my_id = bid
                         my_s = bs
-                total = cute.arch.warp_reduction(my_s if lane < k else Float32(0.0), operator.add)
-                if lane < k:
-                    mIds[b, lane] = Int64(my_id)
-                    mW[b, lane] = my_s / (total + Float32(RENORM_EPS)) * routed_scale
+                if t < 32:                               # the token's first warp holds rounds 0..k-1
+                    total = cute.arch.warp_reduction(my_s if t < k else Float32(0.0), operator.add)
+                    if t < k:
+                        mIds[b, t] = Int64(my_id)
+                        mW[b, t] = my_s / (total + Float32(RENORM_EPS)) * routed_scale
 
         return kernel
 
 
 @runtime.compile_cache("router_topk")
-def _compile(E: int, top_k: int, tokens_per_cta: int, S: int):
+def _compile(E: int, top_k: int, tokens_per_cta: int, S: int, warps_per_token: int = 1):
     cutlass, _ = runtime.cutlass_modules()
     b = runtime.sym_int()
-    op = RouterTopk(E, top_k, RouterTopkConfig(tokens_per_cta), S)
+    op = RouterTopk(E, top_k, RouterTopkConfig(tokens_per_cta, None, warps_per_token), S)
     return runtime.compile_tvm_ffi(
         op.jit_host(),
         runtime.fake_tensor("float32", (S, b, E), align=4),
@@ -203,11 +242,12 @@ def _compile(E: int, top_k: int, tokens_per_cta: int, S: int):
 def compile_all_for(dtype: str, E: int, D: int, top_k: int, cfg: RouterTopkConfig) -> list:
     """Every compiled function a launch with this top-k config can use, for any M (CPU compile checks):
     the SIMT GEMV, the split-K tensor-core logits of each token bucket, and the top-k kernels."""
-    out = [sg._compile(dtype, "float32", E, D, sg.simt_config(1, E, D)), _compile(E, top_k, cfg.tokens_per_cta, 1)]
+    tk = (cfg.tokens_per_cta, cfg.warps_per_token)
+    out = [sg._compile(dtype, "float32", E, D, sg.simt_config(1, E, D)), _compile(E, top_k, tk[0], 1, tk[1])]
     for M in (8, 16, 32, 64):
         g = mma_logits_config(M, E, D)
         if g is not None:
-            out += [sg._compile(dtype, "float32", E, D, g), _compile(E, top_k, cfg.tokens_per_cta, g.ksplit)]
+            out += [sg._compile(dtype, "float32", E, D, g), _compile(E, top_k, tk[0], g.ksplit, tk[1])]
     return out
 
 
@@ -231,7 +271,7 @@ def launch(x, w_gate, bias, top_k, routed_scale, ids, weights, logits, variant=N
     if logits.shape != (S, B, E):
         raise ValueError(f"logits: expected the workspace [{S}, {B}, {E}], got {tuple(logits.shape)}")
     sg.launch(x, w_gate, logits if S > 1 else logits[0], gemm)
-    fn = _compile(E, top_k, variant.tokens_per_cta, S)
+    fn = _compile(E, top_k, variant.tokens_per_cta, S, variant.warps_per_token)
     fn(logits, bias, ids, weights, float(routed_scale))
 
 

@@ -117,6 +117,8 @@ def test_router_topk_rejects_k_over_warp():
     from fused import router_topk as fr
     with pytest.raises(ValueError, match="top_k"):
         fr.RouterTopk(896, 33, fr.RouterTopkConfig())
+    with pytest.raises(ValueError, match="warps_per_token"):
+        fr.RouterTopk(896, 16, fr.RouterTopkConfig(4, None, 4))
 
 
 def test_custom_ops_register_under_project_namespace():
@@ -198,3 +200,19 @@ def test_router_topk_ids_and_weights():
     ids, wts = router_topk(x, w, bias, 8, 2.5)
     assert torch.equal(ids, rid)
     torch.testing.assert_close(wts, rw, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("B", [1, 5, 64])
+def test_router_topk_kernels_agree_bit_for_bit(B):
+    """One warp per token and four warps per token compute the same sigmoids and the same sum."""
+    from fused import router_topk as fr
+    g = torch.Generator(device="cuda").manual_seed(B)
+    x = torch.randn(B, 7168, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(896, 7168, device="cuda", generator=g) * 7168 ** -0.5).to(torch.bfloat16)
+    bias = torch.randn(896, device="cuda", generator=g) * 0.01
+    outs = [fr.router_topk(x, w, bias, 16, 2.5, variant=c) for c in fr.all_configs()]
+    for ids, wts in outs[1:]:
+        assert torch.equal(ids, outs[0][0])
+        assert torch.equal(wts.view(torch.int32), outs[0][1].view(torch.int32))
