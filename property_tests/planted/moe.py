@@ -37,6 +37,24 @@ def router_topk_weights_in_wd(x, w_gate, bias, top_k: int, routed_scale: float):
     return ids, w.to(x.dtype)
 
 
+def router_topk_bf16_logits(x, w_gate, bias, top_k: int, routed_scale: float):
+    """The gate GEMM in the activation dtype (cuBLAS bf16 out), then sigmoid in fp32: logits rounded
+    to bf16 (2^-9 relative). The magnitude floor (ulps of sum|x w|) must still see it."""
+    logits = (x @ w_gate.T).to(torch.float32)
+    s = torch.sigmoid(logits)
+    ids = torch.sort(s + bias, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    w = s.gather(1, ids)
+    return ids, w / (w.sum(-1, keepdim=True) + RENORM_EPS) * routed_scale
+
+
+def router_topk_weights_from_choice(x, w_gate, bias, top_k: int, routed_scale: float):
+    """Weights renormalised from the biased choice scores s + bias instead of the unbiased s."""
+    _, choice = router_choice_scores(x, w_gate, bias)
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    w = choice.gather(1, ids)
+    return ids, w / (w.sum(-1, keepdim=True) + RENORM_EPS) * routed_scale
+
+
 def moe_experts_mxfp4_no_linear_beta(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale,
                                      situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
     """SiTU-and-mul without the up-branch soft cap 25 tanh(up / 25) (linear_beta dropped)."""
