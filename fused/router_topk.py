@@ -142,11 +142,18 @@ class RouterTopk:
                 v = v + mLogit[s, b, e]                  # the S partials folded in order
             return v
 
-        def better(a, b):
-            """(value, id, s) of the winner: larger value; on equal values the lower id (a's id < b's)."""
-            take = b[0] > a[0]
+        def pick(take, a, b):
+            """b where `take`, else a, for (value, id, s) triples."""
             return (Float32(cutlass.select_(take, b[0], a[0])), Int32(cutlass.select_(take, b[1], a[1])),
                     Float32(cutlass.select_(take, b[2], a[2])))
+
+        def better(a, b):
+            """(value, id, s) of the winner when a's id is known to be lower: larger value, else a."""
+            return pick(b[0] > a[0], a, b)
+
+        def prefer(a, b):
+            """The winner by the declared rule for ids in any order: larger value, on equal the lower id."""
+            return pick((b[0] > a[0]) | ((b[0] == a[0]) & (b[1] < a[1])), a, b)
 
         def tree_best(cand):
             """Pairwise tree of `better` over (value, id, s) in ascending id order (depth log2 len)."""
@@ -187,30 +194,17 @@ class RouterTopk:
                     # per token) the warps' winners through shared memory, double-buffered by round
                     best, bid, bs = tree_best([(choice[j], Int32(j * T) + t, sig[j]) for j in range(pl)])
                     for sh in cutlass.range_constexpr(5):
-                        ov = cute.arch.shuffle_sync_bfly(best, offset=1 << sh)
-                        oi = cute.arch.shuffle_sync_bfly(bid, offset=1 << sh)
-                        os_ = cute.arch.shuffle_sync_bfly(bs, offset=1 << sh)
-                        take = (ov > best) | ((ov == best) & (oi < bid))
-                        best = Float32(cutlass.select_(take, ov, best))
-                        bid = Int32(cutlass.select_(take, oi, bid))
-                        bs = Float32(cutlass.select_(take, os_, bs))
+                        best, bid, bs = prefer((best, bid, bs), tuple(
+                            cute.arch.shuffle_sync_bfly(v, offset=1 << sh) for v in (best, bid, bs)))
                     if cutlass.const_expr(wpt > 1):
                         if lane == 0:
                             xv[r % 2, warp] = best
                             xi[r % 2, warp] = bid
                             xs[r % 2, warp] = bs
                         cute.arch.sync_threads()
-                        best = xv[r % 2, 0]
-                        bid = xi[r % 2, 0]
-                        bs = xs[r % 2, 0]
+                        best, bid, bs = xv[r % 2, 0], xi[r % 2, 0], xs[r % 2, 0]
                         for w in cutlass.range_constexpr(1, wpt):
-                            ov = xv[r % 2, w]
-                            oi = xi[r % 2, w]
-                            os_ = xs[r % 2, w]
-                            take = (ov > best) | ((ov == best) & (oi < bid))
-                            best = Float32(cutlass.select_(take, ov, best))
-                            bid = Int32(cutlass.select_(take, oi, bid))
-                            bs = Float32(cutlass.select_(take, os_, bs))
+                            best, bid, bs = prefer((best, bid, bs), (xv[r % 2, w], xi[r % 2, w], xs[r % 2, w]))
                     for j in cutlass.range_constexpr(pl):
                         choice[j] = Float32(cutlass.select_(bid == Int32(j * T) + t, Float32(-float("inf")), choice[j]))
                     if t == r:
