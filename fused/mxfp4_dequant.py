@@ -1,11 +1,20 @@
 """mxfp4_dequant: packed[O, I/2] uint8 + scale[O, I/32] uint8 -> w[O, I] (bf16, fp16 or fp32).
 
-One thread per 32-column group: one 16-byte load of packed codes, one scale byte, 32 outputs
-stored with 16-byte stores. value = E2M1[code] * 2^(e-127) is formed in fp32, where it is exact
-(E2M1 has one mantissa bit; 2^(e-127) with e=0 is the fp32 subnormal 2^-127, built from its
-bits), then rounded once to the output dtype (RNE), as the float64 reference does. Scale byte
-0xFF selects the output dtype's canonical NaN constant, so NaN bits do not depend on the hardware's
-NaN propagation. Low nibble = even column; code 0x8 is -0.0 (the sign flip keeps it).
+Elementwise over the flattened tensors: one 32-bit word of packed codes (8 columns, 4 bytes) is a
+unit; group g = word // 4 owns scale byte g (both tensors are contiguous, so the flat indices line
+up across rows). Each thread takes `units` words spaced one CTA width apart (a warp loads 128
+contiguous bytes of codes and stores 32 x 16 bytes contiguous per unit), all loads issued before
+any arithmetic. The compiled kernel depends on the output dtype and the launch shape only, not on O
+or I.
+
+Value of code c (low nibble = even column; bit 3 = sign, bits 0-2 = magnitude m): the fp32 word
+`sign << 31 | m << 22` holds E2M1(m) * 2^-126 exactly (m = 1 is the subnormal 2^-127, m >= 2 has
+exponent field m >> 1 and mantissa bit m & 1), so `word * 2^126` is E2M1 exactly and one more
+multiply by 2^(e-127) (e = 0 is the subnormal 2^-127, built from its bits) is the exact product or
+its overflow to inf. The float64 reference rounds the same exact value once to the output dtype;
+the kernel's one rounding (fp32 -> output, RNE) matches it bit for bit. fp32 multiplies keep
+subnormals here (no flush-to-zero). Scale byte 0xFF selects the output dtype's canonical NaN
+constant, so NaN bits do not depend on the hardware's NaN propagation. Code 0x8 is -0.0.
 """
 from dataclasses import dataclass
 
@@ -14,19 +23,22 @@ import torch
 from fused import runtime
 
 GROUP = 32
+CODES = 8                          # codes per 32-bit word of `packed`
+WORDS_PER_GROUP = GROUP // CODES
 
 
 @dataclass(frozen=True)
 class Mxfp4DequantConfig:
     threads: int = 256
+    units: int = 4                 # words per thread, loaded before any arithmetic
 
     @property
     def name(self) -> str:
-        return f"group_per_thread_t{self.threads}"
+        return f"word_t{self.threads}_u{self.units}"
 
 
 def all_configs() -> list[Mxfp4DequantConfig]:
-    return [Mxfp4DequantConfig(256), Mxfp4DequantConfig(128)]
+    return [Mxfp4DequantConfig(256, 4), Mxfp4DequantConfig(128, 8), Mxfp4DequantConfig(256, 1)]
 
 
 def variants(tensors: dict, params: dict) -> list:
@@ -34,80 +46,119 @@ def variants(tensors: dict, params: dict) -> list:
     return all_configs()
 
 
+def _code_bits(cutlass, word, i: int):
+    """fp32 bits of E2M1(code i of `word`) * 2^-126 with the code's sign (see the module doc)."""
+    from cutlass import Int32
+    sign = (word << (28 - 4 * i)) & Int32(-0x80000000)
+    mag = (word << (22 - 4 * i)) if i <= 5 else (word >> (4 * i - 22))
+    return sign | (mag & Int32(0x01C00000))
+
+
+# bf16 bytes of E2M1 magnitudes 0..7 (0, .5, 1, 1.5, 2, 3, 4, 6), as prmt tables (bytes 0-3, 4-7)
+_HI = (0x3F3F3F00, 0x40404040)
+_LO = (0xC0800000 - (1 << 32), 0xC0804000 - (1 << 32))
+_PAIR_LO, _PAIR_HI = 0x5140, 0x7362      # prmt selectors: interleave bytes 0,4,1,5 / 2,6,3,7
+_NEG_ZERO_X2 = 0x80008000 - (1 << 32)
+_NAN_X2 = 0x7FC07FC0
+
+
+def _bf16_words(cutlass, cute, Int32, w, e, ow):
+    """The 8 codes of `w` times 2^(e-127) as four bf16x2 words into `ow`. Byte permutes look up
+    each magnitude's high and low bf16 byte, the sign bits are moved into the high bytes, and one
+    bf16x2 fma by the scale (+ -0.0, so -0.0 stays -0.0) forms the value: E2M1 * 2^k has two
+    significant bits, so the bf16 product is exact (subnormals included) or overflows to inf,
+    the reference's RNE result."""
+    prmt = cute.arch.prmt
+    s16 = Int32(cutlass.select_(e == 0, Int32(0x0040), e << 7))   # e = 0: 2^-127, a bf16 subnormal
+    sw = s16 | (s16 << 16)
+    mw = w & Int32(0x77777777)
+    mhi = mw >> 16
+    se = (w << 4) & Int32(0x80808080 - (1 << 32))     # sign of nibble 2j at the msb of byte j
+    so = w & Int32(0x80808080 - (1 << 32))            # sign of nibble 2j+1
+    h03 = Int32(prmt(_HI[0], _HI[1], mw)) | Int32(prmt(se, so, _PAIR_LO))
+    h47 = Int32(prmt(_HI[0], _HI[1], mhi)) | Int32(prmt(se, so, _PAIR_HI))
+    l03 = Int32(prmt(_LO[0], _LO[1], mw))
+    l47 = Int32(prmt(_LO[0], _LO[1], mhi))
+    pairs = (prmt(l03, h03, _PAIR_LO), prmt(l03, h03, _PAIR_HI),
+             prmt(l47, h47, _PAIR_LO), prmt(l47, h47, _PAIR_HI))
+    for k in range(4):
+        v = Int32(cute.arch.fma_packed_bf16x2(Int32(pairs[k]), sw, Int32(_NEG_ZERO_X2)))
+        ow[k] = Int32(cutlass.select_(e == 255, Int32(_NAN_X2), v))
+
+
 class Mxfp4Dequant:
-    def __init__(self, I: int, cfg: Mxfp4DequantConfig):
-        self.I, self.cfg = I, cfg
-        self.groups_per_row = I // GROUP
+    def __init__(self, cfg: Mxfp4DequantConfig, out_dtype: str):
+        self.cfg, self.out_dtype = cfg, out_dtype
 
     def jit_host(self):
         cutlass, cute = runtime.cutlass_modules()
         kernel = self.device_kernel()
-        T, gpr = self.cfg.threads, self.groups_per_row
+        T, U = self.cfg.threads, self.cfg.units
 
         @cute.jit
         def host(mP: cute.Tensor, mS: cute.Tensor, mW: cute.Tensor, stream):
-            gP = cute.zipped_divide(mP, (1, GROUP // 2))
-            gW = cute.zipped_divide(mW, (1, GROUP))
-            total = mP.shape[0] * gpr
-            kernel(gP, mS, gW, total).launch(grid=[(total + T - 1) // T, 1, 1], block=[T, 1, 1],
-                                             stream=stream)
+            gW = cute.zipped_divide(mW, (CODES,))
+            nwords = mP.shape[0]
+            kernel(mP, mS, gW, nwords).launch(grid=[(nwords + T * U - 1) // (T * U), 1, 1],
+                                              block=[T, 1, 1], stream=stream)
 
         return host
 
     def device_kernel(self):
         cutlass, cute = runtime.cutlass_modules()
-        from cutlass import Float32, Int32, Uint8
+        from cutlass import Float32, Int32
 
-        T, gpr = self.cfg.threads, self.groups_per_row
+        T, U = self.cfg.threads, self.cfg.units
+        bf16_out = self.out_dtype == "bfloat16"
 
         @cute.kernel
-        def kernel(gP: cute.Tensor, mS: cute.Tensor, gW: cute.Tensor, total: Int32):
+        def kernel(mP: cute.Tensor, mS: cute.Tensor, gW: cute.Tensor, nwords: Int32):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
-            g = bidx * T + tidx
-            if g < total:
-                o = g // gpr
-                c = g - o * gpr
-                e = Int32(mS[o, c])
-                bits = cute.make_rmem_tensor(cute.make_layout(1), Int32)
-                bits[0] = e << 23
-                if e == 0:
-                    bits[0] = Int32(0x00400000)           # 2^-127, an fp32 subnormal
-                scale = cute.recast_tensor(bits, Float32)[0]
-                pk = cute.make_rmem_tensor(cute.make_layout(GROUP // 2), Uint8)
-                pk.store(gP[None, (o, c)].load())
-                vals = cute.make_rmem_tensor(cute.make_layout(GROUP), Float32)
-                for b in cutlass.range_constexpr(GROUP // 2):
-                    byte = Int32(pk[b])
-                    for h in cutlass.range_constexpr(2):
-                        code = (byte >> (4 * h)) & 15
-                        ex = (code >> 1) & 3
-                        mbit = code & 1
-                        # |E2M1| = mbit/2 if ex == 0 else (2 + mbit) * 2^(ex-2)
-                        mag = Float32(mbit) * Float32(0.5)
-                        if ex > 0:
-                            mag = Float32((2 + mbit) << (ex - 1)) * Float32(0.5)
-                        v = mag * scale
-                        if code >= 8:
-                            v = -v
-                        vals[2 * b + h] = v
-                outv = vals.load().to(gW.element_type)
-                if e == 255:
-                    outv = cute.full_like(outv, float("nan"))
-                gW[None, (o, c)].store(outv)
+            base = bidx * (T * U) + tidx
+            words = cute.make_rmem_tensor(cute.make_layout(U), Int32)
+            exps = cute.make_rmem_tensor(cute.make_layout(U), Int32)
+            for j in cutlass.range_constexpr(U):
+                u = base + j * T
+                if u < nwords:
+                    words[j] = mP[u]
+                    exps[j] = Int32(mS[u // WORDS_PER_GROUP])
+            for j in cutlass.range_constexpr(U):
+                u = base + j * T
+                if u < nwords:
+                    e = exps[j]
+                    w = words[j]
+                    if cutlass.const_expr(bf16_out):
+                        ow = cute.make_rmem_tensor(cute.make_layout(CODES // 2), Int32)
+                        _bf16_words(cutlass, cute, Int32, w, e, ow)
+                        gW[None, u].store(cute.recast_tensor(ow, gW.element_type).load())
+                    else:
+                        sbits = cute.make_rmem_tensor(cute.make_layout(1), Int32)
+                        sbits[0] = e << 23
+                        if e == 0:
+                            sbits[0] = Int32(0x00400000)           # 2^-127, an fp32 subnormal
+                        scale = cute.recast_tensor(sbits, Float32)[0]
+                        bits = cute.make_rmem_tensor(cute.make_layout(CODES), Int32)
+                        for i in cutlass.range_constexpr(CODES):
+                            bits[i] = _code_bits(cutlass, w, i)
+                        vals = cute.recast_tensor(bits, Float32).load() * Float32(2.0 ** 126) * scale
+                        outv = vals.to(gW.element_type)
+                        if e == 255:
+                            outv = cute.full_like(outv, float("nan"))
+                        gW[None, u].store(outv)
 
         return kernel
 
 
 @runtime.compile_cache("mxfp4_dequant")
-def _compile(out_dtype: str, I: int, cfg: Mxfp4DequantConfig):
-    o = runtime.sym_int()
-    op = Mxfp4Dequant(I, cfg)
+def _compile(out_dtype: str, cfg: Mxfp4DequantConfig):
+    n = runtime.sym_int()
+    op = Mxfp4Dequant(cfg, out_dtype)
     return runtime.compile_tvm_ffi(
         op.jit_host(),
-        runtime.fake_tensor("uint8", (o, I // 2)),
-        runtime.fake_tensor("uint8", (o, I // GROUP), align=1),
-        runtime.fake_tensor(out_dtype, (o, I)))
+        runtime.fake_tensor("int32", (n,)),
+        runtime.fake_tensor("uint8", (runtime.sym_int(),), align=1),
+        runtime.fake_tensor(out_dtype, (runtime.sym_int(CODES),)))
 
 
 _OUT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -130,8 +181,16 @@ def launch(packed, scale, out, variant=None) -> None:
     if packed.shape[0] == 0:
         return
     cfg = variant or Mxfp4DequantConfig()
-    fn = _compile(runtime.dtype_name(out.dtype), packed.shape[1] * 2, cfg)
-    fn(packed, scale, out)
+    fn = _compile(runtime.dtype_name(out.dtype), cfg)
+    # the kernel reads `packed` as 32-bit words and writes 16-byte vectors: fresh storage if the
+    # caller's views are offset or strided
+    if packed.data_ptr() % 16:
+        packed = packed.clone()
+    dst = out if out.is_contiguous() and out.data_ptr() % 16 == 0 else torch.empty_like(
+        out, memory_format=torch.contiguous_format)
+    fn(packed.view(torch.int32).view(-1), scale.contiguous().view(-1), dst.view(-1))
+    if dst is not out:
+        out.copy_(dst)
 
 
 _op = None
