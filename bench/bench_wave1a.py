@@ -146,6 +146,10 @@ def bench_cache_write(args):
             flat[idx] = torch.where((sl >= 0)[:, None], lat, flat[idx])
         record("mla_cache_write", f"N={N} C={C}", "torch eager (clamp+where)",
                graph_time_us([lambda: eager(latent, cache, slots)]), nb)
+        if not args.no_compile:
+            ce = torch.compile(eager)
+            record("mla_cache_write", f"N={N} C={C}", "torch.compile (clamp+where)",
+                   graph_time_us([lambda: ce(latent, cache, slots)]), nb)
 
 
 def bench_router(args):

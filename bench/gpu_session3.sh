@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Device run on one host of N GPUs (nvidia-h200-x8 ideally): the full release profile of every fused
+# op, one op per GPU, beside the kernel benches and the GPU tests on the spare GPUs. Jobs are dealt
+# to GPUs round-robin in the order of JOBS; each GPU runs its jobs one after another, each under its
+# own time limit, so one slow job cannot take the others' results. Logs and certificates go to $R
+# (set R=$OUT/r so a cut run still returns what it wrote). Run from the repository root carrying
+# .device (see bench/gpu_certify.sh for the bundle).
+set -u
+OUT=${OUT:-gpu-out}; R=${R:-$OUT/r}; mkdir -p "$OUT" "$R"
+[ -d /tmp/site/nvidia_cutlass_dsl ] || { mkdir -p /tmp/site && tar xJf .device/cutedsl.tar.xz -C /tmp/site; }
+[ -d /tmp/site/pydantic ] || for w in .device/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
+export PYTHONPATH=$PWD:$PWD/bench:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
+export VERIFY_GIT_COMMIT=${VERIFY_GIT_COMMIT:-$(cat .device/commit 2>/dev/null)}
+NG=$(nvidia-smi -L | wc -l)
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader;
+  python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda, 'gpus', torch.cuda.device_count())"
+  echo "commit $VERIFY_GIT_COMMIT"; } > "$R/env.txt" 2>&1
+CERT_S=${CERT_S:-520}; BENCH_S=${BENCH_S:-300}
+cmd_for() { case $1 in        # job name -> "limit command..."
+  cert_*) local op=${1#cert_}; echo "$CERT_S python3 -m verify.cli run --ops $op --candidate fused --device cuda \
+            --profile release --no-isolate ${CERT_ARGS:-} --out $R/cert/$op --junit $R/cert/$op/junit.xml" ;;
+  wave1a) echo "$BENCH_S python3 bench/bench_wave1a.py --out $R/wave1a --ops ${WAVE1A_OPS:-dequant,cache}" ;;
+  wave1b) echo "$BENCH_S python3 -m bench.bench_wave1b --out $R/wave1b" ;;
+  wgmma) echo "$BENCH_S python3 bench/bench_gemm_wgmma.py --out $R/wgmma" ;;
+  gpu_tests) echo "200 python3 -m pytest -q -m gpu property_tests -p no:cacheprovider -rs" ;;
+  *) echo "0 false unknown job $1" ;;
+esac; }
+JOBS=${JOBS:-"cert_skinny_gemm cert_kda_decode cert_attn_res_rmsnorm cert_router_topk cert_mxfp4_dequant cert_mla_cache_write wave1a wave1b gpu_tests"}
+declare -A lane
+i=0; for j in $JOBS; do g=$(( i % NG )); lane[$g]="${lane[$g]:-} $j"; i=$((i + 1)); done
+for g in "${!lane[@]}"; do (
+  for j in ${lane[$g]}; do
+    set -- $(cmd_for "$j"); limit=$1; shift; t0=$(date +%s); mkdir -p "$R/cert"
+    CUDA_VISIBLE_DEVICES=$g timeout "$limit" "$@" > "$R/$j.log" 2>&1
+    echo "$j gpu=$g rc=$? $(( $(date +%s) - t0 ))s" >> "$R/env.txt"
+  done ) & done
+wait
+for f in "$R"/*.log; do echo "== $f"; grep -E "certified|FAILED|failed|passed|skipped|Error|error|TIME|status|CHECK.*False" "$f" | head -25; done
+cat "$R/env.txt"
