@@ -14,6 +14,10 @@ Both are SIMT (CUDA-core FMA): past M ~ 16 the FMA rate, not HBM, is the limit.
 own fixed split-K order (a function of K only), so it is batch invariant across its variants but
 not bitwise equal to the SIMT kernel. `default_config` picks per (M bucket, N, K) from the H200
 measurements in results/gpu/skinny_gemm_mma.md.
+`wgmma_*` (fused/skinny_gemm_wgmma.py): Hopper warpgroup MMA, swap-AB, 64-256 weight rows per CTA,
+weight and token tiles through a TMA pipeline in shared memory, fixed-order split-K over CTAs, for
+1 <= M <= 64; its order depends on (K, its split-K S) only. Listed for certification and measurement;
+not picked by `default_config` until measured on the H200.
 """
 
 import math
@@ -24,7 +28,9 @@ import torch
 
 from fused import runtime
 from fused import skinny_gemm_mma as mma
+from fused import skinny_gemm_wgmma as wgmma
 from fused.skinny_gemm_mma import SkinnyGemmMmaConfig
+from fused.skinny_gemm_wgmma import SkinnyGemmWgmmaConfig
 
 THREADS = 128                      # fixed: it defines the reduction order (batch invariance)
 K3_SHAPES = ((7168, 49152), (7168, 6144), (12288, 7168), (1536, 7168), (7168, 3584), (7168, 896))
@@ -48,11 +54,16 @@ def _n_per_cta(n: int, m_tile: int) -> int:
     return 1 if n % 2 else 2
 
 
-def all_configs(N: int, K: int) -> list[SkinnyGemmConfig | SkinnyGemmMmaConfig]:
+Config = SkinnyGemmConfig | SkinnyGemmMmaConfig | SkinnyGemmWgmmaConfig
+
+
+def all_configs(N: int, K: int) -> list[Config]:
     """Every variant the dispatcher can pick for this (N, K): one SIMT variant per m_tile bucket,
-    then the tensor-core variants (one per m_pad bucket and rows-per-CTA choice)."""
+    then the mma.sync variants (one per m_pad bucket and rows-per-CTA choice), then the wgmma
+    variants (per m_pad bucket: rows-per-CTA x CTAs-per-SM sizing)."""
     simt = [SkinnyGemmConfig(m, _n_per_cta(N, m)) for m in (1, 2, 4, 8)]
-    return simt + [c for p in (8, 16, 32, 64) for c in mma.configs_for(N, K, p)]
+    tc = [c for p in (8, 16, 32, 64) for c in mma.configs_for(N, K, p)]
+    return simt + tc + [c for p in wgmma.M_PADS for c in wgmma.configs_for(N, K, p)]
 
 
 def simt_config(M: int, N: int, K: int) -> SkinnyGemmConfig:
@@ -166,7 +177,9 @@ class SkinnyGemm:
 
 
 @runtime.compile_cache("skinny_gemm")
-def _compile(dtype: str, out_dtype: str, N: int, K: int, cfg: SkinnyGemmConfig | SkinnyGemmMmaConfig):
+def _compile(dtype: str, out_dtype: str, N: int, K: int, cfg: Config):
+    if isinstance(cfg, SkinnyGemmWgmmaConfig):
+        return wgmma.compile_variant(dtype, out_dtype, N, K, cfg)
     if isinstance(cfg, SkinnyGemmMmaConfig):
         return mma.build(dtype, out_dtype, N, K, cfg)
     return mma.compile_host(SkinnyGemm(N, K, cfg).jit_host(), dtype, out_dtype, N, K)
@@ -186,7 +199,7 @@ def _check(x, w):
     runtime.require_cuda("x", x)
 
 
-def launch(x, w, out, variant: SkinnyGemmConfig | SkinnyGemmMmaConfig | None = None) -> None:
+def launch(x, w, out, variant: Config | None = None) -> None:
     """y = x @ w.T into `out` (bf16/fp16 like x, or fp32), on the current stream."""
     M, K = x.shape
     N = w.shape[0]
@@ -195,8 +208,13 @@ def launch(x, w, out, variant: SkinnyGemmConfig | SkinnyGemmMmaConfig | None = N
         return
     if isinstance(cfg, SkinnyGemmMmaConfig) and M > cfg.m_pad:
         raise ValueError(f"x: M={M} is over the variant's m_pad={cfg.m_pad}")
+    if isinstance(cfg, SkinnyGemmWgmmaConfig):
+        wgmma.check_launch(M, N, K, cfg)
     fn = _compile(runtime.dtype_name(x.dtype), runtime.dtype_name(out.dtype), N, K, cfg)
-    fn(x, w, out)
+    if isinstance(cfg, SkinnyGemmWgmmaConfig):
+        fn(x, w, out, *wgmma.buffers(x.device, N, K, cfg))
+    else:
+        fn(x, w, out)
 
 
 _op = None
@@ -213,7 +231,7 @@ def _custom_op():
     return _op
 
 
-def skinny_gemm(x, w, *, out=None, variant: SkinnyGemmConfig | SkinnyGemmMmaConfig | None = None):
+def skinny_gemm(x, w, *, out=None, variant: Config | None = None):
     """Fused replacement of references.gemm.skinny_gemm (same signature)."""
     import torch
 
@@ -227,12 +245,14 @@ def skinny_gemm(x, w, *, out=None, variant: SkinnyGemmConfig | SkinnyGemmMmaConf
     return out
 
 
-def variants(tensors: dict, params: dict) -> list[SkinnyGemmConfig | SkinnyGemmMmaConfig]:
+def variants(tensors: dict, params: dict) -> list[Config]:
     """The variants the harness certifies for this case: every SIMT m-tile (each handles any M) and
     the tensor-core variants of this M's padding bucket (those a launch at this M can use)."""
     M, K = tensors["x"].shape
     N = tensors["w"].shape[0]
-    simt = [SkinnyGemmConfig(m, _n_per_cta(N, m)) for m in (1, 2, 4, 8)]
-    if not (2 <= M <= 64 and mma.supports(K)):
-        return simt
-    return simt + mma.configs_for(N, K, mma.m_pad_for(M))
+    out: list[Config] = [SkinnyGemmConfig(m, _n_per_cta(N, m)) for m in (1, 2, 4, 8)]
+    if 2 <= M <= 64 and mma.supports(K):
+        out += mma.configs_for(N, K, mma.m_pad_for(M))
+    if 1 <= M <= 64 and wgmma.supports(K):
+        out += wgmma.configs_for(N, K, wgmma.m_pad_for(M))
+    return out

@@ -1,0 +1,339 @@
+"""skinny_gemm, Hopper warpgroup-MMA variant: y[M,N] = x[M,K] @ w[N,K].T for 1 <= M <= 64 (bf16/fp16
+in, fp32 accumulate, one rounding to y's dtype: bf16, fp16 or fp32), wgmma.mma_async with both
+operands in shared memory, loaded by TMA through a `stages`-deep mbarrier pipeline.
+
+Swap-AB: a CTA owns `rows` weight rows (64, 128 or 256: wgmma's M, 64 per instruction) and all tokens,
+padded to m_pad in {8, 16, 32, 64} (wgmma's N). Per stage the TMA loads a rows x 64 weight tile and an
+m_pad x 64 token tile (both K-major, 128-byte swizzle); token rows >= M lie outside x and are zero
+filled by the TMA, and are never stored. One producer warp issues the TMA loads; one consumer
+warpgroup runs 4 wgmma (k = 16 each) per stage and releases a stage once the wgmma of the next stage
+has been issued (wait_group 1). Each CTA reads its weight rows once and x once per (CTA, k range):
+x re-reads from L2 are m_pad/rows of the weight traffic.
+
+Split-K: `ksplit` S CTAs share a column block; CTA ks takes k-tiles [ks*KT//S, (ks+1)*KT//S) of the
+KT = K/64 tiles (a static split). With S > 1 each CTA writes its fp32 accumulator fragment to a
+workspace, then takes a ticket from the block's int32 counter (atomic add, acq_rel, gpu scope); the
+CTA that draws S-1 adds the S partials in ks order, ((p0 + p1) + p2) + ..., rounds once, stores y and
+resets the counter to 0 (so CUDA-graph replays start from zero). No float atomics.
+
+Summation order of y[m, n]: the wgmma chain over the k-tiles of each split in k order (inside a tile
+the tensor core's fixed k order), then the splits in ks order. It depends on K, the k tile (64) and S
+only. S is a function of (N, K, rows, occupancy) (`ksplit_for`), never of M, m_pad or the token's
+position; padded tokens are zeros in their own accumulator columns. So the result is deterministic and
+batch invariant: a token row gives the same bits at any M <= m_pad with the same variant, and (on the
+assumption that a wgmma output element does not depend on the instruction's N, checked by the GPU
+test) across m_pad variants with the same rows and occupancy. Not bitwise equal to the mma.sync or
+SIMT kernels (other orders).
+
+The launcher (`launch`) owns the workspace and the counters: allocated with torch on x's device on
+first use per (device, N, K, variant) and reused, so warm a variant up before capturing it in a CUDA
+graph; concurrent launches of one variant on different streams would share them and must be ordered.
+"""
+
+from dataclasses import dataclass
+
+from fused import runtime
+
+BK = 64                      # k per stage: 64 bf16 = one 128-byte swizzle row
+SMS = 132                    # H200 SMs
+SMEM_PER_SM = 233472         # bytes (228 KB); 1 KB of it is reserved per resident CTA
+CONSUMER_THREADS = 128       # one warpgroup
+THREADS = CONSUMER_THREADS + 32
+MAX_STAGES = 12
+M_PADS = (8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class SkinnyGemmWgmmaConfig:
+    m_pad: int           # tokens per CTA, padded: 8, 16, 32 or 64 (wgmma N)
+    rows: int            # weight rows (output columns) per CTA: 64, 128 or 256 (wgmma M atoms of 64)
+    stages: int          # TMA pipeline depth (weight + token tile per stage)
+    ksplit: int          # CTAs along K per column block (1: no workspace)
+    occupancy: int = 1   # CTAs per SM the stage count was sized for (1 or 2)
+
+    @property
+    def name(self) -> str:
+        return f"wgmma_m{self.m_pad}_r{self.rows}_st{self.stages}_s{self.ksplit}_o{self.occupancy}"
+
+
+def supports(K: int) -> bool:
+    return K % BK == 0 and K >= BK
+
+
+def stage_bytes(rows: int, m_pad: int) -> int:
+    return (rows + m_pad) * BK * 2
+
+
+def stages_for(rows: int, m_pad: int, occupancy: int) -> int:
+    budget = SMEM_PER_SM // occupancy - 1024 - 2048       # reserved + barriers/flag/alignment
+    return min(MAX_STAGES, budget // stage_bytes(rows, m_pad))
+
+
+def ksplit_for(N: int, K: int, rows: int, occupancy: int) -> int:
+    """CTAs along K. Depends on (N, K, rows, occupancy) only: it fixes the summation order. With
+    N/rows >= 132 column blocks there is no split; otherwise the largest S whose grid is resident at
+    once (N/rows * S <= 132 * occupancy) and leaves each CTA >= 4 k-tiles."""
+    blocks, kt = N // rows, K // BK
+    if blocks >= SMS:
+        return 1
+    s = max(1, (SMS * occupancy) // blocks)
+    return max(1, min(s, kt // 4))
+
+
+def configs_for(N: int, K: int, m_pad: int) -> list[SkinnyGemmWgmmaConfig]:
+    """The variants for one m_pad bucket: rows in {64, 128, 256} dividing N, sized for 1 or 2 CTAs
+    per SM (2 only where it still gives >= 3 stages)."""
+    if not supports(K) or m_pad not in M_PADS:
+        return []
+    out = []
+    for rows in (64, 128, 256):
+        if N % rows:
+            continue
+        for occ in (1, 2):
+            st = stages_for(rows, m_pad, occ)
+            if st >= 3:
+                out.append(SkinnyGemmWgmmaConfig(m_pad, rows, st, ksplit_for(N, K, rows, occ), occ))
+    return out
+
+
+def m_pad_for(M: int) -> int:
+    for p in M_PADS:
+        if M <= p:
+            return p
+    raise ValueError(f"x: M={M} is over 64, the wgmma skinny_gemm's largest token tile")
+
+
+def workspace_shapes(N: int, cfg: SkinnyGemmWgmmaConfig) -> tuple[tuple[int], tuple[int]]:
+    """(fp32 partials, int32 counters) element counts; 1-element dummies without split-K."""
+    if cfg.ksplit == 1:
+        return (1,), (1,)
+    frag = cfg.rows * cfg.m_pad // CONSUMER_THREADS
+    return ((N // cfg.rows) * cfg.ksplit * frag * CONSUMER_THREADS,), (N // cfg.rows,)
+
+
+def validate(N: int, K: int, cfg: SkinnyGemmWgmmaConfig) -> None:
+    if not supports(K):
+        raise ValueError(f"w: K={K} must be a positive multiple of {BK} for the wgmma variant")
+    if cfg.rows not in (64, 128, 256):
+        raise ValueError(f"variant: rows={cfg.rows} must be 64, 128 or 256 ({cfg.name})")
+    if N % cfg.rows:
+        raise ValueError(f"w: N={N} must be a multiple of rows={cfg.rows} ({cfg.name}); pick a variant "
+                         f"from configs_for(N, K, m_pad)")
+    if cfg.m_pad not in M_PADS:
+        raise ValueError(f"variant: m_pad={cfg.m_pad} must be one of {M_PADS} ({cfg.name})")
+    if not 1 <= cfg.ksplit <= K // BK:
+        raise ValueError(f"variant: ksplit={cfg.ksplit} must be in 1..K/{BK}={K // BK} ({cfg.name})")
+    smem = cfg.stages * stage_bytes(cfg.rows, cfg.m_pad) + 2048
+    if cfg.stages < 2 or smem > SMEM_PER_SM - 1024:
+        raise ValueError(f"variant: {cfg.stages} stages need {smem} bytes of shared memory ({cfg.name})")
+
+
+class SkinnyGemmWgmma:
+    """Compile-time configuration; `__call__` is the @cute.jit host, `kernel` the device code."""
+
+    def __init__(self, N: int, K: int, cfg: SkinnyGemmWgmmaConfig):
+        validate(N, K, cfg)
+        self.N, self.K, self.cfg = N, K, cfg
+        self.kt = K // BK
+        self.blocks = N // cfg.rows
+        self.frag = cfg.rows * cfg.m_pad // CONSUMER_THREADS     # fp32 accumulators per thread
+        self.storage = None
+
+    def jit_host(self):
+        cutlass, cute = runtime.cutlass_modules()
+        import cutlass.utils.hopper_helpers as sm90
+        from cutlass.tensor_utils import LayoutEnum
+
+        cfg = self
+        kernel = self.device_kernel()
+
+        @cute.jit
+        def host(mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor, mCnt: cute.Tensor,
+                 stream):
+            dt = mW.element_type
+            c = cfg.cfg
+            kmajor = cute.nvgpu.OperandMajorMode.K
+            tiled_mma = sm90.make_trivial_tiled_mma(dt, dt, kmajor, kmajor, cutlass.Float32, (1, 1, 1),
+                                                    tiler_mn=(64, c.m_pad))
+            tile = (c.rows, c.m_pad, BK)
+            w_sl = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, dt, c.stages)
+            x_sl = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, dt, c.stages)
+            g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+            tma_w, tW = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                g2s, mW, cute.slice_(w_sl, (None, None, 0)), (c.rows, BK))
+            tma_x, tX = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                g2s, mX, cute.slice_(x_sl, (None, None, 0)), (c.m_pad, BK))
+
+            @cute.struct
+            class Storage:
+                bars: cute.struct.MemRange[cutlass.Int64, 2 * c.stages]
+                ticket: cute.struct.MemRange[cutlass.Int32, 4]
+                sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(w_sl)], 1024]
+                sX: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(x_sl)], 1024]
+
+            cfg.storage = Storage
+            kernel(tma_w, tW, tma_x, tX, mY, mWs, mCnt, tiled_mma, w_sl, x_sl).launch(
+                grid=[cfg.blocks, c.ksplit, 1], block=[THREADS, 1, 1], stream=stream)
+
+        return host
+
+    def device_kernel(self):
+        cutlass, cute = runtime.cutlass_modules()
+        import cutlass.pipeline as pipeline
+        from cutlass import Float32, Int32
+
+        cfg = self
+        rows, S, kt, frag, stages = self.cfg.rows, self.cfg.ksplit, self.kt, self.frag, self.cfg.stages
+        warpgroup = cute.nvgpu.warpgroup
+        nkb = BK // 16
+        tx_bytes = stage_bytes(rows, self.cfg.m_pad)           # 2-byte dtypes; OOB rows count too
+
+        @cute.jit
+        def epilogue(acc: cute.Tensor, tCc: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor,
+                     mCnt: cute.Tensor, ticket: cute.Tensor, bn: Int32, ks: Int32, tidx: Int32, M: Int32):
+            """Consumer threads: store y, or write the split-K partial and let the last CTA fold."""
+            n0 = bn * rows
+            if cutlass.const_expr(S == 1):
+                for i in cutlass.range_constexpr(frag):
+                    r, t = tCc[i]
+                    if t < M:
+                        mY[t, n0 + r] = acc[i].to(mY.element_type)
+            else:
+                base = (bn * S + ks) * (frag * CONSUMER_THREADS) + tidx    # fragment-major, thread-minor
+                for i in cutlass.range_constexpr(frag):
+                    mWs[base + i * CONSUMER_THREADS] = acc[i]
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMER_THREADS)
+                if tidx == 0:
+                    ticket[0] = cute.arch.atomic_add(mCnt.iterator + bn, Int32(1), sem="acq_rel", scope="gpu")
+                cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMER_THREADS)
+                if ticket[0] == S - 1:                                  # last CTA of this column block
+                    cute.arch.fence_acq_rel_gpu()
+                    first = bn * S * (frag * CONSUMER_THREADS) + tidx
+                    for i in cutlass.range_constexpr(frag):
+                        acc[i] = cute.arch.load(mWs.iterator + (first + i * CONSUMER_THREADS), Float32,
+                                                cop="cg")
+                    for s in cutlass.range(1, S, unroll=1):             # ks order: ((p0 + p1) + p2) + ...
+                        part = first + s * (frag * CONSUMER_THREADS)
+                        for i in cutlass.range_constexpr(frag):
+                            acc[i] = acc[i] + cute.arch.load(mWs.iterator + (part + i * CONSUMER_THREADS),
+                                                             Float32, cop="cg")
+                    for i in cutlass.range_constexpr(frag):
+                        r, t = tCc[i]
+                        if t < M:
+                            mY[t, n0 + r] = acc[i].to(mY.element_type)
+                    if tidx == 0:
+                        mCnt[bn] = Int32(0)
+
+        @cute.kernel
+        def kernel(tma_w: cute.CopyAtom, tW: cute.Tensor, tma_x: cute.CopyAtom, tX: cute.Tensor,
+                   mY: cute.Tensor, mWs: cute.Tensor, mCnt: cute.Tensor, tiled_mma: cute.TiledMma,
+                   w_sl: cute.ComposedLayout, x_sl: cute.ComposedLayout):
+            tidx, _, _ = cute.arch.thread_idx()
+            bn, ks, _ = cute.arch.block_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            M = mY.shape[0]
+            if warp == 4:
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
+            storage = cutlass.memory.SmemAllocator().allocate(cfg.storage)
+            sW = storage.sW.get_tensor(w_sl.outer, swizzle=w_sl.inner)
+            sX = storage.sX.get_tensor(x_sl.outer, swizzle=x_sl.inner)
+            pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.bars.data_ptr(), num_stages=stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
+                tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+            kt0 = (ks * kt) // S
+            nk = ((ks + 1) * kt) // S - kt0
+
+            if warp == 4:                                          # producer warp: TMA loads
+                gW = cute.local_tile(tW, (rows, BK), (bn, None))
+                gX = cute.local_tile(tX, (cfg.cfg.m_pad, BK), (0, None))
+                tWs, tWg = cute.nvgpu.cpasync.tma_partition(
+                    tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+                tXs, tXg = cute.nvgpu.cpasync.tma_partition(
+                    tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+                prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+                for i in cutlass.range(nk, unroll=1):
+                    pipe.producer_acquire(prod)
+                    bar = pipe.producer_get_barrier(prod)
+                    cute.copy(tma_w, tWg[(None, kt0 + i)], tWs[(None, prod.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_x, tXg[(None, kt0 + i)], tXs[(None, prod.index)], tma_bar_ptr=bar)
+                    pipe.producer_commit(prod)
+                    prod.advance()
+            else:                                                  # consumer warpgroup: wgmma
+                thr = tiled_mma.get_slice(tidx)
+                tCrW = tiled_mma.make_fragment_A(thr.partition_A(sW))
+                tCrX = tiled_mma.make_fragment_B(thr.partition_B(sX))
+                tCc = thr.partition_C(cute.make_identity_tensor((rows, cfg.cfg.m_pad)))
+                acc = cute.make_rmem_tensor(tCc.shape, Float32)
+                acc.fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+                done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+                for i in cutlass.range(nk, unroll=1):
+                    pipe.consumer_wait(read)
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(nkb):
+                        cute.gemm(tiled_mma, acc, tCrW[(None, None, kb, read.index)],
+                                  tCrX[(None, None, kb, read.index)], acc)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)                        # stage i-1's wgmma has finished
+                    if i > 0:
+                        pipe.consumer_release(done)
+                        done.advance()
+                    read.advance()
+                warpgroup.wait_group(0)
+                epilogue(acc, tCc, mY, mWs, mCnt, storage.ticket.get_tensor(cute.make_layout(4)),
+                         bn, ks, tidx, M)
+
+        return kernel
+
+
+def compile_variant(dtype: str, out_dtype: str, N: int, K: int, cfg: SkinnyGemmWgmmaConfig):
+    """Compile one variant: f(x[M,K], w[N,K], y[M,N], workspace fp32, counters int32), M dynamic.
+    (skinny_gemm._compile caches it under the op "skinny_gemm".)"""
+    ws, cnt = workspace_shapes(N, cfg)
+    m = runtime.sym_int()
+    return runtime.compile_tvm_ffi(
+        SkinnyGemmWgmma(N, K, cfg).jit_host(),
+        runtime.fake_tensor(dtype, (m, K)),
+        runtime.fake_tensor(dtype, (N, K)),
+        runtime.fake_tensor(out_dtype, (m, N), align=4),
+        runtime.fake_tensor("float32", ws),
+        runtime.fake_tensor("int32", cnt, align=4))
+
+
+_buffers: dict[tuple, tuple] = {}
+
+
+def buffers(device, N: int, K: int, cfg: SkinnyGemmWgmmaConfig):
+    """(workspace, counters) for this variant on `device`: allocated (counters zeroed) on first use
+    and reused; the kernel leaves the counters at zero."""
+    import torch
+
+    key = (str(device), N, K, cfg)
+    hit = _buffers.get(key)
+    if hit is None:
+        ws, cnt = workspace_shapes(N, cfg)
+        hit = (torch.empty(ws, dtype=torch.float32, device=device),
+               torch.zeros(cnt, dtype=torch.int32, device=device))
+        _buffers[key] = hit
+    return hit
+
+
+def check_launch(M: int, N: int, K: int, cfg: SkinnyGemmWgmmaConfig) -> None:
+    validate(N, K, cfg)
+    if M > cfg.m_pad:
+        raise ValueError(f"x: M={M} is over the variant's m_pad={cfg.m_pad} ({cfg.name}); use "
+                         f"m_pad_for(M)={m_pad_for(M) if M <= 64 else 'none (M > 64)'}")
+
+
+def num_ctas(N: int, cfg: SkinnyGemmWgmmaConfig) -> int:
+    return (N // cfg.rows) * cfg.ksplit
+
+
+def waves(N: int, cfg: SkinnyGemmWgmmaConfig) -> float:
+    return num_ctas(N, cfg) / (SMS * cfg.occupancy)
+
