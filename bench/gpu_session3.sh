@@ -6,7 +6,7 @@
 # (set R=$OUT/r so a cut run still returns what it wrote). Run from the repository root carrying
 # .device (see bench/gpu_certify.sh for the bundle).
 set -u
-OUT=${OUT:-gpu-out}; R=${R:-$OUT/r}; mkdir -p "$OUT" "$R"
+OUT=${OUT:-gpu-out}; R=${R:-$OUT/r}; mkdir -p "$OUT" "$R" "$R/wave1a" "$R/wave1b" "$R/wgmma"   # files deeper than $R/x/ do not come back
 [ -d /tmp/site/nvidia_cutlass_dsl ] || { mkdir -p /tmp/site && tar xJf .device/cutedsl.tar.xz -C /tmp/site; }
 [ -d /tmp/site/pydantic ] || for w in .device/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
 export PYTHONPATH=$PWD:$PWD/bench:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
@@ -18,7 +18,7 @@ NG=$(nvidia-smi -L | wc -l)
 CERT_S=${CERT_S:-520}; BENCH_S=${BENCH_S:-300}
 cmd_for() { case $1 in        # job name -> "limit command..."
   cert_*) local op=${1#cert_}; echo "$CERT_S python3 -m verify.cli run --ops $op --candidate fused --device cuda \
-            --profile release --no-isolate ${CERT_ARGS:-} --out $R/cert/$op --junit $R/cert/$op/junit.xml" ;;
+            --profile release --no-isolate ${CERT_ARGS:-} --out $R/cert_$op --junit $R/cert_$op/junit.xml" ;;
   wave1a) echo "$BENCH_S python3 bench/bench_wave1a.py --out $R/wave1a --ops ${WAVE1A_OPS:-dequant,cache}" ;;
   wave1b) echo "$BENCH_S python3 -m bench.bench_wave1b --out $R/wave1b" ;;
   wgmma) echo "$BENCH_S python3 bench/bench_gemm_wgmma.py --out $R/wgmma" ;;
@@ -30,7 +30,7 @@ declare -A lane
 i=0; for j in $JOBS; do g=$(( i % NG )); lane[$g]="${lane[$g]:-} $j"; i=$((i + 1)); done
 for g in "${!lane[@]}"; do (
   for j in ${lane[$g]}; do
-    set -- $(cmd_for "$j"); limit=$1; shift; t0=$(date +%s); mkdir -p "$R/cert"
+    set -- $(cmd_for "$j"); limit=$1; shift; t0=$(date +%s)
     CUDA_VISIBLE_DEVICES=$g timeout "$limit" "$@" > "$R/$j.log" 2>&1
     echo "$j gpu=$g rc=$? $(( $(date +%s) - t0 ))s" >> "$R/env.txt"
   done ) & done

@@ -21,6 +21,7 @@ cutlass, cute = runtime.cutlass_modules()           # pins sm_90a before the DSL
 from cutlass import Float32, const_expr  # noqa: E402
 
 WD_DTYPES = (torch.bfloat16, torch.float16)
+DTYPES = ("bfloat16", "float16")   # working dtypes (the harness draws only these; the state is fp32)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ from fused import skinny_gemm as sg
 from fused import skinny_gemm_mma as mma
 from fused.skinny_gemm_mma import SkinnyGemmMmaConfig
 
+DTYPES = ("bfloat16", "float16")   # working dtypes of x and w (the harness draws only these)
+
 RENORM_EPS = 1e-20
 
 

@@ -167,3 +167,61 @@ def test_diff_does_not_call_a_skipped_failure_fixed(base_cert, tmp_path, capsys)
     main(["diff", str(tmp_path / "f.json"), str(tmp_path / "s.json")])
     text = capsys.readouterr().out
     assert "fixed" not in text and "failed before, not run now" in text
+
+
+def _dtype_scoped_candidate(declared):
+    """A module-level candidate (the reference) whose module declares the dtypes it implements and
+    which raises on any other: the harness must draw only the declared ones and say so."""
+    import sys
+    import types
+
+    from references.mxfp4 import mxfp4_dequant as ref
+
+    mod = types.ModuleType("vk_scoped_candidate")
+    mod.DTYPES = declared
+
+    def dequant(packed, scale, out_dtype="bfloat16"):
+        if out_dtype not in declared:
+            raise TypeError(f"{out_dtype} not implemented")
+        return ref(packed, scale, out_dtype)
+
+    dequant.__module__ = mod.__name__
+    mod.dequant = dequant
+    sys.modules[mod.__name__] = mod
+    return "vk_scoped_candidate:dequant"
+
+
+def test_candidate_declared_dtypes_scope_the_draws():
+    import json
+
+    from verify.candidates import parse_candidate
+    from verify.cases import PROFILES
+    from verify.certify import RunOptions, certify_op
+    from verify.registry import get_op
+
+    seen = []
+    label = _dtype_scoped_candidate(("bfloat16", "float16"))
+    v = certify_op(get_op("mxfp4_dequant"), parse_candidate(label),
+                   RunOptions(device="cpu", profile=PROFILES["ci"], examples=12, on_case=seen.append))
+    assert v.status == "pass", v.reason
+    assert "float32 not drawn" in v.reason and "vk_scoped_candidate declares DTYPES" in v.reason
+    drawn = {json.loads(c.case)["dtype"] for c in seen}
+    assert drawn and drawn <= {"bfloat16", "float16"}
+
+
+def test_candidate_declaring_no_drawn_dtype_is_skipped_and_undeclared_raise_fails():
+    from verify.candidates import parse_candidate
+    from verify.cases import PROFILES
+    from verify.certify import RunOptions, certify_op
+    from verify.registry import get_op
+
+    op = get_op("mxfp4_dequant")
+    quick = PROFILES["quick"]                       # draws the op's first dtype only: bfloat16
+    v = certify_op(op, parse_candidate(_dtype_scoped_candidate(("float32",))), RunOptions(device="cpu", profile=quick))
+    assert v.status == "skip" and "not drawn: bfloat16" in v.reason
+    # the same raising candidate without the declaration: a failure, never a silent narrowing
+    import sys
+    label = _dtype_scoped_candidate(("bfloat16",))
+    del sys.modules["vk_scoped_candidate"].DTYPES
+    v = certify_op(op, parse_candidate(label), RunOptions(device="cpu", profile=PROFILES["ci"], examples=12))
+    assert v.status == "fail" and "candidate raised TypeError" in v.reason

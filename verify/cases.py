@@ -57,12 +57,18 @@ def op_tps(op: OpDef, tps: list[int] | None) -> list[int]:
     return allowed or [1]
 
 
-def case_strategy(op: OpDef, profile: Profile, tps: list[int] | None = None, device: str = "cpu"):
-    """Cases for one op. Shrinks toward seed 0, batch 1, the smallest config, the first dtype, T=1."""
-    configs = [c for c in CONFIG_ORDER if c in op.configs and c in profile.configs] or [op.configs[0]]
+def drawn_dtypes(op: OpDef, profile: Profile) -> list[str]:
+    """The working dtypes this profile draws for the op."""
     dtypes = list(op.dtypes) if profile.all_dtypes else [op.dtypes[0]]
     if profile.dtypes is not None:
         dtypes = [d for d in op.dtypes if d in profile.dtypes] or [op.dtypes[0]]
+    return dtypes
+
+
+def case_strategy(op: OpDef, profile: Profile, tps: list[int] | None = None, device: str = "cpu"):
+    """Cases for one op. Shrinks toward seed 0, batch 1, the smallest config, the first dtype, T=1."""
+    configs = [c for c in CONFIG_ORDER if c in op.configs and c in profile.configs] or [op.configs[0]]
+    dtypes = drawn_dtypes(op, profile)
     tp_choices = sorted(set([1] + op_tps(op, tps)))
     return st.builds(
         Case,
@@ -85,4 +91,5 @@ def tp_sweep_cases(op: OpDef, profile: Profile, seed: int, tps: list[int] | None
     batch = min(5, op.max_batch)
     dist = "order_sensitive" if op.split.order_sensitive and "order_sensitive" in op.dists else op.dists[0]
     sweep = [t for t in op_tps(op, tps) if t > 1 and (profile.sweep_tps is None or t in profile.sweep_tps)]
-    return [Case(op.name, seed + t, batch, config, op.dtypes[0], dist, t) for t in sweep]
+    dtype = drawn_dtypes(op, profile)[0]
+    return [Case(op.name, seed + t, batch, config, dtype, dist, t) for t in sweep]

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import shlex
+import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from hypothesis import HealthCheck, Phase, given, reject, settings
@@ -13,7 +14,7 @@ from hypothesis.errors import Unsatisfiable
 
 from verify.candidates import Candidate, CandidateImportError, CandidateUnavailable
 from verify.case import Case
-from verify.cases import Profile, case_strategy, tp_sweep_cases
+from verify.cases import Profile, case_strategy, drawn_dtypes, tp_sweep_cases
 from verify.evaluate import evaluate_case
 from verify.opdef import OpDef
 from verify.specs import SpecError, load_spec
@@ -71,7 +72,9 @@ def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions) -> OpVerdict:
         return OpVerdict(op.name, label, SKIP, reason=str(e))
     except CandidateImportError as e:
         return OpVerdict(op.name, label, FAIL, reason=f"candidate: {e}")
-    profile = opts.profile
+    profile, scope = _candidate_scope(op, fn, opts.profile)
+    if profile is None:
+        return OpVerdict(op.name, label, SKIP, reason=scope)
     seen: list[CaseVerdict] = []
     waived_fail: list[CaseVerdict] = []       # failures a spec waiver expects
 
@@ -131,10 +134,28 @@ def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions) -> OpVerdict:
             if v.status == XPASS or (v.status == FAIL and v not in waived_fail):
                 failure = v
                 break
-    return _summarise(op, label, opts, seen, failure, waived_fail, time.perf_counter() - t0)
+    return _summarise(op, label, opts, seen, failure, waived_fail, time.perf_counter() - t0, scope)
 
 
-def _summarise(op, label, opts, seen, failure, waived_fail, seconds) -> OpVerdict:
+def _candidate_scope(op: OpDef, fn, profile: Profile) -> tuple[Profile | None, str]:
+    """A candidate's module may declare the working dtypes it implements (`DTYPES = ("bfloat16",
+    ...)`, like `variants()`): the others are not drawn, and the verdict says so. (None, reason)
+    when the candidate implements none of the dtypes this run draws."""
+    declared = getattr(sys.modules.get(getattr(fn, "__module__", ""), None), "DTYPES", None)
+    if declared is None:
+        return profile, ""
+    drawn = drawn_dtypes(op, profile)
+    keep = [d for d in drawn if d in declared]
+    left = [d for d in drawn if d not in declared]
+    why = f"{fn.__module__} declares DTYPES = {', '.join(declared)}"
+    if not keep:
+        return None, f"not drawn: {', '.join(left)} ({why})"
+    if not left:
+        return profile, ""
+    return replace(profile, dtypes=tuple(keep)), f"scope: {', '.join(left)} not drawn ({why})"
+
+
+def _summarise(op, label, opts, seen, failure, waived_fail, seconds, scope: str = "") -> OpVerdict:
     worst: dict[str, float] = {}
     for v in seen:
         for c in v.checks:
@@ -149,9 +170,9 @@ def _summarise(op, label, opts, seen, failure, waived_fail, seconds) -> OpVerdic
         return OpVerdict(op.name, label, status, reason=f"{failure.stage}: {failure.reason}", failure=failure,
                          repro=repro, **counts)
     if waived_fail:
-        return OpVerdict(op.name, label, WAIVED, reason=f"{len(waived_fail)} waived cases failed as expected",
-                         **counts)
-    return OpVerdict(op.name, label, PASS, **counts)
+        return OpVerdict(op.name, label, WAIVED, reason=f"{len(waived_fail)} waived cases failed as expected"
+                         + (f"; {scope}" if scope else ""), **counts)
+    return OpVerdict(op.name, label, PASS, reason=scope, details=(scope,) if scope else (), **counts)
 
 
 def replay(op: OpDef, case: Case, candidate: Candidate, device: str) -> CaseVerdict:
