@@ -32,6 +32,7 @@ from fused import skinny_gemm_wgmma as wgmma
 from fused.skinny_gemm_mma import SkinnyGemmMmaConfig
 from fused.skinny_gemm_wgmma import SkinnyGemmWgmmaConfig
 
+DTYPES = ("bfloat16", "float16")   # working dtypes of x and w (the harness draws only these)
 THREADS = 128                      # fixed: it defines the reduction order (batch invariance)
 K3_SHAPES = ((7168, 49152), (7168, 6144), (12288, 7168), (1536, 7168), (7168, 3584), (7168, 896))
 
