@@ -2,7 +2,7 @@
 # Device run on one host of N GPUs (nvidia-h200-x8 ideally): the full release profile of every fused
 # op, one op per GPU, beside the kernel benches and the GPU tests on the spare GPUs. Jobs are dealt
 # to GPUs round-robin in the order of JOBS; each GPU runs its jobs one after another, each under its
-# own time limit, so one slow job cannot take the others' results. Logs and certificates go to $R
+# own time limit (`name@seconds` overrides the default), so one slow job cannot take the others' results. Logs and certificates go to $R
 # (set R=$OUT/r so a cut run still returns what it wrote). Run from the repository root carrying
 # .device (see bench/gpu_certify.sh for the bundle).
 set -u
@@ -30,8 +30,8 @@ declare -A lane
 i=0; for j in $JOBS; do g=$(( i % NG )); lane[$g]="${lane[$g]:-} $j"; i=$((i + 1)); done
 for g in "${!lane[@]}"; do (
   for j in ${lane[$g]}; do
-    set -- $(cmd_for "$j"); limit=$1; shift; t0=$(date +%s)
-    CUDA_VISIBLE_DEVICES=$g timeout "$limit" "$@" > "$R/$j.log" 2>&1
+    set -- $(cmd_for "${j%@*}"); limit=$1; shift; [ "${j#*@}" != "$j" ] && limit=${j#*@}; t0=$(date +%s)
+    CUDA_VISIBLE_DEVICES=$g timeout "$limit" "$@" > "$R/${j%@*}.log" 2>&1
     echo "$j gpu=$g rc=$? $(( $(date +%s) - t0 ))s" >> "$R/env.txt"
   done ) & done
 wait
