@@ -38,7 +38,8 @@ class Mxfp4DequantConfig:
 
 
 def all_configs() -> list[Mxfp4DequantConfig]:
-    return [Mxfp4DequantConfig(256, 4), Mxfp4DequantConfig(128, 8), Mxfp4DequantConfig(256, 1)]
+    return [Mxfp4DequantConfig(256, 4), Mxfp4DequantConfig(128, 8), Mxfp4DequantConfig(256, 1),
+            Mxfp4DequantConfig(256, 8), Mxfp4DequantConfig(512, 4)]
 
 
 def variants(tensors: dict, params: dict) -> list:
