@@ -6,7 +6,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis import seed as hyp_seed
@@ -56,7 +56,10 @@ def safe_evaluate(op: OpDef, case: Case, fn, candidate: str, device: str, spec, 
                            (), time.perf_counter() - t0)
 
 
-def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions) -> OpVerdict:
+def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions, judged: Sequence[CaseVerdict] = ()) -> OpVerdict:
+    """Draw, judge and summarise cases of one op/candidate pair. `judged`: the case verdicts a cut run
+    already logged for this pair with the same settings (run --resume); hypothesis draws the same cases
+    for the same seed, so they replay from the memo and only the cases not yet judged are evaluated."""
     t0 = time.perf_counter()
     label = candidate.label
     try:
@@ -81,6 +84,23 @@ def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions) -> OpVerdict:
     done: dict[str, CaseVerdict] = {}       # case json -> verdict: hypothesis replays and shrinks reuse it
     fatal: list[CaseVerdict] = []           # a hang or crash: stop drawing (each would cost a timeout)
 
+    def record(v: CaseVerdict) -> CaseVerdict:
+        """Memoise and count a judged case; what a draw of it returns (a waived pass: XPASS)."""
+        done[v.case] = v
+        if v.status == FAIL and v.stage in FATAL_STAGES:
+            fatal.append(v)
+        seen.append(v)
+        waiver = next((w for w in spec.waivers if w.applies(label, Case.from_json(v.case))), None)
+        if waiver is not None and v.status == FAIL:
+            waived_fail.append(v)
+        elif waiver is not None and v.status == PASS:
+            done[v.case] = CaseVerdict(v.op, label, v.case, XPASS, "waiver",
+                                       f"waived case now passes; remove the waiver ({waiver.reason})")
+        return done[v.case]
+
+    for v in judged:          # already in the log: counted once here, never evaluated or logged again
+        record(v)
+
     def run_one(case: Case) -> CaseVerdict:
         key = case.to_json()
         if key in done:
@@ -91,22 +111,12 @@ def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions) -> OpVerdict:
             v = opts.evaluator(op.name, case, label, opts.device, strided_run=profile.strided_run)
         else:
             v = safe_evaluate(op, case, fn, label, opts.device, spec, profile.strided_run)
-        done[key] = v
-        if v.status == FAIL and v.stage in FATAL_STAGES:
-            fatal.append(v)
-        seen.append(v)
+        if v.case != key:     # the memo is keyed by the case as drawn
+            v = replace(v, case=key)
+        judged_now = record(v)
         if opts.on_case:
             opts.on_case(v)
-        waiver = next((w for w in spec.waivers if w.applies(label, case)), None)
-        if waiver is not None and v.status in (PASS, FAIL):
-            if v.status == FAIL:
-                waived_fail.append(v)
-            else:
-                done[key] = CaseVerdict(v.op, label, v.case, XPASS, "waiver",
-                                        f"waived case now passes; remove the waiver ({waiver.reason})")
-                return done[key]
-            return v
-        return v
+        return judged_now
 
     @settings(max_examples=opts.examples or profile.examples, deadline=None, database=None,
               derandomize=False, suppress_health_check=list(HealthCheck), report_multiple_bugs=False,
@@ -134,7 +144,8 @@ def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions) -> OpVerdict:
             if v.status == XPASS or (v.status == FAIL and v not in waived_fail):
                 failure = v
                 break
-    return _summarise(op, label, opts, seen, failure, waived_fail, time.perf_counter() - t0, scope)
+    seconds = time.perf_counter() - t0 + sum(v.seconds for v in judged)     # a resumed pair's whole cost
+    return _summarise(op, label, opts, seen, failure, waived_fail, seconds, scope)
 
 
 def _candidate_scope(op: OpDef, fn, profile: Profile) -> tuple[Profile | None, str]:
@@ -227,7 +238,12 @@ def run_all(args, ops, candidates, profile, tps, device, log, console) -> tuple[
 
                         v = sanitize_op(op, cand.label, args.sanitize, args.seed)
                     else:
-                        v = certify_op(op, cand, opts)
+                        judged = prev.partial.get((op.name, cand.label), [])
+                        if judged:
+                            console.print(f"{op.name} / {cand.label}: {len(judged)} cases judged before the cut "
+                                          f"are replayed from {log.path}")
+                            cases[(op.name, cand.label)] = [case_record(c) for c in judged]
+                        v = certify_op(op, cand, opts, judged)
                     if done is None:
                         log.op(v)
                     verdicts.append(v)

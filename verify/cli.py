@@ -3,7 +3,8 @@
 Heavy imports (torch, hypothesis, cutlass) are deferred so --help and list answer at once.
 Exit codes: 0 every op certified (skips allowed and listed), 1 any op failed, 2 bad usage or config.
 `run` isolates candidates in a worker process (--no-isolate to run in-process), appends every verdict
-to OUT/run.jsonl (--resume continues a killed run), and writes OUT/certificate.json.
+to OUT/run.jsonl (--resume continues a killed run, a cut op/candidate pair case by case), and writes
+OUT/certificate.json.
 """
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
     run.add_argument("--case-timeout", type=float, default=120.0, metavar="S",
                      help="seconds per case before a candidate counts as hung (isolated runs; default 120)")
     run.add_argument("--resume", action="store_true",
-                     help="continue from OUT/run.jsonl: skip op/candidate pairs already finished")
+                     help="continue from OUT/run.jsonl: skip op/candidate pairs already finished, replay the "
+                          "judged cases of a cut pair and evaluate only the rest (same settings as the log)")
     run.add_argument("--changed-since", default=None, metavar="OLD.json",
                      help="certify only ops whose sources changed since OLD.json; carry the rest forward")
     run.add_argument("--distributed", default=None, choices=["gloo", "nccl"],
@@ -228,7 +230,7 @@ def cmd_run(args) -> int:
     from verify.certify import run_all
     from verify.registry import all_ops
     from verify.reporters.terminal import print_failure, print_skips, summary_table
-    from verify.runlog import RunLog
+    from verify.runlog import RunLog, settings_mismatch
     from verify.verdict import FAIL, XPASS
 
     console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 160)
@@ -252,11 +254,18 @@ def cmd_run(args) -> int:
         ops = [o for o in ops if o.name in changed]
         console.print(f"changed since {args.changed_since}: {', '.join(changed) or 'nothing'}; "
                       f"carried forward: {', '.join(carried) or 'nothing'}")
-    options = {"profile": profile.name, "seed": args.seed, "tp": tps, "device": device,
+    options = {"profile": profile.name, "configs": list(profile.configs),
+               "dtypes": None if profile.dtypes is None else list(profile.dtypes), "seed": args.seed,
+               "examples": args.examples, "tp": tps, "device": device,
                "candidates": [c.label for c in candidates], "ops": [o.name for o in ops],
                "isolated": not args.no_isolate, "case_timeout": args.case_timeout, "distributed": args.distributed,
                "sanitize": args.sanitize, "changed_since": args.changed_since}
     log = RunLog(Path(args.out), resume=args.resume)
+    differs = settings_mismatch(log.previous.options, options)
+    if differs:
+        log.close()
+        raise UsageError(f"--resume: {log.path} was written with other settings ({differs}); "
+                         "rerun with the log's settings, or without --resume")
     log.start(options)
     try:
         verdicts, cases = run_all(args, ops, candidates, profile, tps, device, log, console)

@@ -1,8 +1,10 @@
 """The run log: every case verdict and every op verdict appended to OUT/run.jsonl as it completes.
 
-A killed run loses nothing that finished; `run --resume` reads the log back and skips the op/candidate
-pairs that already have an op verdict. Each line is one JSON object with "kind": "start" | "case" | "op".
-Case lines carry a compact record (dtype, T, batch, worst err/tol per output) that the HTML report reads.
+A killed run loses nothing that finished; `run --resume` reads the log back, skips the op/candidate
+pairs that already have an op verdict and hands the case verdicts of a cut pair back to `certify_op`,
+which replays them from its memo instead of evaluating them again. Each line is one JSON object with
+"kind": "start" | "case" | "op". Case lines carry a compact record (dtype, T, batch, worst err/tol per
+output) that the HTML report reads, and the whole verdict unless it passed.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 LOG_NAME = "run.jsonl"
+# start options that decide which cases a pair draws and how they are judged: a resume must match them
+RESUME_SETTINGS = ("device", "profile", "configs", "dtypes", "seed", "examples", "tp", "distributed", "sanitize")
 
 
 def case_record(v) -> dict:
@@ -44,12 +48,43 @@ def op_verdict_from_dict(d: dict):
     return OpVerdict(**d)
 
 
+def case_verdict_from_line(obj: dict):
+    """The CaseVerdict a case line records. A pass keeps only its record: its comparisons come back
+    from the record's ratios, which is all an op verdict summarises of a passing case."""
+    from verify.verdict import CaseVerdict, Check
+    from verify.worker import verdict_from_dict
+
+    if obj.get("verdict"):
+        return verdict_from_dict(obj["verdict"])
+    rec = obj["record"]
+    checks = tuple(Check(f"compare:{name}", True, metrics={"ratio": r, "max_abs": rec.get("max_abs", {}).get(name)})
+                   for name, r in rec.get("ratio", {}).items())
+    return CaseVerdict(obj["op"], obj["candidate"], obj["case"], rec["status"], rec.get("stage", ""),
+                       rec.get("reason", ""), checks, rec.get("seconds", 0.0))
+
+
 @dataclass
 class Resumed:
-    """What a previous (possibly killed) run finished."""
+    """What a previous (possibly killed) run finished, and what it had judged of the pairs it cut."""
     op_verdicts: dict[tuple[str, str], object] = field(default_factory=dict)    # (op, candidate) -> OpVerdict
     cases: dict[tuple[str, str], list[dict]] = field(default_factory=dict)     # (op, candidate) -> case records
+    partial: dict[tuple[str, str], list] = field(default_factory=dict)   # cut pair -> its CaseVerdicts, in order
+    options: dict | None = None           # the options of the run that began the log
     torn_lines: int = 0
+
+
+def settings_mismatch(previous: dict | None, options: dict) -> str:
+    """'' when a run with `options` may resume a log begun with `previous`, else what differs."""
+    if previous is None:
+        return ""
+    now = json.loads(json.dumps(options, default=str))
+    diffs = [f"{k} {_shown(previous[k])} -> {_shown(now.get(k))}" if k in previous else f"{k} not recorded"
+             for k in RESUME_SETTINGS if k not in previous or previous[k] != now.get(k)]
+    return ", ".join(diffs)
+
+
+def _shown(value) -> str:
+    return "default" if value is None else ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 class RunLog:
@@ -88,9 +123,12 @@ def read(path: Path) -> Resumed:
             res.torn_lines += 1
             continue
         key = (obj.get("op"), obj.get("candidate"))
-        if obj.get("kind") == "case":
-            pending.setdefault(key, []).append(obj["record"])
+        if obj.get("kind") == "start" and res.options is None:
+            res.options = obj.get("options")
+        elif obj.get("kind") == "case":
+            pending.setdefault(key, []).append(obj)
         elif obj.get("kind") == "op":
             res.op_verdicts[key] = op_verdict_from_dict(obj["verdict"])
-            res.cases[key] = pending.pop(key, [])
+            res.cases[key] = [line["record"] for line in pending.pop(key, [])]
+    res.partial = {key: [case_verdict_from_line(line) for line in lines] for key, lines in pending.items()}
     return res
