@@ -31,6 +31,8 @@ i=0; for j in $JOBS; do g=$(( i % NG )); lane[$g]="${lane[$g]:-} $j"; i=$((i + 1
 for g in "${!lane[@]}"; do (
   for j in ${lane[$g]}; do
     set -- $(cmd_for "${j%@*}"); limit=$1; shift; [ "${j#*@}" != "$j" ] && limit=${j#*@}; t0=$(date +%s)
+    n=${j%@*}; if [ -f "${RESUME_DIR:-results/gpu/resume}/$n/run.jsonl" ] && [ "${n#cert_}" != "$n" ]; then
+      mkdir -p "$R/$n"; cp "${RESUME_DIR:-results/gpu/resume}/$n/run.jsonl" "$R/$n/"; set -- "$@" --resume; fi   # a cut run goes on
     CUDA_VISIBLE_DEVICES=$g timeout "$limit" "$@" > "$R/${j%@*}.log" 2>&1
     echo "$j gpu=$g rc=$? $(( $(date +%s) - t0 ))s" >> "$R/env.txt"
   done ) & done
