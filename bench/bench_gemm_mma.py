@@ -43,12 +43,14 @@ def _worker(jobs, objdir):
     return out
 
 
-def compile_all(shapes, workers):
+def compile_all(shapes, workers, configs=None):
+    """Compile every variant of `shapes` (configs(N, K), default sg.all_configs) in `workers`
+    processes; load each into the project compile cache. Failures are logged, not raised."""
     from fused import runtime
     from fused import skinny_gemm as sg
     jobs = []
     for K, N in shapes:
-        for cfg in sg.all_configs(N, K):
+        for cfg in (configs or sg.all_configs)(N, K):
             jobs.append((len(jobs), N, K, cfg))
     objdir = "/tmp/skgemm_objs"
     os.makedirs(objdir, exist_ok=True)

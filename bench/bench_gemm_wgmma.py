@@ -1,0 +1,284 @@
+"""skinny_gemm wgmma variants (fused/skinny_gemm_wgmma.py) vs the current default vs cuBLAS on the H200.
+
+Run on the H200 from the repo root:  python3 bench/bench_gemm_wgmma.py --out $OUT
+Per K3 shape and M in 8, 16, 32, 64: every wgmma variant of M's m_pad bucket and the current
+`skinny_gemm.default_config(M, N, K)` are checked against a float64 product (NaN-poisoned output;
+error <= cuBLAS's own error + 1 bf16 ulp of the row's max |y|, per row), for determinism (two runs
+bitwise) and batch invariance (each row == the same row computed alone at M=1 by the same variant),
+then timed with CUDA events over CUDA-graph replays, weights rotated over >= 256 MB of copies
+(bench/timing.py), beside torch.nn.functional.linear (cuBLAS).
+
+A hung kernel (a pipeline deadlock) must not cost the run: the work runs in a child process that
+prints START before each variant; the parent kills a child silent for --hang-s seconds, records the
+variant as HANG and restarts the child, which skips it and everything already recorded (results
+stream to gemm_wgmma.jsonl). Writes gemm_wgmma.{json,md,log} under --out.
+CPU-only check of this script: python3 bench/bench_gemm_wgmma.py --compile-only --limit 2
+"""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # repo root: fused/
+from bench_gemm_mma import COPY_BW, LOG, ROT_BYTES, compile_all, log  # noqa: E402  (bench/ is on sys.path)
+from timing import graph_time_us  # noqa: E402
+
+MS = (8, 16, 32, 64)
+JSONL, JSON_OUT, MD_OUT, LOG_OUT = "gemm_wgmma.jsonl", "gemm_wgmma.json", "gemm_wgmma.md", "gemm_wgmma.log"
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=".", help="directory for gemm_wgmma.{json,jsonl,md,log}")
+    ap.add_argument("--workers", type=int, default=max(1, min(15, (os.cpu_count() or 2) - 1)),
+                    help="compile processes")
+    ap.add_argument("--shapes", default="all", help="'all' or K->N pairs like 7168x896,1536x7168")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M (1..64)")
+    ap.add_argument("--ksplit-sweep", default="", help="extra split-K values tried on every wgmma variant, e.g. 1,2,4")
+    ap.add_argument("--hang-s", type=float, default=60.0, help="silence (s) after which a variant counts as hung")
+    ap.add_argument("--compile-only", action="store_true", help="compile the variants (no GPU needed) and exit")
+    ap.add_argument("--limit", type=int, default=0, help="with --compile-only: compile only this many variants")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--skip", default="", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def shapes_of(args):
+    from fused import skinny_gemm as sg
+    if args.shapes == "all":
+        return list(sg.K3_SHAPES)
+    return [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+
+
+def variants_for(N, K, M, sweep):
+    """The wgmma variants of M's bucket (plus the split-K sweep) and the current default."""
+    from fused import skinny_gemm as sg
+    from fused import skinny_gemm_wgmma as wg
+    base = wg.configs_for(N, K, wg.m_pad_for(M))
+    extra = [dataclasses.replace(c, ksplit=s) for c in base for s in sweep
+             if s != c.ksplit and 1 <= s <= K // wg.BK]
+    return base + extra + [sg.default_config(M, N, K)]
+
+
+def all_variants(args):
+    sweep = [int(s) for s in args.ksplit_sweep.split(",") if s]
+    ms = [int(m) for m in args.ms.split(",")]
+    out = {}
+    for K, N in shapes_of(args):
+        seen = []
+        for M in ms:
+            for c in variants_for(N, K, M, sweep):
+                if c not in seen:
+                    seen.append(c)
+        out[(K, N)] = seen
+    return out
+
+
+def row_ok(out, ref, base):
+    """Per row: |err| <= cuBLAS's |err| + 1 bf16 ulp of the row's max |y|; all finite."""
+    import torch
+    err = (out.double() - ref).abs().amax(dim=1)
+    berr = (base.double() - ref).abs().amax(dim=1)
+    ulp = torch.exp2(torch.floor(torch.log2(ref.abs().amax(dim=1).clamp_min(1e-30))) - 7)
+    return bool(torch.isfinite(out).all()) and bool((err <= berr + ulp).all())
+
+
+def run_child(args):
+    import torch
+    import torch.nn.functional as F
+
+    from fused import runtime
+    from fused import skinny_gemm as sg
+    from fused.skinny_gemm_wgmma import SkinnyGemmWgmmaConfig
+    path = os.path.join(args.out, JSONL)
+    done = set()
+    if os.path.exists(path):
+        with open(path) as f:
+            done = {(r["K"], r["N"], r["M"], r["impl"]) for r in map(json.loads, f) if r}
+    skip = set(args.skip.split("|")) - {""}
+    variants = all_variants(args)
+    log(f"device {torch.cuda.get_device_name()} torch {torch.__version__} {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    compile_all(list(variants), args.workers, lambda N, K: variants[(K, N)])
+    log("COMPILED")
+
+    def record(r):
+        with open(path, "a") as f:
+            f.write(json.dumps(r) + "\n")
+
+    torch.manual_seed(0)
+    for (K, N), _ in variants.items():
+        nb = N * K * 2
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
+              for _ in range(max(2, math.ceil(ROT_BYTES / nb)))]
+        for M in [int(m) for m in args.ms.split(",")]:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            ref = x.double() @ ws[0].double().T
+            base = F.linear(x, ws[0])
+            base_err = (base.double() - ref).abs().max().item()
+            shape = f"{K}->{N} M={M}"
+            for cfg in variants_for(N, K, M, [int(s) for s in args.ksplit_sweep.split(",") if s]):
+                tag = f"{K}x{N}:{M}:{cfg.name}"
+                if (K, N, M, cfg.name) in done:
+                    continue
+                r = dict(shape=shape, K=K, N=N, M=M, impl=cfg.name, wgmma=isinstance(cfg, SkinnyGemmWgmmaConfig),
+                         default=cfg == sg.default_config(M, N, K), cublas_err=base_err)
+                if tag in skip:
+                    record(dict(r, error="HANG (killed; skipped on restart)"))
+                    continue
+                log(f"START {tag}")
+                try:
+                    if ("skinny_gemm", "bfloat16", "bfloat16", N, K, cfg) not in runtime._cache:
+                        log(f"NOTE {shape} {cfg.name}: not preloaded, compiling in-process")
+                        sg._compile("bfloat16", "bfloat16", N, K, cfg)
+                    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    sg.skinny_gemm(x, ws[0], out=out, variant=cfg)
+                    again = sg.skinny_gemm(x, ws[0], variant=cfg)
+                    one = sg.skinny_gemm(x[M - 1:].clone(), ws[0], variant=cfg) if M > 1 else out
+                    torch.cuda.synchronize()
+                    err = (out.double() - ref).abs().max().item()
+                    r.update(maxerr=err, ok=row_ok(out, ref, base), le_cublas=err <= base_err,
+                             rel=((out.double() - ref).norm() / ref.norm()).item(),
+                             deterministic=bool(torch.equal(out.view(torch.int16), again.view(torch.int16))),
+                             batch_invariant=bool(torch.equal(one.view(torch.int16), out[M - 1:].view(torch.int16))))
+                    fns = [lambda w=w, o=out, c=cfg: sg.skinny_gemm(x, w, out=o, variant=c) for w in ws]
+                    us = graph_time_us(fns)
+                    r.update(us=round(us, 2), pct_bw=round(100 * nb / (us * 1e-6) / COPY_BW, 1))
+                    log(f"{shape:22s} {cfg.name:30s} {us:8.2f} us {r['pct_bw']:5.1f}%  err={err:.3g} "
+                        f"cublas_err={base_err:.3g} {'OK' if r['ok'] else 'FAIL'} det={r['deterministic']} "
+                        f"inv={r['batch_invariant']}")
+                except Exception as e:                               # noqa: BLE001
+                    r.update(error=f"{type(e).__name__}: {e}"[:400])
+                    log(f"FAIL {shape} {cfg.name}: {r['error']}")
+                    if "CUDA" in r["error"] or "cuda" in r["error"]:     # context may be unusable: restart
+                        record(r)
+                        sys.exit(3)
+                record(r)
+            if (K, N, M, "cublas") not in done:
+                us = graph_time_us([lambda w=w: F.linear(x, w) for w in ws])
+                record(dict(shape=shape, K=K, N=N, M=M, impl="cublas", us=round(us, 2),
+                            pct_bw=round(100 * nb / (us * 1e-6) / COPY_BW, 1)))
+                log(f"{shape:22s} {'cublas(F.linear)':30s} {us:8.2f} us")
+        del ws
+        torch.cuda.empty_cache()
+    log("CHILD DONE")
+
+
+def supervise(args):
+    """Run the child; on silence past --hang-s after START (600 s while compiling) kill it, mark the
+    started variant HANG and restart it with that variant skipped; restart after a CUDA error too."""
+    skip, here = [], os.path.abspath(__file__)
+    for _attempt in range(6):
+        cmd = [sys.executable, "-u", here, "--child", "--skip", "|".join(skip)] + sys.argv[1:]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        lines = queue.Queue()
+        threading.Thread(target=lambda out=p.stdout, q=lines: [q.put(x) for x in iter(out.readline, "")] + [q.put(None)],
+                         daemon=True).start()
+        current, compiled, last, hung = None, False, time.time(), False
+        while True:
+            try:
+                line = lines.get(timeout=5.0)
+            except queue.Empty:
+                line = ""
+            if line is None:
+                break
+            if line:
+                last = time.time()
+                log(line.rstrip())
+                compiled = compiled or line.startswith("COMPILED")
+                if line.startswith("START "):
+                    current = line.split()[1]
+            elif time.time() - last > (args.hang_s if compiled else 600):
+                p.kill()
+                hung = True
+                log(f"HANG {current or '(compile phase)'}: silent {time.time() - last:.0f} s; killed")
+                break
+        rc = p.wait()
+        if rc == 0 and not hung:
+            return 0
+        if hung and current is None:
+            return 1
+        if hung:
+            skip.append(current)
+        log(f"child ended (rc={rc}, hung={hung}); restarting, skipping what is recorded")
+    return 1
+
+
+def report(args):
+    path = os.path.join(args.out, JSONL)
+    rows = [json.loads(r) for r in open(path)] if os.path.exists(path) else []
+    with open(os.path.join(args.out, JSON_OUT), "w") as f:
+        json.dump(rows, f, indent=1)
+    md = ["# skinny_gemm wgmma variants vs default vs cuBLAS (H200)", "",
+          "us = median per call over CUDA-graph replays, weights rotated from HBM; % = weight bytes / time "
+          "over 4.24 TB/s. ok = per-row error <= cuBLAS's + 1 bf16 ulp; det = two runs bitwise; "
+          "inv = last row alone (M=1) bitwise equal.", "",
+          "| K -> N | M | cuBLAS us | default (name) us | best wgmma (name) us, % | best / cuBLAS |",
+          "|---|---|---|---|---|---|"]
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["K"], r["N"], r["M"]), []).append(r)
+    for (K, N, M), rs in groups.items():
+        cb = next((r for r in rs if r["impl"] == "cublas"), None)
+        dflt = next((r for r in rs if r.get("default") and "us" in r), None)
+        good = [r for r in rs if r.get("wgmma") and r.get("ok") and r.get("deterministic") and "us" in r]
+        best = min(good, key=lambda r: r["us"]) if good else None
+        ratio = f"{best['us'] / cb['us']:.2f}x" if best and cb else "-"
+        md.append(f"| {K} -> {N} | {M} | {cb['us'] if cb else '-'} | "
+                  f"{dflt['us'] if dflt else '-'} ({dflt['impl'] if dflt else '-'}) | "
+                  f"{best['us'] if best else '-'} ({best['impl'] if best else 'none correct'}), "
+                  f"{best['pct_bw'] if best else '-'}% | {ratio} |")
+    md += ["", "## Every variant", "", "| K -> N | M | variant | us | % bw | maxerr | cuBLAS err | ok | det | inv | error |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["impl"] == "cublas":
+            continue
+        md.append(f"| {r['K']} -> {r['N']} | {r['M']} | {r['impl']}{' (default)' if r.get('default') else ''} | "
+                  f"{r.get('us', '-')} | {r.get('pct_bw', '-')} | {r.get('maxerr', float('nan')):.3g} | "
+                  f"{r.get('cublas_err', float('nan')):.3g} | {r.get('ok', '-')} | {r.get('deterministic', '-')} | "
+                  f"{r.get('batch_invariant', '-')} | {r.get('error', '')} |")
+    with open(os.path.join(args.out, MD_OUT), "w") as f:
+        f.write("\n".join(md) + "\n")
+    bad = [r for r in rows if r.get("wgmma") and not (r.get("ok") and r.get("deterministic")
+                                                      and r.get("batch_invariant"))]
+    log(f"REPORT {len(rows)} records, {len(bad)} wgmma records not (ok, det, inv); "
+        f"written {JSON_OUT}, {MD_OUT} under {args.out}")
+
+
+def main():
+    args = parse()
+    os.makedirs(args.out, exist_ok=True)
+    if args.compile_only:
+        variants = all_variants(args)
+        jobs = [(k, c) for k, cs in variants.items() for c in cs]
+        jobs = jobs[:args.limit] if args.limit else jobs
+        chosen = {}
+        for k, c in jobs:
+            chosen.setdefault(k, []).append(c)
+        compile_all(list(chosen), args.workers, lambda N, K: chosen.get((K, N), []))
+        from fused import runtime
+        log(f"compile-only: {runtime.cache_info().entries} of {len(jobs)} variants in the cache")
+        return 0 if runtime.cache_info().entries == len(jobs) else 1
+    if args.child:
+        run_child(args)
+        return 0
+    import torch
+    if not torch.cuda.is_available():
+        log("bench_gemm_wgmma: needs a CUDA device (the H200); on a CPU run --compile-only")
+        return 2
+    if os.path.exists(os.path.join(args.out, JSONL)):
+        os.remove(os.path.join(args.out, JSONL))              # a fresh run; the child resumes only after restarts
+    rc = supervise(args)
+    report(args)
+    with open(os.path.join(args.out, LOG_OUT), "w") as f:
+        f.write("\n".join(LOG) + "\n")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
