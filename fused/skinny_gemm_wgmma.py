@@ -14,7 +14,10 @@ Split-K: `ksplit` S CTAs share a column block; CTA ks takes k-tiles [ks*KT//S, (
 KT = K/64 tiles (a static split). With S > 1 each CTA writes its fp32 accumulator fragment to a
 workspace, then takes a ticket from the block's int32 counter (atomic add, acq_rel, gpu scope); the
 CTA that draws S-1 adds the S partials in ks order, ((p0 + p1) + p2) + ..., rounds once, stores y and
-resets the counter to 0 (so CUDA-graph replays start from zero). No float atomics.
+resets the counter to 0 (so CUDA-graph replays start from zero). No float atomics. The fold is
+serial in one CTA (S x rows x m_pad x 4 bytes read from L2): on the H200 (session 3, 2026-11-30,
+results/gpu/cert-2026-11-30-s3/call2_wgmma.log) it made S = 9-28 variants 2-9x slower at m_pad 32/64,
+while S <= 2 variants matched or beat cuBLAS on 5 of the 6 K3 shapes.
 
 Summation order of y[m, n]: the wgmma chain over the k-tiles of each split in k order (inside a tile
 the tensor core's fixed k order), then the splits in ks order. It depends on K, the k tile (64) and S
