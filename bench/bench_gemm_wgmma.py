@@ -60,7 +60,7 @@ def variants_for(N, K, M, sweep):
     """The wgmma variants of M's bucket (plus the split-K sweep) and the current default."""
     from fused import skinny_gemm as sg
     from fused import skinny_gemm_wgmma as wg
-    base = wg.configs_for(N, K, wg.m_pad_for(M))
+    base = wg.configs_for(N, K, wg.m_pad_for(M), sweep=True)
     extra = [dataclasses.replace(c, ksplit=s) for c in base for s in sweep
              if s != c.ksplit and 1 <= s <= K // wg.BK]
     return base + extra + [sg.default_config(M, N, K)]

@@ -22,7 +22,7 @@ cmd_for() { case $1 in        # job name -> "limit command..."
   wave1a) echo "$BENCH_S python3 bench/bench_wave1a.py --out $R/wave1a --ops ${WAVE1A_OPS:-dequant,cache}" ;;
   wave1b) echo "$BENCH_S python3 -m bench.bench_wave1b --out $R/wave1b" ;;
   wgmma) echo "$BENCH_S python3 bench/bench_gemm_wgmma.py --out $R/wgmma" ;;
-  gpu_tests) echo "200 python3 -m pytest -q -m gpu property_tests -p no:cacheprovider -rs" ;;
+  gpu_tests) echo "200 python3 -m pytest -q -m gpu ${GPU_TESTS:-property_tests} -p no:cacheprovider -rs" ;;
   *) echo "0 false unknown job $1" ;;
 esac; }
 JOBS=${JOBS:-"cert_skinny_gemm cert_kda_decode cert_attn_res_rmsnorm cert_router_topk cert_mxfp4_dequant cert_mla_cache_write wave1a wave1b gpu_tests"}

@@ -10,14 +10,14 @@ the m-tiles of one column block run together and share W through L2.
 
 Variants: `gemv` m_tile in {1,2,4,8} (one m-tile when M <= 8) and `tiled` m_tile=8 for M > 8.
 Both are SIMT (CUDA-core FMA): past M ~ 16 the FMA rate, not HBM, is the limit.
-`mma_*` (fused/skinny_gemm_mma.py): tensor-core mma.sync m16n8k16, swap-AB, for 2 <= M <= 64; its
-own fixed split-K order (a function of K only), so it is batch invariant across its variants but
-not bitwise equal to the SIMT kernel. `default_config` picks per (M bucket, N, K) from the H200
-measurements in results/gpu/skinny_gemm_mma.md.
-`wgmma_*` (fused/skinny_gemm_wgmma.py): Hopper warpgroup MMA, swap-AB, 64-256 weight rows per CTA,
-weight and token tiles through a TMA pipeline in shared memory, fixed-order split-K over CTAs, for
-1 <= M <= 64; its order depends on (K, its split-K S) only. Listed for certification and measurement;
-not picked by `default_config` until measured on the H200.
+`wgmma_*` (fused/skinny_gemm_wgmma.py): Hopper warpgroup MMA, swap-AB, 64 or 128 weight rows per
+CTA, weight and token tiles through a TMA pipeline in shared memory, fixed-order split-K over CTAs,
+for 1 <= M <= 64; its order depends on (K, its split-K S) only, so it is batch invariant within a
+variant but not bitwise equal to the SIMT kernel. `default_config` picks SIMT for small M and the
+wgmma variant of M's bucket above a per-shape threshold, from the H200 measurements in
+results/gpu/skinny_gemm_wgmma.md: a dispatcher that switches kernels with M is batch invariant
+within each M (the harness's permuted-batch check), not across M. (The mma.sync kernel of
+fused/skinny_gemm_mma.py, slower than wgmma everywhere measured, serves router_topk only.)
 """
 
 import math
@@ -60,11 +60,11 @@ Config = SkinnyGemmConfig | SkinnyGemmMmaConfig | SkinnyGemmWgmmaConfig
 
 def all_configs(N: int, K: int) -> list[Config]:
     """Every variant the dispatcher can pick for this (N, K): one SIMT variant per m_tile bucket,
-    then the mma.sync variants (one per m_pad bucket and rows-per-CTA choice), then the wgmma
-    variants (per m_pad bucket: rows-per-CTA x CTAs-per-SM sizing)."""
+    then the shipped wgmma variants of each m_pad bucket. (The mma.sync kernel of
+    skinny_gemm_mma.py is no longer picked here: the wgmma kernel was faster at every measured M
+    and shape; router_topk still uses it for its fp32 logits.)"""
     simt = [SkinnyGemmConfig(m, _n_per_cta(N, m)) for m in (1, 2, 4, 8)]
-    tc = [c for p in (8, 16, 32, 64) for c in mma.configs_for(N, K, p)]
-    return simt + tc + [c for p in wgmma.M_PADS for c in wgmma.configs_for(N, K, p)]
+    return simt + [c for p in wgmma.M_PADS for c in wgmma.configs_for(N, K, p)]
 
 
 def simt_config(M: int, N: int, K: int) -> SkinnyGemmConfig:
@@ -72,27 +72,28 @@ def simt_config(M: int, N: int, K: int) -> SkinnyGemmConfig:
     return SkinnyGemmConfig(m_tile, _n_per_cta(N, m_tile))
 
 
-# Tensor-core choice measured on the H200 (results/gpu/skinny_gemm_mma.md, run 2, 2026-11-29):
-# (N, K) -> (min_M, {m_pad: rows}). The MMA variant is the default for min_M <= M <= 64, where it was
-# measured correct and more than 2 % faster than the SIMT variant of the same M bucket (the SIMT cost
-# is set by its m_tile bucket {2}, {3,4}, {5..8}, {9..64}, measured at M = 2, 4, 8, 16/32/64; 2 % is
-# about twice the run-to-run spread seen). Shapes not listed keep the SIMT kernel.
-MMA_DEFAULTS: dict[tuple[int, int], tuple[int, dict[int, int]]] = {
-    (49152, 7168): (5, {8: 16, 16: 32, 32: 32, 64: 32}),
-    (6144, 7168): (5, {8: 16, 16: 16, 32: 32, 64: 32}),
-    (7168, 12288): (2, {8: 16, 16: 32, 32: 32, 64: 32}),
-    (7168, 1536): (3, {8: 16, 16: 16, 32: 16, 64: 16}),
-    (3584, 7168): (5, {8: 16, 16: 8, 32: 16, 64: 16}),
-    (896, 7168): (9, {8: 8, 16: 8, 32: 8, 64: 8}),
+# Tensor-core choice measured on the H200 (wgmma sweep, results/gpu/skinny_gemm_wgmma.md, 2026-11-30;
+# SIMT at M = 1, 2, 4 from results/gpu/skinny_gemm_mma.md): (N, K) -> (min_M, {m_pad: (rows, CTAs
+# per SM)}). The wgmma variant is the default for min_M <= M <= 64: min_M is the smallest M whose
+# SIMT bucket was slower than the wgmma m8 variant (the m8 variant costs the same for every M <= 8).
+# Shapes not listed keep the SIMT kernel.
+WGMMA_DEFAULTS: dict[tuple[int, int], tuple[int, dict[int, tuple[int, int]]]] = {
+    (49152, 7168): (3, {8: (64, 1), 16: (64, 2), 32: (64, 2), 64: (128, 1)}),
+    (6144, 7168): (3, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
+    (7168, 12288): (2, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
+    (7168, 1536): (2, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
+    (3584, 7168): (3, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
+    (896, 7168): (5, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
 }
 
 
-def default_config(M: int, N: int, K: int) -> SkinnyGemmConfig | SkinnyGemmMmaConfig:
-    entry = MMA_DEFAULTS.get((N, K))
-    if entry is not None and entry[0] <= M <= 64 and mma.supports(K):
-        pad = mma.m_pad_for(M)
-        for c in mma.configs_for(N, K, pad):
-            if c.rows == entry[1][pad]:
+def default_config(M: int, N: int, K: int) -> Config:
+    entry = WGMMA_DEFAULTS.get((N, K))
+    if entry is not None and entry[0] <= M <= 64 and wgmma.supports(K):
+        pad = wgmma.m_pad_for(M)
+        rows, occ = entry[1][pad]
+        for c in wgmma.configs_for(N, K, pad):
+            if (c.rows, c.occupancy) == (rows, occ):
                 return c
     return simt_config(M, N, K)
 
@@ -252,8 +253,6 @@ def variants(tensors: dict, params: dict) -> list[Config]:
     M, K = tensors["x"].shape
     N = tensors["w"].shape[0]
     out: list[Config] = [SkinnyGemmConfig(m, _n_per_cta(N, m)) for m in (1, 2, 4, 8)]
-    if 2 <= M <= 64 and mma.supports(K):
-        out += mma.configs_for(N, K, mma.m_pad_for(M))
     if 1 <= M <= 64 and wgmma.supports(K):
         out += wgmma.configs_for(N, K, wgmma.m_pad_for(M))
     return out

@@ -83,9 +83,16 @@ def ksplit_for(N: int, K: int, rows: int, occupancy: int) -> int:
     return max(1, min(s, kt // 4))
 
 
-def configs_for(N: int, K: int, m_pad: int) -> list[SkinnyGemmWgmmaConfig]:
-    """The variants for one m_pad bucket: rows in {64, 128, 256} dividing N, sized for 1 or 2 CTAs
-    per SM (2 only where it still gives >= 3 stages)."""
+# (rows, CTAs per SM) of the shipped variants: the ones that were fastest somewhere in the H200
+# sweep of every (rows in 64/128/256) x (1 or 2 CTAs per SM) variant (results/gpu/skinny_gemm_wgmma.md,
+# 2026-11-30); r256 and r128 at 2 CTAs per SM never were (`sweep=True` still lists them for the bench).
+SHIPPED = ((64, 1), (64, 2), (128, 1))
+
+
+def configs_for(N: int, K: int, m_pad: int, sweep: bool = False) -> list[SkinnyGemmWgmmaConfig]:
+    """The variants for one m_pad bucket: (rows, occupancy) in SHIPPED (every rows in {64, 128, 256}
+    x 1 or 2 CTAs per SM with `sweep`), rows dividing N, 2 CTAs per SM only where it still gives >= 3
+    stages."""
     if not supports(K) or m_pad not in M_PADS:
         return []
     out = []
@@ -93,6 +100,8 @@ def configs_for(N: int, K: int, m_pad: int) -> list[SkinnyGemmWgmmaConfig]:
         if N % rows:
             continue
         for occ in (1, 2):
+            if not sweep and (rows, occ) not in SHIPPED:
+                continue
             st = stages_for(rows, m_pad, occ)
             if st >= 3:
                 out.append(SkinnyGemmWgmmaConfig(m_pad, rows, st, ksplit_for(N, K, rows, occ), occ))
@@ -312,11 +321,13 @@ _buffers: dict[tuple, tuple] = {}
 
 
 def buffers(device, N: int, K: int, cfg: SkinnyGemmWgmmaConfig):
-    """(workspace, counters) for this variant on `device`: allocated (counters zeroed) on first use
-    and reused; the kernel leaves the counters at zero."""
+    """(workspace, counters) for this variant on `device` and the current stream: allocated
+    (counters zeroed) on first use and reused; the kernel leaves the counters at zero. One pair per
+    stream: launches on one stream run in order, launches on two streams (a side-stream expert) may
+    overlap and must not share a split-K workspace."""
     import torch
 
-    key = (str(device), N, K, cfg)
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream, N, K, cfg)
     hit = _buffers.get(key)
     if hit is None:
         ws, cnt = workspace_shapes(N, cfg)

@@ -28,7 +28,7 @@ def test_runtime_import_is_lazy():
 
 @pytest.mark.parametrize("K,N", GEMM_SHAPES, ids=[f"{k}to{n}" for k, n in GEMM_SHAPES])
 def test_skinny_gemm_compiles_every_variant(K, N):
-    """SIMT and mma.sync variants; the wgmma ones compile in test_fused_compile_wgmma.py."""
+    """The SIMT variants; the wgmma ones compile in test_fused_compile_wgmma.py."""
     from fused import skinny_gemm as sg
     from fused.skinny_gemm_wgmma import SkinnyGemmWgmmaConfig
     for cfg in sg.all_configs(N, K):
@@ -38,15 +38,15 @@ def test_skinny_gemm_compiles_every_variant(K, N):
 
 
 @pytest.mark.parametrize("K,N", GEMM_SHAPES, ids=[f"{k}to{n}" for k, n in GEMM_SHAPES])
-def test_skinny_gemm_mma_variants_listed_and_compile(K, N):
-    """Every tensor-core variant all_configs lists compiles for sm_90a (mma.sync m16n8k16 in the PTX
-    is checked once below); all share warps_for(K), the reduction order (batch invariance)."""
-    from fused import skinny_gemm as sg
-    from fused.skinny_gemm_mma import SkinnyGemmMmaConfig, warps_for
-    mma_cfgs = [c for c in sg.all_configs(N, K) if isinstance(c, SkinnyGemmMmaConfig)]
-    assert {c.m_pad for c in mma_cfgs} == {8, 16, 32, 64}
-    assert {c.warps for c in mma_cfgs} == {warps_for(K)}
-    for cfg in mma_cfgs:
+def test_mma_kernel_configs_compile(K, N):
+    """The mma.sync kernel (router_topk's logits; skinny_gemm's dispatcher no longer picks it):
+    every config of every m_pad bucket compiles for sm_90a; all share warps_for(K), the reduction
+    order (batch invariance)."""
+    from fused import skinny_gemm_mma as mma
+    cfgs = [c for p in (8, 16, 32, 64) for c in mma.configs_for(N, K, p)]
+    assert {c.m_pad for c in cfgs} == {8, 16, 32, 64}
+    assert {c.warps for c in cfgs} == {mma.warps_for(K)}
+    for cfg in cfgs:
         assert runtime.compile_for_cpu_check("skinny_gemm", "bfloat16", "bfloat16", N, K, cfg) is not None
 
 
@@ -57,14 +57,20 @@ def test_skinny_gemm_mma_fp16_and_fp32_out_compile():
     runtime.compile_for_cpu_check("skinny_gemm", "bfloat16", "float32", 7168, 1536, cfg)
 
 
-def test_skinny_gemm_mma_default_only_for_small_m_buckets():
+def test_skinny_gemm_default_is_a_certified_variant():
+    """The dispatcher's pick for every M is one of the variants the harness certifies at that M
+    (`variants()`), M = 1 stays on the SIMT kernel, a wgmma pick's token tile covers M."""
+    import torch
+
     from fused import skinny_gemm as sg
-    from fused.skinny_gemm_mma import SkinnyGemmMmaConfig
+    from fused.skinny_gemm_wgmma import SkinnyGemmWgmmaConfig
     for K, N in GEMM_SHAPES:
-        assert not isinstance(sg.default_config(1, N, K), SkinnyGemmMmaConfig)
-        for M in (2, 8, 16, 33, 64):
+        assert isinstance(sg.default_config(1, N, K), sg.SkinnyGemmConfig)
+        for M in range(1, 65):
             cfg = sg.default_config(M, N, K)
-            if isinstance(cfg, SkinnyGemmMmaConfig):
+            listed = sg.variants({"x": torch.empty(M, K, device="meta"), "w": torch.empty(N, K, device="meta")}, {})
+            assert cfg in listed, (K, N, M, cfg)
+            if isinstance(cfg, SkinnyGemmWgmmaConfig):
                 assert cfg.m_pad >= M and N % cfg.rows == 0
 
 
