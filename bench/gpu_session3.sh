@@ -27,7 +27,9 @@ cmd_for() { case $1 in        # job name -> "limit command..."
 esac; }
 JOBS=${JOBS:-"cert_skinny_gemm cert_kda_decode cert_attn_res_rmsnorm cert_router_topk cert_mxfp4_dequant cert_mla_cache_write wave1a wave1b gpu_tests"}
 declare -A lane
-i=0; for j in $JOBS; do g=$(( i % NG )); lane[$g]="${lane[$g]:-} $j"; i=$((i + 1)); done
+if [ -n "${LANES:-}" ]; then            # explicit: LANES="0:jobA jobB;1:jobC"
+  IFS=';' read -ra spec <<< "$LANES"; for l in "${spec[@]}"; do lane[${l%%:*}]="${l#*:}"; done
+else i=0; for j in $JOBS; do g=$(( i % NG )); lane[$g]="${lane[$g]:-} $j"; i=$((i + 1)); done; fi
 for g in "${!lane[@]}"; do (
   for j in ${lane[$g]}; do
     set -- $(cmd_for "${j%@*}"); limit=$1; shift; [ "${j#*@}" != "$j" ] && limit=${j#*@}; t0=$(date +%s)
