@@ -2,11 +2,15 @@
 # Device run on one host of N GPUs (nvidia-h200-x8 ideally): the full release profile of every fused
 # op, one op per GPU, beside the kernel benches and the GPU tests on the spare GPUs. Jobs are dealt
 # to GPUs round-robin in the order of JOBS; each GPU runs its jobs one after another, each under its
-# own time limit (`name@seconds` overrides the default), so one slow job cannot take the others' results. Logs and certificates go to $R
-# (set R=$OUT/r so a cut run still returns what it wrote). Run from the repository root carrying
-# .device (see bench/gpu_certify.sh for the bundle).
+# own time limit (`name@seconds` overrides the default), so one slow job cannot take the others'
+# results. Logs, certificates and per-case logs go to $R, packed every 20 s and at the end into
+# $OUT/results.tgz: a call returns only a few files, and a cut call still returns what was written.
+# A certification job whose log is in results/gpu/resume/cert_OP/ goes on from it (--resume).
+# Run from the repository root carrying .device (see bench/gpu_certify.sh for the bundle).
 set -u
-OUT=${OUT:-gpu-out}; R=${R:-$OUT/r}; mkdir -p "$OUT" "$R" "$R/wave1a" "$R/wave1b" "$R/wgmma"   # files deeper than $R/x/ do not come back
+OUT=${OUT:-gpu-out}; R=${R:-/tmp/gpu-r}; mkdir -p "$OUT" "$R" "$R/wave1a" "$R/wave1b" "$R/wgmma"
+pack() { tar czf "$OUT/results.tgz.tmp" -C "$(dirname "$R")" "$(basename "$R")" && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"; }
+( while sleep 20; do pack; done ) & PACKER=$!
 [ -d /tmp/site/nvidia_cutlass_dsl ] || { mkdir -p /tmp/site && tar xJf .device/cutedsl.tar.xz -C /tmp/site; }
 [ -d /tmp/site/pydantic ] || for w in .device/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
 export PYTHONPATH=$PWD:$PWD/bench:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
@@ -38,6 +42,7 @@ for g in "${!lane[@]}"; do (
     CUDA_VISIBLE_DEVICES=$g timeout "$limit" "$@" > "$R/${j%@*}.log" 2>&1
     echo "$j gpu=$g rc=$? $(( $(date +%s) - t0 ))s" >> "$R/env.txt"
   done ) & done
-wait
+wait $(jobs -p | grep -v "^$PACKER$")
+kill $PACKER 2>/dev/null; pack
 for f in "$R"/*.log; do echo "== $f"; grep -E "certified|FAILED|failed|passed|skipped|Error|error|TIME|status|CHECK.*False" "$f" | head -25; done
 cat "$R/env.txt"
