@@ -163,3 +163,47 @@ def test_correct_candidate_passes_every_guard(seed):
     names = {c.name for c in v.checks}
     assert {"guard:output_type", "guard:no_aliasing", "guard:inputs_unchanged", "guard:canaries",
             "guard:outputs_written", "guard:deterministic", "guard:strided_inputs", "compare:y"} <= names
+
+
+def test_refreshed_inputs_keep_shapes_and_params_and_change_values():
+    """Every registered op gets other values with this case's shapes: another seed's, or (ops whose
+    shapes follow the seed, like the paged MLA ones) its own float inputs rescaled, indices kept."""
+    from verify.evaluate import refreshed_inputs
+    from verify.registry import all_ops
+
+    for name, op in all_ops().items():
+        case = Case(name, 3, min(5, op.max_batch), op.configs[0], op.dtypes[0], op.dists[0], 1)
+        first = op.make_inputs(case)
+        found = refreshed_inputs(op, case, first)
+        assert found is not None, name
+        seed, other = found
+        assert other.params == first.params, name
+        for k, v in first.tensors.items():
+            assert other.tensors[k].shape == v.shape and other.tensors[k].dtype == v.dtype, (name, k)
+            if seed is None and not v.is_floating_point():
+                assert torch.equal(other.tensors[k], v), (name, k)
+        assert any(not torch.equal(other.tensors[k], v) for k, v in first.tensors.items()), name
+
+
+def test_refreshed_inputs_catch_a_stale_cache_on_a_paged_op():
+    """A memo of the output keyed by the cache tensor object, on an op whose shapes follow the seed
+    (the rescaled-values path): rejected by the refreshed-inputs guard, and the reference passes it."""
+    from references.mla import mla_decode_attn
+    from verify.registry import get_op
+
+    memo = {}
+
+    def stale(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank):
+        hit = memo.get(id(cache))
+        if hit is None or hit[0] is not cache:
+            hit = (cache, mla_decode_attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank))
+            memo[id(cache)] = hit
+        return hit[1].clone()
+
+    op = get_op("mla_decode_attn")
+    case = Case("mla_decode_attn", 5, 3, "tiny", "bfloat16", "normal", 1)
+    v = evaluate_case(op, case, stale, "mymod:stale", "cpu")
+    assert v.status == "fail" and v.stage == "guard:refreshed_inputs", (v.stage, v.reason)
+    assert "rescaled" in v.reason and "fresh buffers pass" in v.reason
+    ok = evaluate_case(op, case, mla_decode_attn, "mymod:ref", "cpu")
+    assert ok.status == "pass", ok.reason

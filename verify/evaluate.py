@@ -161,7 +161,7 @@ def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu"
             run += judge(op, spec, first.results, oracle, base, inputs, inputs64)
         if all(c.ok for c in run):
             run += _extra_runs(op, spec, case, fn_v, inputs, base, first.results, oracle, inputs64, device,
-                                  binds_claims(candidate), strided_run)
+                                  binds_claims(candidate), strided_run, refresh=not label)
         checks += [c if not label else Check(c.name, c.ok, label + c.detail, c.metrics, c.worst) for c in run]
         bad = [c for c in checks if not c.ok]
         if bad:
@@ -192,8 +192,9 @@ def binds_claims(candidate: str) -> bool:
 
 
 def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, device, strict: bool = True,
-                strided_run: bool = True) -> list[Check]:
-    """Second run (determinism), permuted batch (position independence), strided/offset views."""
+                strided_run: bool = True, refresh: bool = True) -> list[Check]:
+    """Second run (determinism), permuted batch (position independence), new values in the same
+    buffers (no state kept across calls), strided/offset views."""
     from verify.candidates import reference_fn
 
     checks = []
@@ -220,6 +221,8 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
                 res = judge(op, spec, back, oracle, base, inputs, inputs64)
                 checks.append(Check("guard:batch_position", all(c.ok for c in res),
                                     "; ".join(c.detail for c in res if not c.ok) or "within tolerance after permutation"))
+    if refresh:
+        checks.append(refreshed_inputs_check(op, spec, case, fn, inputs, device))
     if str(device).startswith("cuda") and spec.claims.deterministic:
         from verify.gpu_guards import cuda_graph_check, side_stream_check
 
@@ -241,3 +244,95 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
             checks.append(Check("guard:strided_inputs", all(c.ok for c in res), "strided/offset views: " + (
                 "; ".join(c.detail for c in res if not c.ok) or "within tolerance")))
     return checks
+
+
+REFRESH_SEEDS = 8        # other seeds tried for a case with the same shapes and static params
+
+
+def refreshed_inputs(op: OpDef, case: Case, first: OpInputs) -> tuple[int | None, OpInputs] | None:
+    """(seed, inputs) of another seed of this case with the same tensor shapes, dtypes and params;
+    where no seed within REFRESH_SEEDS draws them (an op whose shapes depend on the seed), (None,
+    this case's inputs with its float tensors rescaled); None if nothing differs."""
+    from dataclasses import replace
+
+    want = {k: (tuple(v.shape), v.dtype) for k, v in first.tensors.items()}
+    for i in range(1, REFRESH_SEEDS + 1):
+        seed = (case.seed + 7919 * i) % 2**31
+        other = op.make_inputs(replace(case, seed=seed))
+        if other.params == first.params and {k: (tuple(v.shape), v.dtype) for k, v in other.tensors.items()} == want:
+            if any(not torch.equal(other.tensors[k], first.tensors[k]) for k in want):
+                return seed, other
+    # shapes drawn from the seed (paged caches, sequence lengths): the same case with every float
+    # tensor scaled elementwise by factors in [0.5, 1.5); integer tensors (indices, lengths) kept
+    gen = torch.Generator().manual_seed(case.seed ^ 0x5EED)
+    scaled = {k: (v * (0.5 + torch.rand(v.shape, generator=gen, dtype=torch.float64))).to(v.dtype)
+              if v.is_floating_point() and v.numel() else v.clone() for k, v in first.tensors.items()}
+    if any(not torch.equal(scaled[k], first.tensors[k]) for k in want):
+        return None, OpInputs(scaled, dict(first.params))
+    return None
+
+
+def refreshed_inputs_check(op: OpDef, spec: ToleranceSpec, case: Case, fn, inputs: OpInputs, device) -> Check:
+    """guard:refreshed_inputs: call once, write another case's values into the same input (and
+    state) tensors, in place, at the same addresses, and call again. The second result is judged
+    against the reference on the new values. A candidate that keeps anything across calls keyed by
+    pointer, shape or call count (prepacked or converted weights, a memo of outputs, a workspace
+    assumed clean) answers for the old values or stale state."""
+    from verify.candidates import reference_fn
+
+    name = "guard:refreshed_inputs"
+    found = refreshed_inputs(op, case, inputs)
+    if found is None:
+        return Check(name, True, "not run: no other values with this case's shapes could be drawn")
+    seed2, inputs2 = found
+    where = f"seed {seed2}" if seed2 is not None else "this case's float inputs rescaled"
+    inputs64_2 = to_oracle(inputs2)
+    oracle2 = run_plain(reference_fn(op), op, inputs64_2, device)
+    base2 = run_plain(reference_fn(op), op, inputs2, device)
+    if derived_vacuity(op, spec, oracle2):
+        return Check(name, True, "not run: the other seed's case is vacuous")
+    placed = {k: guards.place(k, v, device) for k, v in inputs.tensors.items()}
+    kwargs = {k: g.view for k, g in placed.items()}
+    out_buffers = {}
+    if op.outputs and guards.accepts_out(fn):
+        out_buffers = {n: guards.place(n, base2[n], device, poison=True) for n in op.outputs}
+        kwargs["out"] = tuple(out_buffers[n].view for n in op.outputs) if len(op.outputs) > 1 \
+            else out_buffers[op.outputs[0]].view
+    cuda = str(device).startswith("cuda")
+    try:
+        fn(**kwargs, **inputs.params)
+        if cuda:
+            torch.cuda.synchronize()
+        for k, g in placed.items():
+            g.view.copy_(inputs2.tensors[k].to(device))
+        for n, g in out_buffers.items():
+            g.view.fill_(guards.poison_value(g.view.dtype))
+        guards.poison_allocator([base2[n] for n in op.outputs], device)
+        with guards.poisoned_empty():
+            returned = fn(**kwargs, **inputs2.params)
+        if cuda:
+            torch.cuda.synchronize()
+    except Exception as e:  # the candidate's own failure is a verdict
+        return Check(name, False, f"a call with new values in the same buffers raised {_one_line(e)}")
+    results, out_checks = guards.check_outputs(op, returned, base2, placed, out_buffers)
+    results.update({s_: placed[s_].view for s_ in op.state})
+    bad = [c for c in out_checks if not c.ok]
+    if not bad and len(results) == len(op.outputs) + len(op.state):
+        unwritten = guards.check_unwritten({n: results[n] for n in op.outputs}, base2)
+        bad = [] if unwritten.ok else [unwritten]
+    if not bad:
+        bad = [c for c in judge(op, spec, results, oracle2, base2, inputs2, inputs64_2) if not c.ok]
+    if bad:
+        # Stale state, or simply wrong on these values? A first call on them in fresh buffers tells.
+        fresh = guarded_call(fn, op, inputs2, base2, device)
+        fresh_ok = not fresh.error and all(c.ok for c in fresh.checks)
+        if fresh_ok:
+            plain = [c for c in judge(op, spec, fresh.results, oracle2, base2, inputs2, inputs64_2) if not c.ok]
+            if plain:
+                return Check(plain[0].name, False, f"on the values of {where} (same shapes; drawn by "
+                             f"the refreshed-inputs run), in fresh buffers too: {plain[0].detail}",
+                             plain[0].metrics, plain[0].worst)
+        return Check(name, False, f"new values ({where}) written into the same input buffers, in place, "
+                     "after a first call: " + "; ".join(f"{c.name}: {c.detail}" for c in bad)
+                     + (" (the same values in fresh buffers pass)" if fresh_ok else ""))
+    return Check(name, True, "new values in the same buffers judged like a first call")

@@ -26,7 +26,11 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "returns a torch.Tensor subclass"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_assumes_contiguous", "guard:strided_inputs|differ bitwise",
      "ignores input strides: wrong on strided/offset inputs"),
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_stale_weight_cache", "guard:refreshed_inputs|new values",
+     "weights prepacked once per tensor: values written into the same weight tensor are never seen"),
     # ---- mxfp4_dequant
+    ("mxfp4_dequant", f"{P}.mxfp4:mxfp4_dequant_memo_output", "guard:refreshed_inputs|new values",
+     "dequantizes each packed tensor once and returns copies of that result afterwards"),
     ("mxfp4_dequant", f"{P}.mxfp4:mxfp4_dequant_nibble_swap", "compare:w|differ from the reference bits",
      "MXFP4 nibble order swapped"),
     ("mxfp4_dequant", f"{P}.mxfp4:mxfp4_dequant_bias_126", "compare:w|differ from the reference bits",
@@ -55,6 +59,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
     ("mla_out_gate", f"{P}.mla:mla_out_gate_swapped_rows", "compare:o|exceed",
      "swapped batch rows (pairs reversed)"),
     # ---- kda
+    ("kda_decode", f"{P}.kda:kda_decode_private_conv_state", "guard:refreshed_inputs|conv_state",
+     "keeps a private copy of the conv window and never reads the caller's conv_state again"),
     ("kda_decode", f"{P}.kda:kda_decode_no_decay", "compare:y|exceed", "KDA state not decayed"),
     ("kda_decode", f"{P}.kda:kda_decode_no_beta", "compare:y|exceed", "beta not applied"),
     ("kda_decode", f"{P}.kda:kda_decode_conv_state_not_shifted", "compare:conv_state",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from property_tests.planted._cache import TensorKeyed
 from references.primitives import linear
 
 BLOCK_N = 16
@@ -54,3 +55,17 @@ def skinny_gemm_assumes_contiguous(x, w):
     N, K = w.shape
     w_flat = w.as_strided((N, K), (K, 1), w.storage_offset())
     return linear(x, w_flat)
+
+
+_PREPACKED = TensorKeyed()
+
+
+def skinny_gemm_stale_weight_cache(x, w):
+    """Prepacks each weight tensor once (a converted fp32 copy, keyed by the tensor object, as a
+    module caching its parameters would) and reuses it on every later call: weights updated in place
+    (a reload, an RL weight sync) are never seen."""
+    packed = _PREPACKED.get(w)
+    if packed is None:
+        packed = w.float().clone()
+        _PREPACKED.put(w, packed)
+    return (x.float() @ packed.T).to(x.dtype)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from property_tests.planted._cache import TensorKeyed
 from references.kda import gated_rms_norm, in_proj_layout, kda_in_proj
 from references.primitives import linear, silu
 
@@ -101,3 +102,22 @@ def kda_in_proj_beta_before_fa(x, w_in, w_fb, n_heads: int):
     g_raw = linear(f_a, w_fb)
     return tuple(t.clone() for t in (merged[:, lay["q"]], merged[:, lay["k"]], merged[:, lay["v"]], g_raw, beta_raw,
                                       merged[:, lay["z"]]))
+
+
+_OWN_CONV = TensorKeyed()
+
+
+def kda_decode_private_conv_state(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log,
+                                  dt_bias, o_norm_w, state, lower_bound: float, l2_eps: float,
+                                  norm_eps: float):
+    """Keeps its own copy of the conv window per conv_state tensor (a kernel that owns a state
+    workspace) and mirrors its updates into the caller's tensor, but reads only its copy: state the
+    caller writes (a new sequence in the slot, a restored snapshot) is never read."""
+    own = _OWN_CONV.get(conv_state)
+    if own is None:
+        own = conv_state.clone()
+        _OWN_CONV.put(conv_state, own)
+    out = _decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, own, A_log, dt_bias, o_norm_w, state,
+                  lower_bound, l2_eps, norm_eps)
+    conv_state.copy_(own)
+    return out

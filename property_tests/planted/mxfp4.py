@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from property_tests.planted._cache import TensorKeyed
 from references.mxfp4 import E2M1_LUT, GROUP, out_dtype_of
 
 
@@ -25,3 +26,16 @@ def mxfp4_dequant_nibble_swap(packed, scale, out_dtype: str = "bfloat16"):
 def mxfp4_dequant_bias_126(packed, scale, out_dtype: str = "bfloat16"):
     """E8M0 exponent bias 126 instead of 127 (every value twice too large)."""
     return _dequant(packed, scale, out_dtype, bias=126)
+
+
+_DEQUANTIZED = TensorKeyed()
+
+
+def mxfp4_dequant_memo_output(packed, scale, out_dtype: str = "bfloat16"):
+    """Dequantizes each packed weight tensor once and hands back copies of that result afterwards
+    (keyed by the tensor object): new codes or scales written into the same tensors are ignored."""
+    hit = _DEQUANTIZED.get(packed)
+    if hit is None or hit.dtype != out_dtype_of(out_dtype):
+        hit = _dequant(packed, scale, out_dtype)
+        _DEQUANTIZED.put(packed, hit)
+    return hit.clone()
