@@ -208,6 +208,10 @@ def launch(x, w, out, variant: Config | None = None) -> None:
     cfg = variant or default_config(M, N, K)
     if M == 0:
         return
+    # every kernel here assumes 16-byte aligned rows (vector loads, TMA): a view at an odd offset
+    # is copied to fresh storage first
+    x = x if x.data_ptr() % 16 == 0 else x.clone()
+    w = w if w.data_ptr() % 16 == 0 else w.clone()
     if isinstance(cfg, SkinnyGemmMmaConfig) and M > cfg.m_pad:
         raise ValueError(f"x: M={M} is over the variant's m_pad={cfg.m_pad}")
     if isinstance(cfg, SkinnyGemmWgmmaConfig):

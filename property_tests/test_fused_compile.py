@@ -238,3 +238,19 @@ def test_router_topk_kernels_agree_bit_for_bit(B):
     for ids, wts in outs[1:]:
         assert torch.equal(ids, outs[0][0])
         assert torch.equal(wts.view(torch.int32), outs[0][1].view(torch.int32))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_skinny_gemm_unaligned_views_give_the_aligned_bits():
+    """x and w as views 2 bytes past a 16-byte boundary: copied to aligned storage, same bits."""
+    from fused.skinny_gemm import skinny_gemm
+    for M in (1, 8, 33):
+        x = torch.randn(M, 1536, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(7168, 1536, device="cuda", dtype=torch.bfloat16)
+        xb = torch.empty(M * 1536 + 1, device="cuda", dtype=torch.bfloat16)
+        wb = torch.empty(7168 * 1536 + 1, device="cuda", dtype=torch.bfloat16)
+        xb[1:].copy_(x.reshape(-1))
+        wb[1:].copy_(w.reshape(-1))
+        got = skinny_gemm(xb[1:].view(M, 1536), wb[1:].view(7168, 1536))
+        assert torch.equal(got.view(torch.int16), skinny_gemm(x, w).view(torch.int16))
