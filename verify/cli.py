@@ -81,6 +81,9 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
                           "T from --tp (default 2,4)")
     run.add_argument("--sanitize", default=None, choices=["memcheck", "racecheck", "synccheck", "initcheck"],
                      help="run each op's GPU cases under compute-sanitizer with this tool")
+    run.add_argument("--jobs", type=int, default=1, metavar="N",
+                     help="deal the ops to N child runs in parallel (one GPU each where several are visible); "
+                          "their logs under OUT/jobs/, one merged certificate")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["run"] + argv
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return {"list": cmd_list, "describe": cmd_describe, "run": cmd_run, "repro": cmd_repro,
                 "report": cmd_report, "diff": cmd_diff}[args.command](args)
@@ -220,6 +224,11 @@ def _run_setup(args):
     modes = [m for m in ("resume", "changed_since", "distributed", "sanitize") if getattr(args, m)]
     if len(set(modes) - {"resume"}) > 1:
         raise UsageError(f"--{modes[0].replace('_', '-')} and --{modes[1].replace('_', '-')} cannot be combined")
+    jobs = getattr(args, "jobs", 1)
+    if jobs < 1:
+        raise UsageError(f"--jobs {jobs}: must be 1 or more")
+    if jobs > 1 and set(modes) - {"resume"}:
+        raise UsageError(f"--jobs and --{(set(modes) - {'resume'}).pop().replace('_', '-')} cannot be combined")
     return ops, profile, tps
 
 
@@ -260,6 +269,8 @@ def cmd_run(args) -> int:
                "candidates": [c.label for c in candidates], "ops": [o.name for o in ops],
                "isolated": not args.no_isolate, "case_timeout": args.case_timeout, "distributed": args.distributed,
                "sanitize": args.sanitize, "changed_since": args.changed_since}
+    if args.jobs > 1:
+        return _run_jobs(args, ops, candidates, device, options, console)
     log = RunLog(Path(args.out), resume=args.resume)
     differs = settings_mismatch(log.previous.options, options)
     if differs:
@@ -285,6 +296,42 @@ def cmd_run(args) -> int:
     failed = [v for v in verdicts if v.status in (FAIL, XPASS)]
     console.print(f"certificate: {path}  ({len(verdicts) - len(failed)} of {len(verdicts)} op/candidate pairs "
                   f"certified or skipped, {len(failed)} failed, {len(carried)} ops carried; log {log.path})")
+    if args.json:
+        print(json.dumps(cert, indent=1, default=str))
+    return EXIT_FAIL if failed else EXIT_OK
+
+
+def _run_jobs(args, ops, candidates, device, options, console) -> int:
+    """run --jobs N (verify/parallel.py): children per op group, one merged certificate."""
+    from verify import certificate
+    from verify.parallel import run_jobs
+    from verify.registry import all_ops
+    from verify.reporters.terminal import print_failure, print_skips, summary_table
+    from verify.verdict import FAIL, XPASS
+
+    verdicts, cases, problems = run_jobs(getattr(args, "argv", None) or sys.argv[1:], [o.name for o in ops],
+                                         [c.label for c in candidates], args.jobs, device, Path(args.out), console)
+    for line in problems:
+        console.print(f"[bold red]{line}[/]")
+    usage = [p for p in problems if "exited with status 2:" in p]
+    if usage:
+        first = Path(args.out) / "jobs" / "0.log"
+        tail = first.read_text().strip().splitlines()[-1:] if first.exists() else []
+        raise UsageError(f"--jobs: the child runs refused the command ({'; '.join(tail) or usage[0]})")
+    for v in verdicts:
+        if v.status in (FAIL, XPASS):
+            print_failure(console, v)
+    cert = certificate.build(verdicts, all_ops(), dict(options, jobs=args.jobs), device, cases)
+    path = certificate.write(cert, Path(args.out))
+    if args.junit:
+        from verify.reporters.junit import write_junit
+
+        write_junit(verdicts, args.junit)
+    console.print(summary_table(verdicts))
+    print_skips(console, verdicts)
+    failed = [v for v in verdicts if v.status in (FAIL, XPASS)]
+    console.print(f"certificate: {path}  ({len(verdicts) - len(failed)} of {len(verdicts)} op/candidate pairs "
+                  f"certified or skipped, {len(failed)} failed; {args.jobs} jobs, logs {Path(args.out) / 'jobs'})")
     if args.json:
         print(json.dumps(cert, indent=1, default=str))
     return EXIT_FAIL if failed else EXIT_OK

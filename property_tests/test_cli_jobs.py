@@ -1,0 +1,63 @@
+"""run --jobs N: ops dealt to child runs, one merged certificate equal to a serial run's; a child
+that dies fails only its unfinished pairs, naming its status and log; bad combinations refused."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OPS = "mxfp4_dequant,mla_cache_write,router_topk,skinny_gemm"
+
+
+def _cli(args, tmp_path, extra_path=None):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), extra_path,
+                                                                  os.environ.get("PYTHONPATH")) if p))
+    return subprocess.run([sys.executable, "-m", "verify.cli", "run", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def _pairs(cert: dict) -> dict:
+    return {(op, cand): (v["status"], v["cases_run"], v["cases_passed"],
+                         [(c["seed"], c["batch"], c["config"], c["dtype"], c["status"]) for c in e["cases"][cand]])
+            for op, e in cert["ops"].items() for cand, v in e["verdicts"].items()}
+
+
+def test_jobs_merge_equals_a_serial_run(tmp_path):
+    common = ["--ops", OPS, "--candidate", "reference", "--profile", "quick", "--no-isolate"]
+    serial = _cli(common + ["--out", "serial"], tmp_path)
+    par = _cli(common + ["--out", "par", "--jobs", "3"], tmp_path)
+    assert serial.returncode == 0 and par.returncode == 0, par.stdout + par.stderr
+    a = json.loads((tmp_path / "serial" / "certificate.json").read_text())
+    b = json.loads((tmp_path / "par" / "certificate.json").read_text())
+    assert _pairs(a) == _pairs(b) and len(_pairs(b)) == 4
+    assert b["options"]["jobs"] == 3
+    assert sorted(p.name for p in (tmp_path / "par" / "jobs").iterdir()) == ["0", "0.log", "1", "1.log", "2", "2.log"]
+
+
+def test_a_dying_job_fails_only_its_unfinished_pairs(tmp_path):
+    mod = tmp_path / "mods"
+    mod.mkdir()
+    (mod / "vk_dies.py").write_text(
+        "import os\n"
+        "def dequant(packed, scale, out_dtype='bfloat16'):\n"
+        "    os._exit(3)\n")
+    r = _cli(["--ops", "mxfp4_dequant,mla_cache_write", "--candidate", "vk_dies:dequant", "--profile", "quick",
+              "--no-isolate", "--jobs", "2", "--out", "out"], tmp_path, extra_path=str(mod))
+    assert r.returncode == 1, r.stdout + r.stderr
+    cert = json.loads((tmp_path / "out" / "certificate.json").read_text())
+    dq = cert["ops"]["mxfp4_dequant"]["verdicts"]["vk_dies:dequant"]
+    assert dq["status"] == "fail" and "exited with status 3" in dq["reason"] and "jobs/0.log" in dq["reason"]
+    # the other job ran its op to a verdict of its own (this candidate has mxfp4_dequant's signature,
+    # so mla_cache_write's cases make it raise: a candidate failure, not a dead job)
+    cw = cert["ops"]["mla_cache_write"]["verdicts"]["vk_dies:dequant"]
+    assert cw["status"] == "fail" and "exited" not in cw["reason"], cw["reason"]
+    assert "job 0 (mxfp4_dequant) exited with status 3" in r.stdout
+
+
+def test_jobs_refused_in_bad_combinations(tmp_path):
+    assert _cli(["--jobs", "0", "--ops", "mxfp4_dequant"], tmp_path).returncode == 2
+    r = _cli(["--jobs", "2", "--distributed", "gloo", "--ops", "mxfp4_dequant"], tmp_path)
+    assert r.returncode == 2 and "--jobs and --distributed cannot be combined" in r.stderr
