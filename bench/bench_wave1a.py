@@ -106,6 +106,10 @@ def bench_dequant(args):
     for cfg in all_configs():
         fns = [lambda p=p, s=s, o=o, c=cfg: fm.launch(p, s, o, c) for (p, s), o in zip(sets, outs)]
         record("mxfp4_dequant", f"[{O},{I}] bf16", "fused:" + cfg.name, graph_time_us(fns), nb)
+    # what this byte mix allows: the output's bytes written alone (fill_), the same bytes as a copy
+    # (read + write of the output size) at the anchor's rate
+    fns = [lambda o=o: o.fill_(1.0) for o in outs]
+    record("mxfp4_dequant", f"[{O},{I}] bf16", "anchor: fill_ of the output (write only)", graph_time_us(fns), O * I * 2)
     lut = torch.tensor([0.0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], device="cuda")
 
     def eager(p, s):
