@@ -237,10 +237,7 @@ def cmd_run(args) -> int:
 
     from verify import certificate
     from verify.certify import run_all
-    from verify.registry import all_ops
-    from verify.reporters.terminal import print_failure, print_skips, summary_table
     from verify.runlog import RunLog, settings_mismatch
-    from verify.verdict import FAIL, XPASS
 
     console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 160)
     ops, profile, tps = _run_setup(args)
@@ -282,6 +279,17 @@ def cmd_run(args) -> int:
         verdicts, cases = run_all(args, ops, candidates, profile, tps, device, log, console)
     finally:
         log.close()
+    return _finish_run(args, verdicts, options, device, cases, console, carried,
+                       f"{len(carried)} ops carried; log {log.path}")
+
+
+def _finish_run(args, verdicts, options, device, cases, console, carried, where: str) -> int:
+    """Failures, the certificate (and JUnit), the summary table; the exit status."""
+    from verify import certificate
+    from verify.registry import all_ops
+    from verify.reporters.terminal import print_failure, print_skips, summary_table
+    from verify.verdict import FAIL, XPASS
+
     for v in verdicts:
         if v.status in (FAIL, XPASS):
             print_failure(console, v)
@@ -295,7 +303,7 @@ def cmd_run(args) -> int:
     print_skips(console, verdicts)
     failed = [v for v in verdicts if v.status in (FAIL, XPASS)]
     console.print(f"certificate: {path}  ({len(verdicts) - len(failed)} of {len(verdicts)} op/candidate pairs "
-                  f"certified or skipped, {len(failed)} failed, {len(carried)} ops carried; log {log.path})")
+                  f"certified or skipped, {len(failed)} failed, {where})")
     if args.json:
         print(json.dumps(cert, indent=1, default=str))
     return EXIT_FAIL if failed else EXIT_OK
@@ -303,11 +311,7 @@ def cmd_run(args) -> int:
 
 def _run_jobs(args, ops, candidates, device, options, console) -> int:
     """run --jobs N (verify/parallel.py): children per op group, one merged certificate."""
-    from verify import certificate
     from verify.parallel import run_jobs
-    from verify.registry import all_ops
-    from verify.reporters.terminal import print_failure, print_skips, summary_table
-    from verify.verdict import FAIL, XPASS
 
     verdicts, cases, problems = run_jobs(getattr(args, "argv", None) or sys.argv[1:], [o.name for o in ops],
                                          [c.label for c in candidates], args.jobs, device, Path(args.out), console)
@@ -318,23 +322,8 @@ def _run_jobs(args, ops, candidates, device, options, console) -> int:
         first = Path(args.out) / "jobs" / "0.log"
         tail = first.read_text().strip().splitlines()[-1:] if first.exists() else []
         raise UsageError(f"--jobs: the child runs refused the command ({'; '.join(tail) or usage[0]})")
-    for v in verdicts:
-        if v.status in (FAIL, XPASS):
-            print_failure(console, v)
-    cert = certificate.build(verdicts, all_ops(), dict(options, jobs=args.jobs), device, cases)
-    path = certificate.write(cert, Path(args.out))
-    if args.junit:
-        from verify.reporters.junit import write_junit
-
-        write_junit(verdicts, args.junit)
-    console.print(summary_table(verdicts))
-    print_skips(console, verdicts)
-    failed = [v for v in verdicts if v.status in (FAIL, XPASS)]
-    console.print(f"certificate: {path}  ({len(verdicts) - len(failed)} of {len(verdicts)} op/candidate pairs "
-                  f"certified or skipped, {len(failed)} failed; {args.jobs} jobs, logs {Path(args.out) / 'jobs'})")
-    if args.json:
-        print(json.dumps(cert, indent=1, default=str))
-    return EXIT_FAIL if failed else EXIT_OK
+    return _finish_run(args, verdicts, dict(options, jobs=args.jobs), device, cases, console, None,
+                       f"{args.jobs} jobs, logs {Path(args.out) / 'jobs'}")
 
 
 def cmd_report(args) -> int:
