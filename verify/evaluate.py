@@ -54,30 +54,54 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[:300]}{where}"
 
 
+class _Placed:
+    """One candidate call's tensors: inputs (and state) in canary buffers, poisoned `out=` buffers
+    for a destination-passing candidate, and the keyword arguments that pass them."""
+
+    def __init__(self, fn, op: OpDef, inputs: OpInputs, expected: dict[str, torch.Tensor], device,
+                 strided: bool = False):
+        self.op, self.device, self.expected = op, device, expected
+        self.inputs = {k: guards.place(k, v, device, strided=strided) for k, v in inputs.tensors.items()}
+        self.outs: dict[str, guards.Guarded] = {}
+        self.kwargs = {k: g.view for k, g in self.inputs.items()}
+        if op.outputs and guards.accepts_out(fn):
+            self.outs = {n: guards.place(n, expected[n], device, strided=False, poison=True) for n in op.outputs}
+            self.kwargs["out"] = tuple(self.outs[n].view for n in op.outputs) if len(op.outputs) > 1 \
+                else self.outs[op.outputs[0]].view
+
+    def call(self, fn, params: dict):
+        """The candidate on these tensors, with the allocator poisoned; raises what it raises."""
+        guards.poison_allocator([self.expected[n] for n in self.op.outputs], self.device)
+        with guards.poisoned_empty():
+            returned = fn(**self.kwargs, **params)
+        if str(self.device).startswith("cuda"):
+            torch.cuda.synchronize()
+        return returned
+
+    def outputs(self, returned) -> tuple[dict[str, torch.Tensor], list[Check]]:
+        """What it returned or wrote, matched to the op's outputs and state; type and aliasing checks."""
+        results, checks = guards.check_outputs(self.op, returned, self.expected, self.inputs, self.outs)
+        results.update({s: self.inputs[s].view for s in self.op.state})
+        return results, checks
+
+    def unwritten(self, results: dict[str, torch.Tensor]) -> list[Check]:
+        """Poison left in an output (when every output came back)."""
+        if len(results) != len(self.op.outputs) + len(self.op.state):
+            return []
+        return [guards.check_unwritten({n: results[n] for n in self.op.outputs}, self.expected)]
+
+
 def guarded_call(fn, op: OpDef, inputs: OpInputs, expected: dict[str, torch.Tensor], device,
                  strided: bool = False) -> guards.CallResult:
     """Call the candidate once with every tensor in a canary buffer; check what it did."""
-    placed = {k: guards.place(k, v, device, strided=strided) for k, v in inputs.tensors.items()}
-    out_buffers = {}
-    kwargs = {k: g.view for k, g in placed.items()}
-    if op.outputs and guards.accepts_out(fn):
-        out_buffers = {n: guards.place(n, expected[n], device, strided=False, poison=True) for n in op.outputs}
-        kwargs["out"] = tuple(out_buffers[n].view for n in op.outputs) if len(op.outputs) > 1 \
-            else out_buffers[op.outputs[0]].view
-    guards.poison_allocator([expected[n] for n in op.outputs], device)
+    placed = _Placed(fn, op, inputs, expected, device, strided)
     try:
-        with guards.poisoned_empty():
-            returned = fn(**kwargs, **inputs.params)
-        if device == "cuda" or str(device).startswith("cuda"):
-            torch.cuda.synchronize()
+        returned = placed.call(fn, inputs.params)
     except Exception as e:  # the candidate's own failure is a verdict, never a crash of the run
         return guards.CallResult(error=_one_line(e))
-    results, checks = guards.check_outputs(op, returned, expected, placed, out_buffers)
-    checks += guards.check_inputs_and_canaries(op, placed, inputs.tensors, out_buffers)
-    results.update({s: placed[s].view for s in op.state})
-    if len(results) == len(op.outputs) + len(op.state):
-        checks.append(guards.check_unwritten({n: results[n] for n in op.outputs}, expected))
-    return guards.CallResult(results=results, checks=checks)
+    results, checks = placed.outputs(returned)
+    checks += guards.check_inputs_and_canaries(op, placed.inputs, inputs.tensors, placed.outs)
+    return guards.CallResult(results=results, checks=checks + placed.unwritten(results))
 
 
 def judge(op: OpDef, spec: ToleranceSpec, cand: dict, oracle: dict, base: dict, inputs: OpInputs,
@@ -302,35 +326,18 @@ def refreshed_inputs_check(op: OpDef, spec: ToleranceSpec, case: Case, fn, input
     base2 = run_plain(reference_fn(op), op, inputs2, device)
     if derived_vacuity(op, spec, oracle2):
         return Check(name, True, "not run: the other seed's case is vacuous")
-    placed = {k: guards.place(k, v, device) for k, v in inputs.tensors.items()}
-    kwargs = {k: g.view for k, g in placed.items()}
-    out_buffers = {}
-    if op.outputs and guards.accepts_out(fn):
-        out_buffers = {n: guards.place(n, base2[n], device, poison=True) for n in op.outputs}
-        kwargs["out"] = tuple(out_buffers[n].view for n in op.outputs) if len(op.outputs) > 1 \
-            else out_buffers[op.outputs[0]].view
-    cuda = str(device).startswith("cuda")
+    placed = _Placed(fn, op, inputs, base2, device)
     try:
-        fn(**kwargs, **inputs.params)
-        if cuda:
-            torch.cuda.synchronize()
-        for k, g in placed.items():
+        placed.call(fn, inputs.params)
+        for k, g in placed.inputs.items():
             g.view.copy_(inputs2.tensors[k].to(device))
-        for n, g in out_buffers.items():
+        for g in placed.outs.values():
             g.view.fill_(guards.poison_value(g.view.dtype))
-        guards.poison_allocator([base2[n] for n in op.outputs], device)
-        with guards.poisoned_empty():
-            returned = fn(**kwargs, **inputs2.params)
-        if cuda:
-            torch.cuda.synchronize()
+        returned = placed.call(fn, inputs2.params)
     except Exception as e:  # the candidate's own failure is a verdict
         return Check(name, False, f"a call with new values in the same buffers raised {_one_line(e)}")
-    results, out_checks = guards.check_outputs(op, returned, base2, placed, out_buffers)
-    results.update({s_: placed[s_].view for s_ in op.state})
-    bad = [c for c in out_checks if not c.ok]
-    if not bad and len(results) == len(op.outputs) + len(op.state):
-        unwritten = guards.check_unwritten({n: results[n] for n in op.outputs}, base2)
-        bad = [] if unwritten.ok else [unwritten]
+    results, out_checks = placed.outputs(returned)
+    bad = [c for c in out_checks + placed.unwritten(results) if not c.ok]
     if not bad:
         bad = [c for c in judge(op, spec, results, oracle2, base2, inputs2, inputs64_2) if not c.ok]
     if bad:
