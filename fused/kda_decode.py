@@ -183,13 +183,18 @@ class KdaDecode:
 
 @runtime.compile_cache("kda_decode")
 def _compile(dtype: str, Dh: int, W: int, cfg: KdaConfig):
+    return compile_op(KdaDecode(runtime.cutlass_dtype(dtype), Dh, W, cfg), dtype, Dh, W)
+
+
+def compile_op(op, dtype: str, Dh: int, W: int):
+    """Compile a kernel object with KdaDecode's call signature against fake tensors (batch and
+    head count dynamic); shared with fused.kda_decode_cluster."""
     _, cute_ = runtime.cutlass_modules()
     b, h, c = runtime.sym_int(), runtime.sym_int(), runtime.sym_int(Dh)
     dt = runtime.cutlass_dtype(dtype)
     # activations may be column slices of the merged in-projection: dynamic row stride
     act = lambda n: cute_.runtime.make_fake_tensor(dt, (b, n), (cute_.sym_int64(), 1), assumed_align=2)
     f32 = lambda shape, align=4: runtime.fake_tensor("float32", shape, align=align)
-    op = KdaDecode(dt, Dh, W, cfg)
     return runtime.compile_tvm_ffi(
         op, act(c), act(c), act(c), act(c), act(h), act(c), f32((3, c, W), 16 if W % 4 == 0 else 4),
         runtime.fake_tensor(dtype, (b, 3, c, W - 1), align=2), f32((h,)), f32((c,)), f32((Dh,)),
@@ -229,9 +234,15 @@ def _rows(t):
 def launch(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
            state, y, lower_bound: float, l2_eps: float, norm_eps: float,
            variant: KdaConfig | None = None):
-    """Destination-passing launch on the current stream: writes y, updates conv_state, state."""
+    """Destination-passing launch on the current stream: writes y, updates conv_state, state.
+    `variant` may also be an experimental fused.kda_decode_cluster.KdaClusterConfig."""
     if state.shape[0] == 0:
         return
+    if variant is not None and not isinstance(variant, KdaConfig):
+        from fused import kda_decode_cluster
+        return kda_decode_cluster.launch(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state,
+                                         A_log, dt_bias, o_norm_w, state, y, lower_bound, l2_eps,
+                                         norm_eps, variant=variant)
     Dh, W = state.shape[-1], conv_w.shape[-1]
     cfg = variant or KdaConfig.for_shape(Dh, state.shape[0] * state.shape[1])
     fn = _compile(runtime.dtype_name(q_raw.dtype), Dh, W, cfg)
@@ -282,3 +293,10 @@ def kda_decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_lo
 def variants(tensors: dict, params: dict) -> list[KdaConfig]:
     """Every launch variant the harness must certify for these inputs."""
     return KdaConfig.all_configs()
+
+
+def experimental_variants(tensors: dict, params: dict) -> list:
+    """Launch variants not certified and not dispatched: one (sequence, head) split over a cluster
+    of 2..8 CTAs by state rows (fused.kda_decode_cluster). Pass one as `variant=` to try it."""
+    from fused import kda_decode_cluster
+    return kda_decode_cluster.KdaClusterConfig.all_configs()
