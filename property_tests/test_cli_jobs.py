@@ -61,3 +61,14 @@ def test_jobs_refused_in_bad_combinations(tmp_path):
     assert _cli(["--jobs", "0", "--ops", "mxfp4_dequant"], tmp_path).returncode == 2
     r = _cli(["--jobs", "2", "--distributed", "gloo", "--ops", "mxfp4_dequant"], tmp_path)
     assert r.returncode == 2 and "--jobs and --distributed cannot be combined" in r.stderr
+
+
+def test_jobs_with_changed_since_carry_the_unchanged_ops(tmp_path):
+    common = ["--ops", "mxfp4_dequant,mla_cache_write", "--candidate", "reference", "--profile", "quick",
+              "--no-isolate"]
+    assert _cli(common + ["--out", "base"], tmp_path).returncode == 0
+    r = _cli(common + ["--out", "again", "--jobs", "2", "--changed-since", "base/certificate.json"], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    cert = json.loads((tmp_path / "again" / "certificate.json").read_text())
+    assert set(cert["ops"]) == {"mxfp4_dequant", "mla_cache_write"}
+    assert all("carried_from" in v for e in cert["ops"].values() for v in e["verdicts"].values())

@@ -227,8 +227,8 @@ def _run_setup(args):
     jobs = getattr(args, "jobs", 1)
     if jobs < 1:
         raise UsageError(f"--jobs {jobs}: must be 1 or more")
-    if jobs > 1 and set(modes) - {"resume"}:
-        raise UsageError(f"--jobs and --{(set(modes) - {'resume'}).pop().replace('_', '-')} cannot be combined")
+    if jobs > 1 and set(modes) & {"distributed", "sanitize"}:
+        raise UsageError(f"--jobs and --{(set(modes) & {'distributed', 'sanitize'}).pop()} cannot be combined")
     return ops, profile, tps
 
 
@@ -267,7 +267,7 @@ def cmd_run(args) -> int:
                "isolated": not args.no_isolate, "case_timeout": args.case_timeout, "distributed": args.distributed,
                "sanitize": args.sanitize, "changed_since": args.changed_since}
     if args.jobs > 1:
-        return _run_jobs(args, ops, candidates, device, options, console)
+        return _run_jobs(args, ops, candidates, device, options, console, carried)
     log = RunLog(Path(args.out), resume=args.resume)
     differs = settings_mismatch(log.previous.options, options)
     if differs:
@@ -309,7 +309,7 @@ def _finish_run(args, verdicts, options, device, cases, console, carried, where:
     return EXIT_FAIL if failed else EXIT_OK
 
 
-def _run_jobs(args, ops, candidates, device, options, console) -> int:
+def _run_jobs(args, ops, candidates, device, options, console, carried: dict) -> int:
     """run --jobs N (verify/parallel.py): children per op group, one merged certificate."""
     from verify.parallel import run_jobs
 
@@ -322,8 +322,8 @@ def _run_jobs(args, ops, candidates, device, options, console) -> int:
         first = Path(args.out) / "jobs" / "0.log"
         tail = first.read_text().strip().splitlines()[-1:] if first.exists() else []
         raise UsageError(f"--jobs: the child runs refused the command ({'; '.join(tail) or usage[0]})")
-    return _finish_run(args, verdicts, dict(options, jobs=args.jobs), device, cases, console, None,
-                       f"{args.jobs} jobs, logs {Path(args.out) / 'jobs'}")
+    return _finish_run(args, verdicts, dict(options, jobs=args.jobs), device, cases, console, carried,
+                       f"{len(carried)} ops carried; {args.jobs} jobs, logs {Path(args.out) / 'jobs'}")
 
 
 def cmd_report(args) -> int:

@@ -16,13 +16,15 @@ import time
 from pathlib import Path
 
 # options the parent sets per child or handles itself
-_PER_CHILD = {"--jobs": True, "--ops": True, "--out": True, "--junit": True, "--json": False}
+# (the parent has already narrowed the ops with --changed-since and carries the rest itself)
+_PER_CHILD = {"--jobs": True, "--ops": True, "--out": True, "--junit": True, "--json": False,
+              "--changed-since": True}
 
 
 def partition(names: list[str], jobs: int) -> list[list[str]]:
     """Round-robin in the given (registry) order: stable for a resume with the same --jobs."""
     groups = [names[i::jobs] for i in range(jobs)]
-    return [g for g in groups if g]
+    return [g for g in groups if g]         # fewer ops than jobs: fewer children
 
 
 def child_argv(argv: list[str], ops: list[str], out: Path) -> list[str]:
