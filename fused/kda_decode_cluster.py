@@ -5,7 +5,9 @@ rows [r*Dh/C, (r+1)*Dh/C) of S[b, h]: it reads and writes only those (64 KiB / C
 v channels of those rows. Every CTA recomputes the shared per-head inputs (q and k convs, their L2
 norms, the gate, beta) with the code and summation order of fused.kda_decode, so they are bitwise
 identical across the cluster. Per row the work is fused.kda_decode's (same lanes, same 4-wide
-partial dots, same butterflies), so state and o are bitwise those of the one-CTA kernel.
+partial dots, same butterflies), so state and o should be bitwise the one-CTA kernel's (same
+expressions; not yet run on a GPU: the gpu tests and bench/bench_kda_cluster.py check it).
+Grid [C, H, B] with cluster [C, 1, 1]: B and H <= 65535.
 
 Cross-CTA steps, both through distributed shared memory and cluster barriers:
 - RMSNorm: every warp reads all Dh rounded o values from their owners' smem and sums o^2 in
