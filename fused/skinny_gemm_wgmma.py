@@ -19,6 +19,16 @@ serial in one CTA (S x rows x m_pad x 4 bytes read from L2): on the H200 (sessio
 results/gpu/cert-2026-11-30-s3/call2_wgmma.log) it made S = 9-28 variants 2-9x slower at m_pad 32/64,
 while S <= 2 variants matched or beat cuBLAS on 5 of the 6 K3 shapes.
 
+Two cheaper folds, bench-only until measured on the H200 (`fold_configs`, listed by `configs_for(...,
+sweep=True)` only; the shipped variants keep fold "last" and its exact code): both write the partials
+token-major and only for the M real tokens, and read them 16 bytes at a time with all 128 consumer
+threads. "vec": the last CTA folds all M x rows outputs. "spread": every split CTA takes its ticket,
+spins (thread 0, ld.acquire) until the counter reaches S, then folds its own 1/S slice of the M x rows
+outputs; a second round of tickets lets the last CTA out reset the counter. The spin is safe only if
+the whole grid is resident, which `validate` enforces (N/rows x S <= 132 x occupancy, and the CTA's
+shared memory allows that occupancy); a co-running kernel that holds SMs only delays it. Both fold
+in the same ks order as "last", so they give its bits at the same (rows, occupancy, S).
+
 Summation order of y[m, n]: the wgmma chain over the k-tiles of each split in k order (inside a tile
 the tensor core's fixed k order), then the splits in ks order. It depends on K, the k tile (64) and S
 only. S is a function of (N, K, rows, occupancy) (`ksplit_for`), never of M, m_pad or the token's
@@ -44,6 +54,13 @@ CONSUMER_THREADS = 128       # one warpgroup
 THREADS = CONSUMER_THREADS + 32
 MAX_STAGES = 12
 M_PADS = (8, 16, 32, 64)
+# Split-K folds. "last": fragment-major partials, the last CTA to arrive adds the S partials (4-byte
+# loads, every m_pad column). "vec": token-major partials of the M real tokens only, the last CTA
+# adds them with 16-byte loads. "spread": the same partials; every split CTA waits (integer spin on
+# the block's counter) until all S have arrived, then folds its own 1/S slice of the M x rows
+# outputs, so the fold is spread over S SMs; needs the whole grid resident (validate). Each output
+# is ((p0 + p1) + p2) + ... in ks order in all three, whichever CTA adds it.
+FOLDS = ("last", "vec", "spread")
 
 
 @dataclass(frozen=True)
@@ -53,10 +70,12 @@ class SkinnyGemmWgmmaConfig:
     stages: int          # TMA pipeline depth (weight + token tile per stage)
     ksplit: int          # CTAs along K per column block (1: no workspace)
     occupancy: int = 1   # CTAs per SM the stage count was sized for (1 or 2)
+    fold: str = "last"   # split-K fold: "last", "vec" or "spread" (FOLDS); "last" is the shipped kernel
 
     @property
     def name(self) -> str:
-        return f"wgmma_m{self.m_pad}_r{self.rows}_st{self.stages}_s{self.ksplit}_o{self.occupancy}"
+        tail = "" if self.fold == "last" else f"_{self.fold}"
+        return f"wgmma_m{self.m_pad}_r{self.rows}_st{self.stages}_s{self.ksplit}_o{self.occupancy}{tail}"
 
 
 def supports(K: int) -> bool:
@@ -105,6 +124,22 @@ def configs_for(N: int, K: int, m_pad: int, sweep: bool = False) -> list[SkinnyG
             st = stages_for(rows, m_pad, occ)
             if st >= 3:
                 out.append(SkinnyGemmWgmmaConfig(m_pad, rows, st, ksplit_for(N, K, rows, occ), occ))
+    if sweep:
+        out += fold_configs([c for c in out if (c.rows, c.occupancy) in SHIPPED])
+    return out
+
+
+def fold_configs(base: list[SkinnyGemmWgmmaConfig]) -> list[SkinnyGemmWgmmaConfig]:
+    """Bench-only split-K variants (not certified, not picked by the dispatcher): for each split
+    variant, the "vec" and "spread" folds at its S and at about S/2 (fewer, larger k ranges: a cheaper
+    fold against less parallel weight streaming; S is static per variant, never a function of M)."""
+    out = []
+    for c in base:
+        if c.ksplit == 1:
+            continue
+        for s in sorted({c.ksplit, max(2, (c.ksplit + 1) // 2)}, reverse=True):
+            for fold in ("vec", "spread"):
+                out.append(SkinnyGemmWgmmaConfig(c.m_pad, c.rows, c.stages, s, c.occupancy, fold))
     return out
 
 
@@ -138,6 +173,17 @@ def validate(N: int, K: int, cfg: SkinnyGemmWgmmaConfig) -> None:
     smem = cfg.stages * stage_bytes(cfg.rows, cfg.m_pad) + 2048
     if cfg.stages < 2 or smem > SMEM_PER_SM - 1024:
         raise ValueError(f"variant: {cfg.stages} stages need {smem} bytes of shared memory ({cfg.name})")
+    if cfg.fold not in FOLDS:
+        raise ValueError(f"variant: fold={cfg.fold!r} must be one of {FOLDS} ({cfg.name})")
+    if cfg.fold == "spread":
+        # every CTA spins until all S of its column block arrived: only safe if the grid is resident
+        if cfg.occupancy not in (1, 2) or smem > SMEM_PER_SM // cfg.occupancy - 1024:
+            raise ValueError(f"variant: fold='spread' needs {cfg.occupancy} CTAs per SM resident, but one "
+                             f"CTA takes {smem} bytes of shared memory ({cfg.name})")
+        if num_ctas(N, cfg) > SMS * cfg.occupancy:
+            raise ValueError(f"variant: fold='spread' spins on its split-K peers, so the grid must be "
+                             f"resident: {num_ctas(N, cfg)} CTAs > {SMS} SMs x occupancy {cfg.occupancy} "
+                             f"({cfg.name}); lower ksplit or use fold='vec'")
 
 
 class SkinnyGemmWgmma:
@@ -199,6 +245,61 @@ class SkinnyGemmWgmma:
         warpgroup = cute.nvgpu.warpgroup
         nkb = BK // 16
         tx_bytes = stage_bytes(rows, self.cfg.m_pad)           # 2-byte dtypes; OOB rows count too
+        fold, spread = self.cfg.fold, self.cfg.fold == "spread"
+        E = rows * self.cfg.m_pad                              # floats per split partial
+        wait_at_least = spin_wait_op() if spread else None
+
+        @cute.jit
+        def fold_tokens(acc: cute.Tensor, tCc: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor,
+                        mCnt: cute.Tensor, ticket: cute.Tensor, bn: Int32, ks: Int32, tidx: Int32, M: Int32):
+            """fold "vec" / "spread": partial[t, r] of the M real tokens, token-major; the sum of 4
+            adjacent outputs is read as 16 bytes per split, in ks order."""
+            blk = bn * S * E                                           # this column block's S partials
+            mine = blk + ks * E
+            for i in cutlass.range_constexpr(frag):
+                r, t = tCc[i]
+                if t < M:
+                    mWs[mine + t * rows + r] = acc[i]
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMER_THREADS)
+            if tidx == 0:
+                ticket[0] = cute.arch.atomic_add(mCnt.iterator + bn, Int32(1), sem="acq_rel", scope="gpu")
+                if cutlass.const_expr(spread):
+                    wait_at_least(mCnt.iterator + bn, Int32(S))         # every split has written
+            cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMER_THREADS)
+            nv = M * (rows // 4)                                       # 4-float vectors of real tokens
+            if cutlass.const_expr(spread):
+                fold_slice(mY, mWs, blk, bn, (ks * nv) // S, ((ks + 1) * nv) // S, tidx)
+                cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMER_THREADS)
+                if tidx == 0:                                          # the last one out resets it
+                    done = cute.arch.atomic_add(mCnt.iterator + bn, Int32(1), sem="relaxed", scope="gpu")
+                    if done == 2 * S - 1:
+                        mCnt[bn] = Int32(0)
+            else:
+                if ticket[0] == S - 1:                                 # last CTA of this column block
+                    fold_slice(mY, mWs, blk, bn, Int32(0), nv, tidx)
+                    if tidx == 0:
+                        mCnt[bn] = Int32(0)
+
+        @cute.jit
+        def fold_slice(mY: cute.Tensor, mWs: cute.Tensor, blk: Int32, bn: Int32, lo: Int32, hi: Int32,
+                       tidx: Int32):
+            """Outputs [4 lo, 4 hi) of the block's token-major M x rows: sum the S partials in ks order."""
+            cute.arch.fence_acq_rel_gpu()
+            vec4 = cute.make_layout(4)
+            sum4 = cute.make_rmem_tensor(vec4, Float32)
+            for v in cutlass.range(lo + tidx, hi, CONSUMER_THREADS, unroll=1):
+                e = v * 4
+                src = cute.make_ptr(Float32, (mWs.iterator + (blk + e)).toint(), cute.AddressSpace.gmem,
+                                    assumed_align=16)                  # 16-byte aligned: e % 4 == 0
+                tot = cute.make_tensor(src, vec4).load()
+                for s in cutlass.range_constexpr(1, S):
+                    tot = tot + cute.make_tensor(src + s * E, vec4).load()
+                sum4.store(tot)
+                t = e // rows
+                c = bn * rows + (e - t * rows)
+                for j in cutlass.range_constexpr(4):
+                    mY[t, c + j] = sum4[j].to(mY.element_type)
 
         @cute.jit
         def epilogue(acc: cute.Tensor, tCc: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor,
@@ -210,6 +311,8 @@ class SkinnyGemmWgmma:
                     r, t = tCc[i]
                     if t < M:
                         mY[t, n0 + r] = acc[i].to(mY.element_type)
+            elif cutlass.const_expr(fold != "last"):
+                fold_tokens(acc, tCc, mY, mWs, mCnt, ticket, bn, ks, tidx, M)
             else:
                 base = (bn * S + ks) * (frag * CONSUMER_THREADS) + tidx    # fragment-major, thread-minor
                 for i in cutlass.range_constexpr(frag):
@@ -301,6 +404,25 @@ class SkinnyGemmWgmma:
                          bn, ks, tidx, M)
 
         return kernel
+
+
+def spin_wait_op():
+    """wait_at_least(ptr, target): spin (ld.acquire.gpu, nanosleep back-off) until *ptr >= target; PTX
+    loop in inline asm because the kernel bodies use no dynamic `while`."""
+    cutlass, cute = runtime.cutlass_modules()
+    from cutlass import Int32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import dsl_user_op
+
+    @dsl_user_op
+    def wait_at_least(ptr, target, *, loc=None, ip=None):
+        return Int32(llvm.inline_asm(
+            Int32.mlir_type, [ptr.to_llvm_ptr(loc=loc, ip=ip), Int32(target).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .pred p;\n\tSPIN_WAIT:\n\tld.acquire.gpu.global.s32 $0, [$1];\n\t"
+            "setp.lt.s32 p, $0, $2;\n\t@p nanosleep.u32 64;\n\t@p bra SPIN_WAIT;\n\t}",
+            "=r,l,r", has_side_effects=True, loc=loc, ip=ip))
+
+    return wait_at_least
 
 
 def compile_variant(dtype: str, out_dtype: str, N: int, K: int, cfg: SkinnyGemmWgmmaConfig):

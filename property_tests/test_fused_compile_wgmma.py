@@ -106,6 +106,55 @@ def test_wgmma_new_batch_size_does_not_recompile():
     assert after.misses == before.misses and after.hits == before.hits + 3
 
 
+def test_wgmma_fold_variants_bench_only():
+    """The "vec"/"spread" split-K folds are listed for the bench (sweep) only: the shipped variants,
+    the harness's variants() and default_config stay the certified "last" fold."""
+    from fused import skinny_gemm as sg
+    from fused.skinny_gemm_wgmma import M_PADS, configs_for
+    for K, N in GEMM_SHAPES:
+        for p in M_PADS:
+            assert all(c.fold == "last" for c in configs_for(N, K, p)), (K, N, p)
+        assert all(getattr(c, "fold", "last") == "last" for c in sg.all_configs(N, K))
+    new = [c for c in configs_for(896, 7168, 64, sweep=True) if c.fold != "last"]
+    names = {c.name for c in new}
+    assert len(names) == len(new)
+    assert {"wgmma_m64_r64_st12_s9_o1_spread", "wgmma_m64_r64_st12_s5_o1_vec"} <= names, names
+
+
+def test_wgmma_spread_fold_requires_resident_grid():
+    from fused.skinny_gemm_wgmma import SkinnyGemmWgmma, SkinnyGemmWgmmaConfig
+    with pytest.raises(ValueError, match="252 CTAs > 132 SMs x occupancy 1"):
+        SkinnyGemmWgmma(896, 7168, SkinnyGemmWgmmaConfig(64, 64, 12, 18, 1, "spread"))
+    with pytest.raises(ValueError, match="needs 2 CTAs per SM resident"):
+        SkinnyGemmWgmma(896, 7168, SkinnyGemmWgmmaConfig(64, 64, 12, 9, 2, "spread"))
+    with pytest.raises(ValueError, match="fold='atomic' must be one of"):
+        SkinnyGemmWgmma(896, 7168, SkinnyGemmWgmmaConfig(64, 64, 12, 9, 1, "atomic"))
+    SkinnyGemmWgmma(896, 7168, SkinnyGemmWgmmaConfig(64, 64, 12, 18, 1, "vec"))     # no spin: any grid
+
+
+def test_wgmma_spread_fold_ptx(tmp_path):
+    """"spread": integer ticket and acquire spin, 16-byte partial loads, no float atomics, no spills."""
+    import subprocess
+    import sys
+    code = ("from fused import skinny_gemm_wgmma as wg; "
+            "c = wg.SkinnyGemmWgmmaConfig(64, 64, 12, 9, 1, 'spread'); "
+            "wg.compile_variant('bfloat16', 'bfloat16', 896, 7168, c)")
+    env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_ARCH="sm_90a")
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+    ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
+    assert "atom.global.acq_rel.add" in ptx and "ld.acquire.gpu.global.s32" in ptx
+    assert ptx.count("ld.global.v4") >= 9                    # one 16-byte load per split (S = 9)
+    assert "atom.global.add.f32" not in ptx and "red.global.add.f32" not in ptx
+    assert ".local" not in ptx
+
+
+def test_wgmma_vec_fold_compiles():
+    from fused.skinny_gemm_wgmma import SkinnyGemmWgmmaConfig
+    cfg = SkinnyGemmWgmmaConfig(32, 64, 12, 5, 1, "vec")
+    assert runtime.compile_for_cpu_check("skinny_gemm", "bfloat16", "bfloat16", 896, 7168, cfg) is not None
+
+
 # ---------------------------------------------------------------------------------------- GPU only
 def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(v.abs().clamp_min(1e-30))) - 7)
@@ -186,3 +235,63 @@ def test_wgmma_same_bits_across_m_pad():
     for key, ys in outs.items():
         for y in ys[1:]:
             assert torch.equal(y.view(torch.int16), ys[0].view(torch.int16)), key
+
+
+def _fold_variants(N, K, m_pad):
+    from fused.skinny_gemm_wgmma import configs_for
+    return [c for c in configs_for(N, K, m_pad, sweep=True) if c.fold != "last"]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("K,N", [(7168, 896), (7168, 3584), (7168, 6144)], ids=["7168to896", "7168to3584", "7168to6144"])
+@pytest.mark.parametrize("M", [1, 5, 16, 33, 64])
+def test_wgmma_fold_variants_match_float64_and_last_fold(K, N, M):
+    """"vec"/"spread" folds: error <= torch's + 1 bf16 ulp, padded rows never written, two runs bitwise
+    equal, and the same bits as the shipped "last" fold with the same (rows, occupancy, S): the three
+    folds add the partials in the same ks order."""
+    import dataclasses
+
+    from fused.skinny_gemm import skinny_gemm
+    from fused.skinny_gemm_wgmma import m_pad_for
+    x, w = _case(M, N, K, seed=3)
+    ref = x.double() @ w.double().T
+    bound = (torch.nn.functional.linear(x, w).double() - ref).abs().max() + _bf16_ulp(ref.abs().max())
+    cfgs = _fold_variants(N, K, m_pad_for(M))
+    assert cfgs
+    for cfg in cfgs:
+        big = torch.full((M + 3, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        got = skinny_gemm(x, w, out=big[:M], variant=cfg)
+        assert torch.isnan(big[M:]).all(), cfg.name
+        assert (got.double() - ref).abs().max() <= bound, cfg.name
+        for _ in range(3):
+            again = skinny_gemm(x, w, variant=cfg)
+            assert torch.equal(got.view(torch.int16), again.view(torch.int16)), cfg.name
+        last = skinny_gemm(x, w, variant=dataclasses.replace(cfg, fold="last"))
+        assert torch.equal(got.view(torch.int16), last.view(torch.int16)), cfg.name
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("K,N", [(7168, 896), (7168, 3584)], ids=["7168to896", "7168to3584"])
+def test_wgmma_fold_variants_batch_invariant_and_graph_replays(K, N):
+    """A row at M=64 == the same row at M=1, 7, 33 (the fold slices move with M, the order does not);
+    CUDA-graph replays give the eager bits (the spread fold's counter returns to 0)."""
+    from fused.skinny_gemm import skinny_gemm
+    x, w = _case(64, N, K, seed=4)
+    for cfg in _fold_variants(N, K, 64):
+        full = skinny_gemm(x, w, variant=cfg)
+        for M in (1, 7, 33):
+            part = skinny_gemm(x[64 - M:].clone(), w, variant=cfg)
+            assert torch.equal(part.view(torch.int16), full[64 - M:].view(torch.int16)), (cfg.name, M)
+        out = torch.empty_like(full)
+        skinny_gemm(x, w, out=out, variant=cfg)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            skinny_gemm(x, w, out=out, variant=cfg)
+        for _ in range(3):
+            out.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out.view(torch.int16), full.view(torch.int16)), cfg.name
