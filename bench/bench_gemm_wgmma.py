@@ -13,6 +13,12 @@ prints START before each variant; the parent kills a child silent for --hang-s s
 variant as HANG and restarts the child, which skips it and everything already recorded (results
 stream to gemm_wgmma.jsonl). Writes gemm_wgmma.{json,md,log} under --out.
 CPU-only check of this script: python3 bench/bench_gemm_wgmma.py --compile-only --limit 2
+
+Split-K folds (bench-only until measured): `configs_for(..., sweep=True)` also lists the "vec" and
+"spread" folds at each split variant's S and at about S/2; on the H200:
+  python3 bench/bench_gemm_wgmma.py --shapes 7168x896,7168x3584,7168x6144 --ms 8,16,32,64 --out $OUT/folds
+(166 variants; add `--folds vec,spread --ksplit-sweep 2,3,4,6` in a second call for more S values.) The md's "per split-K fold" table gives each
+fold's best correct, deterministic, batch-invariant variant beside cuBLAS.
 """
 import argparse
 import dataclasses
@@ -41,6 +47,9 @@ def parse(argv=None):
     ap.add_argument("--shapes", default="all", help="'all' or K->N pairs like 7168x896,1536x7168")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M (1..64)")
     ap.add_argument("--ksplit-sweep", default="", help="extra split-K values tried on every wgmma variant, e.g. 1,2,4")
+    ap.add_argument("--folds", default="last,vec,spread",
+                    help="split-K folds of the wgmma variants to run (fused/skinny_gemm_wgmma.py FOLDS); "
+                         "e.g. vec,spread for the bench-only folds")
     ap.add_argument("--hang-s", type=float, default=60.0, help="silence (s) after which a variant counts as hung")
     ap.add_argument("--compile-only", action="store_true", help="compile the variants (no GPU needed) and exit")
     ap.add_argument("--limit", type=int, default=0, help="with --compile-only: compile only this many variants")
@@ -56,14 +65,29 @@ def shapes_of(args):
     return [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
 
 
-def variants_for(N, K, M, sweep):
-    """The wgmma variants of M's bucket (plus the split-K sweep) and the current default."""
+def variants_for(N, K, M, sweep, folds=None):
+    """The wgmma variants of M's bucket with a fold in `folds` (all if None), plus the split-K sweep
+    (dropped where a variant rejects it, e.g. a "spread" grid that would not be resident), and the
+    current default."""
     from fused import skinny_gemm as sg
     from fused import skinny_gemm_wgmma as wg
-    base = wg.configs_for(N, K, wg.m_pad_for(M), sweep=True)
-    extra = [dataclasses.replace(c, ksplit=s) for c in base for s in sweep
-             if s != c.ksplit and 1 <= s <= K // wg.BK]
+    base = [c for c in wg.configs_for(N, K, wg.m_pad_for(M), sweep=True) if folds is None or c.fold in folds]
+    extra = []
+    for c in base:
+        for s in sweep:
+            cand = dataclasses.replace(c, ksplit=s)
+            if s == c.ksplit or not 1 <= s <= K // wg.BK or cand in base + extra:
+                continue
+            try:
+                wg.validate(N, K, cand)
+            except ValueError:
+                continue
+            extra.append(cand)
     return base + extra + [sg.default_config(M, N, K)]
+
+
+def folds_of(args):
+    return {f for f in args.folds.split(",") if f}
 
 
 def all_variants(args):
@@ -73,7 +97,7 @@ def all_variants(args):
     for K, N in shapes_of(args):
         seen = []
         for M in ms:
-            for c in variants_for(N, K, M, sweep):
+            for c in variants_for(N, K, M, sweep, folds_of(args)):
                 if c not in seen:
                     seen.append(c)
         out[(K, N)] = seen
@@ -122,11 +146,12 @@ def run_child(args):
             base = F.linear(x, ws[0])
             base_err = (base.double() - ref).abs().max().item()
             shape = f"{K}->{N} M={M}"
-            for cfg in variants_for(N, K, M, [int(s) for s in args.ksplit_sweep.split(",") if s]):
+            for cfg in variants_for(N, K, M, [int(s) for s in args.ksplit_sweep.split(",") if s], folds_of(args)):
                 tag = f"{K}x{N}:{M}:{cfg.name}"
                 if (K, N, M, cfg.name) in done:
                     continue
                 r = dict(shape=shape, K=K, N=N, M=M, impl=cfg.name, wgmma=isinstance(cfg, SkinnyGemmWgmmaConfig),
+                         fold=getattr(cfg, "fold", None), ksplit=getattr(cfg, "ksplit", None),
                          default=cfg == sg.default_config(M, N, K), cublas_err=base_err)
                 if tag in skip:
                     record(dict(r, error="HANG (killed; skipped on restart)"))
@@ -233,6 +258,17 @@ def report(args):
                   f"{dflt['us'] if dflt else '-'} ({dflt['impl'] if dflt else '-'}) | "
                   f"{best['us'] if best else '-'} ({best['impl'] if best else 'none correct'}), "
                   f"{best['pct_bw'] if best else '-'}% | {ratio} |")
+    md += ["", "## Best correct wgmma variant per split-K fold (fused/skinny_gemm_wgmma.py FOLDS)", "",
+           "| K -> N | M | cuBLAS us | last | vec | spread |", "|---|---|---|---|---|---|"]
+    for (K, N, M), rs in groups.items():
+        cb = next((r for r in rs if r["impl"] == "cublas"), None)
+        cells = []
+        for fold in ("last", "vec", "spread"):
+            good = [r for r in rs if r.get("fold") == fold and r.get("ok") and r.get("deterministic")
+                    and r.get("batch_invariant") and "us" in r]
+            b = min(good, key=lambda r: r["us"]) if good else None
+            cells.append(f"{b['us']} ({b['impl']})" if b else "-")
+        md.append(f"| {K} -> {N} | {M} | {cb['us'] if cb else '-'} | " + " | ".join(cells) + " |")
     md += ["", "## Every variant", "", "| K -> N | M | variant | us | % bw | maxerr | cuBLAS err | ok | det | inv | error |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
