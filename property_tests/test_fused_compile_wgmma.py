@@ -160,6 +160,26 @@ def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(v.abs().clamp_min(1e-30))) - 7)
 
 
+def _assert_rows_and_replays_match(x, w, cfg, full):
+    """Rows of the M = 64 result equal to the same rows computed at M = 1, 7, 33 (batch invariance),
+    and three CUDA-graph replays of the launch (after a warm-up that compiles and allocates) equal to it."""
+    from fused.skinny_gemm import skinny_gemm
+    for M in (1, 7, 33):
+        part = skinny_gemm(x[64 - M:].clone(), w, variant=cfg)
+        assert torch.equal(part.view(torch.int16), full[64 - M:].view(torch.int16)), (cfg.name, M)
+    out = torch.empty_like(full)
+    skinny_gemm(x, w, out=out, variant=cfg)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        skinny_gemm(x, w, out=out, variant=cfg)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), full.view(torch.int16)), cfg.name
+
+
 def _case(M, N, K, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
@@ -199,24 +219,11 @@ def test_wgmma_batch_invariant_and_graph_replays(K, N):
     x, w = _case(64, N, K, seed=1)
     for cfg in configs_for(N, K, 64):
         full = skinny_gemm(x, w, variant=cfg)
-        for M in (1, 7, 33):
-            part = skinny_gemm(x[64 - M:].clone(), w, variant=cfg)
-            assert torch.equal(part.view(torch.int16), full[64 - M:].view(torch.int16)), (cfg.name, M)
+        _assert_rows_and_replays_match(x, w, cfg, full)
         wide = torch.zeros(64, K + 64, device="cuda", dtype=torch.bfloat16)
         wide[:, 32:32 + K] = x
         strided = skinny_gemm(wide[:, 32:32 + K], w, variant=cfg)
         assert torch.equal(strided.view(torch.int16), full.view(torch.int16)), cfg.name
-        out = torch.empty_like(full)
-        skinny_gemm(x, w, out=out, variant=cfg)                  # warm up (compile, buffers) before capture
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            skinny_gemm(x, w, out=out, variant=cfg)
-        for _ in range(3):
-            out.fill_(float("nan"))
-            g.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out.view(torch.int16), full.view(torch.int16)), cfg.name
 
 
 @pytest.mark.gpu
@@ -281,17 +288,4 @@ def test_wgmma_fold_variants_batch_invariant_and_graph_replays(K, N):
     x, w = _case(64, N, K, seed=4)
     for cfg in _fold_variants(N, K, 64):
         full = skinny_gemm(x, w, variant=cfg)
-        for M in (1, 7, 33):
-            part = skinny_gemm(x[64 - M:].clone(), w, variant=cfg)
-            assert torch.equal(part.view(torch.int16), full[64 - M:].view(torch.int16)), (cfg.name, M)
-        out = torch.empty_like(full)
-        skinny_gemm(x, w, out=out, variant=cfg)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            skinny_gemm(x, w, out=out, variant=cfg)
-        for _ in range(3):
-            out.fill_(float("nan"))
-            g.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out.view(torch.int16), full.view(torch.int16)), cfg.name
+        _assert_rows_and_replays_match(x, w, cfg, full)
