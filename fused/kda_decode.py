@@ -60,6 +60,7 @@ class KdaDecode:
         self.lanes_per_row = Dh // 4                      # 4 fp32 (16 bytes) per lane
         self.rows_per_warp = 32 // self.lanes_per_row
         rows_per_pass = self.rows_per_warp * self.num_warps
+        self.rows = Dh                                    # state rows one CTA updates
         self.n_pass = -(-Dh // rows_per_pass)
         self.even = Dh % rows_per_pass == 0
         self.scale = Dh ** -0.5
@@ -103,7 +104,24 @@ class KdaDecode:
                            lower_bound, b, h, tidx)
         beta = _sigmoid(mBeta[b, h].to(Float32))
         cute.arch.sync_threads()
-        # 3. l2 norms of q, k (every warp redundantly: no second barrier)
+        self.update_rows(st, gS, sQKV, sAlpha, sO, beta, l2_eps, warp, lane, 0)
+        cute.arch.sync_threads()
+        # 5. gated RMSNorm: y = o * rsqrt(mean o^2 + eps) * w * sigmoid(z)
+        rstd = cute.math.rsqrt(self.warp_sum_sq(sO, None, lane) / Dh + norm_eps)
+        for c0 in cutlass.range_constexpr(0, Dh, self.num_threads):
+            c = c0 + tidx
+            if c < Dh:
+                z = mZ[b, h * Dh + c].to(Float32)
+                y = sO[c] * rstd * mNormW[c].to(Float32) * _sigmoid(z)
+                mY[b, h * Dh + c] = y.to(mY.element_type)
+
+    @cute.jit
+    def update_rows(self, st, gS, sQKV, sAlpha, sO, beta, l2_eps, warp, lane, v0):
+        """3. l2 norms of q, k (every warp redundantly: no second barrier);
+        4. per state row v0 + r, r < self.rows (the rows `st` holds): decay, delta rule, rank-1
+        write, read-out o (rounded to the working dtype) into sO."""
+        L = self.lanes_per_row
+        cg = lane % L
         rq = cute.math.rsqrt(self.warp_sum_sq(sQKV, 0, lane) + l2_eps) * self.scale
         rk = cute.math.rsqrt(self.warp_sum_sq(sQKV, 1, lane) + l2_eps)
         qv = cute.make_rmem_tensor(4, Float32)
@@ -114,10 +132,10 @@ class KdaDecode:
             kv[e] = sQKV[4 * cg + e, 1] * rk
             av[e] = sAlpha[4 * cg + e]
         q, k, a = qv.load(), kv.load(), av.load()
-        # 4. per row: decay, delta rule, rank-1 write, read-out
         for s in cutlass.range_constexpr(self.n_pass):
-            v = (s * self.num_warps + warp) * self.rows_per_warp + lane // L
-            if const_expr(self.even) or v < Dh:
+            r = (s * self.num_warps + warp) * self.rows_per_warp + lane // L
+            if const_expr(self.even) or r < self.rows:
+                v = v0 + r
                 sd = st[None, s].load() * a
                 ks = (sd * k).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 ks = cute.arch.warp_reduction(ks, operator.add, threads_in_group=L)
@@ -128,15 +146,6 @@ class KdaDecode:
                 o = cute.arch.warp_reduction(o, operator.add, threads_in_group=L)
                 if cg == 0:
                     sO[v] = o.to(self.dtype).to(Float32)
-        cute.arch.sync_threads()
-        # 5. gated RMSNorm: y = o * rsqrt(mean o^2 + eps) * w * sigmoid(z)
-        rstd = cute.math.rsqrt(self.warp_sum_sq(sO, None, lane) / Dh + norm_eps)
-        for c0 in cutlass.range_constexpr(0, Dh, self.num_threads):
-            c = c0 + tidx
-            if c < Dh:
-                z = mZ[b, h * Dh + c].to(Float32)
-                y = sO[c] * rstd * mNormW[c].to(Float32) * _sigmoid(z)
-                mY[b, h * Dh + c] = y.to(mY.element_type)
 
     @cute.jit
     def conv_and_gate(self, mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, sQKV, sAlpha,

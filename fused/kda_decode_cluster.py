@@ -100,32 +100,8 @@ class KdaDecodeCluster(base.KdaDecode):
                                 keep, lower_bound, b, h, rank, tidx)
         beta = base._sigmoid(mBeta[b, h].to(Float32))
         cute.arch.sync_threads()
-        # 3. l2 norms, as fused.kda_decode (bitwise the same in every CTA)
-        rq = cute.math.rsqrt(self.warp_sum_sq(sQKV, 0, lane) + l2_eps) * self.scale
-        rk = cute.math.rsqrt(self.warp_sum_sq(sQKV, 1, lane) + l2_eps)
-        qv = cute.make_rmem_tensor(4, Float32)
-        kv = cute.make_rmem_tensor(4, Float32)
-        av = cute.make_rmem_tensor(4, Float32)
-        for e in cutlass.range_constexpr(4):
-            qv[e] = sQKV[4 * cg + e, 0] * rq
-            kv[e] = sQKV[4 * cg + e, 1] * rk
-            av[e] = sAlpha[4 * cg + e]
-        q, k, a = qv.load(), kv.load(), av.load()
-        # 4. per owned row: decay, delta rule, rank-1 write, read-out (fused.kda_decode's code)
-        for s in cutlass.range_constexpr(self.n_pass):
-            vl = (s * self.num_warps + warp) * self.rows_per_warp + lane // L
-            if const_expr(self.even) or vl < R:
-                v = v0 + vl
-                sd = st[None, s].load() * a
-                ks = (sd * k).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                ks = cute.arch.warp_reduction(ks, operator.add, threads_in_group=L)
-                u = (sQKV[v, 2] - ks) * beta
-                sn = sd + k * u
-                gS[None, (v, cg)].store(sn)
-                o = (sn * q).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                o = cute.arch.warp_reduction(o, operator.add, threads_in_group=L)
-                if cg == 0:
-                    sO[v] = o.to(self.dtype).to(Float32)
+        # 3-4. l2 norms (bitwise the same in every CTA) and this CTA's rows: fused.kda_decode's code
+        self.update_rows(st, gS, sQKV, sAlpha, sO, beta, l2_eps, warp, lane, v0)
         # every CTA's o rows are in its smem, every conv window of the cluster has been read
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
