@@ -256,12 +256,15 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
                 res = judge(op, spec, back, oracle, base, inputs, inputs64)
                 checks.append(Check("guard:batch_position", all(c.ok for c in res),
                                     "; ".join(c.detail for c in res if not c.ok) or "within tolerance after permutation"))
+    other = refreshed_inputs(op, case, inputs) if refresh else None
     if refresh:
-        checks.append(refreshed_inputs_check(op, spec, case, fn, inputs, device))
+        checks.append(refreshed_inputs_check(op, spec, fn, inputs, other, device))
     if str(device).startswith("cuda") and spec.claims.deterministic:
-        from verify.gpu_guards import cuda_graph_check, side_stream_check
+        from verify.gpu_guards import cuda_graph_check, side_stream_check, stream_order_check
 
         checks += [side_stream_check(fn, op, dinputs, base, first, device), cuda_graph_check(fn, op, dinputs, first, device)]
+        if other is not None:
+            checks.append(stream_order_check(fn, op, dinputs, other[1], base, first, device))
     if not strided_run:
         return checks
     strided = guarded_call(fn, op, dinputs, base, device, strided=True)
@@ -307,16 +310,16 @@ def refreshed_inputs(op: OpDef, case: Case, first: OpInputs) -> tuple[int | None
     return None
 
 
-def refreshed_inputs_check(op: OpDef, spec: ToleranceSpec, case: Case, fn, inputs: OpInputs, device) -> Check:
+def refreshed_inputs_check(op: OpDef, spec: ToleranceSpec, fn, inputs: OpInputs,
+                           found: tuple[int | None, OpInputs] | None, device) -> Check:
     """guard:refreshed_inputs: call once, write another case's values into the same input (and
     state) tensors, in place, at the same addresses, and call again. The second result is judged
     against the reference on the new values. A candidate that keeps anything across calls keyed by
     pointer, shape or call count (prepacked or converted weights, a memo of outputs, a workspace
-    assumed clean) answers for the old values or stale state."""
+    assumed clean) answers for the old values or stale state. `found`: refreshed_inputs(...)."""
     from verify.candidates import reference_fn
 
     name = "guard:refreshed_inputs"
-    found = refreshed_inputs(op, case, inputs)
     if found is None:
         return Check(name, True, "not run: no other values with this case's shapes could be drawn")
     seed2, inputs2 = found

@@ -1,12 +1,16 @@
 """GPU-only guards: the candidate launched on a side stream and captured in a CUDA graph must give
 the same bits as a plain launch (a kernel that ignores the caller's stream, or allocates, syncs or
-reads host state during capture, fails here)."""
+reads host state during capture, fails here); and its work must be ordered on the caller's stream
+(`stream_order_check`)."""
 from __future__ import annotations
 
 import torch
 
-from verify.evaluate import guarded_call
+from verify.evaluate import _one_line, _Placed, guarded_call
+from verify.opdef import OpInputs
 from verify.verdict import Check
+
+SLEEP_CYCLES = 50_000_000      # ~25-30 ms of the caller's stream at H100/H200 clocks
 
 
 def _same(a: dict, b: dict) -> list[str]:
@@ -53,3 +57,32 @@ def cuda_graph_check(fn, op, inputs, first: dict, device) -> Check:
     diff = _same(first, results)
     return Check("guard:cuda_graph", not diff, f"graph replay differs: {', '.join(diff)}" if diff
                  else "graph replay bitwise identical")
+
+
+def stream_order_check(fn, op, dinputs: OpInputs, other: OpInputs, base: dict, first: dict, device) -> Check:
+    """guard:stream_order: the input (and state) tensors hold another case's values (same shapes)
+    until the caller's stream, a non-blocking side stream kept busy ~30 ms, writes this case's
+    values into them; the candidate is called on that stream right after. Work the candidate
+    launches anywhere else (the legacy default stream, a stream of its own, a host thread) runs
+    before the values arrive and answers for the other ones; with no device-wide synchronize
+    in between, the plain guarded calls could not see it."""
+    name = "guard:stream_order"
+    placed = _Placed(fn, op, other, base, device)            # the other values, on the current stream
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            for k, g in placed.inputs.items():
+                g.view.copy_(dinputs.tensors[k])             # ordered after the sleep, on `side`
+            returned = placed.call(fn, dinputs.params)
+    except Exception as e:
+        return Check(name, False, f"a call on a busy caller's stream raised {_one_line(e)}")
+    results, checks = placed.outputs(returned)
+    bad = [c for c in checks + placed.unwritten(results) if not c.ok]
+    if bad:
+        return Check(name, False, "on a busy caller's stream: " + "; ".join(f"{c.name}: {c.detail}" for c in bad))
+    diff = _same(first, results)
+    return Check(name, not diff, f"{', '.join(diff)} differ when the caller's stream is busy: work not "
+                 "ordered on the caller's stream read the inputs before they were written" if diff
+                 else "work ordered on the caller's stream")
