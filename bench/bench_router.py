@@ -79,7 +79,7 @@ def timing(args):
         x = torch.randn(B, D, device="cuda").to(torch.bfloat16)
         row = {"B": B}
         row["fused"] = graph_time_us([lambda w_=w_: fr.router_topk(x, w_, bias, k, 2.5) for w_ in ws])
-        for v in fr.variants({"x": x, "w_gate": ws[0]}, {})[2:]:
+        for v in fr.variants({"x": x, "w_gate": ws[0]}, {})[2:] + fr.experimental_variants({}, {}):
             row[f"fused {v.name}"] = graph_time_us([lambda w_=w_, v=v: fr.router_topk(x, w_, bias, k, 2.5, variant=v) for w_ in ws])
         row["eager"] = graph_time_us([lambda w_=w_: ref_rt(x, w_, bias, k, 2.5) for w_ in ws])
         if cr is not None:

@@ -81,16 +81,25 @@ class RouterTopkConfig:
     tokens_per_cta: int = 1          # tokens per CTA
     gemm: object = None              # logits GEMM config; None: logits_config(M, E, D)
     warps_per_token: int = 4         # 1: a warp per token; 4: a token's experts over 128 threads
+    pdl: bool = False                # top-k kernel as a programmatic dependent launch (experimental)
 
     @property
     def name(self) -> str:
         base = (f"warp_argmax_t{self.tokens_per_cta}" if self.warps_per_token == 1
                 else f"cta_argmax_w{self.warps_per_token}")
-        return base + (f"+{self.gemm.name}" if self.gemm is not None else "")
+        return base + ("_pdl" if self.pdl else "") + (f"+{self.gemm.name}" if self.gemm is not None else "")
 
 
 def all_configs() -> list[RouterTopkConfig]:
     return [RouterTopkConfig(1, None, 4), RouterTopkConfig(4, None, 1), RouterTopkConfig(1, None, 1)]
+
+
+def experimental_variants(tensors: dict, params: dict) -> list:
+    """Launch variants to measure on the H200 before they may ship (not certified, never picked):
+    the default top-k kernel launched as a programmatic dependent of the logits GEMM (PDL). Its grid
+    is launched while the GEMM drains; it loads its bias values, then waits (griddepcontrol.wait)
+    for the GEMM's results before reading a logit. It hides the second launch's latency."""
+    return [RouterTopkConfig(1, None, 4, pdl=True)]
 
 
 def variants(tensors: dict, params: dict) -> list:
@@ -125,8 +134,13 @@ class RouterTopk:
         def host(mLogit: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor,
                  routed_scale: cutlass.Float32, stream):
             B = mLogit.shape[1]
-            kernel(mLogit, mBias, mIds, mW, routed_scale).launch(
-                grid=[(B + tpc - 1) // tpc, 1, 1], block=[32 * tpc * wpt, 1, 1], stream=stream)
+            if cutlass.const_expr(self.cfg.pdl):
+                kernel(mLogit, mBias, mIds, mW, routed_scale).launch(
+                    grid=[(B + tpc - 1) // tpc, 1, 1], block=[32 * tpc * wpt, 1, 1], stream=stream,
+                    use_pdl=True)
+            else:
+                kernel(mLogit, mBias, mIds, mW, routed_scale).launch(
+                    grid=[(B + tpc - 1) // tpc, 1, 1], block=[32 * tpc * wpt, 1, 1], stream=stream)
 
         return host
 
@@ -135,7 +149,7 @@ class RouterTopk:
         from cutlass import Float32, Int32, Int64
 
         E, k, pl, tpc, S = self.E, self.k, self.per_lane, self.cfg.tokens_per_cta, self.S
-        wpt, T = self.cfg.warps_per_token, self.threads_per_token
+        wpt, T, pdl = self.cfg.warps_per_token, self.threads_per_token, self.cfg.pdl
 
         @cute.jit
         def logit(mLogit: cute.Tensor, b, e):
@@ -178,6 +192,12 @@ class RouterTopk:
                 xi = smem.allocate_tensor(Int32, cute.make_layout((2, wpt)), byte_alignment=16)
                 xs = smem.allocate_tensor(Float32, cute.make_layout((2, wpt)), byte_alignment=16)
             if b < mLogit.shape[1]:
+                if cutlass.const_expr(pdl):
+                    bias = cute.make_rmem_tensor(cute.make_layout(pl), Float32)
+                    for j in cutlass.range_constexpr(pl):
+                        if j * T + t < E:
+                            bias[j] = mBias[j * T + t]
+                    cute.arch.griddepcontrol_wait()      # the logits GEMM's results are visible from here
                 choice = cute.make_rmem_tensor(cute.make_layout(pl), Float32)
                 sig = cute.make_rmem_tensor(cute.make_layout(pl), Float32)
                 for j in cutlass.range_constexpr(pl):
@@ -187,7 +207,10 @@ class RouterTopk:
                     if e < E:
                         sv = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logit(mLogit, b, e)))
                         sig[j] = sv
-                        choice[j] = sv + mBias[e]
+                        if cutlass.const_expr(pdl):
+                            choice[j] = sv + bias[j]
+                        else:
+                            choice[j] = sv + mBias[e]
                 my_id = Int32(0)
                 my_s = Float32(0.0)
                 for r in cutlass.range_constexpr(k):
@@ -222,10 +245,10 @@ class RouterTopk:
 
 
 @runtime.compile_cache("router_topk")
-def _compile(E: int, top_k: int, tokens_per_cta: int, S: int, warps_per_token: int = 1):
+def _compile(E: int, top_k: int, tokens_per_cta: int, S: int, warps_per_token: int = 1, pdl: bool = False):
     cutlass, _ = runtime.cutlass_modules()
     b = runtime.sym_int()
-    op = RouterTopk(E, top_k, RouterTopkConfig(tokens_per_cta, None, warps_per_token), S)
+    op = RouterTopk(E, top_k, RouterTopkConfig(tokens_per_cta, None, warps_per_token, pdl), S)
     return runtime.compile_tvm_ffi(
         op.jit_host(),
         runtime.fake_tensor("float32", (S, b, E), align=4),
@@ -267,7 +290,10 @@ def launch(x, w_gate, bias, top_k, routed_scale, ids, weights, logits, variant=N
     if logits.shape != (S, B, E):
         raise ValueError(f"logits: expected the workspace [{S}, {B}, {E}], got {tuple(logits.shape)}")
     sg.launch(x, w_gate, logits if S > 1 else logits[0], gemm)
-    fn = _compile(E, top_k, variant.tokens_per_cta, S, variant.warps_per_token)
+    if variant.pdl:
+        fn = _compile(E, top_k, variant.tokens_per_cta, S, variant.warps_per_token, True)
+    else:
+        fn = _compile(E, top_k, variant.tokens_per_cta, S, variant.warps_per_token)
     fn(logits, bias, ids, weights, float(routed_scale))
 
 

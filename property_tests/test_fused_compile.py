@@ -122,6 +122,18 @@ def test_router_topk_compiles_every_variant(E, k, D):
     assert big.fresh_acc and big.ksplit > 1 and (D // 32) % big.ksplit == 0
 
 
+def test_router_topk_pdl_variant_compiles_and_is_experimental_only():
+    """The programmatic-dependent top-k kernel compiles (griddepcontrol.wait in its PTX is checked on
+    the device run's dump) for every logits split; it is measured, not certified or picked."""
+    from fused import router_topk as fr
+    pdl = fr.experimental_variants({}, {})
+    assert pdl and all(c.pdl for c in pdl)
+    tensors = {"x": torch.empty(8, 7168, device="meta"), "w_gate": torch.empty(896, 7168, device="meta")}
+    assert not any(getattr(c, "pdl", False) for c in fr.variants(tensors, {}))
+    for S in (1, 4, 7):
+        assert fr._compile(896, 16, 1, S, 4, True) is not None
+
+
 def test_router_topk_rejects_k_over_warp():
     from fused import router_topk as fr
     with pytest.raises(ValueError, match="top_k"):
@@ -228,13 +240,14 @@ def test_router_topk_ids_and_weights():
 @needs_gpu
 @pytest.mark.parametrize("B", [1, 5, 64])
 def test_router_topk_kernels_agree_bit_for_bit(B):
-    """One warp per token and four warps per token compute the same sigmoids and the same sum."""
+    """One warp per token, four warps per token, and the programmatic-dependent launch compute the
+    same sigmoids and the same sum."""
     from fused import router_topk as fr
     g = torch.Generator(device="cuda").manual_seed(B)
     x = torch.randn(B, 7168, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(896, 7168, device="cuda", generator=g) * 7168 ** -0.5).to(torch.bfloat16)
     bias = torch.randn(896, device="cuda", generator=g) * 0.01
-    outs = [fr.router_topk(x, w, bias, 16, 2.5, variant=c) for c in fr.all_configs()]
+    outs = [fr.router_topk(x, w, bias, 16, 2.5, variant=c) for c in fr.all_configs() + fr.experimental_variants({}, {})]
     for ids, wts in outs[1:]:
         assert torch.equal(ids, outs[0][0])
         assert torch.equal(wts.view(torch.int32), outs[0][1].view(torch.int32))
@@ -254,3 +267,34 @@ def test_skinny_gemm_unaligned_views_give_the_aligned_bits():
         wb[1:].copy_(w.reshape(-1))
         got = skinny_gemm(xb[1:].view(M, 1536), wb[1:].view(7168, 1536))
         assert torch.equal(got.view(torch.int16), skinny_gemm(x, w).view(torch.int16))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("B", [1, 16])
+def test_router_topk_pdl_variant_in_a_cuda_graph(B):
+    """The programmatic dependent launch captured in a CUDA graph (a programmatic edge after the
+    logits GEMM) replays to the bits of the plain launch, on fresh logits every replay."""
+    from fused import router_topk as fr
+    cfg = fr.experimental_variants({}, {})[0]
+    g = torch.Generator(device="cuda").manual_seed(B)
+    x = torch.randn(B, 7168, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(896, 7168, device="cuda", generator=g) * 7168 ** -0.5).to(torch.bfloat16)
+    bias = torch.randn(896, device="cuda", generator=g) * 0.01
+    ids_ref, w_ref = fr.router_topk(x, w, bias, 16, 2.5)
+    ids = torch.empty_like(ids_ref)
+    wts = torch.empty_like(w_ref)
+    logits = fr.logits_workspace(B, 896, 7168, "cuda")
+    fr.launch(x, w, bias, 16, 2.5, ids, wts, logits, cfg)          # warm-up: compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fr.launch(x, w, bias, 16, 2.5, ids, wts, logits, cfg)
+    for _ in range(3):
+        ids.fill_(-1)
+        wts.fill_(float("nan"))
+        logits.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(ids, ids_ref)
+        assert torch.equal(wts.view(torch.int32), w_ref.view(torch.int32))
