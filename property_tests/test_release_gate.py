@@ -225,3 +225,14 @@ def test_candidate_declaring_no_drawn_dtype_is_skipped_and_undeclared_raise_fail
     del sys.modules["vk_scoped_candidate"].DTYPES
     v = certify_op(op, parse_candidate(label), RunOptions(device="cpu", profile=PROFILES["ci"], examples=12))
     assert v.status == "fail" and "candidate raised TypeError" in v.reason
+
+
+def test_changed_since_recertifies_everything_after_a_harness_change(base_cert, tmp_path, monkeypatch):
+    """A verdict judged by another version of the harness (guards, comparison) is not carried forward."""
+    monkeypatch.setattr(certificate, "harness_hash", lambda: "1" * 64)
+    rc = main(["run", "--ops", f"{OP},allreduce_attn_res_rmsnorm", "--candidate", "reference", "--examples", "2",
+               "--no-isolate", "--changed-since", str(base_cert), "--out", str(tmp_path)])
+    assert rc == 0
+    assert sorted(r["op"] for r in _log(tmp_path) if r["kind"] == "op") == sorted([OP, "allreduce_attn_res_rmsnorm"])
+    cert = certificate.load(tmp_path / "certificate.json")
+    assert all("carried_from" not in e["verdicts"]["reference"] for e in cert["ops"].values())

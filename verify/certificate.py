@@ -78,13 +78,29 @@ def sha256_file(path: Path | None) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+# the harness files whose change alters how any case is drawn, run or judged (the guards, the
+# comparison): a verdict from another version of them is not carried forward
+HARNESS_FILES = ("case.py", "cases.py", "values.py", "evaluate.py", "guards.py", "gpu_guards.py",
+                 "compare.py", "specs.py", "split.py", "certify.py")
+
+
+def harness_hash() -> str:
+    h = hashlib.sha256()
+    for name in HARNESS_FILES:
+        h.update(name.encode())
+        h.update((ROOT / "verify" / name).read_bytes())
+    return h.hexdigest()
+
+
 def op_sources(op: OpDef) -> dict[str, str | None]:
-    """The sources a verdict depends on: reference, fused kernel, spec, and the registry entry."""
+    """The sources a verdict depends on: reference, fused kernel, spec, the registry entry, and the
+    harness that judged it."""
     return {
         "reference": sha256_file(_module_file(op.reference)),
         "fused": sha256_file(_module_file(op.fused)),
         "spec": sha256_file(SPEC_DIR / f"{op.name}.toml"),
         "registry": sha256_file(_module_file(f"verify.ops.{op.family}") if op.family else None),
+        "harness": harness_hash(),
     }
 
 
