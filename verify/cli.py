@@ -82,8 +82,8 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
     run.add_argument("--sanitize", default=None, choices=["memcheck", "racecheck", "synccheck", "initcheck"],
                      help="run each op's GPU cases under compute-sanitizer with this tool")
     run.add_argument("--jobs", type=int, default=1, metavar="N",
-                     help="deal the ops to N child runs in parallel (one GPU each where several are visible); "
-                          "their logs under OUT/jobs/, one merged certificate")
+                     help="certify up to N ops at once, each in a child run (one GPU each where several are "
+                          "visible); their logs under OUT/jobs/, one merged certificate")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -319,7 +319,7 @@ def _run_jobs(args, ops, candidates, device, options, console, carried: dict) ->
         console.print(f"[bold red]{line}[/]")
     usage = [p for p in problems if "exited with status 2:" in p]
     if usage:
-        first = Path(args.out) / "jobs" / "0.log"
+        first = Path(args.out) / "jobs" / f"{ops[0].name}.log"
         tail = first.read_text().strip().splitlines()[-1:] if first.exists() else []
         raise UsageError(f"--jobs: the child runs refused the command ({'; '.join(tail) or usage[0]})")
     return _finish_run(args, verdicts, dict(options, jobs=args.jobs), device, cases, console, carried,

@@ -1,14 +1,13 @@
-"""`run --jobs N`: the selected ops dealt round-robin to N child `verify-kernels run` processes, one
-GPU each where several are visible (`CUDA_VISIBLE_DEVICES`), their per-op verdicts and case
-records merged into one certificate.
+"""`run --jobs N`: up to N op certifications at once, each op in a child `verify-kernels run`
+process of its own, on a GPU slot of its own where several GPUs are visible
+(`CUDA_VISIBLE_DEVICES`); a slot takes the next op when its child exits, so long and short ops
+balance themselves. The children's per-op verdicts and case records merge into one certificate.
 
-Each child runs the same command with its own `--ops` and `--out OUT/jobs/<i>` (its run log,
-certificate and console output `OUT/jobs/<i>.log` stay there), so `--resume` resumes every child
-from its own log. A child that dies before finishing leaves its unfinished pairs failing, with the
-child's exit status and log named; what it finished is kept.
+Each child runs the same command with `--ops OP --out OUT/jobs/OP` (its run log, certificate and
+console output `OUT/jobs/OP.log` stay there), so `--resume` resumes every op from its own log,
+whatever N was. A child that dies before finishing leaves its op's unfinished pairs failing, with
+the child's exit status and log named; what it finished is kept.
 """
-from __future__ import annotations
-
 import os
 import subprocess
 import sys
@@ -19,12 +18,6 @@ from pathlib import Path
 # (the parent has already narrowed the ops with --changed-since and carries the rest itself)
 _PER_CHILD = {"--jobs": True, "--ops": True, "--out": True, "--junit": True, "--json": False,
               "--changed-since": True}
-
-
-def partition(names: list[str], jobs: int) -> list[list[str]]:
-    """Round-robin in the given (registry) order: stable for a resume with the same --jobs."""
-    groups = [names[i::jobs] for i in range(jobs)]
-    return [g for g in groups if g]         # fewer ops than jobs: fewer children
 
 
 def child_argv(argv: list[str], ops: list[str], out: Path) -> list[str]:
@@ -62,39 +55,47 @@ def run_jobs(argv: list[str], op_names: list[str], candidates: list[str], jobs: 
     from verify.runlog import LOG_NAME, read
     from verify.verdict import FAIL, OpVerdict
 
-    groups = partition(op_names, jobs)
     gpus = visible_gpus(device)
     jobs_dir = out / "jobs"
     jobs_dir.mkdir(parents=True, exist_ok=True)
-    procs = []
-    for i, group in enumerate(groups):
+    queue, free, running = list(op_names), list(range(jobs)), {}
+    problems, by_pair, cases = [], {}, {}
+
+    def start(slot: int, name: str) -> None:
         env = dict(os.environ)
         if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
-        log = open(jobs_dir / f"{i}.log", "w")
+            env["CUDA_VISIBLE_DEVICES"] = gpus[slot % len(gpus)]
+        log = open(jobs_dir / f"{name}.log", "w")
         where = f" on GPU {env['CUDA_VISIBLE_DEVICES']}" if gpus else ""
-        console.print(f"job {i}{where}: {', '.join(group)}  (log {jobs_dir / f'{i}.log'})")
-        procs.append((i, group, subprocess.Popen(child_argv(argv, group, jobs_dir / str(i)), env=env,
-                                                 stdout=log, stderr=subprocess.STDOUT), log, time.monotonic()))
-    problems = []
-    by_pair, cases = {}, {}
-    for i, group, proc, log, t0 in procs:
-        rc = proc.wait()
+        console.print(f"{name}: started{where} (log {jobs_dir / f'{name}.log'})")
+        proc = subprocess.Popen(child_argv(argv, [name], jobs_dir / name), env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+        running[slot] = (name, proc, log, time.monotonic())
+
+    def finish(slot: int) -> None:
+        name, proc, log, t0 = running.pop(slot)
+        rc = proc.returncode
         log.close()
-        console.print(f"job {i} finished: exit {rc} after {time.monotonic() - t0:.0f} s")
-        path = jobs_dir / str(i) / LOG_NAME
+        console.print(f"{name}: child exited with status {rc} after {time.monotonic() - t0:.0f} s")
+        path = jobs_dir / name / LOG_NAME
         done = read(path) if path.exists() else None
         if rc not in (0, 1):
-            problems.append(f"job {i} ({', '.join(group)}) exited with status {rc}: see {jobs_dir / f'{i}.log'}")
-        for name in group:
-            for cand in candidates:
-                v = done.op_verdicts.get((name, cand)) if done else None
-                if v is None:
-                    judged = len(done.partial.get((name, cand), [])) if done else 0
-                    v = OpVerdict(name, cand, FAIL, reason=f"job {i} exited with status {rc} before finishing "
-                                  f"this pair ({judged} cases judged; see {jobs_dir / f'{i}.log'}, resume with "
-                                  "--resume)")
-                else:
-                    cases[(name, cand)] = done.cases.get((name, cand), [])
-                by_pair[(name, cand)] = v
+            problems.append(f"{name}: its child exited with status {rc}: see {jobs_dir / f'{name}.log'}")
+        for cand in candidates:
+            v = done.op_verdicts.get((name, cand)) if done else None
+            if v is None:
+                judged = len(done.partial.get((name, cand), [])) if done else 0
+                v = OpVerdict(name, cand, FAIL, reason=f"its child exited with status {rc} before finishing this "
+                              f"pair ({judged} cases judged; see {jobs_dir / f'{name}.log'}, resume with --resume)")
+            else:
+                cases[(name, cand)] = done.cases.get((name, cand), [])
+            by_pair[(name, cand)] = v
+        free.append(slot)
+
+    while queue or running:
+        while queue and free:
+            start(free.pop(0), queue.pop(0))
+        time.sleep(0.2)
+        for slot in [s for s, r in running.items() if r[1].poll() is not None]:
+            finish(slot)
     return [by_pair[(n, c)] for n in op_names for c in candidates], cases, problems
