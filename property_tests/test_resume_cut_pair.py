@@ -157,3 +157,15 @@ def test_resume_refuses_a_log_written_with_other_settings(tmp_path, capsys, flag
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "--resume:" in lines[0] and words in lines[0] and "without --resume" in lines[0]
     assert (tmp_path / "run.jsonl").read_text() == before                 # the log is left as it was
+
+
+def test_resume_refuses_a_log_judged_by_another_harness(tmp_path, capsys, monkeypatch):
+    """Cases judged by another version of the guards and comparison are not mixed into one
+    certificate with cases judged by this one."""
+    from verify import certificate
+
+    _cut_run(tmp_path, 2, "--candidate", "reference")
+    monkeypatch.setattr(certificate, "harness_hash", lambda: "1" * 64)
+    assert main(RUN + ["--candidate", "reference", "--resume", "--out", str(tmp_path)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--resume:" in err and "harness" in err

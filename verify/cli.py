@@ -265,7 +265,8 @@ def cmd_run(args) -> int:
                "examples": args.examples, "tp": tps, "device": device,
                "candidates": [c.label for c in candidates], "ops": [o.name for o in ops],
                "isolated": not args.no_isolate, "case_timeout": args.case_timeout, "distributed": args.distributed,
-               "sanitize": args.sanitize, "changed_since": args.changed_since}
+               "sanitize": args.sanitize, "changed_since": args.changed_since,
+               "harness": certificate.harness_hash()}
     if args.jobs > 1:
         return _run_jobs(args, ops, candidates, device, options, console, carried)
     log = RunLog(Path(args.out), resume=args.resume)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 LOG_NAME = "run.jsonl"
 # start options that decide which cases a pair draws and how they are judged: a resume must match them
-RESUME_SETTINGS = ("device", "profile", "configs", "dtypes", "seed", "examples", "tp", "distributed", "sanitize")
+RESUME_SETTINGS = ("device", "profile", "configs", "dtypes", "seed", "examples", "tp", "distributed", "sanitize",
+                   "harness")    # the judging code's hash: one certificate, one version of the guards
 
 
 def case_record(v) -> dict:
