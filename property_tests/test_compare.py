@@ -113,3 +113,22 @@ def test_tie_band_widens_with_the_scores_running_error_magnitude():
     assert not compare_tie_aware_ids("ids", swapped, scores64, scores_wd, 2).ok
     assert not compare_tie_aware_ids("ids", swapped, scores64, scores_wd, 2, torch.full((1, 4), 1.0)).ok
     assert compare_tie_aware_ids("ids", swapped, scores64, scores_wd, 2, torch.full((1, 4), 8.0)).ok
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_judging_on_the_gpu_gives_the_cpu_verdict(dtype):
+    """Comparisons run where the oracle is (the GPU on a device run): same verdict, ratio and worst
+    elements as on the CPU, for a passing and a failing candidate, bitwise and derived."""
+    o, b = _draw(7, (64, 257), dtype)
+    bad = b.clone()
+    bad[5, 17] = (o[5, 17] + 64 * (b - o).abs().max() + 1e-3).to(dtype)
+    for c in (b, bad):
+        cpu = compare_derived("y", c, o, b, k=2.0, floor_ulps=1.0, magnitude=o.abs() * 1.5)
+        gpu = compare_derived("y", c.cuda(), o.cuda(), b.cuda(), k=2.0, floor_ulps=1.0,
+                              magnitude=(o.abs() * 1.5).cuda())
+        assert (cpu.ok, cpu.worst) == (gpu.ok, gpu.worst)
+        assert cpu.metrics["ratio"] == pytest.approx(gpu.metrics["ratio"], rel=1e-12)
+        cb, gb = compare_bitwise("y", c, b), compare_bitwise("y", c.cuda(), b.cuda())
+        assert (cb.ok, cb.metrics, cb.worst) == (gb.ok, gb.metrics, gb.worst)

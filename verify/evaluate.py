@@ -146,7 +146,8 @@ def derived_vacuity(op: OpDef, spec: ToleranceSpec, oracle: dict) -> str | None:
 
 
 def permute_batch(op: OpDef, inputs: OpInputs, perm: torch.Tensor) -> OpInputs:
-    t = {k: v.index_select(op.batch_dims[k], perm) if k in op.batch_dims else v for k, v in inputs.tensors.items()}
+    t = {k: v.index_select(op.batch_dims[k], perm.to(v.device)) if k in op.batch_dims else v
+         for k, v in inputs.tensors.items()}
     return OpInputs(t, dict(inputs.params))
 
 
@@ -243,7 +244,7 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
         perm = torch.randperm(batch, generator=torch.Generator().manual_seed(case.seed))
         if torch.equal(perm, torch.arange(batch)):
             perm = torch.roll(perm, 1)
-        p_inputs = permute_batch(op, inputs, perm)
+        p_inputs = permute_batch(op, dinputs, perm)      # on the device: no host copies
         p_base = run_plain(reference_fn(op), op, p_inputs, device)
         moved = guarded_call(fn, op, p_inputs, p_base, device)
         if moved.error:
