@@ -20,6 +20,7 @@ within each M (the harness's permuted-batch check), not across M. (The mma.sync 
 fused/skinny_gemm_mma.py, slower than wgmma everywhere measured, serves router_topk only.)
 """
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass
@@ -64,7 +65,7 @@ def all_configs(N: int, K: int) -> list[Config]:
     skinny_gemm_mma.py is no longer picked here: the wgmma kernel was faster at every measured M
     and shape; router_topk still uses it for its fp32 logits.)"""
     simt = [SkinnyGemmConfig(m, _n_per_cta(N, m)) for m in (1, 2, 4, 8)]
-    return simt + [c for p in wgmma.M_PADS for c in wgmma.configs_for(N, K, p)]
+    return simt + [c for p in wgmma.M_PADS for c in wgmma_configs(N, K, p)]
 
 
 def simt_config(M: int, N: int, K: int) -> SkinnyGemmConfig:
@@ -74,28 +75,49 @@ def simt_config(M: int, N: int, K: int) -> SkinnyGemmConfig:
 
 # Tensor-core choice measured on the H200 (wgmma sweep, results/gpu/skinny_gemm_wgmma.md, 2026-11-30;
 # SIMT at M = 1, 2, 4 from results/gpu/skinny_gemm_mma.md): (N, K) -> (min_M, {m_pad: (rows, CTAs
-# per SM)}). The wgmma variant is the default for min_M <= M <= 64: min_M is the smallest M whose
-# SIMT bucket was slower than the wgmma m8 variant (the m8 variant costs the same for every M <= 8).
-# Shapes not listed keep the SIMT kernel.
-WGMMA_DEFAULTS: dict[tuple[int, int], tuple[int, dict[int, tuple[int, int]]]] = {
+# per SM[, split-K fold])}). The wgmma variant is the default for min_M <= M <= 64: min_M is the
+# smallest M whose SIMT bucket was slower than the wgmma m8 variant (the m8 variant costs the same
+# for every M <= 8). Shapes not listed keep the SIMT kernel. The router shape folds its 9 split-K
+# partials with the "vec" / "spread" folds (session-4 sweep, 2026-11-30: 7.34 / 8.10 / 8.15 / 8.20 us
+# at M = 8 / 16 / 32 / 64 against "last" 8.30 / 8.56 / 14.05 / 20.14 and cuBLAS 8.68 / 8.77 / 9.10 /
+# 9.74); all of r64, 1 CTA per SM, S = 9, so every M bucket gives the same bits as "last" would.
+WGMMA_DEFAULTS: dict[tuple[int, int], tuple[int, dict[int, tuple]]] = {
     (49152, 7168): (3, {8: (64, 1), 16: (64, 2), 32: (64, 2), 64: (128, 1)}),
     (6144, 7168): (3, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
     (7168, 12288): (2, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
     (7168, 1536): (2, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
     (3584, 7168): (3, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
-    (896, 7168): (5, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
+    (896, 7168): (5, {8: (64, 1, "vec"), 16: (64, 1, "vec"), 32: (64, 1, "spread"), 64: (64, 1, "spread")}),
 }
+
+
+def default_wgmma(N: int, K: int, m_pad: int) -> SkinnyGemmWgmmaConfig | None:
+    """The wgmma variant WGMMA_DEFAULTS names for this shape's m_pad bucket, or None."""
+    entry = WGMMA_DEFAULTS.get((N, K))
+    if entry is None or not wgmma.supports(K):
+        return None
+    rows, occ, *fold = entry[1][m_pad]
+    for c in wgmma.configs_for(N, K, m_pad):
+        if (c.rows, c.occupancy) == (rows, occ):
+            return dataclasses.replace(c, fold=fold[0]) if fold else c
+    return None
 
 
 def default_config(M: int, N: int, K: int) -> Config:
     entry = WGMMA_DEFAULTS.get((N, K))
-    if entry is not None and entry[0] <= M <= 64 and wgmma.supports(K):
-        pad = wgmma.m_pad_for(M)
-        rows, occ = entry[1][pad]
-        for c in wgmma.configs_for(N, K, pad):
-            if (c.rows, c.occupancy) == (rows, occ):
-                return c
+    if entry is not None and entry[0] <= M <= 64:
+        cfg = default_wgmma(N, K, wgmma.m_pad_for(M))
+        if cfg is not None:
+            return cfg
     return simt_config(M, N, K)
+
+
+def wgmma_configs(N: int, K: int, m_pad: int) -> list[SkinnyGemmWgmmaConfig]:
+    """The shipped wgmma variants of one m_pad bucket, plus the default's split-K fold where it is
+    not one of them: every variant a launch in this bucket can be dispatched to."""
+    out = wgmma.configs_for(N, K, m_pad)
+    d = default_wgmma(N, K, m_pad)
+    return out + ([d] if d is not None and d not in out else [])
 
 
 class SkinnyGemm:
@@ -216,6 +238,7 @@ def launch(x, w, out, variant: Config | None = None) -> None:
         raise ValueError(f"x: M={M} is over the variant's m_pad={cfg.m_pad}")
     if isinstance(cfg, SkinnyGemmWgmmaConfig):
         wgmma.check_launch(M, N, K, cfg)
+        cfg = wgmma.resident_or_vec(x.device, N, cfg)
     fn = _compile(runtime.dtype_name(x.dtype), runtime.dtype_name(out.dtype), N, K, cfg)
     if isinstance(cfg, SkinnyGemmWgmmaConfig):
         fn(x, w, out, *wgmma.buffers(x.device, N, K, cfg))
@@ -258,5 +281,5 @@ def variants(tensors: dict, params: dict) -> list[Config]:
     N = tensors["w"].shape[0]
     out: list[Config] = [SkinnyGemmConfig(m, _n_per_cta(N, m)) for m in (1, 2, 4, 8)]
     if 1 <= M <= 64 and wgmma.supports(K):
-        out += wgmma.configs_for(N, K, wgmma.m_pad_for(M))
+        out += wgmma_configs(N, K, wgmma.m_pad_for(M))
     return out

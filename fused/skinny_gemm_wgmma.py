@@ -19,15 +19,18 @@ serial in one CTA (S x rows x m_pad x 4 bytes read from L2): on the H200 (sessio
 results/gpu/cert-2026-11-30-s3/call2_wgmma.log) it made S = 9-28 variants 2-9x slower at m_pad 32/64,
 while S <= 2 variants matched or beat cuBLAS on 5 of the 6 K3 shapes.
 
-Two cheaper folds, bench-only until measured on the H200 (`fold_configs`, listed by `configs_for(...,
-sweep=True)` only; the shipped variants keep fold "last" and its exact code): both write the partials
-token-major and only for the M real tokens, and read them 16 bytes at a time with all 128 consumer
-threads. "vec": the last CTA folds all M x rows outputs. "spread": every split CTA takes its ticket,
-spins (thread 0, ld.acquire) until the counter reaches S, then folds its own 1/S slice of the M x rows
-outputs; a second round of tickets lets the last CTA out reset the counter. The spin is safe only if
-the whole grid is resident, which `validate` enforces (N/rows x S <= 132 x occupancy, and the CTA's
-shared memory allows that occupancy); a co-running kernel that holds SMs only delays it. Both fold
-in the same ks order as "last", so they give its bits at the same (rows, occupancy, S).
+Two cheaper folds (`fold_configs`; `configs_for(..., sweep=True)` lists them for the bench): both
+write the partials token-major and only for the M real tokens, and read them 16 bytes at a time with
+all 128 consumer threads. "vec": the last CTA folds all M x rows outputs. "spread": every split CTA
+takes its ticket, spins (thread 0, ld.acquire) until the counter reaches S, then folds its own 1/S
+slice of the M x rows outputs; a second round of tickets lets the last CTA out reset the counter.
+The spin is safe only if the whole grid is resident, which `validate` enforces for the H200 (N/rows
+x S <= 132 x occupancy, and the CTA's shared memory allows that occupancy) and `resident_or_vec`
+checks against the device's own SM count at launch (a smaller part runs it as "vec"); a co-running
+kernel that holds SMs only delays it. Both fold in the same ks order as "last", so they give its
+bits at the same (rows, occupancy, S). The dispatcher uses them where the H200 sweep measured them
+faster (skinny_gemm.WGMMA_DEFAULTS: the router shape 7168 -> 896, where "last" left one CTA adding
+nine partials of up to 64 x 64 outputs); the shipped `configs_for` variants keep "last".
 
 Summation order of y[m, n]: the wgmma chain over the k-tiles of each split in k order (inside a tile
 the tensor core's fixed k order), then the splits in ks order. It depends on K, the k tile (64) and S
@@ -464,6 +467,23 @@ def check_launch(M: int, N: int, K: int, cfg: SkinnyGemmWgmmaConfig) -> None:
     if M > cfg.m_pad:
         raise ValueError(f"x: M={M} is over the variant's m_pad={cfg.m_pad} ({cfg.name}); use "
                          f"m_pad_for(M)={m_pad_for(M) if M <= 64 else 'none (M > 64)'}")
+
+
+def resident_or_vec(device, N: int, cfg: SkinnyGemmWgmmaConfig) -> SkinnyGemmWgmmaConfig:
+    """The "spread" fold spins until its split-K peers arrive, so its whole grid must be resident.
+    `validate` checks that against the H200's 132 SMs; a device with fewer (an H100 PCIe has 114, an
+    H20 78) runs the variant as "vec" instead, which folds the same partials in the same order on
+    one CTA: the same bits, never a hang."""
+    if cfg.fold != "spread":
+        return cfg
+    import dataclasses
+
+    import torch
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if num_ctas(N, cfg) <= sms * cfg.occupancy:
+        return cfg
+    return dataclasses.replace(cfg, fold="vec")
 
 
 def num_ctas(N: int, cfg: SkinnyGemmWgmmaConfig) -> int:

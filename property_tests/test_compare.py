@@ -132,3 +132,20 @@ def test_judging_on_the_gpu_gives_the_cpu_verdict(dtype):
         assert cpu.metrics["ratio"] == pytest.approx(gpu.metrics["ratio"], rel=1e-12)
         cb, gb = compare_bitwise("y", c, b), compare_bitwise("y", c.cuda(), b.cuda())
         assert (cb.ok, cb.metrics, cb.worst) == (gb.ok, gb.metrics, gb.worst)
+
+
+def test_worst_elements_break_ties_by_position():
+    """Equal errors (every mismatch of a bitwise compare weighs 1) are reported lowest index first,
+    largest error first overall: the report does not depend on topk's order among ties."""
+    b = torch.zeros(4, 8)
+    c = b.clone()
+    for r, col in ((3, 7), (0, 5), (2, 1), (0, 2), (1, 0), (3, 3)):
+        c[r, col] = 1.0
+    chk = compare_bitwise("y", c, b)
+    assert [w[0] for w in chk.worst] == [(0, 2), (0, 5), (1, 0), (2, 1), (3, 3)]
+    c[3, 7] = float("nan")
+    assert compare_bitwise("y", c, b).worst[0][0] == (0, 2)         # NaN vs 0 is a mismatch like the others
+    o = torch.zeros(2, 4, dtype=torch.float64)
+    d = torch.tensor([[0.0, 3.0, 1.0, 3.0], [5.0, 0.0, float("nan"), 1.0]])
+    got = compare_derived("y", d, o, o.float(), k=1.0, floor_ulps=1.0)
+    assert [w[0] for w in got.worst][:4] == [(1, 2), (1, 0), (0, 1), (0, 3)]

@@ -112,19 +112,56 @@ def test_wgmma_new_batch_size_does_not_recompile():
     assert after.misses == before.misses and after.hits == before.hits + 3
 
 
-def test_wgmma_fold_variants_bench_only():
-    """The "vec"/"spread" split-K folds are listed for the bench (sweep) only: the shipped variants,
-    the harness's variants() and default_config stay the certified "last" fold."""
+def test_wgmma_folds_reach_the_dispatcher_only_where_measured():
+    """The shipped variants (configs_for) keep the "last" fold; "vec"/"spread" reach the dispatcher
+    only where WGMMA_DEFAULTS names them (the router shape, measured on the H200), each at the
+    (rows, occupancy, S) of a shipped "last" variant, so it gives that variant's bits, and each is
+    listed by all_configs (compiled in CI) and by variants() at every M it serves (certified)."""
+    import dataclasses
+
+    import torch
+
     from fused import skinny_gemm as sg
-    from fused.skinny_gemm_wgmma import M_PADS, configs_for
+    from fused.skinny_gemm_wgmma import M_PADS, configs_for, m_pad_for
+    folded = set()
     for K, N in GEMM_SHAPES:
         for p in M_PADS:
             assert all(c.fold == "last" for c in configs_for(N, K, p)), (K, N, p)
-        assert all(getattr(c, "fold", "last") == "last" for c in sg.all_configs(N, K))
+        for M in range(1, 65):
+            cfg = sg.default_config(M, N, K)
+            if getattr(cfg, "fold", "last") == "last":
+                continue
+            folded.add((N, K, cfg.name))
+            assert dataclasses.replace(cfg, fold="last") in configs_for(N, K, m_pad_for(M)), cfg
+            assert cfg in sg.all_configs(N, K)
+            x, w = torch.empty(M, K, device="meta"), torch.empty(N, K, device="meta")
+            assert cfg in sg.variants({"x": x, "w": w}, {})
+    assert {n for n, _, _ in folded} == {896}, folded
+    assert {name for _, _, name in folded} == {
+        "wgmma_m8_r64_st12_s9_o1_vec", "wgmma_m16_r64_st12_s9_o1_vec",
+        "wgmma_m32_r64_st12_s9_o1_spread", "wgmma_m64_r64_st12_s9_o1_spread"}
     new = [c for c in configs_for(896, 7168, 64, sweep=True) if c.fold != "last"]
     names = {c.name for c in new}
     assert len(names) == len(new)
     assert {"wgmma_m64_r64_st12_s9_o1_spread", "wgmma_m64_r64_st12_s5_o1_vec"} <= names, names
+
+
+def test_spread_fold_runs_as_vec_where_the_grid_cannot_be_resident(monkeypatch):
+    """On a Hopper part with fewer SMs than the H200's 132 (H100 PCIe: 114; H20: 78) the spinning
+    "spread" fold could wait forever for a CTA that cannot be scheduled: it runs as "vec" there."""
+    import dataclasses
+    import types
+
+    import torch
+
+    from fused import skinny_gemm_wgmma as wg
+    cfg = wg.SkinnyGemmWgmmaConfig(64, 64, 12, 9, 1, "spread")                      # 126 CTAs
+    for sms, fold in ((132, "spread"), (126, "spread"), (125, "vec"), (114, "vec"), (78, "vec")):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda dev, n=sms: types.SimpleNamespace(multi_processor_count=n))
+        assert wg.resident_or_vec("cuda:0", 896, cfg) == dataclasses.replace(cfg, fold=fold), sms
+    last = dataclasses.replace(cfg, fold="last")
+    assert wg.resident_or_vec("cuda:0", 896, last) is last
 
 
 def test_wgmma_spread_fold_requires_resident_grid():

@@ -28,11 +28,19 @@ def _rows(t: torch.Tensor, row_ndim: int = 1, device=None) -> torch.Tensor:
 
 
 def _worst(c: torch.Tensor, o: torch.Tensor, b: torch.Tensor | None, err: torch.Tensor, shape) -> tuple:
-    flat = err.reshape(-1)
+    """The N_WORST largest errors (NaN counts as infinite), ties broken by the lower flat index, so
+    the report is the same whichever device judged (topk's order among equal values is not)."""
+    flat = torch.nan_to_num(err.reshape(-1), nan=float("inf"))
     n = min(N_WORST, flat.numel())
-    idx = torch.topk(torch.nan_to_num(flat, nan=float("inf")), n).indices
+    if n == 0:
+        return ()
+    kth = torch.topk(flat, n).values[-1]
+    above = torch.nonzero(flat > kth).reshape(-1)
+    tied = torch.nonzero(flat == kth).reshape(-1)[: n - above.numel()]
+    picked = torch.cat([above, tied]).tolist()
+    vals = flat[torch.tensor(picked, device=flat.device)].tolist()
     out = []
-    for i in idx.tolist():
+    for _, i in sorted(zip((-v for v in vals), picked)):
         where = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), tuple(shape))) if shape else ()
         out.append((where, float(c.reshape(-1)[i]), float(o.reshape(-1)[i]),
                     None if b is None else float(b.reshape(-1)[i])))
