@@ -26,10 +26,10 @@ cmd_for() { case $1 in        # job name -> "limit command..."
   wave1a) echo "$BENCH_S python3 bench/bench_wave1a.py --out $R/wave1a --ops ${WAVE1A_OPS:-dequant,cache}" ;;
   wave1b) echo "$BENCH_S python3 -m bench.bench_wave1b --out $R/wave1b" ;;
   wgmma) echo "$BENCH_S python3 bench/bench_gemm_wgmma.py --out $R/wgmma ${WGMMA_ARGS:-}" ;;
-  kda_cluster) echo "$BENCH_S python3 -m bench.bench_kda_cluster --out $R/kda_cluster" ;;
+  kda_cluster) echo "$BENCH_S python3 -m bench.bench_kda_cluster --out $R/kda_cluster ${KDA_ARGS:-}" ;;
   router) echo "$BENCH_S python3 bench/bench_router.py --out $R/router --steps ${ROUTER_STEPS:-timing}" ;;
   san_*) local t=${1#san_}; echo "$BENCH_S python3 -m verify.cli run --sanitize ${t%%_*} --ops ${t#*_} --candidate fused \
-            --profile quick --examples ${SAN_EXAMPLES:-6} --out $R/$1" ;;   # san_TOOL_OP, e.g. san_memcheck_skinny_gemm
+            --out $R/$1" ;;   # san_TOOL_OP, e.g. san_memcheck_skinny_gemm
   gpu_tests) echo "200 python3 -m pytest -q -m gpu ${GPU_TESTS:-property_tests} -p no:cacheprovider -rs" ;;
   *) echo "0 false unknown job $1" ;;
 esac; }
