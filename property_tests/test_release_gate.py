@@ -16,6 +16,7 @@ if str(ROOT) not in sys.path:
 
 from verify import certificate  # noqa: E402
 from verify.cli import main  # noqa: E402
+from verify.registry import get_op  # noqa: E402
 
 OP = "attn_res_rmsnorm"
 P = "property_tests.planted_release:"
@@ -236,3 +237,27 @@ def test_changed_since_recertifies_everything_after_a_harness_change(base_cert, 
     assert sorted(r["op"] for r in _log(tmp_path) if r["kind"] == "op") == sorted([OP, "allreduce_attn_res_rmsnorm"])
     cert = certificate.load(tmp_path / "certificate.json")
     assert all("carried_from" not in e["verdicts"]["reference"] for e in cert["ops"].values())
+
+
+def test_source_hash_covers_the_modules_a_kernel_imports(tmp_path):
+    """An op's fused (or reference) hash covers every project module it imports, transitively and
+    from inside functions: editing a helper (skinny_gemm -> skinny_gemm_wgmma) un-carries the verdict;
+    editing an unrelated module does not."""
+    pkg = tmp_path / "fused"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "op.py").write_text("from fused import helper\n\ndef f():\n    from fused.deep import g\n    return g\n")
+    (pkg / "helper.py").write_text("import torch\nfrom fused.runtime import X\n")
+    (pkg / "runtime.py").write_text("X = 1\n")
+    (pkg / "deep.py").write_text("def g(): return 1\n")
+    (pkg / "other.py").write_text("Y = 2\n")
+    h0 = certificate.sha256_closure(pkg / "op.py", root=tmp_path)
+    (pkg / "other.py").write_text("Y = 3\n")
+    assert certificate.sha256_closure(pkg / "op.py", root=tmp_path) == h0
+    for name in ("helper.py", "runtime.py", "deep.py"):
+        before = certificate.sha256_closure(pkg / "op.py", root=tmp_path)
+        (pkg / name).write_text((pkg / name).read_text() + "# edited\n")
+        assert certificate.sha256_closure(pkg / "op.py", root=tmp_path) != before, name
+    real = certificate.op_sources(get_op("skinny_gemm"))["fused"]
+    assert real == certificate.sha256_closure(certificate.ROOT / "fused" / "skinny_gemm.py")
+    assert real != certificate.sha256_file(certificate.ROOT / "fused" / "skinny_gemm.py")

@@ -1,6 +1,7 @@
 """Certificates: environment, source hashes per op, verdicts. Written as JSON; read back for diffs."""
 from __future__ import annotations
 
+import ast
 import datetime as _dt
 import hashlib
 import importlib.util
@@ -35,8 +36,9 @@ def environment(device: str) -> dict:
         "python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
         "cutlass_dsl": _version("nvidia-cutlass-dsl") or _loaded_cutlass_version(),
         "hypothesis": _version("hypothesis"), "device": device,
-        # a checkout copied without .git (a GPU machine) names its commit in VERIFY_GIT_COMMIT
-        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("VERIFY_GIT_COMMIT"),
+        # a checkout copied to a GPU machine names its commit in VERIFY_GIT_COMMIT: the copy may
+        # carry no .git, or a stale one whose HEAD is not the tree being judged
+        "git_commit": os.environ.get("VERIFY_GIT_COMMIT") or _git("rev-parse", "HEAD"),
         "git_dirty": bool(_git("status", "--porcelain")),
     }
     if device == "cuda" and torch.cuda.is_available():
@@ -78,6 +80,42 @@ def sha256_file(path: Path | None) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _project_imports(path: Path) -> set[str]:
+    """Module names this file imports from the project's own packages (fused, references, verify)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_bytes())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}       # `from fused import runtime`
+    return {n for n in names if n.split(".")[0] in ("fused", "references")}
+
+
+def sha256_closure(path: Path | None, root: Path = ROOT) -> str | None:
+    """Hash of a module and every project module it imports, transitively (at module level or inside
+    functions): a kernel whose code lives in a helper module (skinny_gemm -> skinny_gemm_wgmma,
+    runtime) is a new kernel when the helper changes, and its verdict is not carried forward."""
+    if path is None or not path.exists():
+        return None
+    seen: dict[Path, bytes] = {}
+    todo = [path]
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen[p] = p.read_bytes()
+        for name in _project_imports(p):
+            base = root.joinpath(*name.split("."))
+            for f in (base.with_suffix(".py"), base / "__init__.py"):
+                if f.is_file():
+                    todo.append(f)
+    h = hashlib.sha256()
+    for p in sorted(seen, key=lambda q: str(q.relative_to(root))):
+        h.update(str(p.relative_to(root)).encode() + b"\0" + hashlib.sha256(seen[p]).digest())
+    return h.hexdigest()
+
+
 # the harness files whose change alters how any case is drawn, run or judged (the guards, the
 # comparison): a verdict from another version of them is not carried forward
 HARNESS_FILES = ("case.py", "cases.py", "values.py", "evaluate.py", "guards.py", "gpu_guards.py",
@@ -96,8 +134,8 @@ def op_sources(op: OpDef) -> dict[str, str | None]:
     """The sources a verdict depends on: reference, fused kernel, spec, the registry entry, and the
     harness that judged it."""
     return {
-        "reference": sha256_file(_module_file(op.reference)),
-        "fused": sha256_file(_module_file(op.fused)),
+        "reference": sha256_closure(_module_file(op.reference)),
+        "fused": sha256_closure(_module_file(op.fused)),
         "spec": sha256_file(SPEC_DIR / f"{op.name}.toml"),
         "registry": sha256_file(_module_file(f"verify.ops.{op.family}") if op.family else None),
         "harness": harness_hash(),
