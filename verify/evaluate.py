@@ -157,6 +157,28 @@ def unpermute(op: OpDef, results: dict, perm: torch.Tensor) -> dict:
             for k, v in results.items()}
 
 
+def _keep(op: OpDef, label: str, results: dict) -> tuple[str, dict, dict]:
+    """(label, a call's returned outputs, a copy of them) for outputs_kept."""
+    live = {n: results[n] for n in op.outputs if n in results}
+    return label, live, {n: t.clone() for n, t in live.items()}
+
+
+def outputs_kept(kept: list[tuple[str, dict, dict]], later: str) -> Check:
+    """guard:outputs_kept: a tensor a call returned is the caller's; no later call may change it. A
+    candidate that returns a preallocated buffer (one per shape, or a ring of a few) passes every
+    single-call check, while a caller holding the previous result (a decode loop, a residual
+    stream) sees it overwritten. The copies taken after each launch's first call are compared bit for
+    bit with the live tensors after the later calls."""
+    name = "guard:outputs_kept"
+    for label, live, copy in kept:
+        changed = [n for n in live if not compare.compare_bitwise(n, live[n], copy[n]).ok]
+        if changed:
+            return Check(name, False, f"{label}the tensor{'s' if len(changed) > 1 else ''} "
+                         f"{', '.join(changed)} returned by a first call changed during {later}: the "
+                         "candidate hands out storage it writes again (a preallocated output buffer?)")
+    return Check(name, True, f"returned outputs unchanged by {later}")
+
+
 def _bitwise_same(tag: str, a: dict, b: dict) -> Check:
     diffs = [n for n in a if not compare.compare_bitwise(n, b[n], a[n]).ok]
     return Check(tag, not diffs, f"outputs differ bitwise: {', '.join(diffs)}" if diffs else "bitwise identical")
@@ -187,6 +209,7 @@ def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu"
         return run_split(op, case, fn, inputs, inputs64, oracle, base, spec, device, verdict)
     checks: list[Check] = []
     dinputs = on_device(inputs, device)
+    kept: list[tuple[str, dict, dict]] = []      # every launch's first results, with a copy of them
     for label, fn_v in launch_variants(fn, inputs):
         first = guarded_call(fn_v, op, dinputs, base, device)
         if first.error:
@@ -195,8 +218,12 @@ def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu"
         if all(c.ok for c in run):
             run += judge(op, spec, first.results, oracle, base, inputs, inputs64)
         if all(c.ok for c in run):
+            kept.append(_keep(op, label, first.results))
             run += _extra_runs(op, spec, case, fn_v, inputs, base, first.results, oracle, inputs64, device,
                                   binds_claims(candidate), strided_run, refresh=not label, dinputs=dinputs)
+            held = outputs_kept(kept, "the later calls of this case")
+            # a reused output buffer also garbles the later comparisons: it is the reason to report
+            run = [held] + run if not held.ok else run + [held]
         checks += [c if not label else Check(c.name, c.ok, label + c.detail, c.metrics, c.worst) for c in run]
         bad = [c for c in checks if not c.ok]
         if bad:
@@ -234,9 +261,16 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
 
     dinputs = dinputs if dinputs is not None else inputs      # the same values, already on the device
     checks = []
+    kept = [_keep(op, "", first)]
     again = guarded_call(fn, op, dinputs, base, device)
     if again.error:
         return [Check("guard:deterministic", False, f"second run raised {again.error}")]
+    same = [n for n in kept[0][1] if n in again.results and guards.overlaps(again.results[n], first[n])]
+    reused = Check("guard:outputs_kept", False, f"the second call returned {', '.join(same)} in the storage "
+                   "the first call returned it in: the candidate hands out one preallocated buffer") if same \
+        else outputs_kept(kept, "the second call")
+    if not reused.ok:           # before the determinism check, which would compare a tensor with itself
+        return [reused]
     if spec.claims.deterministic:
         checks.append(_bitwise_same("guard:deterministic", first, again.results))
     batch = case.batch

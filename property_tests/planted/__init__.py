@@ -28,6 +28,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "ignores input strides: wrong on strided/offset inputs"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_stale_weight_cache", "guard:refreshed_inputs|new values",
      "weights prepacked once per tensor: values written into the same weight tensor are never seen"),
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_static_output", "guard:outputs_kept|storage the first call returned",
+     "one preallocated output per shape, returned by every call"),
     # ---- mxfp4_dequant
     ("mxfp4_dequant", f"{P}.mxfp4:mxfp4_dequant_memo_output", "guard:refreshed_inputs|new values",
      "dequantizes each packed tensor once and returns copies of that result afterwards"),
@@ -82,6 +84,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "guard:inputs_unchanged|delta", "input mutated in place (delta += prefix)"),
     ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_out_in_delta", "guard:no_aliasing|aliases input delta",
      "output aliases an input"),
+    ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_output_ring", "guard:outputs_kept|changed during",
+     "outputs from a ring of three buffers: a returned result is overwritten three calls later"),
     ("allreduce_attn_res_rmsnorm", f"{P}.attn_res:allreduce_attn_res_rmsnorm_reverse_fold", "compare:",
      "all-reduce summed in the wrong order (order-sensitive partials)"),
     # ---- moe
