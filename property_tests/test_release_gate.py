@@ -261,3 +261,18 @@ def test_source_hash_covers_the_modules_a_kernel_imports(tmp_path):
     real = certificate.op_sources(get_op("skinny_gemm"))["fused"]
     assert real == certificate.sha256_closure(certificate.ROOT / "fused" / "skinny_gemm.py")
     assert real != certificate.sha256_file(certificate.ROOT / "fused" / "skinny_gemm.py")
+
+
+def test_cprofile_dir_writes_one_profile_per_case(tmp_path, monkeypatch):
+    """VERIFY_CPROFILE_DIR: each judged case's cProfile stats, for finding where a run's time goes."""
+    import pstats
+
+    monkeypatch.setenv("VERIFY_CPROFILE_DIR", str(tmp_path / "prof"))
+    assert main(["run", "--ops", "mxfp4_dequant", "--candidate", "reference", "--examples", "2",
+                 "--no-isolate", "--out", str(tmp_path / "out")]) == 0
+    dumps = sorted((tmp_path / "prof").glob("mxfp4_dequant-*.pstats"))
+    assert dumps
+    assert any("evaluate_case" in fn for (_, _, fn) in pstats.Stats(str(dumps[0])).stats)
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_summary.py"), str(tmp_path / "prof"),
+                          "--top", "5"], capture_output=True, text=True, check=True).stdout
+    assert f"{len(dumps)} cases" in out and "evaluate_case" in out

@@ -1,11 +1,13 @@
 """Certify candidates op by op: hypothesis draws cases, shrinks failures, waivers are applied."""
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 import time
 import traceback
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable, Sequence
 
 from hypothesis import HealthCheck, Phase, given, reject, settings
@@ -47,6 +49,8 @@ def safe_evaluate(op: OpDef, case: Case, fn, candidate: str, device: str, spec, 
     """evaluate_case, with any failure outside the candidate (input builder, reference) as a verdict."""
     t0 = time.perf_counter()
     try:
+        if os.environ.get("VERIFY_CPROFILE_DIR"):
+            return _profiled(op, case, fn, candidate, device, spec, strided_run)
         return evaluate_case(op, case, fn, candidate, device, spec, strided_run=strided_run)
     except Exception as e:
         tb = traceback.extract_tb(e.__traceback__)[-1]
@@ -54,6 +58,20 @@ def safe_evaluate(op: OpDef, case: Case, fn, candidate: str, device: str, spec, 
         return CaseVerdict(op.name, candidate, case.to_json(), FAIL, "harness",
                            f"{type(e).__name__}: {str(e)[:300]} (at {where}; inputs or reference failed)",
                            (), time.perf_counter() - t0)
+
+
+def _profiled(op: OpDef, case: Case, fn, candidate: str, device: str, spec, strided_run: bool) -> CaseVerdict:
+    """evaluate_case under cProfile, the stats written to $VERIFY_CPROFILE_DIR/<op>-<seed>-<batch>.pstats
+    (where a certification run spends its time: `python -m pstats` or bench/profile_summary.py)."""
+    import cProfile
+
+    out = Path(os.environ["VERIFY_CPROFILE_DIR"])
+    out.mkdir(parents=True, exist_ok=True)
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(evaluate_case, op, case, fn, candidate, device, spec, strided_run=strided_run)
+    finally:
+        prof.dump_stats(out / f"{op.name}-{case.config}-{case.seed}-{case.batch}-tp{case.tp}.pstats")
 
 
 def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions, judged: Sequence[CaseVerdict] = ()) -> OpVerdict:
