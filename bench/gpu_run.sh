@@ -23,6 +23,8 @@ CERT_S=${CERT_S:-520}; BENCH_S=${BENCH_S:-300}
 cmd_for() { case $1 in        # job name -> "limit command..."
   cert_*) local op=${1#cert_}; echo "$CERT_S python3 -m verify.cli run --ops $op --candidate fused --device cuda \
             --profile release --no-isolate ${CERT_ARGS:-} --out $R/cert_$op --junit $R/cert_$op/junit.xml" ;;
+  certall) echo "$CERT_S python3 -m verify.cli run --candidate fused --device cuda --profile release --no-isolate \
+            --jobs ${CERT_JOBS:-8} --shards ${CERT_SHARDS:-4} ${CERT_ARGS:-} --out $R/certall --junit $R/certall/junit.xml" ;;
   wave1a) echo "$BENCH_S python3 bench/bench_wave1a.py --out $R/wave1a --ops ${WAVE1A_OPS:-dequant,cache}" ;;
   wave1b) echo "$BENCH_S python3 -m bench.bench_wave1b --out $R/wave1b" ;;
   wgmma) echo "$BENCH_S python3 bench/bench_gemm_wgmma.py --out $R/wgmma ${WGMMA_ARGS:-}" ;;
@@ -47,7 +49,8 @@ for g in "${!lane[@]}"; do (
     set -- $(cmd_for "${j%@*}"); limit=$1; shift; [ "${j#*@}" != "$j" ] && limit=${j#*@}; t0=$(date +%s)
     n=${j%@*}; if [ -f "${RESUME_DIR:-results/gpu/resume}/$n/run.jsonl" ] && [ "${n#cert_}" != "$n" ]; then
       mkdir -p "$R/$n"; cp "${RESUME_DIR:-results/gpu/resume}/$n/run.jsonl" "$R/$n/"; set -- "$@" --resume; fi   # a cut run goes on
-    CUDA_VISIBLE_DEVICES=$g timeout "$limit" "$@" > "$R/${j%@*}.log" 2>&1
+    if [ "$n" = certall ]; then gpus=$(seq -s, 0 $((NG - 1))); else gpus=$g; fi   # certall: every GPU
+    CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" "$@" > "$R/${j%@*}.log" 2>&1
     echo "$j gpu=$g rc=$? $(( $(date +%s) - t0 ))s" >> "$R/env.txt"
   done ) & done
 wait $(jobs -p | grep -v "^$PACKER$")

@@ -157,6 +157,10 @@ def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions, judged: Sequen
     if failure is None and fatal:
         failure = fatal[0]
     if failure is None:
+        # a judged case this draw sequence did not reach (dealt by --shards from a dry draw that went
+        # another way after a vacuous case) still counts: every judged case must pass
+        failure = next((v for v in seen if v.status in (FAIL, XPASS) and v not in waived_fail), None)
+    if failure is None:
         for case in tp_sweep_cases(op, profile, opts.seed, opts.tps):
             v = run_one(case)
             if v.status == XPASS or (v.status == FAIL and v not in waived_fail):
@@ -204,6 +208,41 @@ def _summarise(op, label, opts, seen, failure, waived_fail, seconds, scope: str 
     return OpVerdict(op.name, label, PASS, reason=scope, details=(scope,) if scope else (), **counts)
 
 
+def draw_cases(op: OpDef, candidate: Candidate, opts: RunOptions) -> list[str]:
+    """The cases a certification of this pair would judge, in order, without judging any (every draw
+    answers pass): what `run --shards` deals out to its children. Where a real run rejects a vacuous
+    case, hypothesis may draw differently afterwards; the run that finishes the pair judges those."""
+    drawn: list[str] = []
+
+    def dry(op_name, case, label, device, strided_run=True) -> CaseVerdict:
+        return CaseVerdict(op_name, label, case.to_json(), PASS, "", "", (), 0.0)
+
+    v = certify_op(op, candidate, replace(opts, evaluator=dry, on_case=lambda c: drawn.append(c.case)))
+    if v.status == SKIP or (v.status == FAIL and not drawn):
+        return []
+    return drawn
+
+
+def judge_listed(op: OpDef, candidate: Candidate, cases: list[str], opts: RunOptions,
+                 judged: set[str] = frozenset()) -> int:
+    """Judge exactly these cases (a `--shards` child); each verdict goes to opts.on_case. Cases in
+    `judged` (its own log, on --resume) are skipped. Returns how many were judged now."""
+    fn = candidate.resolve(op, opts.device)
+    spec = load_spec(op.name)
+    n = 0
+    for text in cases:
+        if text in judged:
+            continue
+        case = Case.from_json(text)
+        if opts.evaluator is not None:
+            v = opts.evaluator(op.name, case, candidate.label, opts.device, strided_run=opts.profile.strided_run)
+        else:
+            v = safe_evaluate(op, case, fn, candidate.label, opts.device, spec, opts.profile.strided_run)
+        opts.on_case(replace(v, case=text))
+        n += 1
+    return n
+
+
 def replay(op: OpDef, case: Case, candidate: Candidate, device: str) -> CaseVerdict:
     fn = candidate.resolve(op, device)
     return safe_evaluate(op, case, fn, candidate.label, device, load_spec(op.name))
@@ -241,6 +280,21 @@ def run_all(args, ops, candidates, profile, tps, device, log, console) -> tuple[
         runner = IsolatedRunner(case_timeout=args.case_timeout)
     opts = RunOptions(device=device, profile=profile, seed=args.seed, tps=tps, examples=args.examples,
                       on_case=on_case, evaluator=runner.evaluate if runner else None)
+    if getattr(args, "case_list", None):       # a --shards child: judge the cases dealt to it, no verdict
+        import json
+        from pathlib import Path
+
+        listed = json.loads(Path(args.case_list).read_text())
+        try:
+            for op in ops:
+                for cand in candidates:
+                    done = {v.case for v in prev.partial.get((op.name, cand.label), [])}
+                    n = judge_listed(op, cand, listed.get(op.name, {}).get(cand.label, []), opts, done)
+                    console.print(f"{op.name} / {cand.label}: judged {n} listed cases")
+        finally:
+            if runner is not None:
+                runner.close()
+        return [], cases
     verdicts = []
     try:
         with Progress(console=console, transient=True) as progress:
@@ -258,8 +312,8 @@ def run_all(args, ops, candidates, profile, tps, device, log, console) -> tuple[
                     else:
                         judged = prev.partial.get((op.name, cand.label), [])
                         if judged:
-                            console.print(f"{op.name} / {cand.label}: {len(judged)} cases judged before the cut "
-                                          f"are replayed from {log.path}")
+                            console.print(f"{op.name} / {cand.label}: {len(judged)} cases judged earlier (a cut "
+                                          f"run, or --shards children) are replayed from {log.path}")
                             cases[(op.name, cand.label)] = [case_record(c) for c in judged]
                         v = certify_op(op, cand, opts, judged)
                     if done is None:

@@ -84,6 +84,11 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
     run.add_argument("--jobs", type=int, default=1, metavar="N",
                      help="certify up to N ops at once, each in a child run (one GPU each where several are "
                           "visible); their logs under OUT/jobs/, one merged certificate")
+    run.add_argument("--shards", type=int, default=1, metavar="K",
+                     help="with --jobs: deal each op's drawn cases to K children that judge them at once (on "
+                          "the op's GPU: kernel compiles and host work run in parallel), then one child replays "
+                          "their verdicts and finishes the op, shrinking included")
+    run.add_argument("--case-list", default=None, help=argparse.SUPPRESS)    # a --shards child's cases
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,6 +234,9 @@ def _run_setup(args):
         raise UsageError(f"--jobs {jobs}: must be 1 or more")
     if jobs > 1 and set(modes) & {"distributed", "sanitize"}:
         raise UsageError(f"--jobs and --{(set(modes) & {'distributed', 'sanitize'}).pop()} cannot be combined")
+    shards = getattr(args, "shards", 1)
+    if shards < 1 or (shards > 1 and jobs < 2):
+        raise UsageError(f"--shards {shards}: needs 1 or more, and --jobs N >= 2 to run the shards at once")
     return ops, profile, tps
 
 
@@ -268,7 +276,7 @@ def cmd_run(args) -> int:
                "sanitize": args.sanitize, "changed_since": args.changed_since,
                "harness": certificate.harness_hash()}
     if args.jobs > 1:
-        return _run_jobs(args, ops, candidates, device, options, console, carried)
+        return _run_jobs(args, ops, candidates, device, options, console, carried, profile, tps)
     log = RunLog(Path(args.out), resume=args.resume)
     differs = settings_mismatch(log.previous.options, options)
     if differs:
@@ -310,12 +318,20 @@ def _finish_run(args, verdicts, options, device, cases, console, carried, where:
     return EXIT_FAIL if failed else EXIT_OK
 
 
-def _run_jobs(args, ops, candidates, device, options, console, carried: dict) -> int:
+def _run_jobs(args, ops, candidates, device, options, console, carried: dict, profile, tps) -> int:
     """run --jobs N (verify/parallel.py): children per op group, one merged certificate."""
     from verify.parallel import run_jobs
 
+    dealt = None
+    if args.shards > 1:
+        from verify.certify import RunOptions, draw_cases
+        from verify.candidates import Candidate
+
+        opts = RunOptions(device=device, profile=profile, seed=args.seed, tps=tps, examples=args.examples)
+        dealt = {o.name: {c.label: draw_cases(o, Candidate(c.label), opts) for c in candidates} for o in ops}
     verdicts, cases, problems = run_jobs(getattr(args, "argv", None) or sys.argv[1:], [o.name for o in ops],
-                                         [c.label for c in candidates], args.jobs, device, Path(args.out), console)
+                                         [c.label for c in candidates], args.jobs, device, Path(args.out), console,
+                                         dealt, args.shards)
     for line in problems:
         console.print(f"[bold red]{line}[/]")
     usage = [p for p in problems if "exited with status 2:" in p]
@@ -323,7 +339,8 @@ def _run_jobs(args, ops, candidates, device, options, console, carried: dict) ->
         first = Path(args.out) / "jobs" / f"{ops[0].name}.log"
         tail = first.read_text().strip().splitlines()[-1:] if first.exists() else []
         raise UsageError(f"--jobs: the child runs refused the command ({'; '.join(tail) or usage[0]})")
-    return _finish_run(args, verdicts, dict(options, jobs=args.jobs), device, cases, console, carried,
+    return _finish_run(args, verdicts, dict(options, jobs=args.jobs, shards=args.shards), device, cases, console,
+                       carried,
                        f"{len(carried)} ops carried; {args.jobs} jobs, logs {Path(args.out) / 'jobs'}")
 
 

@@ -7,7 +7,17 @@ Each child runs the same command with `--ops OP --out OUT/jobs/OP` (its run log,
 console output `OUT/jobs/OP.log` stay there), so `--resume` resumes every op from its own log,
 whatever N was. A child that dies before finishing leaves its op's unfinished pairs failing, with
 the child's exit status and log named; what it finished is kept.
+
+`--shards K` splits each op further: the parent draws the op's cases as the certification would
+(`certify.draw_cases`, nothing judged) and deals them round-robin to K children
+(`--case-list`, logs OUT/jobs/OP.shardK/), which judge them at once on the op's GPU: CuTe DSL
+compiles, input building and the harness's host work run in K processes instead of one. When the
+K have exited, their case lines are joined into OUT/jobs/OP/run.jsonl and the op's own child runs
+with `--resume`: hypothesis replays the judged cases from that memo, judges any case the dry draw
+did not foresee (a draw after a vacuous case can differ), shrinks a failure and writes the op's
+verdict, exactly as an unsharded run would.
 """
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +27,7 @@ from pathlib import Path
 # options the parent sets per child or handles itself
 # (the parent has already narrowed the ops with --changed-since and carries the rest itself)
 _PER_CHILD = {"--jobs": True, "--ops": True, "--out": True, "--junit": True, "--json": False,
-              "--changed-since": True}
+              "--changed-since": True, "--shards": True, "--case-list": True}
 
 
 def child_argv(argv: list[str], ops: list[str], out: Path) -> list[str]:
@@ -49,38 +59,84 @@ def visible_gpus(device: str) -> list[str]:
 
 
 def run_jobs(argv: list[str], op_names: list[str], candidates: list[str], jobs: int, device: str,
-             out: Path, console) -> tuple[list, dict, list[str]]:
+             out: Path, console, dealt: dict | None = None, shards: int = 1) -> tuple[list, dict, list[str]]:
     """Run the children and merge. Returns (op verdicts in the order of op_names x candidates,
-    (op, candidate) -> case records, one line per child that did not exit 0 or 1)."""
+    (op, candidate) -> case records, one line per child that did not exit 0 or 1). `dealt`:
+    op -> candidate -> drawn cases, to split over `shards` children per op first."""
     from verify.runlog import LOG_NAME, read
     from verify.verdict import FAIL, OpVerdict
 
     gpus = visible_gpus(device)
     jobs_dir = out / "jobs"
     jobs_dir.mkdir(parents=True, exist_ok=True)
-    queue, free, running = list(op_names), list(range(jobs)), {}
+    gpu_of = {name: gpus[i % len(gpus)] for i, name in enumerate(op_names)} if gpus else {}
+    pending_shards: dict[str, set[str]] = {}
+    queue: list[tuple[str, str, list[str]]] = []        # (op, task name, extra child args)
+    for name in op_names:
+        resumed = (jobs_dir / name / LOG_NAME).exists() and "--resume" in argv
+        if dealt and shards > 1 and not resumed:
+            pending_shards[name] = set()
+            for k in range(shards):
+                part = {c: cs[k::shards] for c, cs in dealt.get(name, {}).items()}
+                if not any(part.values()):
+                    continue
+                task = f"{name}.shard{k}"
+                (jobs_dir / f"{task}.cases.json").write_text(json.dumps({name: part}))
+                pending_shards[name].add(task)
+                queue.append((name, task, ["--case-list", str(jobs_dir / f"{task}.cases.json")]))
+            if not pending_shards[name]:
+                del pending_shards[name]
+                queue.append((name, name, []))
+        else:
+            queue.append((name, name, []))
+    free, running = list(range(jobs)), {}
     problems, by_pair, cases = [], {}, {}
 
-    def start(slot: int, name: str) -> None:
+    def start(slot: int, name: str, task: str, extra: list[str]) -> None:
         env = dict(os.environ)
         if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[slot % len(gpus)]
-        log = open(jobs_dir / f"{name}.log", "w")
+            # an op's shards and its final child share the op's GPU; ops round-robin over the GPUs
+            env["CUDA_VISIBLE_DEVICES"] = gpu_of[name] if dealt and shards > 1 else gpus[slot % len(gpus)]
+        log = open(jobs_dir / f"{task}.log", "w")
         where = f" on GPU {env['CUDA_VISIBLE_DEVICES']}" if gpus else ""
-        console.print(f"{name}: started{where} (log {jobs_dir / f'{name}.log'})")
-        proc = subprocess.Popen(child_argv(argv, [name], jobs_dir / name), env=env, stdout=log,
+        console.print(f"{task}: started{where} (log {jobs_dir / f'{task}.log'})")
+        proc = subprocess.Popen(child_argv(argv, [name], jobs_dir / task) + extra, env=env, stdout=log,
                                 stderr=subprocess.STDOUT)
-        running[slot] = (name, proc, log, time.monotonic())
+        running[slot] = (name, task, proc, log, time.monotonic())
+
+    def join_shards(name: str) -> None:
+        """The op's shard logs, one run log for its final child to --resume from."""
+        lines, start_line = [], None
+        for path in sorted(jobs_dir.glob(f"{name}.shard*/{LOG_NAME}")):
+            for line in path.read_text().splitlines():
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError:
+                    continue                      # a line torn by a killed shard
+                if obj.get("kind") == "start":
+                    start_line = start_line or line
+                elif obj.get("kind") == "case":
+                    lines.append(line)
+        if start_line is not None:
+            (jobs_dir / name).mkdir(parents=True, exist_ok=True)
+            (jobs_dir / name / LOG_NAME).write_text("\n".join([start_line, *lines]) + "\n")
 
     def finish(slot: int) -> None:
-        name, proc, log, t0 = running.pop(slot)
+        name, task, proc, log, t0 = running.pop(slot)
         rc = proc.returncode
         log.close()
-        console.print(f"{name}: child exited with status {rc} after {time.monotonic() - t0:.0f} s")
+        console.print(f"{task}: child exited with status {rc} after {time.monotonic() - t0:.0f} s")
+        free.append(slot)
+        if rc not in (0, 1):
+            problems.append(f"{task}: its child exited with status {rc}: see {jobs_dir / f'{task}.log'}")
+        if task != name:                          # a shard: the op's own child runs once all are done
+            pending_shards[name].discard(task)
+            if not pending_shards[name]:
+                join_shards(name)
+                queue.insert(0, (name, name, ["--resume"] if "--resume" not in argv else []))
+            return
         path = jobs_dir / name / LOG_NAME
         done = read(path) if path.exists() else None
-        if rc not in (0, 1):
-            problems.append(f"{name}: its child exited with status {rc}: see {jobs_dir / f'{name}.log'}")
         for cand in candidates:
             v = done.op_verdicts.get((name, cand)) if done else None
             if v is None:
@@ -90,12 +146,11 @@ def run_jobs(argv: list[str], op_names: list[str], candidates: list[str], jobs: 
             else:
                 cases[(name, cand)] = done.cases.get((name, cand), [])
             by_pair[(name, cand)] = v
-        free.append(slot)
 
     while queue or running:
         while queue and free:
-            start(free.pop(0), queue.pop(0))
+            start(free.pop(0), *queue.pop(0))
         time.sleep(0.2)
-        for slot in [s for s, r in running.items() if r[1].poll() is not None]:
+        for slot in [s for s, r in running.items() if r[2].poll() is not None]:
             finish(slot)
     return [by_pair[(n, c)] for n in op_names for c in candidates], cases, problems
