@@ -47,6 +47,11 @@ SHIPPED_PTX_SHA256 = {
     ("float32", 512, 4): "f5bb3b1192a0068f7168cde610be85f1fbad86b91a255e15ae8a2e42f5df5323",
 }
 
+# the listed variants plus persistent ones that loop many times over a small grid (GPU tests)
+GPU_VARIANTS = fm.experimental_variants() + [
+    fm.Mxfp4DequantXConfig(128, 3, ctas_per_sm=1),
+    fm.Mxfp4DequantXConfig(256, 4, group_loads=False, streaming=True, ctas_per_sm=1)]
+
 
 def _ptx_of(code: str, dump_dir) -> str:
     """The PTX that running `code` dumps, compiled in a fresh process (no cache hit), one kernel per
@@ -68,7 +73,7 @@ def test_experimental_variants_are_not_certified_nor_dispatched():
     assert isinstance(fm.Mxfp4DequantConfig(), fm.Mxfp4DequantConfig)      # launch()'s default
 
 
-@pytest.mark.parametrize("cfg", fm.experimental_variants(), ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", GPU_VARIANTS, ids=lambda c: c.name)
 def test_experimental_variant_compiles(cfg):
     """The kernel is shape-generic (dynamic word count, the grid is a launch argument): one compile
     serves K3 and the odd shape; their grids are checked below."""
@@ -154,11 +159,6 @@ def _inputs(O, I, seed):
     scale.view(-1)[-8:] = torch.tensor([0, 1, 2, 126, 127, 253, 254, 255], dtype=torch.uint8)
     return packed, scale
 
-
-# the listed variants plus persistent ones that loop many times over a small grid
-GPU_VARIANTS = fm.experimental_variants() + [
-    fm.Mxfp4DequantXConfig(128, 3, ctas_per_sm=1),
-    fm.Mxfp4DequantXConfig(256, 4, group_loads=False, streaming=True, ctas_per_sm=1)]
 
 
 @pytest.mark.gpu
