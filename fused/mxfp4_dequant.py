@@ -25,8 +25,8 @@ only the memory instructions and the grid change. Default grid on the K3 weight 
   scale byte (not 4), written as 4 x 16-byte `st.global.v4` (64 contiguous bytes per thread): a
   quarter of the load instructions and scale loads, more bytes in flight per load. Cost: a warp's
   store instruction covers 2 KB in 16-byte pieces (half sectors) instead of 512 contiguous bytes.
-- streaming (`streaming`): `ld.global.nc.L1::no_allocate` on the codes (read once, not cached in
-  L1) and `st.global.cs` (evict-first) on the output, so the 29 MB written does not push the
+- streaming (`streaming`): `ld.global.L1::no_allocate` on the codes (read once, not cached in
+  L1; the DSL refuses the non-coherent `.nc` form together with an L1 eviction hint) and `st.global.cs` (evict-first) on the output, so the 29 MB written does not push the
   codes and scales out of L2.
 - persistent (`ctas_per_sm` > 0): #SMs x k CTAs walk the chunks with a grid-stride loop, no
   partial last wave and no CTA launch per chunk.
@@ -58,7 +58,7 @@ class Mxfp4DequantXConfig:
     threads: int = 256
     units: int = 2                 # units per thread per chunk, loaded before any arithmetic
     group_loads: bool = True       # unit = 4 words (one scale group, 16 B) instead of 1 word
-    streaming: bool = False        # ld.global.nc.L1::no_allocate codes, st.global.cs output
+    streaming: bool = False        # ld.global.L1::no_allocate codes, st.global.cs output
     ctas_per_sm: int = 0           # > 0: persistent grid of #SMs x ctas_per_sm, grid-stride loop
 
     @property
