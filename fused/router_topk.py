@@ -144,7 +144,9 @@ class RouterTopk:
 
         return host
 
-    def device_kernel(self):
+    def device_select(self):
+        """The top-k device code as a @cute.jit function select(mLogit, mBias, mIds, mW, routed_scale,
+        bidx), inlined into whichever kernel calls it."""
         cutlass, cute = runtime.cutlass_modules()
         from cutlass import Float32, Int32, Int64
 
@@ -178,10 +180,12 @@ class RouterTopk:
                         for i in range(0, len(cand), 2)]
             return cand[0]
 
-        @cute.kernel
-        def kernel(mLogit: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor,
-                   routed_scale: Float32):
-            bidx, _, _ = cute.arch.block_idx()
+        @cute.jit
+        def select(mLogit: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor,
+                   routed_scale: Float32, bidx: Int32):
+            """The top-k of CTA `bidx`'s tokens (tokens_per_cta of them): fold, sigmoid + bias, k
+            argmax rounds, renormalised weights. Called by `kernel` and by the one-launch router
+            (fused/router_topk_fused.py); every thread of the CTA must call it (barriers)."""
             warp = cute.arch.warp_idx()
             lane = cute.arch.lane_idx()
             b = bidx * tpc + warp // wpt
@@ -240,6 +244,19 @@ class RouterTopk:
                     if t < k:
                         mIds[b, t] = Int64(my_id)
                         mW[b, t] = my_s / (total + Float32(RENORM_EPS)) * routed_scale
+
+        return select
+
+    def device_kernel(self):
+        cutlass, cute = runtime.cutlass_modules()
+        from cutlass import Float32
+        select = self.device_select()
+
+        @cute.kernel
+        def kernel(mLogit: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor,
+                   routed_scale: Float32):
+            bidx, _, _ = cute.arch.block_idx()
+            select(mLogit, mBias, mIds, mW, routed_scale, bidx)
 
         return kernel
 
