@@ -82,11 +82,13 @@ class RouterTopkConfig:
     gemm: object = None              # logits GEMM config; None: logits_config(M, E, D)
     warps_per_token: int = 4         # 1: a warp per token; 4: a token's experts over 128 threads
     pdl: bool = False                # top-k kernel as a programmatic dependent launch (experimental)
+    one_launch: bool = False         # logits GEMM + top-k in one kernel (router_topk_fused; experimental)
 
     @property
     def name(self) -> str:
         base = (f"warp_argmax_t{self.tokens_per_cta}" if self.warps_per_token == 1
                 else f"cta_argmax_w{self.warps_per_token}")
+        base = "one_launch" if self.one_launch else base
         return base + ("_pdl" if self.pdl else "") + (f"+{self.gemm.name}" if self.gemm is not None else "")
 
 
@@ -98,8 +100,11 @@ def experimental_variants(tensors: dict, params: dict) -> list:
     """Launch variants to measure on the H200 before they may ship (not certified, never picked):
     the default top-k kernel launched as a programmatic dependent of the logits GEMM (PDL). Its grid
     is launched while the GEMM drains; it loads its bias values, then waits (griddepcontrol.wait)
-    for the GEMM's results before reading a logit. It hides the second launch's latency."""
-    return [RouterTopkConfig(1, None, 4, pdl=True)]
+    for the GEMM's results before reading a logit. It hides the second launch's latency. And the
+    one-launch router (fused/router_topk_fused.py): the GEMM's CTAs arrive on a grid-wide counter,
+    the last ones then run the top-k; the same bits as the two launches, which it falls back to
+    where its waiting CTAs would not leave an SM free."""
+    return [RouterTopkConfig(1, None, 4, pdl=True), RouterTopkConfig(1, None, 4, one_launch=True)]
 
 
 def variants(tensors: dict, params: dict) -> list:
@@ -306,6 +311,12 @@ def launch(x, w_gate, bias, top_k, routed_scale, ids, weights, logits, variant=N
     S = getattr(gemm, "ksplit", 1)
     if logits.shape != (S, B, E):
         raise ValueError(f"logits: expected the workspace [{S}, {B}, {E}], got {tuple(logits.shape)}")
+    if variant.one_launch:
+        from fused import router_topk_fused as one
+
+        if one.fits(x.device, B, E, gemm):
+            one.launch(x, w_gate, bias, top_k, routed_scale, ids, weights, logits, gemm)
+            return
     sg.launch(x, w_gate, logits if S > 1 else logits[0], gemm)
     if variant.pdl:
         fn = _compile(E, top_k, variant.tokens_per_cta, S, variant.warps_per_token, True)
