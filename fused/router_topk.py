@@ -26,6 +26,11 @@ the same rule; the owner drops the winner. Rounds run in descending order, so id
 as the reference's stable descending sort gives them. Thread r keeps round r's id and s; the
 token's first warp sums them (warp reduction) and writes weights s / (sum + 1e-20) * routed_scale.
 Both top-k kernels compute the same sigmoids and the same sum, so they agree bit for bit.
+
+The top-k device code is one @cute.jit function (`RouterTopk.device_select`) that the top-k kernel
+and the experimental one-launch router (fused/router_topk_fused.py: logits GEMM, grid-wide ticket,
+top-k in one kernel) both inline; the shipped kernels' PTX is pinned by
+property_tests/test_router_topk_fused.py.
 """
 import operator
 from dataclasses import dataclass
