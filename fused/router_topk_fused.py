@@ -134,6 +134,7 @@ class RouterTopkOneLaunch:
                 cute.arch.fence_acq_rel_gpu()
                 for b in cutlass.range(w, B, nwait, unroll=1):
                     select(mLogit, mBias, mIds, mW, routed_scale, b)
+                    cute.arch.sync_threads()             # odd k: the next token's round 0 reuses round k-1's buffer
                 if tidx == 0:                            # second round: the last waiter resets the counter
                     done = cute.arch.atomic_add(mCnt.iterator, Int32(1), sem="relaxed", scope="gpu")
                     if done == ctas + nwait - 1:

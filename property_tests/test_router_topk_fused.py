@@ -194,6 +194,24 @@ def test_one_launch_equals_two_launches_bit_for_bit(B, dtype, tied):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("k", [3, 4])
+@pytest.mark.parametrize("B", [1, 5, 64])
+def test_one_launch_small_shape_folds_several_tokens_per_cta(B, k):
+    """E = 64, D = 256: 4 CTAs (S = 1), so a waiter runs the top-k of several tokens one after
+    another (odd k: the shared-memory buffer parity wraps between tokens)."""
+    from fused import router_topk as fr
+    one = next(c for c in fr.experimental_variants({}, {}) if c.one_launch)
+    g = torch.Generator(device="cuda").manual_seed(B * 10 + k)
+    x = torch.randn(B, 256, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(64, 256, device="cuda", generator=g) / 16).to(torch.bfloat16)
+    bias = torch.randn(64, device="cuda", generator=g) * 0.01
+    ref = fr.router_topk(x, w, bias, k, 1.5)
+    for _ in range(2):
+        assert _same(fr.router_topk(x, w, bias, k, 1.5, variant=one), ref), (B, k)
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("B", [1, 8, 64])
 def test_one_launch_back_to_back_and_in_a_cuda_graph(B):
     """Two launches in a row (the counter was reset), then a CUDA graph of two launches replayed
