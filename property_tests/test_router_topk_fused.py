@@ -146,7 +146,7 @@ def test_shipped_router_kernels_ptx_is_byte_identical():
     assert got == SHIPPED_PTX_SHA, {k: (got.get(k), v) for k, v in SHIPPED_PTX_SHA.items() if got.get(k) != v}
 
 
-def test_one_launch_ptx_has_the_ticket_and_no_float_atomics_or_local_memory():
+def test_one_launch_ptx_has_the_ticket_and_no_float_atomics_or_local_memory(tmp_path):
     items = '''[(f"B{B}", lambda B=B: rf._compile("bfloat16", 896, 7168, 16, fr.logits_config(B, 896, 7168)))
                 for B in (1, 8, 64)]'''
     got = json.loads(_run_fresh(_DUMP.replace("ITEMS", items).replace("PTX_OUT", "str")))
@@ -158,6 +158,29 @@ def test_one_launch_ptx_has_the_ticket_and_no_float_atomics_or_local_memory():
         assert not re.search(r"\b(atom|red)(\.[a-z_0-9]+)*\.(f16|bf16|f32|f64)\b", ptx), name
         assert ".local" not in ptx, name
     assert "mma.sync.aligned.m16n8k16" in got["B8"] and "mma.sync" not in got["B1"]
+    _ptxas_no_spills_and_resident_on_h200(got, tmp_path)
+
+
+def _ptxas_no_spills_and_resident_on_h200(ptx_by_b: dict, tmp_path):
+    """Where ptxas is installed: no spills after register allocation, and (beyond what the launch
+    needs: only the waiters must leave an SM free) the whole grid fits the H200's 132 SMs at the
+    occupancy the registers allow."""
+    import shutil
+    from fused import router_topk as fr
+    from fused import router_topk_fused as rf
+    if shutil.which("ptxas") is None:
+        return
+    for name, ptx in ptx_by_b.items():
+        B = int(name[1:])
+        src = tmp_path / f"{name}.ptx"
+        src.write_text(ptx)
+        info = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o", os.devnull],
+                              capture_output=True, text=True, check=True).stderr
+        assert "0 bytes spill stores, 0 bytes spill loads" in info, (name, info)
+        regs = int(re.search(r"Used (\d+) registers", info).group(1))
+        op = rf.RouterTopkOneLaunch(896, 7168, 16, fr.logits_config(B, 896, 7168))
+        per_sm = min(65536 // (-(-regs // 8) * 8 * op.threads), 2048 // op.threads, 32)
+        assert rf.num_ctas(B, 896, op.gemm) <= 132 * per_sm, (name, regs, per_sm)
 
 
 # ---------------------------------------------------------------------------------------- GPU only
