@@ -26,6 +26,11 @@ the same rule; the owner drops the winner. Rounds run in descending order, so id
 as the reference's stable descending sort gives them. Thread r keeps round r's id and s; the
 token's first warp sums them (warp reduction) and writes weights s / (sum + 1e-20) * routed_scale.
 Both top-k kernels compute the same sigmoids and the same sum, so they agree bit for bit.
+
+The top-k device code is one @cute.jit function (`RouterTopk.device_select`) that the top-k kernel
+and the experimental one-launch router (fused/router_topk_fused.py: logits GEMM, grid-wide ticket,
+top-k in one kernel) both inline; the shipped kernels' PTX is pinned by
+property_tests/test_router_topk_fused.py.
 """
 import operator
 from dataclasses import dataclass
@@ -82,11 +87,13 @@ class RouterTopkConfig:
     gemm: object = None              # logits GEMM config; None: logits_config(M, E, D)
     warps_per_token: int = 4         # 1: a warp per token; 4: a token's experts over 128 threads
     pdl: bool = False                # top-k kernel as a programmatic dependent launch (experimental)
+    one_launch: bool = False         # logits GEMM + top-k in one kernel (router_topk_fused; experimental)
 
     @property
     def name(self) -> str:
         base = (f"warp_argmax_t{self.tokens_per_cta}" if self.warps_per_token == 1
                 else f"cta_argmax_w{self.warps_per_token}")
+        base = "one_launch" if self.one_launch else base
         return base + ("_pdl" if self.pdl else "") + (f"+{self.gemm.name}" if self.gemm is not None else "")
 
 
@@ -98,8 +105,11 @@ def experimental_variants(tensors: dict, params: dict) -> list:
     """Launch variants to measure on the H200 before they may ship (not certified, never picked):
     the default top-k kernel launched as a programmatic dependent of the logits GEMM (PDL). Its grid
     is launched while the GEMM drains; it loads its bias values, then waits (griddepcontrol.wait)
-    for the GEMM's results before reading a logit. It hides the second launch's latency."""
-    return [RouterTopkConfig(1, None, 4, pdl=True)]
+    for the GEMM's results before reading a logit. It hides the second launch's latency. And the
+    one-launch router (fused/router_topk_fused.py): the GEMM's CTAs arrive on a grid-wide counter,
+    the last ones then run the top-k; the same bits as the two launches, which it falls back to
+    where its waiting CTAs would not leave an SM free."""
+    return [RouterTopkConfig(1, None, 4, pdl=True), RouterTopkConfig(1, None, 4, one_launch=True)]
 
 
 def variants(tensors: dict, params: dict) -> list:
@@ -144,7 +154,9 @@ class RouterTopk:
 
         return host
 
-    def device_kernel(self):
+    def device_select(self):
+        """The top-k device code as a @cute.jit function select(mLogit, mBias, mIds, mW, routed_scale,
+        bidx), inlined into whichever kernel calls it."""
         cutlass, cute = runtime.cutlass_modules()
         from cutlass import Float32, Int32, Int64
 
@@ -178,10 +190,12 @@ class RouterTopk:
                         for i in range(0, len(cand), 2)]
             return cand[0]
 
-        @cute.kernel
-        def kernel(mLogit: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor,
-                   routed_scale: Float32):
-            bidx, _, _ = cute.arch.block_idx()
+        @cute.jit
+        def select(mLogit: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor,
+                   routed_scale: Float32, bidx: Int32):
+            """The top-k of CTA `bidx`'s tokens (tokens_per_cta of them): fold, sigmoid + bias, k
+            argmax rounds, renormalised weights. Called by `kernel` and by the one-launch router
+            (fused/router_topk_fused.py); every thread of the CTA must call it (barriers)."""
             warp = cute.arch.warp_idx()
             lane = cute.arch.lane_idx()
             b = bidx * tpc + warp // wpt
@@ -241,6 +255,19 @@ class RouterTopk:
                         mIds[b, t] = Int64(my_id)
                         mW[b, t] = my_s / (total + Float32(RENORM_EPS)) * routed_scale
 
+        return select
+
+    def device_kernel(self):
+        cutlass, cute = runtime.cutlass_modules()
+        from cutlass import Float32
+        select = self.device_select()
+
+        @cute.kernel
+        def kernel(mLogit: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor,
+                   routed_scale: Float32):
+            bidx, _, _ = cute.arch.block_idx()
+            select(mLogit, mBias, mIds, mW, routed_scale, bidx)
+
         return kernel
 
 
@@ -289,6 +316,12 @@ def launch(x, w_gate, bias, top_k, routed_scale, ids, weights, logits, variant=N
     S = getattr(gemm, "ksplit", 1)
     if logits.shape != (S, B, E):
         raise ValueError(f"logits: expected the workspace [{S}, {B}, {E}], got {tuple(logits.shape)}")
+    if variant.one_launch:
+        from fused import router_topk_fused as one
+
+        if one.fits(x.device, B, E, gemm):
+            one.launch(x, w_gate, bias, top_k, routed_scale, ids, weights, logits, gemm)
+            return
     sg.launch(x, w_gate, logits if S > 1 else logits[0], gemm)
     if variant.pdl:
         fn = _compile(E, top_k, variant.tokens_per_cta, S, variant.warps_per_token, True)

@@ -146,15 +146,16 @@ class SkinnyGemm:
 
         return host
 
-    def device_kernel(self):
+    def device_body(self):
         cutlass, cute = runtime.cutlass_modules()
         from cutlass import Float32, Int32
 
         mt, nt, vec, kvn, warps = self.mt, self.nt, self.vec, self.kv, self.warps
         iters, T = self.iters, self.threads
 
-        @cute.kernel
-        def kernel(gX: cute.Tensor, gW: cute.Tensor, mY: cute.Tensor):
+        @cute.jit
+        def body(gX: cute.Tensor, gW: cute.Tensor, mY: cute.Tensor):
+            """The CTA's share of y (block_idx picks it); router_topk_fused inlines it too."""
             tidx, _, _ = cute.arch.thread_idx()
             bm, bn, _ = cute.arch.block_idx()
             warp = cute.arch.warp_idx()
@@ -196,6 +197,16 @@ class SkinnyGemm:
                     tot = tot + red[tidx, w]
                 if m0 + m < M:
                     mY[m0 + m, n0 + j] = tot.to(mY.element_type)
+
+        return body
+
+    def device_kernel(self):
+        cutlass, cute = runtime.cutlass_modules()
+        body = self.device_body()
+
+        @cute.kernel
+        def kernel(gX: cute.Tensor, gW: cute.Tensor, mY: cute.Tensor):
+            body(gX, gW, mY)
 
         return kernel
 

@@ -136,7 +136,7 @@ class SkinnyGemmMma:
 
         return host
 
-    def device_kernel(self):
+    def device_body(self):
         cutlass, cute = runtime.cutlass_modules()
         from cutlass import Float32, Int32
 
@@ -149,8 +149,9 @@ class SkinnyGemmMma:
         S, fresh = cfg.ksplit, cfg.fresh_acc
         cta_steps = spw * warps
 
-        @cute.kernel
-        def kernel(gX: cute.Tensor, gW: cute.Tensor, mY: cute.Tensor):
+        @cute.jit
+        def body(gX: cute.Tensor, gW: cute.Tensor, mY: cute.Tensor):
+            """The CTA's share of y (block_idx picks it); router_topk_fused inlines it too."""
             ab = gW.element_type
             atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(ab, Float32, (16, 8, 16)))
             bn, ks, _ = cute.arch.block_idx()
@@ -232,6 +233,16 @@ class SkinnyGemmMma:
                                     mY[ks, tok, col] = acc[c, f, j]
                                 else:
                                     mY[tok, col] = acc[c, f, j].to(mY.element_type)
+
+        return body
+
+    def device_kernel(self):
+        cutlass, cute = runtime.cutlass_modules()
+        body = self.device_body()
+
+        @cute.kernel
+        def kernel(gX: cute.Tensor, gW: cute.Tensor, mY: cute.Tensor):
+            body(gX, gW, mY)
 
         return kernel
 
