@@ -75,3 +75,23 @@ def test_a_judged_failure_outside_the_draw_fails_the_op():
 def test_shards_need_jobs(tmp_path):
     r = _cli(["--ops", "skinny_gemm", "--candidate", "reference", "--shards", "3", "--out", "x"], tmp_path)
     assert r.returncode == 2 and "--shards 3: needs" in r.stderr
+
+
+def test_sharded_run_resumes_after_a_cut(tmp_path):
+    """Cut after the shards (the op's own child never ran) and inside one shard (its last case line
+    lost): --resume judges only that case again and finishes the op with the same cases."""
+    common = ["--ops", "skinny_gemm", "--candidate", "reference", "--profile", "ci", "--examples", "8",
+              "--no-isolate", "--jobs", "2", "--shards", "2", "--out", "sh"]
+    assert _cli(common, tmp_path).returncode == 0
+    first = json.loads((tmp_path / "sh" / "certificate.json").read_text())
+    jobs = tmp_path / "sh" / "jobs"
+    (jobs / "skinny_gemm" / "run.jsonl").unlink()
+    shard_log = jobs / "skinny_gemm.shard1" / "run.jsonl"
+    lines = shard_log.read_text().splitlines()
+    shard_log.write_text("\n".join(lines[:-1]) + "\n")
+    again = _cli(common + ["--resume"], tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "judged 1 listed cases" in (jobs / "skinny_gemm.shard1.log").read_text()
+    assert "judged 0 listed cases" in (jobs / "skinny_gemm.shard0.log").read_text()
+    second = json.loads((tmp_path / "sh" / "certificate.json").read_text())
+    assert _cases(first, "skinny_gemm", "reference") == _cases(second, "skinny_gemm", "reference")
