@@ -220,7 +220,8 @@ def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu"
         if all(c.ok for c in run):
             kept.append(_keep(op, label, first.results))
             run += _extra_runs(op, spec, case, fn_v, inputs, base, first.results, oracle, inputs64, device,
-                                  binds_claims(candidate), strided_run, refresh=not label, dinputs=dinputs)
+                                  binds_claims(candidate), strided_run, refresh=not label, dinputs=dinputs,
+                                  kept=kept[-1])
             held = outputs_kept(kept, "the later calls of this case")
             # a reused output buffer also garbles the later comparisons: it is the reason to report
             run = [held] + run if not held.ok else run + [held]
@@ -254,14 +255,15 @@ def binds_claims(candidate: str) -> bool:
 
 
 def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, device, strict: bool = True,
-                strided_run: bool = True, refresh: bool = True, dinputs: OpInputs | None = None) -> list[Check]:
+                strided_run: bool = True, refresh: bool = True, dinputs: OpInputs | None = None,
+                kept: tuple[str, dict, dict] | None = None) -> list[Check]:
     """Second run (determinism), permuted batch (position independence), new values in the same
-    buffers (no state kept across calls), strided/offset views."""
+    buffers (no state kept across calls), strided/offset views. `kept`: _keep of `first`."""
     from verify.candidates import reference_fn
 
     dinputs = dinputs if dinputs is not None else inputs      # the same values, already on the device
     checks = []
-    kept = [_keep(op, "", first)]
+    kept = [kept or _keep(op, "", first)]
     again = guarded_call(fn, op, dinputs, base, device)
     if again.error:
         return [Check("guard:deterministic", False, f"second run raised {again.error}")]
