@@ -81,7 +81,7 @@ def sha256_file(path: Path | None) -> str | None:
 
 
 def _project_imports(path: Path) -> set[str]:
-    """Module names this file imports from the project's own packages (fused, references, verify)."""
+    """Module names this file imports from the kernel and reference packages (fused, references)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_bytes())):
         if isinstance(node, ast.Import):

@@ -74,6 +74,13 @@ def _profiled(op: OpDef, case: Case, fn, candidate: str, device: str, spec, stri
         prof.dump_stats(out / f"{op.name}-{case.config}-{case.seed}-{case.batch}-tp{case.tp}.pstats")
 
 
+def _judge(op: OpDef, case: Case, fn, label: str, opts: RunOptions, spec, strided_run: bool) -> CaseVerdict:
+    """One case, by the run's evaluator (an isolated worker) or in this process."""
+    if opts.evaluator is not None:
+        return opts.evaluator(op.name, case, label, opts.device, strided_run=strided_run)
+    return safe_evaluate(op, case, fn, label, opts.device, spec, strided_run)
+
+
 def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions, judged: Sequence[CaseVerdict] = ()) -> OpVerdict:
     """Draw, judge and summarise cases of one op/candidate pair. `judged`: the case verdicts a cut run
     already logged for this pair with the same settings (run --resume); hypothesis draws the same cases
@@ -125,10 +132,7 @@ def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions, judged: Sequen
             return done[key]          # prop raises, from one place, so hypothesis sees one failure origin
         if fatal:
             reject()
-        if opts.evaluator is not None:
-            v = opts.evaluator(op.name, case, label, opts.device, strided_run=profile.strided_run)
-        else:
-            v = safe_evaluate(op, case, fn, label, opts.device, spec, profile.strided_run)
+        v = _judge(op, case, fn, label, opts, spec, profile.strided_run)
         if v.case != key:     # the memo is keyed by the case as drawn
             v = replace(v, case=key)
         judged_now = record(v)
@@ -233,11 +237,7 @@ def judge_listed(op: OpDef, candidate: Candidate, cases: list[str], opts: RunOpt
     for text in cases:
         if text in judged:
             continue
-        case = Case.from_json(text)
-        if opts.evaluator is not None:
-            v = opts.evaluator(op.name, case, candidate.label, opts.device, strided_run=opts.profile.strided_run)
-        else:
-            v = safe_evaluate(op, case, fn, candidate.label, opts.device, spec, opts.profile.strided_run)
+        v = _judge(op, Case.from_json(text), fn, candidate.label, opts, spec, opts.profile.strided_run)
         opts.on_case(replace(v, case=text))
         n += 1
     return n
@@ -282,7 +282,6 @@ def run_all(args, ops, candidates, profile, tps, device, log, console) -> tuple[
                       on_case=on_case, evaluator=runner.evaluate if runner else None)
     if getattr(args, "case_list", None):       # a --shards child: judge the cases dealt to it, no verdict
         import json
-        from pathlib import Path
 
         listed = json.loads(Path(args.case_list).read_text())
         try:
