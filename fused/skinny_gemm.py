@@ -201,14 +201,7 @@ class SkinnyGemm:
         return body
 
     def device_kernel(self):
-        cutlass, cute = runtime.cutlass_modules()
-        body = self.device_body()
-
-        @cute.kernel
-        def kernel(gX: cute.Tensor, gW: cute.Tensor, mY: cute.Tensor):
-            body(gX, gW, mY)
-
-        return kernel
+        return mma.gemm_kernel(self.device_body())
 
 
 @runtime.compile_cache("skinny_gemm")

@@ -99,6 +99,18 @@ def m_pad_for(M: int) -> int:
     raise ValueError(f"x: M={M} is over 64, the tensor-core skinny_gemm's largest tile")
 
 
+def gemm_kernel(body):
+    """The @cute.kernel of a skinny GEMM whose device code is `body(gX, gW, mY)` (SkinnyGemm,
+    SkinnyGemmMma; router_topk_fused calls the bodies inside its own kernel)."""
+    _, cute = runtime.cutlass_modules()
+
+    @cute.kernel
+    def kernel(gX: cute.Tensor, gW: cute.Tensor, mY: cute.Tensor):
+        body(gX, gW, mY)
+
+    return kernel
+
+
 class SkinnyGemmMma:
     def __init__(self, N: int, K: int, cfg: SkinnyGemmMmaConfig):
         if not supports(K):
@@ -237,14 +249,7 @@ class SkinnyGemmMma:
         return body
 
     def device_kernel(self):
-        cutlass, cute = runtime.cutlass_modules()
-        body = self.device_body()
-
-        @cute.kernel
-        def kernel(gX: cute.Tensor, gW: cute.Tensor, mY: cute.Tensor):
-            body(gX, gW, mY)
-
-        return kernel
+        return gemm_kernel(self.device_body())
 
 
 def compile_host(host, dtype: str, out_dtype: str, N: int, K: int, ksplit: int = 1):
