@@ -336,7 +336,7 @@ def _run_jobs(args, ops, candidates, device, options, console, carried: dict, pr
         console.print(f"[bold red]{line}[/]")
     usage = [p for p in problems if "exited with status 2:" in p]
     if usage:
-        first = Path(args.out) / "jobs" / f"{ops[0].name}.log"
+        first = Path(usage[0].rsplit("see ", 1)[-1])      # that child's log (an op's, or a shard's)
         tail = first.read_text().strip().splitlines()[-1:] if first.exists() else []
         raise UsageError(f"--jobs: the child runs refused the command ({'; '.join(tail) or usage[0]})")
     return _finish_run(args, verdicts, dict(options, jobs=args.jobs, shards=args.shards), device, cases, console,
