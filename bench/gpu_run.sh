@@ -51,7 +51,7 @@ for g in "${!lane[@]}"; do (
       mkdir -p "$R/$n"; cp "${RESUME_DIR:-results/gpu/resume}/$n/run.jsonl" "$R/$n/"; set -- "$@" --resume; fi   # a cut run goes on
     if [ "$n" = certall ] && [ -d "${RESUME_DIR:-results/gpu/resume}/certall/jobs" ]; then     # its per-op/shard logs
       mkdir -p "$R/certall"; cp -r "${RESUME_DIR:-results/gpu/resume}/certall/jobs" "$R/certall/"; set -- "$@" --resume; fi
-    if [ "$n" = certall ]; then gpus=$(seq -s, 0 $((NG - 1))); else gpus=$g; fi   # certall: every GPU
+    if [ "$n" = certall ]; then gpus=${CERTALL_GPUS:-$(seq -s, 0 $((NG - 1)))}; else gpus=$g; fi   # certall: every GPU (or CERTALL_GPUS)
     CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" "$@" > "$R/${j%@*}.log" 2>&1
     echo "$j gpu=$g rc=$? $(( $(date +%s) - t0 ))s" >> "$R/env.txt"
   done ) & done
