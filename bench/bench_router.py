@@ -97,7 +97,7 @@ def timing(args):
         x = torch.randn(B, D, device="cuda").to(torch.bfloat16)
         row = {"B": B}
         row["fused"] = graph_time_us([lambda w_=w_: fr.router_topk(x, w_, bias, k, 2.5) for w_ in ws])
-        for v in fr.variants({"x": x, "w_gate": ws[0]}, {})[2:] + fr.experimental_variants({}, {}):
+        for v in fr.variants({"x": x, "w_gate": ws[0]}, {})[1:] + fr.experimental_variants({}, {}):
             if v.one_launch:
                 check_one_launch(fr, x, ws[0], bias, k, v)
             row[f"fused {v.name}"] = graph_time_us([lambda w_=w_, v=v: fr.router_topk(x, w_, bias, k, 2.5, variant=v) for w_ in ws])
@@ -121,7 +121,8 @@ def kernels():
     for B in (1, 16, 64):
         x = torch.randn(B, D, device="cuda").to(torch.bfloat16)
         one = next(c for c in fr.experimental_variants({}, {}) if c.one_launch)
-        for label, v in (("default", None), ("one_launch", one)):
+        rounds = fr.RouterTopkConfig(1, None, 4, select="rounds")
+        for label, v in (("default", None), ("rounds_w4", rounds), ("one_launch", one)):
             for _ in range(3):
                 fr.router_topk(x, w, bias, k, 2.5, variant=v)
             torch.cuda.synchronize()

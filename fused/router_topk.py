@@ -15,17 +15,24 @@ so a 448-MMA chain over D = 7168 erred 3x more than the fp32 reference and faile
 derived bound at every M >= 9. The logit selects experts: it is held to fp32 accuracy, not to a
 bf16 GEMM's.
 
-The top-k kernel. Default (`cta_argmax_w4`): a token's experts over 4 warps, thread t holding
-experts t, t+128, ... (7 at E = 896); `warp_argmax_t*`: one warp per token, lane l holding l, l+32,
-... (28; issue-latency bound on the H200, 12 us at B = 1). Each thread keeps its experts in
-registers with their sigmoids. A round takes the thread's best by a select tree (strict >, so the
-lower id wins a tie inside a thread), then a butterfly argmax that prefers the larger choice and,
-on equal choice, the lower id, carrying the winner's sigmoid; with several warps the warps' winners
-meet in shared memory (one barrier per round, double-buffered by round parity) and are combined by
-the same rule; the owner drops the winner. Rounds run in descending order, so ids come out sorted
+The top-k kernel. Default (`cta_thresh_w4`, session 5): a token's experts over 4 warps, thread t
+holding experts t, t+128, ... (7 at E = 896) with their sigmoids. Each expert gets a total-order key
+(the choice's fp32 bits made signed-monotone, -0 as +0, above E-1-id: larger choice first, on equal
+choice the lower id). The k-th best of the threads' maxima is a lower bound of the k-th best expert
+(the k threads with the best maxima hold k distinct experts at or above it), so only the experts at
+or above it can be in the top k: at most k x 7. They are gathered in shared memory, and each one's
+rank among them (a count of better keys) is its place in the top k: four barriers instead of k
+rounds (the round kernel's top-k took 5.9 us of device time at B = 1 on the H200, more than the
+logits GEMM; property_tests/test_router_select_bound.py checks the bound argument on the CPU).
+The argmax rounds (`cta_argmax_w4`, the default until session 5, and `warp_argmax_t*`: one warp
+per token, lane l holding l, l+32, ...): a round takes the thread's best by a select tree (strict >,
+so the lower id wins a tie inside a thread), then a butterfly argmax that prefers the larger choice
+and, on equal choice, the lower id, carrying the winner's sigmoid; with several warps the warps'
+winners meet in shared memory (one barrier per round, double-buffered by round parity) and are
+combined by the same rule; the owner drops the winner. Both ways give the ids in descending order,
 as the reference's stable descending sort gives them. Thread r keeps round r's id and s; the
 token's first warp sums them (warp reduction) and writes weights s / (sum + 1e-20) * routed_scale.
-Both top-k kernels compute the same sigmoids and the same sum, so they agree bit for bit.
+Every top-k kernel computes the same sigmoids and the same sum, so they agree bit for bit.
 
 The top-k device code is one @cute.jit function (`RouterTopk.device_select`) that the top-k kernel
 and the experimental one-launch router (fused/router_topk_fused.py: logits GEMM, grid-wide ticket,
@@ -88,17 +95,22 @@ class RouterTopkConfig:
     warps_per_token: int = 4         # 1: a warp per token; 4: a token's experts over 128 threads
     pdl: bool = False                # top-k kernel as a programmatic dependent launch (experimental)
     one_launch: bool = False         # logits GEMM + top-k in one kernel (router_topk_fused; experimental)
+    select: str = "threshold"        # "threshold": rank the experts above a bound; "rounds": k argmax rounds
 
     @property
     def name(self) -> str:
         base = (f"warp_argmax_t{self.tokens_per_cta}" if self.warps_per_token == 1
                 else f"cta_argmax_w{self.warps_per_token}")
+        base = f"cta_thresh_w{self.warps_per_token}" if self.select == "threshold" else base
         base = "one_launch" if self.one_launch else base
         return base + ("_pdl" if self.pdl else "") + (f"+{self.gemm.name}" if self.gemm is not None else "")
 
 
 def all_configs() -> list[RouterTopkConfig]:
-    return [RouterTopkConfig(1, None, 4), RouterTopkConfig(4, None, 1), RouterTopkConfig(1, None, 1)]
+    """The default (threshold select over 4 warps), the argmax rounds over 4 warps (the default until
+    session 5), and the rounds with one warp per token (4 tokens or 1 per CTA)."""
+    return [RouterTopkConfig(1, None, 4), RouterTopkConfig(1, None, 4, select="rounds"),
+            RouterTopkConfig(4, None, 1, select="rounds"), RouterTopkConfig(1, None, 1, select="rounds")]
 
 
 def experimental_variants(tensors: dict, params: dict) -> list:
@@ -109,7 +121,8 @@ def experimental_variants(tensors: dict, params: dict) -> list:
     one-launch router (fused/router_topk_fused.py): the GEMM's CTAs arrive on a grid-wide counter,
     the last ones then run the top-k; the same bits as the two launches, which it falls back to
     where its waiting CTAs would not leave an SM free."""
-    return [RouterTopkConfig(1, None, 4, pdl=True), RouterTopkConfig(1, None, 4, one_launch=True)]
+    return [RouterTopkConfig(1, None, 4, pdl=True, select="rounds"),
+            RouterTopkConfig(1, None, 4, one_launch=True, select="rounds")]
 
 
 def variants(tensors: dict, params: dict) -> list:
@@ -131,6 +144,9 @@ class RouterTopk:
             raise ValueError(f"top_k: {top_k} must be in 1..{min(32, E)} for the warp kernel")
         if cfg.warps_per_token not in (1, 2, 4, 8) or (cfg.warps_per_token > 1 and cfg.tokens_per_cta != 1):
             raise ValueError(f"variant: {cfg}: warps_per_token in 1, 2, 4, 8; several warps need one token per CTA")
+        if cfg.select not in ("rounds", "threshold") or (cfg.select == "threshold" and (
+                cfg.tokens_per_cta != 1 or cfg.pdl or cfg.one_launch)):
+            raise ValueError(f"variant: {cfg}: select is 'rounds' or 'threshold' (one token per CTA, no PDL)")
         self.E, self.k, self.cfg, self.S = E, top_k, cfg, S
         self.threads_per_token = 32 * cfg.warps_per_token
         self.per_lane = -(-E // self.threads_per_token)
@@ -162,6 +178,7 @@ class RouterTopk:
 
         E, k, pl, tpc, S = self.E, self.k, self.per_lane, self.cfg.tokens_per_cta, self.S
         wpt, T, pdl = self.cfg.warps_per_token, self.threads_per_token, self.cfg.pdl
+        thresh = self.cfg.select == "threshold"
 
         @cute.jit
         def logit(mLogit: cute.Tensor, b, e):
@@ -183,6 +200,67 @@ class RouterTopk:
             """The winner by the declared rule for ids in any order: larger value, on equal the lower id."""
             return pick((b[0] > a[0]) | ((b[0] == a[0]) & (b[1] < a[1])), a, b)
 
+        MIN_KEY = -(1 << 63)
+
+        def key_of(c, e):
+            """A total-order key of (choice c, id e), larger is better: the fp32 bits made
+            signed-monotone (-0 taken as +0, so equal choices compare equal) above E-1-e, so an equal
+            choice ranks the lower id first: the declared tie-break of the argmax rounds."""
+            bits = Float32(cutlass.select_(c == Float32(0.0), Float32(0.0), c)).bitcast(Int32)
+            mono = Int32(cutlass.select_(bits >= Int32(0), bits, bits ^ Int32(0x7FFFFFFF)))
+            return (Int64(mono) << Int64(32)) | Int64(Int32(E - 1) - e)
+
+        @cute.jit
+        def threshold_select(choice, sig, t, tk, tcnt, tbound, ck, cs, oid, osig):
+            """The top k without k rounds. Each thread's best key; the k-th best of those (B) bounds the
+            k-th best expert from below (the k threads with the best maxima hold k distinct experts >= B),
+            so every expert of the top k, and every expert better than one of them, has key >= B: at
+            most k * per_lane candidates. Each candidate's rank among the candidates is its rank among
+            all experts; rank r < k is written to slot r. Returns (id, sigmoid) of round t, as the
+            rounds give them (thread t < k of the first warp)."""
+            keys = cute.make_rmem_tensor(cute.make_layout(pl), Int64)
+            mk = Int64(MIN_KEY)
+            for j in cutlass.range_constexpr(pl):
+                keys[j] = Int64(MIN_KEY)
+                if j * T + t < E:
+                    keys[j] = key_of(choice[j], Int32(j * T) + t)
+                    mk = Int64(cutlass.select_(keys[j] > mk, keys[j], mk))
+            tk[t] = mk
+            if t == 0:
+                tcnt[0] = Int32(0)
+                tbound[0] = Int64(MIN_KEY)
+            cute.arch.sync_threads()
+            above = Int32(0)
+            for u in cutlass.range_constexpr(T):
+                above = above + Int32(cutlass.select_(tk[u] > mk, 1, 0))
+            if above == Int32(k - 1) and mk > Int64(MIN_KEY):
+                tbound[0] = mk                               # the k-th best thread maximum
+            cute.arch.sync_threads()
+            bound = tbound[0]
+            for j in cutlass.range_constexpr(pl):
+                if j * T + t < E:
+                    if keys[j] >= bound:
+                        slot = cute.arch.atomic_add(tcnt.iterator, Int32(1), scope="cta")
+                        ck[slot] = keys[j]
+                        cs[slot] = sig[j]
+            cute.arch.sync_threads()
+            n = tcnt[0]
+            for i in cutlass.range(t, n, T):
+                key = ck[i]
+                rank = Int32(0)
+                for m in cutlass.range(n):
+                    rank = rank + Int32(cutlass.select_(ck[m] > key, 1, 0))
+                if rank < Int32(k):
+                    oid[rank] = Int32(E - 1) - Int32(key & Int64(0xFFFFFFFF))
+                    osig[rank] = cs[i]
+            cute.arch.sync_threads()
+            rid = Int32(0)
+            rs = Float32(0.0)
+            if t < k:
+                rid = oid[t]
+                rs = osig[t]
+            return rid, rs
+
         def tree_best(cand):
             """Pairwise tree of `better` over (value, id, s) in ascending id order (depth log2 len)."""
             while len(cand) > 1:
@@ -200,11 +278,20 @@ class RouterTopk:
             lane = cute.arch.lane_idx()
             b = bidx * tpc + warp // wpt
             t = (warp % wpt) * 32 + lane                 # thread within the token: experts t, t+T, ...
-            if cutlass.const_expr(wpt > 1):
+            if cutlass.const_expr(wpt > 1 and not thresh):
                 smem = cutlass.memory.SmemAllocator()
                 xv = smem.allocate_tensor(Float32, cute.make_layout((2, wpt)), byte_alignment=16)
                 xi = smem.allocate_tensor(Int32, cute.make_layout((2, wpt)), byte_alignment=16)
                 xs = smem.allocate_tensor(Float32, cute.make_layout((2, wpt)), byte_alignment=16)
+            if cutlass.const_expr(thresh):
+                smem = cutlass.memory.SmemAllocator()
+                tk = smem.allocate_tensor(Int64, cute.make_layout(T), byte_alignment=16)        # threads' best keys
+                ck = smem.allocate_tensor(Int64, cute.make_layout(k * pl), byte_alignment=16)   # candidates' keys
+                cs = smem.allocate_tensor(Float32, cute.make_layout(k * pl), byte_alignment=16)  # and sigmoids
+                oid = smem.allocate_tensor(Int32, cute.make_layout(k), byte_alignment=16)       # rank -> id
+                osig = smem.allocate_tensor(Float32, cute.make_layout(k), byte_alignment=16)    # rank -> sigmoid
+                tbound = smem.allocate_tensor(Int64, cute.make_layout(1), byte_alignment=16)
+                tcnt = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=16)
             if b < mLogit.shape[1]:
                 if cutlass.const_expr(pdl):
                     bias = cute.make_rmem_tensor(cute.make_layout(pl), Float32)
@@ -227,7 +314,9 @@ class RouterTopk:
                             choice[j] = sv + mBias[e]
                 my_id = Int32(0)
                 my_s = Float32(0.0)
-                for r in cutlass.range_constexpr(k):
+                if cutlass.const_expr(thresh):
+                    my_id, my_s = threshold_select(choice, sig, t, tk, tcnt, tbound, ck, cs, oid, osig)
+                for r in cutlass.range_constexpr(0 if thresh else k):
                     # the thread's best by a tree over its experts (ids j*T+t rise with j), a butterfly
                     # argmax over the warp carrying the winner's sigmoid along, then (several warps
                     # per token) the warps' winners through shared memory, double-buffered by round
@@ -272,10 +361,11 @@ class RouterTopk:
 
 
 @runtime.compile_cache("router_topk")
-def _compile(E: int, top_k: int, tokens_per_cta: int, S: int, warps_per_token: int = 1, pdl: bool = False):
+def _compile(E: int, top_k: int, tokens_per_cta: int, S: int, warps_per_token: int = 1, pdl: bool = False,
+             select: str = "rounds"):
     cutlass, _ = runtime.cutlass_modules()
     b = runtime.sym_int()
-    op = RouterTopk(E, top_k, RouterTopkConfig(tokens_per_cta, None, warps_per_token, pdl), S)
+    op = RouterTopk(E, top_k, RouterTopkConfig(tokens_per_cta, None, warps_per_token, pdl, select=select), S)
     return runtime.compile_tvm_ffi(
         op.jit_host(),
         runtime.fake_tensor("float32", (S, b, E), align=4),
@@ -288,12 +378,12 @@ def _compile(E: int, top_k: int, tokens_per_cta: int, S: int, warps_per_token: i
 def compile_all_for(dtype: str, E: int, D: int, top_k: int, cfg: RouterTopkConfig) -> list:
     """Every compiled function a launch with this top-k config can use, for any M (CPU compile checks):
     the SIMT GEMV, the split-K tensor-core logits of each token bucket, and the top-k kernels."""
-    tk = (cfg.tokens_per_cta, cfg.warps_per_token)
-    out = [sg._compile(dtype, "float32", E, D, sg.simt_config(1, E, D)), _compile(E, top_k, tk[0], 1, tk[1])]
+    tk = (cfg.tokens_per_cta, cfg.warps_per_token, cfg.pdl, cfg.select)
+    out = [sg._compile(dtype, "float32", E, D, sg.simt_config(1, E, D)), _compile(E, top_k, tk[0], 1, *tk[1:])]
     for M in (8, 16, 32, 64):
         g = mma_logits_config(M, E, D)
         if g is not None:
-            out += [sg._compile(dtype, "float32", E, D, g), _compile(E, top_k, tk[0], g.ksplit, tk[1])]
+            out += [sg._compile(dtype, "float32", E, D, g), _compile(E, top_k, tk[0], g.ksplit, *tk[1:])]
     return out
 
 
@@ -326,7 +416,7 @@ def launch(x, w_gate, bias, top_k, routed_scale, ids, weights, logits, variant=N
     if variant.pdl:
         fn = _compile(E, top_k, variant.tokens_per_cta, S, variant.warps_per_token, True)
     else:
-        fn = _compile(E, top_k, variant.tokens_per_cta, S, variant.warps_per_token)
+        fn = _compile(E, top_k, variant.tokens_per_cta, S, variant.warps_per_token, False, variant.select)
     fn(logits, bias, ids, weights, float(routed_scale))
 
 

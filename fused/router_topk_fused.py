@@ -80,7 +80,7 @@ class RouterTopkOneLaunch:
         if threads // 32 not in (1, 2, 4, 8) or threads % 32:
             raise ValueError(f"variant: the GEMM CTA's {threads} threads must be 1, 2, 4 or 8 warps ({gemm.name})")
         self.E, self.D, self.k, self.gemm, self.threads = E, D, top_k, gemm, threads
-        self.topk = rt.RouterTopk(E, top_k, rt.RouterTopkConfig(1, None, threads // 32), self.S)
+        self.topk = rt.RouterTopk(E, top_k, rt.RouterTopkConfig(1, None, threads // 32, select="rounds"), self.S)
 
     def jit_host(self):
         cutlass, cute = runtime.cutlass_modules()

@@ -238,19 +238,29 @@ def test_router_topk_ids_and_weights():
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("tied", [False, True], ids=["random", "tied"])
+@pytest.mark.parametrize("E,k,D", [(896, 16, 7168), (48, 8, 1024), (20, 16, 256)])
 @pytest.mark.parametrize("B", [1, 5, 64])
-def test_router_topk_kernels_agree_bit_for_bit(B):
-    """One warp per token, four warps per token, and the programmatic-dependent launch compute the
-    same sigmoids and the same sum."""
+def test_router_topk_kernels_agree_bit_for_bit(B, E, k, D, tied):
+    """The threshold select, the argmax rounds (one warp or four per token) and the
+    programmatic-dependent launch compute the same ids, sigmoids and sum. `tied`: 4 distinct gate
+    rows and biases, so every token's choice has exact ties the lower id must win. E = 20 < 128
+    threads: most threads of the 4-warp kernels hold no expert."""
     from fused import router_topk as fr
-    g = torch.Generator(device="cuda").manual_seed(B)
-    x = torch.randn(B, 7168, device="cuda", generator=g).to(torch.bfloat16)
-    w = (torch.randn(896, 7168, device="cuda", generator=g) * 7168 ** -0.5).to(torch.bfloat16)
-    bias = torch.randn(896, device="cuda", generator=g) * 0.01
-    outs = [fr.router_topk(x, w, bias, 16, 2.5, variant=c) for c in fr.all_configs() + fr.experimental_variants({}, {})]
-    for ids, wts in outs[1:]:
-        assert torch.equal(ids, outs[0][0])
-        assert torch.equal(wts.view(torch.int32), outs[0][1].view(torch.int32))
+    g = torch.Generator(device="cuda").manual_seed(B * 7 + E)
+    x = torch.randn(B, D, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(E, D, device="cuda", generator=g) * D ** -0.5).to(torch.bfloat16)
+    bias = torch.randn(E, device="cuda", generator=g) * 0.01
+    if tied:
+        w = w[torch.arange(E, device="cuda") % 4].contiguous()
+        bias = bias[torch.arange(E, device="cuda") % 4].contiguous()
+    cfgs = fr.all_configs() + (fr.experimental_variants({}, {}) if E == 896 else [])
+    outs = [fr.router_topk(x, w, bias, k, 2.5, variant=c) for c in cfgs]
+    assert cfgs[0].select == "threshold" and cfgs[1].select == "rounds"
+    for c, (ids, wts) in zip(cfgs[1:], outs[1:]):
+        assert torch.equal(ids, outs[0][0]), c.name
+        assert torch.equal(wts.view(torch.int32), outs[0][1].view(torch.int32)), c.name
+    assert all(len(set(r)) == k for r in outs[0][0].tolist())        # k distinct experts per token
 
 
 @pytest.mark.gpu
