@@ -122,7 +122,8 @@ def kernels():
         x = torch.randn(B, D, device="cuda").to(torch.bfloat16)
         one = next(c for c in fr.experimental_variants({}, {}) if c.one_launch)
         rounds = fr.RouterTopkConfig(1, None, 4, select="rounds")
-        for label, v in (("default", None), ("rounds_w4", rounds), ("one_launch", one)):
+        thresh = [(c.name, c) for c in fr.experimental_variants({}, {}) if c.select == "threshold"]
+        for label, v in (("default", None), ("rounds_w4", rounds), ("one_launch", one), *thresh):
             for _ in range(3):
                 fr.router_topk(x, w, bias, k, 2.5, variant=v)
             torch.cuda.synchronize()
@@ -132,7 +133,7 @@ def kernels():
                 torch.cuda.synchronize()
             for ev in prof.key_averages():
                 if ev.device_time_total > 0:
-                    log(f"KERNEL B={B:2d} {label:10s} {ev.key[:70]:70s} calls {ev.count:3d} "
+                    log(f"KERNEL B={B:2d} {label:16s} {ev.key[:70]:70s} calls {ev.count:3d} "
                         f"avg {ev.device_time_total / max(ev.count, 1):8.2f} us")
 
 

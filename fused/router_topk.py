@@ -96,12 +96,14 @@ class RouterTopkConfig:
     pdl: bool = False                # top-k kernel as a programmatic dependent launch (experimental)
     one_launch: bool = False         # logits GEMM + top-k in one kernel (router_topk_fused; experimental)
     select: str = "threshold"        # "threshold": rank the experts above a bound; "rounds": k argmax rounds
+    bound: str = "cta"               # threshold: the k-th best thread maximum of the CTA, or of each warp
 
     @property
     def name(self) -> str:
         base = (f"warp_argmax_t{self.tokens_per_cta}" if self.warps_per_token == 1
                 else f"cta_argmax_w{self.warps_per_token}")
-        base = f"cta_thresh_w{self.warps_per_token}" if self.select == "threshold" else base
+        if self.select == "threshold":
+            base = f"cta_thresh_w{self.warps_per_token}" + ("_wb" if self.bound == "warp" else "")
         base = "one_launch" if self.one_launch else base
         return base + ("_pdl" if self.pdl else "") + (f"+{self.gemm.name}" if self.gemm is not None else "")
 
@@ -120,9 +122,12 @@ def experimental_variants(tensors: dict, params: dict) -> list:
     for the GEMM's results before reading a logit. It hides the second launch's latency. And the
     one-launch router (fused/router_topk_fused.py): the GEMM's CTAs arrive on a grid-wide counter,
     the last ones then run the top-k; the same bits as the two launches, which it falls back to
-    where its waiting CTAs would not leave an SM free."""
+    where its waiting CTAs would not leave an SM free. And the threshold select over 2, 4 or 8 warps
+    with each warp's k-th best thread maximum as its bound (32 compares a thread instead of
+    32 x warps; more candidates), and over 8 warps with the CTA's bound."""
     return [RouterTopkConfig(1, None, 4, pdl=True, select="rounds"),
-            RouterTopkConfig(1, None, 4, one_launch=True, select="rounds")]
+            RouterTopkConfig(1, None, 4, one_launch=True, select="rounds"),
+            *[RouterTopkConfig(1, None, w, bound="warp") for w in (2, 4, 8)], RouterTopkConfig(1, None, 8)]
 
 
 def variants(tensors: dict, params: dict) -> list:
@@ -147,6 +152,8 @@ class RouterTopk:
         if cfg.select not in ("rounds", "threshold") or (cfg.select == "threshold" and (
                 cfg.tokens_per_cta != 1 or cfg.pdl or cfg.one_launch)):
             raise ValueError(f"variant: {cfg}: select is 'rounds' or 'threshold' (one token per CTA, no PDL)")
+        if cfg.bound not in ("cta", "warp") or (cfg.bound == "warp" and cfg.select != "threshold"):
+            raise ValueError(f"variant: {cfg}: bound is 'cta' or 'warp' (threshold select only)")
         self.E, self.k, self.cfg, self.S = E, top_k, cfg, S
         self.threads_per_token = 32 * cfg.warps_per_token
         self.per_lane = -(-E // self.threads_per_token)
@@ -179,6 +186,8 @@ class RouterTopk:
         E, k, pl, tpc, S = self.E, self.k, self.per_lane, self.cfg.tokens_per_cta, self.S
         wpt, T, pdl = self.cfg.warps_per_token, self.threads_per_token, self.cfg.pdl
         thresh = self.cfg.select == "threshold"
+        wbound = self.cfg.bound == "warp"
+        cap = k * pl * (wpt if wbound else 1)            # candidates at most (threshold_select)
 
         @cute.jit
         def logit(mLogit: cute.Tensor, b, e):
@@ -228,15 +237,29 @@ class RouterTopk:
             tk[t] = mk
             if t == 0:
                 tcnt[0] = Int32(0)
-                tbound[0] = Int64(MIN_KEY)
+            if t < (wpt if wbound else 1):
+                tbound[t] = Int64(MIN_KEY)
             cute.arch.sync_threads()
             above = Int32(0)
-            for u in cutlass.range_constexpr(T):
-                above = above + Int32(cutlass.select_(tk[u] > mk, 1, 0))
-            if above == Int32(k - 1) and mk > Int64(MIN_KEY):
-                tbound[0] = mk                               # the k-th best thread maximum
+            if cutlass.const_expr(wbound):
+                # the k-th best maximum of each warp's 32 threads bounds the k-th best expert as well
+                # (k <= 32: warp 0 always holds k experts); the best of the warps' bounds is the bound,
+                # and each warp has at most k threads at or above it: <= wpt * k * per_lane candidates
+                w0 = (t // 32) * 32
+                for u in cutlass.range_constexpr(32):
+                    above = above + Int32(cutlass.select_(tk[w0 + u] > mk, 1, 0))
+                if above == Int32(k - 1) and mk > Int64(MIN_KEY):
+                    tbound[t // 32] = mk
+            else:
+                for u in cutlass.range_constexpr(T):
+                    above = above + Int32(cutlass.select_(tk[u] > mk, 1, 0))
+                if above == Int32(k - 1) and mk > Int64(MIN_KEY):
+                    tbound[0] = mk                           # the k-th best thread maximum
             cute.arch.sync_threads()
             bound = tbound[0]
+            if cutlass.const_expr(wbound):
+                for w in cutlass.range_constexpr(1, wpt):
+                    bound = Int64(cutlass.select_(tbound[w] > bound, tbound[w], bound))
             for j in cutlass.range_constexpr(pl):
                 if j * T + t < E:
                     if keys[j] >= bound:
@@ -248,7 +271,7 @@ class RouterTopk:
             for i in cutlass.range(t, n, T):
                 key = ck[i]
                 rank = Int32(0)
-                for m in cutlass.range(n):
+                for m in cutlass.range(n, unroll=4 if wbound else 1):
                     rank = rank + Int32(cutlass.select_(ck[m] > key, 1, 0))
                 if rank < Int32(k):
                     oid[rank] = Int32(E - 1) - Int32(key & Int64(0xFFFFFFFF))
@@ -286,11 +309,11 @@ class RouterTopk:
             if cutlass.const_expr(thresh):
                 smem = cutlass.memory.SmemAllocator()
                 tk = smem.allocate_tensor(Int64, cute.make_layout(T), byte_alignment=16)        # threads' best keys
-                ck = smem.allocate_tensor(Int64, cute.make_layout(k * pl), byte_alignment=16)   # candidates' keys
-                cs = smem.allocate_tensor(Float32, cute.make_layout(k * pl), byte_alignment=16)  # and sigmoids
+                ck = smem.allocate_tensor(Int64, cute.make_layout(cap), byte_alignment=16)      # candidates' keys
+                cs = smem.allocate_tensor(Float32, cute.make_layout(cap), byte_alignment=16)    # and sigmoids
                 oid = smem.allocate_tensor(Int32, cute.make_layout(k), byte_alignment=16)       # rank -> id
                 osig = smem.allocate_tensor(Float32, cute.make_layout(k), byte_alignment=16)    # rank -> sigmoid
-                tbound = smem.allocate_tensor(Int64, cute.make_layout(1), byte_alignment=16)
+                tbound = smem.allocate_tensor(Int64, cute.make_layout(wpt), byte_alignment=16)  # per warp (wb)
                 tcnt = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=16)
             if b < mLogit.shape[1]:
                 if cutlass.const_expr(pdl):
@@ -362,10 +385,11 @@ class RouterTopk:
 
 @runtime.compile_cache("router_topk")
 def _compile(E: int, top_k: int, tokens_per_cta: int, S: int, warps_per_token: int = 1, pdl: bool = False,
-             select: str = "rounds"):
+             select: str = "rounds", bound: str = "cta"):
     cutlass, _ = runtime.cutlass_modules()
     b = runtime.sym_int()
-    op = RouterTopk(E, top_k, RouterTopkConfig(tokens_per_cta, None, warps_per_token, pdl, select=select), S)
+    op = RouterTopk(E, top_k, RouterTopkConfig(tokens_per_cta, None, warps_per_token, pdl, select=select,
+                                               bound=bound), S)
     return runtime.compile_tvm_ffi(
         op.jit_host(),
         runtime.fake_tensor("float32", (S, b, E), align=4),
@@ -378,7 +402,7 @@ def _compile(E: int, top_k: int, tokens_per_cta: int, S: int, warps_per_token: i
 def compile_all_for(dtype: str, E: int, D: int, top_k: int, cfg: RouterTopkConfig) -> list:
     """Every compiled function a launch with this top-k config can use, for any M (CPU compile checks):
     the SIMT GEMV, the split-K tensor-core logits of each token bucket, and the top-k kernels."""
-    tk = (cfg.tokens_per_cta, cfg.warps_per_token, cfg.pdl, cfg.select)
+    tk = (cfg.tokens_per_cta, cfg.warps_per_token, cfg.pdl, cfg.select, cfg.bound)
     out = [sg._compile(dtype, "float32", E, D, sg.simt_config(1, E, D)), _compile(E, top_k, tk[0], 1, *tk[1:])]
     for M in (8, 16, 32, 64):
         g = mma_logits_config(M, E, D)
@@ -416,7 +440,8 @@ def launch(x, w_gate, bias, top_k, routed_scale, ids, weights, logits, variant=N
     if variant.pdl:
         fn = _compile(E, top_k, variant.tokens_per_cta, S, variant.warps_per_token, True)
     else:
-        fn = _compile(E, top_k, variant.tokens_per_cta, S, variant.warps_per_token, False, variant.select)
+        fn = _compile(E, top_k, variant.tokens_per_cta, S, variant.warps_per_token, False, variant.select,
+                      variant.bound)
     fn(logits, bias, ids, weights, float(routed_scale))
 
 
