@@ -5,10 +5,7 @@ Diagnosis: fp32 logits of E=896 x D=7168 against the fp64 product, per implement
 fragment (the 2026-11-29 default for M >= 9), and the split-K fresh-accumulator kernel (now the
 default). Error unit: u * sum_d |x_d w_d| (u = 2^-24), the scale any fp32 summation order errs by.
 Timing: the fused op per B against the reference eager, torch.compile and cuBLAS bf16 logits alone,
-and a row per experimental variant (`fused one_launch`: logits GEMM and top-k in one kernel, checked
-bit for bit against the two launches first, CHECK lines). The one-launch counter is allocated per
-stream: the first call on the graph's capture stream captures its zeroing (one memset node per
-graph of 20 calls).
+and a row per other certified variant (the argmax-round top-k kernels, the other logits GEMM).
 
     PYTHONPATH=$PWD python3 bench/bench_router.py --out $OUT
 """
@@ -67,20 +64,6 @@ def diagnose():
                     f"median {r['median_err_units']:7.4f}  (units of u*sum|xw|)")
 
 
-def check_one_launch(fr, x, w, bias, k, variant):
-    """Before timing the one-launch row: did it run as one kernel (or fall back), and are its bits the
-    two launches' (ids and weights, two calls in a row: the counter reset)?"""
-    from fused import router_topk_fused as rf
-    B, D = x.shape
-    E = w.shape[0]
-    fits = rf.fits(x.device, B, E, fr.logits_config(B, E, D))
-    ref = fr.router_topk(x, w, bias, k, 2.5)
-    same = all(torch.equal(got[0], ref[0]) and torch.equal(got[1].view(torch.int32), ref[1].view(torch.int32))
-               for got in (fr.router_topk(x, w, bias, k, 2.5, variant=variant) for _ in range(2)))
-    RESULTS.append({"one_launch": {"B": B, "fits": fits, "bitwise_equal": same}})
-    log(f"CHECK one_launch B={B:2d} one kernel={fits} bitwise_equal_to_two_launches={same}")
-
-
 def timing(args):
     from fused import router_topk as fr
     from references.moe import router_topk as ref_rt
@@ -97,9 +80,7 @@ def timing(args):
         x = torch.randn(B, D, device="cuda").to(torch.bfloat16)
         row = {"B": B}
         row["fused"] = graph_time_us([lambda w_=w_: fr.router_topk(x, w_, bias, k, 2.5) for w_ in ws])
-        for v in fr.variants({"x": x, "w_gate": ws[0]}, {})[1:] + fr.experimental_variants({}, {}):
-            if v.one_launch:
-                check_one_launch(fr, x, ws[0], bias, k, v)
+        for v in fr.variants({"x": x, "w_gate": ws[0]}, {})[1:]:
             row[f"fused {v.name}"] = graph_time_us([lambda w_=w_, v=v: fr.router_topk(x, w_, bias, k, 2.5, variant=v) for w_ in ws])
         row["eager"] = graph_time_us([lambda w_=w_: ref_rt(x, w_, bias, k, 2.5) for w_ in ws])
         if cr is not None:
@@ -120,10 +101,8 @@ def kernels():
     bias = torch.randn(E, device="cuda") * 0.01
     for B in (1, 16, 64):
         x = torch.randn(B, D, device="cuda").to(torch.bfloat16)
-        one = next(c for c in fr.experimental_variants({}, {}) if c.one_launch)
         rounds = fr.RouterTopkConfig(1, None, 4, select="rounds")
-        thresh = [(c.name, c) for c in fr.experimental_variants({}, {}) if c.select == "threshold"]
-        for label, v in (("default", None), ("rounds_w4", rounds), ("one_launch", one), *thresh):
+        for label, v in (("default", None), ("rounds_w4", rounds)):
             for _ in range(3):
                 fr.router_topk(x, w, bias, k, 2.5, variant=v)
             torch.cuda.synchronize()

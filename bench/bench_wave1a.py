@@ -80,7 +80,7 @@ def bench_gemm(args):
 
 
 def bench_dequant(args):
-    from fused.mxfp4_dequant import all_configs, experimental_variants, mxfp4_dequant
+    from fused.mxfp4_dequant import all_configs, mxfp4_dequant
     from references.mxfp4 import mxfp4_dequant as ref_dq
     O, I = 7168, 2048
     for out_dtype in ("bfloat16", "float16", "float32"):
@@ -98,14 +98,6 @@ def bench_dequant(args):
             nan_bits = bool((ref.view(ib) == out.view(ib)).all())
             log(f"CHECK mxfp4_dequant {out_dtype} {cfg.name} bitwise(non-NaN, NaN positions)={same} "
                 f"NaN bits identical={nan_bits}")
-        if out_dtype == "bfloat16":                           # experimental launches: bf16 only
-            default = mxfp4_dequant(pk, sc, out_dtype).view(torch.int16)
-            for cfg in experimental_variants():
-                out = mxfp4_dequant(pk, sc, out_dtype, variant=cfg)
-                nan_r, nan_o = torch.isnan(ref), torch.isnan(out)
-                same = bool((nan_r == nan_o).all()) and bool((ref.view(torch.int16) == out.view(torch.int16))[~nan_r].all())
-                log(f"CHECK mxfp4_dequant {out_dtype} {cfg.name} (experimental) bitwise vs reference={same} "
-                    f"all bits vs default={bool(torch.equal(out.view(torch.int16), default))}")
     nb = O * I // 2 + O * I // 32 + O * I * 2
     sets = [(torch.randint(0, 256, (O, I // 2), dtype=torch.uint8, device="cuda"),
              torch.randint(100, 150, (O, I // 32), dtype=torch.uint8, device="cuda")) for _ in range(n_copies(nb))]
@@ -114,9 +106,6 @@ def bench_dequant(args):
     for cfg in all_configs():
         fns = [lambda p=p, s=s, o=o, c=cfg: fm.launch(p, s, o, c) for (p, s), o in zip(sets, outs)]
         record("mxfp4_dequant", f"[{O},{I}] bf16", "fused:" + cfg.name, graph_time_us(fns), nb)
-    for cfg in experimental_variants():
-        fns = [lambda p=p, s=s, o=o, c=cfg: fm.launch(p, s, o, c) for (p, s), o in zip(sets, outs)]
-        record("mxfp4_dequant", f"[{O},{I}] bf16", "experimental:" + cfg.name, graph_time_us(fns), nb)
     # what this byte mix allows: the output's bytes written alone (fill_), the same bytes as a copy
     # (read + write of the output size) at the anchor's rate
     fns = [lambda o=o: o.fill_(1.0) for o in outs]

@@ -16,20 +16,10 @@ the kernel's one rounding (fp32 -> output, RNE) matches it bit for bit. fp32 mul
 subnormals here (no flush-to-zero). Scale byte 0xFF selects the output dtype's canonical NaN
 constant, so NaN bits do not depend on the hardware's NaN propagation. Code 0x8 is -0.0.
 
-Experimental launches (`experimental_variants()`, bf16 output only): measured by the bench, not
-certified, never picked by the dispatch. Same arithmetic per word (`_bf16_words`), so the same bits;
-only the memory instructions and the grid change. Default grid on the K3 weight [7168, 4096]
-(3,670,016 words): 3584 CTAs of 256 threads x 4 words; at 30 registers 8 CTAs fit an SM, 132 x 8 =
-1056 per wave, so 3.39 waves, the last one partial (416 CTAs, 39 % of the SMs' slots).
-- group (`group_loads`): a unit is a whole scale group, 4 words = one 16-byte `ld.global.v4` and one
-  scale byte (not 4), written as 4 x 16-byte `st.global.v4` (64 contiguous bytes per thread): a
-  quarter of the load instructions and scale loads, more bytes in flight per load. Cost: a warp's
-  store instruction covers 2 KB in 16-byte pieces (half sectors) instead of 512 contiguous bytes.
-- streaming (`streaming`): `ld.global.L1::no_allocate` on the codes (read once, not cached in
-  L1; the DSL refuses the non-coherent `.nc` form together with an L1 eviction hint) and `st.global.cs` (evict-first) on the output, so the 29 MB written does not push the
-  codes and scales out of L2.
-- persistent (`ctas_per_sm` > 0): #SMs x k CTAs walk the chunks with a grid-stride loop, no
-  partial last wave and no CTA launch per chunk.
+Measured on the H200 and dropped (results/gpu/targets.md, session 5; the code is in git history
+before session 5's cleanup): 16-byte group loads (2.4x slower: 64-byte-strided stores half-fill
+sectors), a persistent grid (6 % slower), streaming cache hints (0.5 % faster, within the noise of
+two runs; still under the 80 % target).
 """
 from dataclasses import dataclass
 
@@ -52,25 +42,6 @@ class Mxfp4DequantConfig:
         return f"word_t{self.threads}_u{self.units}"
 
 
-@dataclass(frozen=True)
-class Mxfp4DequantXConfig:
-    """An experimental bf16 launch (see the module doc): measured, not certified nor dispatched."""
-    threads: int = 256
-    units: int = 2                 # units per thread per chunk, loaded before any arithmetic
-    group_loads: bool = True       # unit = 4 words (one scale group, 16 B) instead of 1 word
-    streaming: bool = False        # ld.global.L1::no_allocate codes, st.global.cs output
-    ctas_per_sm: int = 0           # > 0: persistent grid of #SMs x ctas_per_sm, grid-stride loop
-
-    @property
-    def words_per_unit(self) -> int:
-        return WORDS_PER_GROUP if self.group_loads else 1
-
-    @property
-    def name(self) -> str:
-        return (f"x_{'group' if self.group_loads else 'word'}_t{self.threads}_u{self.units}"
-                + ("_cs" if self.streaming else "") + (f"_p{self.ctas_per_sm}" if self.ctas_per_sm else ""))
-
-
 def all_configs() -> list[Mxfp4DequantConfig]:
     return [Mxfp4DequantConfig(256, 4), Mxfp4DequantConfig(128, 8), Mxfp4DequantConfig(256, 1),
             Mxfp4DequantConfig(256, 8), Mxfp4DequantConfig(512, 4)]
@@ -79,14 +50,6 @@ def all_configs() -> list[Mxfp4DequantConfig]:
 def variants(tensors: dict, params: dict) -> list:
     """Every launch variant the harness must certify for these inputs."""
     return all_configs()
-
-
-def experimental_variants(tensors: dict | None = None, params: dict | None = None) -> list[Mxfp4DequantXConfig]:
-    """Launches the bench times next to the default (bf16 only; router_topk's signature); not in
-    variants()/all_configs(), so not certified."""
-    return [Mxfp4DequantXConfig(256, 2), Mxfp4DequantXConfig(256, 2, streaming=True),
-            Mxfp4DequantXConfig(256, 4, group_loads=False, streaming=True),
-            Mxfp4DequantXConfig(256, 4, group_loads=False, ctas_per_sm=8)]
 
 
 def _code_bits(cutlass, word, i: int):
@@ -204,101 +167,6 @@ def _compile(out_dtype: str, cfg: Mxfp4DequantConfig):
         runtime.fake_tensor(out_dtype, (runtime.sym_int(CODES),)))
 
 
-class Mxfp4DequantX:
-    """The experimental bf16 kernel: chunks of T x U units, a unit is 1 word or a 4-word group."""
-
-    def __init__(self, cfg: Mxfp4DequantXConfig):
-        self.cfg = cfg
-
-    def _atoms(self, cute):
-        from cutlass import Int32
-        nv, cfg = cute.nvgpu, self.cfg
-        bits = 32 * cfg.words_per_unit
-        if not cfg.streaming:
-            return (cute.make_copy_atom(nv.CopyUniversalOp(), Int32, num_bits_per_copy=bits),
-                    cute.make_copy_atom(nv.CopyUniversalOp(), Int32, num_bits_per_copy=128))
-        load = cute.make_copy_atom(nv.CopyG2ROp(), Int32, num_bits_per_copy=bits,
-                                   l1c_evict_priority=nv.CacheEvictionPriority.NO_ALLOCATE)
-        store = cute.make_copy_atom(nv.CopyR2GOp(), Int32, num_bits_per_copy=128,
-                                    store_cache_mode=nv.StoreCacheMode.STREAMING)
-        return load, store
-
-    def jit_host(self):
-        cutlass, cute = runtime.cutlass_modules()
-        kernel = self.device_kernel()
-        WPU = self.cfg.words_per_unit
-
-        @cute.jit
-        def host(mP: cute.Tensor, mS: cute.Tensor, mW: cute.Tensor, nctas: cutlass.Int32, stream):
-            gP = cute.zipped_divide(mP, (WPU,))                      # (word in unit, unit)
-            gW = cute.zipped_divide(cute.recast_tensor(mW, cutlass.Int32), (CODES // 2,))
-            kernel(gP, mS, gW, nctas).launch(grid=[nctas, 1, 1], block=[self.cfg.threads, 1, 1],
-                                             stream=stream)
-
-        return host
-
-    def device_kernel(self):
-        cutlass, cute = runtime.cutlass_modules()
-        from cutlass import Int32
-
-        T, U, WPU = self.cfg.threads, self.cfg.units, self.cfg.words_per_unit
-        atoms = self._atoms
-
-        @cute.kernel
-        def kernel(gP: cute.Tensor, mS: cute.Tensor, gW: cute.Tensor, nctas: Int32):
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            load_atom, store_atom = atoms(cute)
-            nunits = cute.size(gP, mode=[1])
-            nchunks = (nunits + T * U - 1) // (T * U)
-            for c in cutlass.range(bidx, nchunks, nctas):          # once unless persistent
-                base = c * (T * U) + tidx
-                words = cute.make_rmem_tensor(cute.make_layout((WPU, U)), Int32)
-                exps = cute.make_rmem_tensor(cute.make_layout(U), Int32)
-                for j in cutlass.range_constexpr(U):
-                    u = base + j * T
-                    if u < nunits:
-                        cute.copy(load_atom, gP[None, u], words[None, j])
-                        exps[j] = Int32(mS[u * WPU // WORDS_PER_GROUP])
-                for j in cutlass.range_constexpr(U):
-                    u = base + j * T
-                    if u < nunits:
-                        e = exps[j]
-                        for k in cutlass.range_constexpr(WPU):
-                            ow = cute.make_rmem_tensor(cute.make_layout(CODES // 2), Int32)
-                            _bf16_words(cutlass, cute, Int32, words[k, j], e, ow)
-                            cute.copy(store_atom, ow, gW[None, u * WPU + k])
-
-        return kernel
-
-
-@runtime.compile_cache("mxfp4_dequant_x")
-def _compile_experimental(out_dtype: str, cfg: Mxfp4DequantXConfig):
-    if out_dtype != "bfloat16":
-        raise ValueError(f"out_dtype: experimental variant {cfg.name} writes bfloat16 only, got {out_dtype!r}")
-    cutlass, _ = runtime.cutlass_modules()
-    n = runtime.sym_int(cfg.words_per_unit)
-    return runtime.compile_tvm_ffi(
-        Mxfp4DequantX(cfg).jit_host(),
-        runtime.fake_tensor("int32", (n,)),
-        runtime.fake_tensor("uint8", (runtime.sym_int(),), align=1),
-        runtime.fake_tensor(out_dtype, (runtime.sym_int(CODES),)),
-        cutlass.Int32(1))
-
-
-_SMS: dict = {}
-
-
-def _experimental_grid(cfg: Mxfp4DequantXConfig, nwords: int, device) -> int:
-    """CTAs to launch: one per chunk, or at most #SMs x ctas_per_sm for a persistent variant."""
-    chunks = -(-(nwords // cfg.words_per_unit) // (cfg.threads * cfg.units))
-    if not cfg.ctas_per_sm:
-        return chunks
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return min(chunks, _SMS[device] * cfg.ctas_per_sm)
-
-
 _OUT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -319,11 +187,7 @@ def launch(packed, scale, out, variant=None) -> None:
     if packed.shape[0] == 0:
         return
     cfg = variant or Mxfp4DequantConfig()
-    experimental = isinstance(cfg, Mxfp4DequantXConfig)
-    if experimental:
-        fn = _compile_experimental(runtime.dtype_name(out.dtype), cfg)
-    else:
-        fn = _compile(runtime.dtype_name(out.dtype), cfg)
+    fn = _compile(runtime.dtype_name(out.dtype), cfg)
     # the kernel reads `packed` as 32-bit words and writes 16-byte vectors: fresh storage if the
     # caller's views are offset or strided
     if packed.data_ptr() % 16:
@@ -331,10 +195,7 @@ def launch(packed, scale, out, variant=None) -> None:
     dst = out if out.is_contiguous() and out.data_ptr() % 16 == 0 else torch.empty_like(
         out, memory_format=torch.contiguous_format)
     args = (packed.view(torch.int32).view(-1), scale.contiguous().view(-1), dst.view(-1))
-    if experimental:
-        fn(*args, _experimental_grid(cfg, args[0].numel(), packed.device))
-    else:
-        fn(*args)
+    fn(*args)
     if dst is not out:
         out.copy_(dst)
 

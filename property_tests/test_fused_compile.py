@@ -122,24 +122,14 @@ def test_router_topk_compiles_every_variant(E, k, D):
     assert big.fresh_acc and big.ksplit > 1 and (D // 32) % big.ksplit == 0
 
 
-def test_router_topk_pdl_variant_compiles_and_is_experimental_only():
-    """The programmatic-dependent top-k kernel compiles (griddepcontrol.wait in its PTX is checked on
-    the device run's dump) for every logits split; it is measured, not certified or picked."""
-    from fused import router_topk as fr
-    pdl = [c for c in fr.experimental_variants({}, {}) if c.pdl]
-    assert pdl
-    tensors = {"x": torch.empty(8, 7168, device="meta"), "w_gate": torch.empty(896, 7168, device="meta")}
-    assert not any(c.pdl or c.one_launch for c in fr.variants(tensors, {}))
-    for S in (1, 4, 7):
-        assert fr._compile(896, 16, 1, S, 4, True) is not None
-
-
 def test_router_topk_rejects_k_over_warp():
     from fused import router_topk as fr
     with pytest.raises(ValueError, match="top_k"):
         fr.RouterTopk(896, 33, fr.RouterTopkConfig())
     with pytest.raises(ValueError, match="warps_per_token"):
         fr.RouterTopk(896, 16, fr.RouterTopkConfig(4, None, 4))
+    with pytest.raises(ValueError, match="one token per CTA"):
+        fr.RouterTopk(896, 16, fr.RouterTopkConfig(4, None, 1))            # threshold select, 4 tokens
 
 
 def test_custom_ops_register_under_project_namespace():
@@ -242,8 +232,8 @@ def test_router_topk_ids_and_weights():
 @pytest.mark.parametrize("E,k,D", [(896, 16, 7168), (48, 8, 1024), (20, 16, 256)])
 @pytest.mark.parametrize("B", [1, 5, 64])
 def test_router_topk_kernels_agree_bit_for_bit(B, E, k, D, tied):
-    """The threshold select, the argmax rounds (one warp or four per token) and the
-    programmatic-dependent launch compute the same ids, sigmoids and sum. `tied`: 4 distinct gate
+    """The threshold select and the argmax rounds (one warp or four per token) compute the same ids,
+    sigmoids and sum. `tied`: 4 distinct gate
     rows and biases, so every token's choice has exact ties the lower id must win. E = 20 < 128
     threads: most threads of the 4-warp kernels hold no expert."""
     from fused import router_topk as fr
@@ -254,7 +244,7 @@ def test_router_topk_kernels_agree_bit_for_bit(B, E, k, D, tied):
     if tied:
         w = w[torch.arange(E, device="cuda") % 4].contiguous()
         bias = bias[torch.arange(E, device="cuda") % 4].contiguous()
-    cfgs = fr.all_configs() + (fr.experimental_variants({}, {}) if E == 896 else [])
+    cfgs = fr.all_configs()
     outs = [fr.router_topk(x, w, bias, k, 2.5, variant=c) for c in cfgs]
     assert cfgs[0].select == "threshold" and cfgs[1].select == "rounds"
     for c, (ids, wts) in zip(cfgs[1:], outs[1:]):
@@ -282,11 +272,12 @@ def test_skinny_gemm_unaligned_views_give_the_aligned_bits():
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("B", [1, 16])
-def test_router_topk_pdl_variant_in_a_cuda_graph(B):
-    """The programmatic dependent launch captured in a CUDA graph (a programmatic edge after the
-    logits GEMM) replays to the bits of the plain launch, on fresh logits every replay."""
+@pytest.mark.parametrize("select", ["threshold", "rounds"])
+def test_router_topk_in_a_cuda_graph(B, select):
+    """The two launches captured in a CUDA graph replay to the bits of an eager call, on poisoned
+    outputs and logits every replay."""
     from fused import router_topk as fr
-    cfg = fr.experimental_variants({}, {})[0]
+    cfg = fr.RouterTopkConfig(select=select)
     g = torch.Generator(device="cuda").manual_seed(B)
     x = torch.randn(B, 7168, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(896, 7168, device="cuda", generator=g) * 7168 ** -0.5).to(torch.bfloat16)
