@@ -49,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("old", metavar="OLD.json")
     di.add_argument("new", metavar="NEW.json")
     di.add_argument("--json", action="store_true", help="machine-readable output")
+    ck = sub.add_parser("check", help="which certificate still holds for this tree (the release gate)")
+    ck.add_argument("certificates", metavar="CERT.json", nargs="+",
+                    help="certificates to look in; per op, the newest verdict whose sources match the tree counts")
+    ck.add_argument("--ops", default=None,
+                    help="comma-separated op names (default: every op; with --candidate fused, those with a fused kernel)")
+    ck.add_argument("--candidate", default="fused", help="fused | compiled | reference | module:attr (default: fused)")
+    ck.add_argument("--profile", default=None, help="count only certificates run with this profile, e.g. release")
+    ck.add_argument("--device", default=None, choices=["cpu", "cuda"], help="count only certificates run on this device")
+    ck.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
 
@@ -99,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     try:
         return {"list": cmd_list, "describe": cmd_describe, "run": cmd_run, "repro": cmd_repro,
-                "report": cmd_report, "diff": cmd_diff}[args.command](args)
+                "report": cmd_report, "diff": cmd_diff, "check": cmd_check}[args.command](args)
     except UsageError as e:
         print(f"verify-kernels: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -368,6 +377,46 @@ def cmd_diff(args) -> int:
     d = diff(old, new)
     print(json.dumps(d.to_dict(), indent=1) if args.json else render_text(d))
     return EXIT_FAIL if d.of("new_failure") else EXIT_OK
+
+
+def cmd_check(args) -> int:
+    from verify import certificate, gate
+    from verify.registry import UnknownOpError, select_ops
+
+    certs = []
+    for path in args.certificates:
+        try:
+            certs.append((path, certificate.load(path)))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    try:
+        ops = select_ops(args.ops)
+    except UnknownOpError as e:
+        raise UsageError(str(e)) from None
+    if args.candidate == "fused" and not args.ops:
+        ops = [o for o in ops if o.fused]
+    states = gate.check(ops, certs, args.candidate, args.profile, args.device)
+    if args.json:
+        print(json.dumps(gate.to_dict(states), indent=1))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=f"verify-kernels check: {args.candidate}")
+        for col in ("op", "state", "judged", "certificate"):
+            t.add_column(col, overflow="fold")
+        for st in states:
+            judged = f"{st.git_commit[:7]} {st.created[:10]} {st.profile}/{st.device}" if st.created else ""
+            t.add_row(st.op, f"[{'green' if st.ok else 'bold red'}]{st.state}[/]", judged, st.certificate)
+        console = Console()
+        console.print(t)
+        for st in states:
+            if not st.ok:
+                console.print(f"[bold red]{st.op}[/]: {st.state}: {st.detail}")
+        bad = [st.op for st in states if not st.ok]
+        print(f"{len(states) - len(bad)} of {len(states)} ops hold a passing verdict for this tree"
+              + (f"; not: {', '.join(bad)}" if bad else ""))
+    return EXIT_OK if all(st.ok for st in states) else EXIT_FAIL
 
 
 def cmd_repro(args) -> int:

@@ -1,0 +1,81 @@
+"""Which certificate still holds for this tree: the release gate's question.
+
+    verify-kernels check CERT.json [CERT.json ...] [--ops ...] [--candidate fused] [--profile release]
+
+A verdict holds when the sources it was judged on (reference, fused kernel, spec, registry entry,
+harness: `certificate.op_sources`) equal the tree's now. For each op, the newest certificate whose
+entry holds gives the op's state; an op passes the gate only when that verdict passed (or failed
+exactly as its spec waives). Anything else names what to do: a stale op names the sources that
+changed since its newest verdict, a missing one says no certificate judged it.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+OK_STATUSES = ("pass", "waived")
+
+
+@dataclass(frozen=True)
+class OpState:
+    op: str
+    state: str                 # certified | failed | not_certified | stale | missing
+    certificate: str = ""      # the file whose verdict holds (or the newest one seen, when stale)
+    created: str = ""
+    git_commit: str = ""
+    profile: str = ""
+    device: str = ""
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "certified"
+
+
+def _entries(certs: list[tuple[str, dict]], op: str, candidate: str):
+    """(path, cert, entry, verdict) for every certificate that judged op/candidate, newest first."""
+    found = []
+    for path, cert in certs:
+        entry = cert.get("ops", {}).get(op)
+        verdict = (entry or {}).get("verdicts", {}).get(candidate)
+        if verdict is not None:
+            found.append((path, cert, entry, verdict))
+    return sorted(found, key=lambda f: f[1].get("created") or "", reverse=True)
+
+
+def op_state(op, certs: list[tuple[str, dict]], candidate: str, profile: str | None = None,
+             device: str | None = None) -> OpState:
+    from verify.certificate import op_sources
+
+    found = [f for f in _entries(certs, op.name, candidate)
+             if (profile is None or f[1].get("options", {}).get("profile") == profile)
+             and (device is None or f[1].get("environment", {}).get("device") == device)]
+    if not found:
+        need = " ".join(x for x in (f"profile {profile}" if profile else "", f"on {device}" if device else "") if x)
+        return OpState(op.name, "missing", detail=f"no certificate judged {candidate}" + (f" ({need})" if need else ""))
+    now = op_sources(op)
+    for path, cert, entry, verdict in found:
+        if entry.get("sources") == now:
+            env, opts = cert.get("environment", {}), cert.get("options", {})
+            common = dict(certificate=path, created=cert.get("created", ""), git_commit=(env.get("git_commit") or "")[:12],
+                          profile=opts.get("profile", ""), device=env.get("device", ""))
+            status = verdict.get("status")
+            if status in OK_STATUSES:
+                return OpState(op.name, "certified", detail=verdict.get("reason", ""), **common)
+            if status == "skip":
+                return OpState(op.name, "not_certified", detail=f"skipped: {verdict.get('reason', '')}", **common)
+            return OpState(op.name, "failed", detail=verdict.get("reason", ""), **common)
+    path, cert, entry, _ = found[0]
+    changed = sorted(k for k, v in now.items() if (entry.get("sources") or {}).get(k) != v)
+    return OpState(op.name, "stale", certificate=path, created=cert.get("created", ""),
+                   git_commit=(cert.get("environment", {}).get("git_commit") or "")[:12],
+                   profile=cert.get("options", {}).get("profile", ""), device=cert.get("environment", {}).get("device", ""),
+                   detail="changed since its newest verdict: " + ", ".join(changed) + "; run it again")
+
+
+def check(ops, certs: list[tuple[str, dict]], candidate: str, profile: str | None = None,
+          device: str | None = None) -> list[OpState]:
+    return [op_state(op, certs, candidate, profile, device) for op in ops]
+
+
+def to_dict(states: list[OpState]) -> dict:
+    return {"ok": all(s.ok for s in states), "ops": [dict(asdict(s), ok=s.ok) for s in states]}
