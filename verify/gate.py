@@ -55,21 +55,24 @@ def op_state(op, certs: list[tuple[str, dict]], candidate: str, profile: str | N
     now = op_sources(op)
     for path, cert, entry, verdict in found:
         if entry.get("sources") == now:
-            env, opts = cert.get("environment", {}), cert.get("options", {})
-            common = dict(certificate=path, created=cert.get("created", ""), git_commit=(env.get("git_commit") or "")[:12],
-                          profile=opts.get("profile", ""), device=env.get("device", ""))
             status = verdict.get("status")
             if status in OK_STATUSES:
-                return OpState(op.name, "certified", detail=verdict.get("reason", ""), **common)
+                return _state(op.name, "certified", path, cert, verdict.get("reason", ""))
             if status == "skip":
-                return OpState(op.name, "not_certified", detail=f"skipped: {verdict.get('reason', '')}", **common)
-            return OpState(op.name, "failed", detail=verdict.get("reason", ""), **common)
+                return _state(op.name, "not_certified", path, cert, f"skipped: {verdict.get('reason', '')}")
+            return _state(op.name, "failed", path, cert, verdict.get("reason", ""))
     path, cert, entry, _ = found[0]
     changed = sorted(k for k, v in now.items() if (entry.get("sources") or {}).get(k) != v)
-    return OpState(op.name, "stale", certificate=path, created=cert.get("created", ""),
-                   git_commit=(cert.get("environment", {}).get("git_commit") or "")[:12],
-                   profile=cert.get("options", {}).get("profile", ""), device=cert.get("environment", {}).get("device", ""),
-                   detail="changed since its newest verdict: " + ", ".join(changed) + "; run it again")
+    return _state(op.name, "stale", path, cert,
+                  "changed since its newest verdict: " + ", ".join(changed) + "; run it again")
+
+
+def _state(op: str, state: str, path: str, cert: dict, detail: str) -> OpState:
+    """An OpState naming the certificate it comes from: when, which commit, profile and device."""
+    env, opts = cert.get("environment", {}), cert.get("options", {})
+    return OpState(op, state, certificate=path, created=cert.get("created", ""),
+                   git_commit=(env.get("git_commit") or "")[:12], profile=opts.get("profile", ""),
+                   device=env.get("device", ""), detail=detail)
 
 
 def check(ops, certs: list[tuple[str, dict]], candidate: str, profile: str | None = None,
