@@ -106,6 +106,12 @@ def bench_dequant(args):
     for cfg in all_configs():
         fns = [lambda p=p, s=s, o=o, c=cfg: fm.launch(p, s, o, c) for (p, s), o in zip(sets, outs)]
         record("mxfp4_dequant", f"[{O},{I}] bf16", "fused:" + cfg.name, graph_time_us(fns), nb)
+    # the same loads and stores as the default launch with the conversion left out: what this access
+    # pattern reaches on its own (if it is no faster than the kernel, the arithmetic costs nothing)
+    mix = _byte_mix_kernel()
+    fns = [lambda p=p, s=s, o=o: mix(p.view(torch.int32).view(-1), s.view(-1), o.view(-1))
+           for (p, s), o in zip(sets, outs)]
+    record("mxfp4_dequant", f"[{O},{I}] bf16", "anchor: same loads+stores, no math", graph_time_us(fns), nb)
     # what this byte mix allows: the output's bytes written alone (fill_), the same bytes as a copy
     # (read + write of the output size) at the anchor's rate
     fns = [lambda o=o: o.fill_(1.0) for o in outs]
@@ -128,6 +134,47 @@ def bench_dequant(args):
         ce = torch.compile(eager)
         fns = [lambda p=p, s=s: ce(p, s) for p, s in sets]
         record("mxfp4_dequant", f"[{O},{I}] bf16", "torch.compile", graph_time_us(fns), nb)
+
+
+def _byte_mix_kernel():
+    """Bench-only anchor: mxfp4_dequant's default launch (256 threads x 4 words) doing the same
+    4-byte code loads, scale-byte loads and 16-byte stores, with each output vector the code word
+    plus its scale byte instead of the conversion."""
+    from fused import runtime
+    from fused.mxfp4_dequant import CODES, WORDS_PER_GROUP, Mxfp4Dequant, Mxfp4DequantConfig
+    cutlass, cute = runtime.cutlass_modules()
+    from cutlass import Int32
+    T, U = 256, 4
+
+    @cute.kernel
+    def kernel(mP: cute.Tensor, mS: cute.Tensor, gW: cute.Tensor, nwords: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        base = bidx * (T * U) + tidx
+        words = cute.make_rmem_tensor(cute.make_layout(U), Int32)
+        exps = cute.make_rmem_tensor(cute.make_layout(U), Int32)
+        for j in cutlass.range_constexpr(U):
+            u = base + j * T
+            if u < nwords:
+                words[j] = mP[u]
+                exps[j] = Int32(mS[u // WORDS_PER_GROUP])
+        for j in cutlass.range_constexpr(U):
+            u = base + j * T
+            if u < nwords:
+                ow = cute.make_rmem_tensor(cute.make_layout(CODES // 2), Int32)
+                for k in cutlass.range_constexpr(CODES // 2):
+                    ow[k] = words[j] + exps[j] + k
+                gW[None, u].store(cute.recast_tensor(ow, gW.element_type).load())
+
+    class Mix(Mxfp4Dequant):
+        def device_kernel(self):
+            return kernel
+
+    op = Mix(Mxfp4DequantConfig(T, U), "bfloat16")
+    n = runtime.sym_int()
+    return runtime.compile_tvm_ffi(op.jit_host(), runtime.fake_tensor("int32", (n,)),
+                                   runtime.fake_tensor("uint8", (runtime.sym_int(),), align=1),
+                                   runtime.fake_tensor("bfloat16", (runtime.sym_int(8),)))
 
 
 def bench_cache_write(args):

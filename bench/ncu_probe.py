@@ -1,12 +1,12 @@
 """Kernels to look at under Nsight Compute (bench/gpu_run.sh job `ncu`): each workload runs warm
 (compiled, weights resident), then once inside an NVTX range named after it, which the ncu command
-line selects. Workloads: the router's two kernels at B = 1 and 64, skinny_gemm 7168->3584 at M = 8
-and 64, 1536->7168 (o_proj) at M = 8, mxfp4_dequant bf16 [7168, 2048]."""
-import torch
+line selects. Workloads (`--list` prints their names; arguments pick some): the router's two
+kernels at B = 1 and 64, skinny_gemm 7168->3584 at M = 8 and 64, 1536->7168 (o_proj) at M = 8,
+mxfp4_dequant bf16 [7168, 2048], attn_res_rmsnorm at D = 7168 with 8 blocks at B = 1 and 64, and
+kda_decode at T = 8 (12 heads) B = 1 and T = 1 (96 heads) B = 1 and 8."""
+import sys
 
-from fused import mxfp4_dequant as fq
-from fused import router_topk as fr
-from fused import skinny_gemm as sg
+import torch
 
 
 def probe(name, fn):
@@ -19,23 +19,60 @@ def probe(name, fn):
     torch.cuda.synchronize()
 
 
-def main():
-    torch.manual_seed(0)
+def router(B):
+    from fused import router_topk as fr
     E, D = 896, 7168
     w = (torch.randn(E, D, device="cuda") * D ** -0.5).to(torch.bfloat16)
     bias = torch.randn(E, device="cuda") * 0.01
-    for B in (1, 64):
-        x = torch.randn(B, D, device="cuda").to(torch.bfloat16)
-        probe(f"router_b{B}", lambda x=x: fr.router_topk(x, w, bias, 16, 2.5))
-    for K, N, Ms in ((7168, 3584, (8, 64)), (1536, 7168, (8,))):
-        wg = torch.randn(N, K, device="cuda").to(torch.bfloat16)
-        for M in Ms:
-            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-            probe(f"gemm_{K}x{N}_m{M}", lambda x=x, wg=wg: sg.skinny_gemm(x, wg))
+    x = torch.randn(B, D, device="cuda").to(torch.bfloat16)
+    return lambda: fr.router_topk(x, w, bias, 16, 2.5)
+
+
+def gemm(K, N, M):
+    from fused import skinny_gemm as sg
+    w = torch.randn(N, K, device="cuda").to(torch.bfloat16)
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    return lambda: sg.skinny_gemm(x, w)
+
+
+def dequant():
+    from fused import mxfp4_dequant as fq
     q = torch.randint(0, 256, (7168, 1024), device="cuda", dtype=torch.uint8)
     sc = torch.randint(110, 135, (7168, 64), device="cuda", dtype=torch.uint8)
-    probe("dequant", lambda: fq.mxfp4_dequant(q, sc, "bfloat16"))
+    return lambda: fq.mxfp4_dequant(q, sc, "bfloat16")
+
+
+def attn_res(B):
+    from bench.bench_wave1b import attn_inputs
+    from fused import attn_res_rmsnorm as fa
+    s = attn_inputs(B, 7168, 9, 8, -1, "cuda")
+    return lambda: fa.attn_res_rmsnorm(**s)
+
+
+def kda(T, B):
+    from bench.bench_wave1b import kda_inputs
+    from fused import kda_decode as fk
+    s = kda_inputs(B, 96 // T, 128, "cuda")
+    return lambda: fk.kda_decode(**s)
+
+
+WORKLOADS = {
+    "router_b1": lambda: router(1), "router_b64": lambda: router(64),
+    "gemm_7168x3584_m8": lambda: gemm(7168, 3584, 8), "gemm_7168x3584_m64": lambda: gemm(7168, 3584, 64),
+    "gemm_1536x7168_m8": lambda: gemm(1536, 7168, 8), "dequant": dequant,
+    "attn_res_b1": lambda: attn_res(1), "attn_res_b64": lambda: attn_res(64),
+    "kda_t8_b1": lambda: kda(8, 1), "kda_t1_b1": lambda: kda(1, 1), "kda_t1_b8": lambda: kda(1, 8),
+}
+
+
+def main(argv):
+    if argv[:1] == ["--list"]:
+        print(" ".join(WORKLOADS))
+        return
+    torch.manual_seed(0)
+    for name in argv or WORKLOADS:
+        probe(name, WORKLOADS[name]())
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Nsight Compute on bench/ncu_probe.py's workloads (one NVTX range each): speed of light, warp
-# states, scheduler, occupancy, launch and memory sections, as a report and as text. Arg: out dir.
+# Nsight Compute on bench/ncu_probe.py's workloads (one NVTX range each; NCU_RANGES picks some, all
+# by default): speed of light, warp states, scheduler, occupancy, launch and memory sections, as a
+# report and as text. Arg: out dir.
 set -eu
 out=${1:-ncu-out}; mkdir -p "$out"
-ranges=(router_b1 router_b64 gemm_7168x3584_m8 gemm_7168x3584_m64 gemm_1536x7168_m8 dequant)
+read -ra ranges <<< "${NCU_RANGES:-$(python3 bench/ncu_probe.py --list)}"
 args=(); for r in "${ranges[@]}"; do args+=(--nvtx-include "$r/"); done
 ncu --nvtx "${args[@]}" --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-    --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
-    -f -o "$out/probe" python3 bench/ncu_probe.py
+    --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section SourceCounters \
+    -f -o "$out/probe" python3 bench/ncu_probe.py "${ranges[@]}"
 ncu --import "$out/probe.ncu-rep" --page details > "$out/probe.txt"
-grep -E "^  [a-z_]|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Grid Size|Block Size|Warp Cycles Per Issued|No Eligible" "$out/probe.txt" | head -150
+grep -E "^  [a-z_]|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Grid Size|Block Size|Warp Cycles Per Issued|No Eligible|Stall|stall" "$out/probe.txt" | head -250
