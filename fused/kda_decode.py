@@ -6,6 +6,8 @@ convs (+ conv-state shift), SiLU, gate and beta while those loads are in flight.
 state are independent: a group of Dh/4 lanes owns one row (4 fp32 per lane), decays it, takes
 k.S and q.S_new with group shuffles, writes it back. o (rounded to wd) goes through smem to the
 gated RMSNorm. Bytes: 2 * 4 * Dh^2 per head for the state, ~15 * Dh * elem for the rest.
+Experimental launches, not certified: fused.kda_decode_cluster (rows over a cluster; lost on the
+H200) and fused.kda_decode_fast (fewer shuffles, epilogue loads at entry; expected bitwise equal).
 """
 from __future__ import annotations
 
