@@ -8,7 +8,7 @@
 # A certification job whose log is in results/gpu/resume/cert_OP/ goes on from it (--resume).
 # Run from the repository root carrying .device (see bench/gpu_certify.sh for the bundle).
 set -u
-OUT=${OUT:-gpu-out}; R=${R:-/tmp/gpu-r}; mkdir -p "$OUT" "$R" "$R/wave1a" "$R/wave1b" "$R/wgmma" "$R/kda_cluster" "$R/kda_fast" "$R/router"
+OUT=${OUT:-gpu-out}; R=${R:-/tmp/gpu-r}; mkdir -p "$OUT" "$R" "$R/wave1a" "$R/wave1b" "$R/wgmma" "$R/kda_cluster" "$R/router"
 pack() { tar czf "$OUT/results.tgz.tmp" -C "$(dirname "$R")" "$(basename "$R")" && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"; }
 ( while sleep 20; do pack; done ) & PACKER=$!
 [ -d /tmp/site/nvidia_cutlass_dsl ] || { mkdir -p /tmp/site && tar xJf .device/cutedsl.tar.xz -C /tmp/site; }
@@ -29,7 +29,6 @@ cmd_for() { case $1 in        # job name -> "limit command..."
   wave1b) echo "$BENCH_S python3 -m bench.bench_wave1b --out $R/wave1b" ;;
   wgmma) echo "$BENCH_S python3 bench/bench_gemm_wgmma.py --out $R/wgmma ${WGMMA_ARGS:-}" ;;
   kda_cluster) echo "$BENCH_S python3 -m bench.bench_kda_cluster --out $R/kda_cluster ${KDA_ARGS:-}" ;;
-  kda_fast) echo "$BENCH_S python3 -m bench.bench_kda_fast --out $R/kda_fast ${KDA_FAST_ARGS:-}" ;;
   router) echo "$BENCH_S python3 bench/bench_router.py --out $R/router --steps ${ROUTER_STEPS:-timing}" ;;
   san_*) local t=${1#san_}; echo "$BENCH_S python3 -m verify.cli run --sanitize ${t%%_*} --ops ${t#*_} --candidate fused \
             --out $R/$1" ;;   # san_TOOL_OP, e.g. san_memcheck_skinny_gemm

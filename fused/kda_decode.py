@@ -6,8 +6,6 @@ convs (+ conv-state shift), SiLU, gate and beta while those loads are in flight.
 state are independent: a group of Dh/4 lanes owns one row (4 fp32 per lane), decays it, takes
 k.S and q.S_new with group shuffles, writes it back. o (rounded to wd) goes through smem to the
 gated RMSNorm. Bytes: 2 * 4 * Dh^2 per head for the state, ~15 * Dh * elem for the rest.
-Experimental launches, not certified: fused.kda_decode_cluster (rows over a cluster; lost on the
-H200) and fused.kda_decode_fast (fewer shuffles, epilogue loads at entry; expected bitwise equal).
 """
 from __future__ import annotations
 
@@ -246,15 +244,14 @@ def launch(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, d
            state, y, lower_bound: float, l2_eps: float, norm_eps: float,
            variant: KdaConfig | None = None):
     """Destination-passing launch on the current stream: writes y, updates conv_state, state.
-    `variant` may also be an experimental fused.kda_decode_cluster.KdaClusterConfig or
-    fused.kda_decode_fast.KdaFastConfig."""
+    `variant` may also be an experimental fused.kda_decode_cluster.KdaClusterConfig."""
     if state.shape[0] == 0:
         return
     if variant is not None and not isinstance(variant, KdaConfig):
-        from fused import kda_decode_cluster, kda_decode_fast
-        mod = kda_decode_fast if isinstance(variant, kda_decode_fast.KdaFastConfig) else kda_decode_cluster
-        return mod.launch(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias,
-                          o_norm_w, state, y, lower_bound, l2_eps, norm_eps, variant=variant)
+        from fused import kda_decode_cluster
+        return kda_decode_cluster.launch(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state,
+                                         A_log, dt_bias, o_norm_w, state, y, lower_bound, l2_eps,
+                                         norm_eps, variant=variant)
     Dh, W = state.shape[-1], conv_w.shape[-1]
     cfg = variant or KdaConfig.for_shape(Dh, state.shape[0] * state.shape[1])
     fn = _compile(runtime.dtype_name(q_raw.dtype), Dh, W, cfg)
@@ -312,10 +309,3 @@ def experimental_variants(tensors: dict, params: dict) -> list:
     of 2..8 CTAs by state rows (fused.kda_decode_cluster). Pass one as `variant=` to try it."""
     from fused import kda_decode_cluster
     return kda_decode_cluster.KdaClusterConfig.all_configs()
-
-
-def fast_variants(tensors: dict, params: dict) -> list:
-    """Launch variants not certified and not dispatched, expected bitwise equal to the default: fewer
-    shuffles per state row, epilogue loads at entry, conv operands first (fused.kda_decode_fast)."""
-    from fused import kda_decode_fast
-    return kda_decode_fast.KdaFastConfig.all_configs()
