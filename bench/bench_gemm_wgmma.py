@@ -19,11 +19,6 @@ Split-K folds (bench-only until measured): `configs_for(..., sweep=True)` also l
   python3 bench/bench_gemm_wgmma.py --shapes 7168x896,7168x3584,7168x6144 --ms 8,16,32,64 --out $OUT/folds
 (166 variants; add `--folds vec,spread --ksplit-sweep 2,3,4,6` in a second call for more S values.) The md's "per split-K fold" table gives each
 fold's best correct, deterministic, batch-invariant variant beside cuBLAS.
-
-Stream-K (bench-only until measured): `--folds` also takes `streamk`, the variants of
-`streamk_configs` (G = 132 and 264 CTAs, rows 64 and 128), listed beside the default and cuBLAS:
-  python3 bench/bench_gemm_wgmma.py --shapes 7168x3584,1536x7168,7168x6144 --folds streamk --out $OUT/streamk
-(`--folds last,streamk` adds the shipped "last" variants.) The per-fold table has a streamk column.
 """
 import argparse
 import dataclasses
@@ -53,8 +48,8 @@ def parse(argv=None):
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M (1..64)")
     ap.add_argument("--ksplit-sweep", default="", help="extra split-K values tried on every wgmma variant, e.g. 1,2,4")
     ap.add_argument("--folds", default="last,vec,spread",
-                    help="split-K folds of the wgmma variants to run (fused/skinny_gemm_wgmma.py FOLDS), "
-                         "and/or streamk for the stream-K variants; e.g. vec,spread for the bench-only folds")
+                    help="split-K folds of the wgmma variants to run (fused/skinny_gemm_wgmma.py FOLDS); "
+                         "e.g. vec,spread for the bench-only folds")
     ap.add_argument("--hang-s", type=float, default=60.0, help="silence (s) after which a variant counts as hung")
     ap.add_argument("--compile-only", action="store_true", help="compile the variants (no GPU needed) and exit")
     ap.add_argument("--limit", type=int, default=0, help="with --compile-only: compile only this many variants")
@@ -72,8 +67,8 @@ def shapes_of(args):
 
 def variants_for(N, K, M, sweep, folds=None):
     """The wgmma variants of M's bucket with a fold in `folds` (all if None), plus the split-K sweep
-    (dropped where a variant rejects it, e.g. a "spread" grid that would not be resident), the stream-K
-    variants if `folds` names "streamk", and the current default."""
+    (dropped where a variant rejects it, e.g. a "spread" grid that would not be resident), and the
+    current default."""
     from fused import skinny_gemm as sg
     from fused import skinny_gemm_wgmma as wg
     base = [c for c in wg.configs_for(N, K, wg.m_pad_for(M), sweep=True) if folds is None or c.fold in folds]
@@ -88,8 +83,7 @@ def variants_for(N, K, M, sweep, folds=None):
             except ValueError:
                 continue
             extra.append(cand)
-    streamk = wg.streamk_configs(N, K, wg.m_pad_for(M)) if folds is not None and "streamk" in folds else []
-    return base + extra + streamk + [sg.default_config(M, N, K)]
+    return base + extra + [sg.default_config(M, N, K)]
 
 
 def folds_of(args):
@@ -157,8 +151,7 @@ def run_child(args):
                 if (K, N, M, cfg.name) in done:
                     continue
                 r = dict(shape=shape, K=K, N=N, M=M, impl=cfg.name, wgmma=isinstance(cfg, SkinnyGemmWgmmaConfig),
-                         fold="streamk" if getattr(cfg, "streamk", 0) else getattr(cfg, "fold", None),
-                         ksplit=getattr(cfg, "ksplit", None),
+                         fold=getattr(cfg, "fold", None), ksplit=getattr(cfg, "ksplit", None),
                          default=cfg == sg.default_config(M, N, K), cublas_err=base_err)
                 if tag in skip:
                     record(dict(r, error="HANG (killed; skipped on restart)"))
@@ -266,11 +259,11 @@ def report(args):
                   f"{best['us'] if best else '-'} ({best['impl'] if best else 'none correct'}), "
                   f"{best['pct_bw'] if best else '-'}% | {ratio} |")
     md += ["", "## Best correct wgmma variant per split-K fold (fused/skinny_gemm_wgmma.py FOLDS)", "",
-           "| K -> N | M | cuBLAS us | last | vec | spread | streamk |", "|---|---|---|---|---|---|---|"]
+           "| K -> N | M | cuBLAS us | last | vec | spread |", "|---|---|---|---|---|---|"]
     for (K, N, M), rs in groups.items():
         cb = next((r for r in rs if r["impl"] == "cublas"), None)
         cells = []
-        for fold in ("last", "vec", "spread", "streamk"):
+        for fold in ("last", "vec", "spread"):
             good = [r for r in rs if r.get("fold") == fold and r.get("ok") and r.get("deterministic")
                     and r.get("batch_invariant") and "us" in r]
             b = min(good, key=lambda r: r["us"]) if good else None

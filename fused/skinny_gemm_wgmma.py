@@ -32,23 +32,10 @@ bits at the same (rows, occupancy, S). The dispatcher uses them where the H200 s
 faster (skinny_gemm.WGMMA_DEFAULTS: the router shape 7168 -> 896, where "last" left one CTA adding
 nine partials of up to 64 x 64 outputs); the shipped `configs_for` variants keep "last".
 
-Stream-K (`streamk` = G > 0; bench-only, `streamk_configs`): a grid of G CTAs (132 x occupancy), so
-no SM idles where N/rows x S leaves some (7168 -> 3584: 112 CTAs on 132 SMs). The blocks x KT
-(column block, k-tile) pairs are cut into G contiguous ranges, block-major (fused/streamk.py, the
-same integer formulas in the kernel and in its CPU test). One producer/consumer pipeline runs through
-a CTA's whole range: the producer loads tile after tile whichever block it belongs to; the consumer
-runs the wgmma chain of each block segment, then its epilogue while the next block's tiles arrive. A
-segment that is a whole block stores y; a partial one goes through the "last" fold: partial to
-workspace slot block + CTA, a ticket on the block's counter, and the CTA drawing the last ticket adds
-the block's contributors in k order, rounds once, stores y and resets the counter. Nobody waits, so
-no residency is needed (a smaller part runs the same grid, slower, with the same bits).
-
 Summation order of y[m, n]: the wgmma chain over the k-tiles of each split in k order (inside a tile
 the tensor core's fixed k order), then the splits in ks order. It depends on K, the k tile (64) and S
 only. S is a function of (N, K, rows, occupancy) (`ksplit_for`), never of M, m_pad or the token's
-position; padded tokens are zeros in their own accumulator columns. Under stream-K the splits of a
-block are its segments, whose k bounds are a function of (N / rows, K / 64, G) only (G is fixed per
-variant, never derived from M or the device), added in contributor (= k) order. So the result is deterministic and
+position; padded tokens are zeros in their own accumulator columns. So the result is deterministic and
 batch invariant: a token row gives the same bits at any M <= m_pad with the same variant, and (on the
 assumption that a wgmma output element does not depend on the instruction's N, checked by the GPU
 test) across m_pad variants with the same rows and occupancy. Not bitwise equal to the mma.sync or
@@ -87,12 +74,10 @@ class SkinnyGemmWgmmaConfig:
     ksplit: int          # CTAs along K per column block (1: no workspace)
     occupancy: int = 1   # CTAs per SM the stage count was sized for (1 or 2)
     fold: str = "last"   # split-K fold: "last", "vec" or "spread" (FOLDS); "last" is the shipped kernel
-    streamk: int = 0     # G > 0: a stream-K grid of G CTAs (ksplit 1, fold "last"); 0: blocks x ksplit
 
     @property
     def name(self) -> str:
         tail = "" if self.fold == "last" else f"_{self.fold}"
-        tail += f"_sk{self.streamk}" if self.streamk else ""
         return f"wgmma_m{self.m_pad}_r{self.rows}_st{self.stages}_s{self.ksplit}_o{self.occupancy}{tail}"
 
 
@@ -161,26 +146,6 @@ def fold_configs(base: list[SkinnyGemmWgmmaConfig]) -> list[SkinnyGemmWgmmaConfi
     return out
 
 
-def streamk_configs(N: int, K: int, m_pad: int) -> list[SkinnyGemmWgmmaConfig]:
-    """Bench-only stream-K variants (not certified, not picked by the dispatcher): rows 64 and 128,
-    G = 132 x occupancy CTAs for 1 and 2 CTAs per SM where that still gives >= 3 stages."""
-    if not supports(K) or m_pad not in M_PADS:
-        return []
-    out = []
-    for rows in (64, 128):
-        for occ in (1, 2):
-            cfg = SkinnyGemmWgmmaConfig(m_pad, rows, stages_for(rows, m_pad, occ), 1, occ,
-                                        streamk=SMS * occ)
-            if N % rows == 0 and cfg.stages >= 3 and partition(N, K, cfg).problem() is None:
-                out.append(cfg)
-    return out
-
-
-def partition(N: int, K: int, cfg: SkinnyGemmWgmmaConfig):
-    from fused.streamk import StreamK
-    return StreamK(N // cfg.rows, K // BK, cfg.streamk)
-
-
 def m_pad_for(M: int) -> int:
     for p in M_PADS:
         if M <= p:
@@ -188,14 +153,12 @@ def m_pad_for(M: int) -> int:
     raise ValueError(f"x: M={M} is over 64, the wgmma skinny_gemm's largest token tile")
 
 
-def workspace_shapes(N: int, K: int, cfg: SkinnyGemmWgmmaConfig) -> tuple[tuple[int], tuple[int]]:
-    """(fp32 partials, int32 counters) element counts; 1-element dummies without split-K or
-    stream-K. One partial is rows x m_pad floats; stream-K needs `partition(...).slots` of them."""
-    if cfg.ksplit == 1 and not cfg.streamk:
+def workspace_shapes(N: int, cfg: SkinnyGemmWgmmaConfig) -> tuple[tuple[int], tuple[int]]:
+    """(fp32 partials, int32 counters) element counts; 1-element dummies without split-K."""
+    if cfg.ksplit == 1:
         return (1,), (1,)
     frag = cfg.rows * cfg.m_pad // CONSUMER_THREADS
-    partials = partition(N, K, cfg).slots if cfg.streamk else (N // cfg.rows) * cfg.ksplit
-    return (partials * frag * CONSUMER_THREADS,), (N // cfg.rows,)
+    return ((N // cfg.rows) * cfg.ksplit * frag * CONSUMER_THREADS,), (N // cfg.rows,)
 
 
 def validate(N: int, K: int, cfg: SkinnyGemmWgmmaConfig) -> None:
@@ -215,14 +178,6 @@ def validate(N: int, K: int, cfg: SkinnyGemmWgmmaConfig) -> None:
         raise ValueError(f"variant: {cfg.stages} stages need {smem} bytes of shared memory ({cfg.name})")
     if cfg.fold not in FOLDS:
         raise ValueError(f"variant: fold={cfg.fold!r} must be one of {FOLDS} ({cfg.name})")
-    if cfg.streamk:
-        if cfg.ksplit != 1 or cfg.fold != "last":
-            raise ValueError(f"variant: stream-K cuts the k-tiles itself and folds like 'last': it needs "
-                             f"ksplit=1 and fold='last', not {cfg.ksplit} and {cfg.fold!r} ({cfg.name})")
-        why = partition(N, K, cfg).problem()
-        if why:
-            raise ValueError(f"variant: stream-K over {cfg.streamk} CTAs at N={N}, K={K}: {why} "
-                             f"({cfg.name}); use fewer CTAs or no stream-K")
     if cfg.fold == "spread":
         # every CTA spins until all S of its column block arrived: only safe if the grid is resident
         if cfg.occupancy not in (1, 2) or smem > SMEM_PER_SM // cfg.occupancy - 1024:
@@ -279,8 +234,7 @@ class SkinnyGemmWgmma:
 
             cfg.storage = Storage
             kernel(tma_w, tW, tma_x, tX, mY, mWs, mCnt, tiled_mma, w_sl, x_sl).launch(
-                grid=[c.streamk, 1, 1] if c.streamk else [cfg.blocks, c.ksplit, 1], block=[THREADS, 1, 1],
-                stream=stream)
+                grid=[cfg.blocks, c.ksplit, 1], block=[THREADS, 1, 1], stream=stream)
 
         return host
 
@@ -297,8 +251,6 @@ class SkinnyGemmWgmma:
         fold, spread = self.cfg.fold, self.cfg.fold == "spread"
         E = rows * self.cfg.m_pad                              # floats per split partial
         wait_at_least = spin_wait_op() if spread else None
-        streamk = self.cfg.streamk > 0
-        part = partition(self.N, self.K, self.cfg) if streamk else None
 
         @cute.jit
         def fold_tokens(acc: cute.Tensor, tCc: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor,
@@ -353,91 +305,43 @@ class SkinnyGemmWgmma:
                     mY[t, c + j] = sum4[j].to(mY.element_type)
 
         @cute.jit
-        def store(acc: cute.Tensor, tCc: cute.Tensor, mY: cute.Tensor, n0: Int32, M: Int32):
-            """y[:M, n0 : n0 + rows] from the accumulators, one rounding."""
-            for i in cutlass.range_constexpr(frag):
-                r, t = tCc[i]
-                if t < M:
-                    mY[t, n0 + r] = acc[i].to(mY.element_type)
-
-        @cute.jit
-        def fold_last(acc: cute.Tensor, tCc: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor,
-                      mCnt: cute.Tensor, ticket: cute.Tensor, bn: Int32, n0: Int32, slot0, j, n, tidx: Int32,
-                      M: Int32):
-            """fold "last": write partial j of column block bn's n partials (workspace slots slot0 ..
-            slot0 + n - 1, fragment-major, thread-minor), take a ticket; the CTA drawing n - 1 adds the n
-            partials in slot order, ((p0 + p1) + p2) + ..., stores y and resets the counter. slot0, j and
-            n are ints for split-K (slot0 = bn*S, j = ks, n = S), Int32 for stream-K."""
-            base = (slot0 + j) * (frag * CONSUMER_THREADS) + tidx
-            for i in cutlass.range_constexpr(frag):
-                mWs[base + i * CONSUMER_THREADS] = acc[i]
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMER_THREADS)
-            if tidx == 0:
-                ticket[0] = cute.arch.atomic_add(mCnt.iterator + bn, Int32(1), sem="acq_rel", scope="gpu")
-            cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMER_THREADS)
-            if ticket[0] == n - 1:                                      # last CTA of this column block
-                cute.arch.fence_acq_rel_gpu()
-                first = slot0 * (frag * CONSUMER_THREADS) + tidx
-                for i in cutlass.range_constexpr(frag):
-                    acc[i] = cute.arch.load(mWs.iterator + (first + i * CONSUMER_THREADS), Float32, cop="cg")
-                for s in cutlass.range(1, n, unroll=1):                 # slot order: ((p0 + p1) + p2) + ...
-                    part = first + s * (frag * CONSUMER_THREADS)
-                    for i in cutlass.range_constexpr(frag):
-                        acc[i] = acc[i] + cute.arch.load(mWs.iterator + (part + i * CONSUMER_THREADS),
-                                                         Float32, cop="cg")
-                store(acc, tCc, mY, n0, M)
-                if tidx == 0:
-                    mCnt[bn] = Int32(0)
-
-        @cute.jit
         def epilogue(acc: cute.Tensor, tCc: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor,
                      mCnt: cute.Tensor, ticket: cute.Tensor, bn: Int32, ks: Int32, tidx: Int32, M: Int32):
             """Consumer threads: store y, or write the split-K partial and let the last CTA fold."""
             n0 = bn * rows
             if cutlass.const_expr(S == 1):
-                store(acc, tCc, mY, n0, M)
+                for i in cutlass.range_constexpr(frag):
+                    r, t = tCc[i]
+                    if t < M:
+                        mY[t, n0 + r] = acc[i].to(mY.element_type)
             elif cutlass.const_expr(fold != "last"):
                 fold_tokens(acc, tCc, mY, mWs, mCnt, ticket, bn, ks, tidx, M)
             else:
-                fold_last(acc, tCc, mY, mWs, mCnt, ticket, bn, n0, bn * S, ks, S, tidx, M)
-
-        @cute.jit
-        def streamk_segments(tiled_mma: cute.TiledMma, pipe, tCrW: cute.Tensor, tCrX: cute.Tensor,
-                             tCc: cute.Tensor, acc: cute.Tensor, read, done, mY: cute.Tensor,
-                             mWs: cute.Tensor, mCnt: cute.Tensor, ticket: cute.Tensor, cta: Int32, lo: Int32,
-                             hi: Int32, tidx: Int32, M: Int32):
-            """Consumer warpgroup of stream-K CTA `cta` (global tiles [lo, hi)): per column block met, the
-            wgmma chain over the segment's k-tiles, then its epilogue. The pipeline runs on across
-            segments (the segment's last stage is released once its wgmma is done, so the producer is
-            already loading the next block's tiles during the epilogue). A whole block stores y; a part of
-            one is contributor cta - first of the block's count, folded in k order by fold_last."""
-            b0, nseg = part.segments(lo, hi)
-            for seg in cutlass.range(nseg, unroll=1):
-                b = b0 + seg
-                k0, k1 = part.k_range(b, lo, hi, cutlass.min, cutlass.max)
-                acc.fill(0.0)
-                for i in cutlass.range(k1 - k0, unroll=1):
-                    pipe.consumer_wait(read)
-                    warpgroup.fence()
-                    for kb in cutlass.range_constexpr(nkb):
-                        cute.gemm(tiled_mma, acc, tCrW[(None, None, kb, read.index)],
-                                  tCrX[(None, None, kb, read.index)], acc)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(1)                        # stage i-1's wgmma has finished
-                    if i > 0:
-                        pipe.consumer_release(done)
-                        done.advance()
-                    read.advance()
-                warpgroup.wait_group(0)
-                pipe.consumer_release(done)
-                done.advance()
-                if k1 - k0 == kt:
-                    store(acc, tCc, mY, b * rows, M)
-                else:
-                    first, n = part.contributors(b)
-                    fold_last(acc, tCc, mY, mWs, mCnt, ticket, b, b * rows, part.slot(b, first), cta - first,
-                              n, tidx, M)
+                base = (bn * S + ks) * (frag * CONSUMER_THREADS) + tidx    # fragment-major, thread-minor
+                for i in cutlass.range_constexpr(frag):
+                    mWs[base + i * CONSUMER_THREADS] = acc[i]
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMER_THREADS)
+                if tidx == 0:
+                    ticket[0] = cute.arch.atomic_add(mCnt.iterator + bn, Int32(1), sem="acq_rel", scope="gpu")
+                cute.arch.barrier(barrier_id=1, number_of_threads=CONSUMER_THREADS)
+                if ticket[0] == S - 1:                                  # last CTA of this column block
+                    cute.arch.fence_acq_rel_gpu()
+                    first = bn * S * (frag * CONSUMER_THREADS) + tidx
+                    for i in cutlass.range_constexpr(frag):
+                        acc[i] = cute.arch.load(mWs.iterator + (first + i * CONSUMER_THREADS), Float32,
+                                                cop="cg")
+                    for s in cutlass.range(1, S, unroll=1):             # ks order: ((p0 + p1) + p2) + ...
+                        part = first + s * (frag * CONSUMER_THREADS)
+                        for i in cutlass.range_constexpr(frag):
+                            acc[i] = acc[i] + cute.arch.load(mWs.iterator + (part + i * CONSUMER_THREADS),
+                                                             Float32, cop="cg")
+                    for i in cutlass.range_constexpr(frag):
+                        r, t = tCc[i]
+                        if t < M:
+                            mY[t, n0 + r] = acc[i].to(mY.element_type)
+                    if tidx == 0:
+                        mCnt[bn] = Int32(0)
 
         @cute.kernel
         def kernel(tma_w: cute.CopyAtom, tW: cute.Tensor, tma_x: cute.CopyAtom, tX: cute.Tensor,
@@ -458,15 +362,11 @@ class SkinnyGemmWgmma:
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
                 tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
-            if cutlass.const_expr(streamk):                        # bn is the CTA: global tiles [kt0, hi)
-                kt0, hi = part.span(bn)
-                nk = hi - kt0
-            else:
-                kt0 = (ks * kt) // S
-                nk = ((ks + 1) * kt) // S - kt0
+            kt0 = (ks * kt) // S
+            nk = ((ks + 1) * kt) // S - kt0
 
             if warp == 4:                                          # producer warp: TMA loads
-                gW = cute.local_tile(tW, (rows, BK), (None, None) if streamk else (bn, None))
+                gW = cute.local_tile(tW, (rows, BK), (bn, None))
                 gX = cute.local_tile(tX, (cfg.cfg.m_pad, BK), (0, None))
                 tWs, tWg = cute.nvgpu.cpasync.tma_partition(
                     tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
@@ -476,14 +376,8 @@ class SkinnyGemmWgmma:
                 for i in cutlass.range(nk, unroll=1):
                     pipe.producer_acquire(prod)
                     bar = pipe.producer_get_barrier(prod)
-                    if cutlass.const_expr(streamk):                # global tile -> (block, k-tile)
-                        b = (kt0 + i) // kt
-                        k = kt0 + i - b * kt
-                        cute.copy(tma_w, tWg[(None, b, k)], tWs[(None, prod.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_x, tXg[(None, k)], tXs[(None, prod.index)], tma_bar_ptr=bar)
-                    else:
-                        cute.copy(tma_w, tWg[(None, kt0 + i)], tWs[(None, prod.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_x, tXg[(None, kt0 + i)], tXs[(None, prod.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_w, tWg[(None, kt0 + i)], tWs[(None, prod.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_x, tXg[(None, kt0 + i)], tXs[(None, prod.index)], tma_bar_ptr=bar)
                     pipe.producer_commit(prod)
                     prod.advance()
             else:                                                  # consumer warpgroup: wgmma
@@ -496,25 +390,21 @@ class SkinnyGemmWgmma:
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
                 done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-                ticket = storage.ticket.get_tensor(cute.make_layout(4))
-                if cutlass.const_expr(streamk):
-                    streamk_segments(tiled_mma, pipe, tCrW, tCrX, tCc, acc, read, done, mY, mWs, mCnt, ticket,
-                                     bn, kt0, kt0 + nk, tidx, M)
-                else:
-                    for i in cutlass.range(nk, unroll=1):
-                        pipe.consumer_wait(read)
-                        warpgroup.fence()
-                        for kb in cutlass.range_constexpr(nkb):
-                            cute.gemm(tiled_mma, acc, tCrW[(None, None, kb, read.index)],
-                                      tCrX[(None, None, kb, read.index)], acc)
-                        warpgroup.commit_group()
-                        warpgroup.wait_group(1)                    # stage i-1's wgmma has finished
-                        if i > 0:
-                            pipe.consumer_release(done)
-                            done.advance()
-                        read.advance()
-                    warpgroup.wait_group(0)
-                    epilogue(acc, tCc, mY, mWs, mCnt, ticket, bn, ks, tidx, M)
+                for i in cutlass.range(nk, unroll=1):
+                    pipe.consumer_wait(read)
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(nkb):
+                        cute.gemm(tiled_mma, acc, tCrW[(None, None, kb, read.index)],
+                                  tCrX[(None, None, kb, read.index)], acc)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)                        # stage i-1's wgmma has finished
+                    if i > 0:
+                        pipe.consumer_release(done)
+                        done.advance()
+                    read.advance()
+                warpgroup.wait_group(0)
+                epilogue(acc, tCc, mY, mWs, mCnt, storage.ticket.get_tensor(cute.make_layout(4)),
+                         bn, ks, tidx, M)
 
         return kernel
 
@@ -541,7 +431,7 @@ def spin_wait_op():
 def compile_variant(dtype: str, out_dtype: str, N: int, K: int, cfg: SkinnyGemmWgmmaConfig):
     """Compile one variant: f(x[M,K], w[N,K], y[M,N], workspace fp32, counters int32), M dynamic.
     (skinny_gemm._compile caches it under the op "skinny_gemm".)"""
-    ws, cnt = workspace_shapes(N, K, cfg)
+    ws, cnt = workspace_shapes(N, cfg)
     m = runtime.sym_int()
     return runtime.compile_tvm_ffi(
         SkinnyGemmWgmma(N, K, cfg).jit_host(),
@@ -565,7 +455,7 @@ def buffers(device, N: int, K: int, cfg: SkinnyGemmWgmmaConfig):
     key = (str(device), torch.cuda.current_stream(device).cuda_stream, N, K, cfg)
     hit = _buffers.get(key)
     if hit is None:
-        ws, cnt = workspace_shapes(N, K, cfg)
+        ws, cnt = workspace_shapes(N, cfg)
         hit = (torch.empty(ws, dtype=torch.float32, device=device),
                torch.zeros(cnt, dtype=torch.int32, device=device))
         _buffers[key] = hit
@@ -597,7 +487,7 @@ def resident_or_vec(device, N: int, cfg: SkinnyGemmWgmmaConfig) -> SkinnyGemmWgm
 
 
 def num_ctas(N: int, cfg: SkinnyGemmWgmmaConfig) -> int:
-    return cfg.streamk or (N // cfg.rows) * cfg.ksplit
+    return (N // cfg.rows) * cfg.ksplit
 
 
 def waves(N: int, cfg: SkinnyGemmWgmmaConfig) -> float:

@@ -194,45 +194,6 @@ def test_wgmma_vec_fold_compiles():
     assert runtime.compile_for_cpu_check("skinny_gemm", "bfloat16", "bfloat16", 896, 7168, cfg) is not None
 
 
-STREAMK_SHAPES = [(7168, 3584), (1536, 7168)]              # (K, N): the 112-CTA shapes stream-K is for
-
-
-@pytest.mark.parametrize("K,N", STREAMK_SHAPES, ids=["7168to3584", "1536to7168"])
-@pytest.mark.parametrize("m_pad", [8, 64])
-def test_wgmma_streamk_variants_compile(K, N, m_pad):
-    """The bench-only stream-K variants (G = 132 and 264 CTAs, rows 64 and 128) compile for sm_90a."""
-    from fused.skinny_gemm_wgmma import SMS, streamk_configs
-    cfgs = streamk_configs(N, K, m_pad)
-    assert {(c.rows, c.streamk) for c in cfgs} == {(64, SMS), (64, 2 * SMS), (128, SMS), (128, 2 * SMS)}
-    for cfg in cfgs:
-        assert runtime.compile_for_cpu_check("skinny_gemm", "bfloat16", "bfloat16", N, K, cfg) is not None
-
-
-def test_wgmma_streamk_ptx(tmp_path):
-    """Stream-K: TMA + wgmma pipeline, an integer ticket (no float atomics), no spin, no spills."""
-    code = ("from fused import skinny_gemm_wgmma as wg; "
-            "wg.compile_variant('bfloat16', 'bfloat16', 3584, 7168, wg.streamk_configs(3584, 7168, 64)[0])")
-    ptx = _ptx_of(code, tmp_path)
-    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
-    assert "cp.async.bulk.tensor.2d" in ptx and "atom.global.acq_rel.add" in ptx
-    assert "ld.acquire.gpu" not in ptx                        # the "last" fold never waits for a peer
-    assert "atom.global.add.f32" not in ptx and "red.global.add.f32" not in ptx
-    assert ".local" not in ptx
-
-
-def test_wgmma_streamk_rejects_what_it_cannot_run():
-    from fused.skinny_gemm_wgmma import SkinnyGemmWgmma, SkinnyGemmWgmmaConfig, workspace_shapes
-    with pytest.raises(ValueError, match="needs ksplit=1 and fold='last', not 2 and 'last'"):
-        SkinnyGemmWgmma(3584, 7168, SkinnyGemmWgmmaConfig(64, 64, 6, 2, 2, streamk=264))
-    with pytest.raises(ValueError, match="needs ksplit=1 and fold='last', not 1 and 'vec'"):
-        SkinnyGemmWgmma(3584, 7168, SkinnyGemmWgmmaConfig(64, 64, 6, 1, 2, "vec", streamk=264))
-    with pytest.raises(ValueError, match="112 tiles .* < 132 CTAs"):
-        SkinnyGemmWgmma(896, 1024, SkinnyGemmWgmmaConfig(64, 128, 6, 1, 1, streamk=132))
-    cfg = SkinnyGemmWgmmaConfig(64, 64, 12, 1, 1, streamk=132)
-    assert cfg.name == "wgmma_m64_r64_st12_s1_o1_sk132"
-    assert workspace_shapes(3584, 7168, cfg) == (((132 + 56 - 1) * 64 * 64,), (56,))   # slots x rows x m_pad
-
-
 # ---------------------------------------------------------------------------------------- GPU only
 def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(v.abs().clamp_min(1e-30))) - 7)
@@ -367,47 +328,3 @@ def test_wgmma_fold_variants_batch_invariant_and_graph_replays(K, N):
     for cfg in _fold_variants(N, K, 64):
         full = skinny_gemm(x, w, variant=cfg)
         _assert_rows_and_replays_match(x, w, cfg, full)
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("K,N", STREAMK_SHAPES, ids=["7168to3584", "1536to7168"])
-@pytest.mark.parametrize("M", [1, 5, 16, 33, 64])
-def test_wgmma_streamk_matches_float64_deterministic(K, N, M):
-    """Stream-K variants: error <= torch's + 1 bf16 ulp of the largest |y|, padded rows never written,
-    three more runs bitwise equal (the fold order is fixed, whichever CTA draws the last ticket)."""
-    from fused.skinny_gemm import skinny_gemm
-    from fused.skinny_gemm_wgmma import m_pad_for, streamk_configs
-    x, w = _case(M, N, K, seed=5)
-    ref = x.double() @ w.double().T
-    bound = (torch.nn.functional.linear(x, w).double() - ref).abs().max() + _bf16_ulp(ref.abs().max())
-    cfgs = streamk_configs(N, K, m_pad_for(M))
-    assert cfgs
-    for cfg in cfgs:
-        big = torch.full((M + 3, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-        got = skinny_gemm(x, w, out=big[:M], variant=cfg)
-        assert torch.isnan(big[M:]).all(), cfg.name
-        assert (got.double() - ref).abs().max() <= bound, cfg.name
-        for _ in range(3):
-            again = skinny_gemm(x, w, variant=cfg)
-            assert torch.equal(got.view(torch.int16), again.view(torch.int16)), cfg.name
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("K,N", STREAMK_SHAPES, ids=["7168to3584", "1536to7168"])
-def test_wgmma_streamk_batch_invariant_and_graph_replays(K, N):
-    """A row at M=64 == the same row at M=1, 7, 33 with the same variant, and == the row computed at
-    M=1 by the m_pad 8 variant of the same (rows, G) (the partition ignores m_pad); CUDA-graph replays
-    give the eager bits (the block counters return to 0)."""
-    import dataclasses
-
-    from fused.skinny_gemm import skinny_gemm
-    from fused.skinny_gemm_wgmma import stages_for, streamk_configs
-    x, w = _case(64, N, K, seed=6)
-    for cfg in streamk_configs(N, K, 64):
-        full = skinny_gemm(x, w, variant=cfg)
-        _assert_rows_and_replays_match(x, w, cfg, full)
-        small = dataclasses.replace(cfg, m_pad=8, stages=stages_for(cfg.rows, 8, cfg.occupancy))
-        one = skinny_gemm(x[5:6].clone(), w, variant=small)
-        assert torch.equal(one.view(torch.int16), full[5:6].view(torch.int16)), (cfg.name, small.name)
