@@ -6,6 +6,15 @@ convs (+ conv-state shift), SiLU, gate and beta while those loads are in flight.
 state are independent: a group of Dh/4 lanes owns one row (4 fp32 per lane), decays it, takes
 k.S and q.S_new with group shuffles, writes it back. o (rounded to wd) goes through smem to the
 gated RMSNorm. Bytes: 2 * 4 * Dh^2 per head for the state, ~15 * Dh * elem for the rest.
+
+The RMSNorm's operands (z, o_norm_w) and beta are loaded at entry with the state, so no load is
+left behind the barriers: on the H200 (session 6, results/gpu/s6-2026-11-30/kda_fast.md) that took
+T = 8 (12 heads) from 5.17 to 4.72 us at B = 1 and 20.2 to 18.6 us at B = 32, T = 1 from 7.59 to
+6.98 us at B = 1, bitwise equal to the kernel that loaded them last.
+
+Measured and dropped (code in git history): a head split over a 2..8-CTA cluster by state rows
+(session 4: no gain at T = 8, B = 1, up to 2.6x slower elsewhere); 8 or 16 lanes per state row
+instead of Dh/4 (fewer shuffles; session 6: within +-5 % at small B, up to 33 % slower at B = 32).
 """
 from __future__ import annotations
 
@@ -60,10 +69,10 @@ class KdaDecode:
         self.lanes_per_row = Dh // 4                      # 4 fp32 (16 bytes) per lane
         self.rows_per_warp = 32 // self.lanes_per_row
         rows_per_pass = self.rows_per_warp * self.num_warps
-        self.rows = Dh                                    # state rows one CTA updates
         self.n_pass = -(-Dh // rows_per_pass)
         self.even = Dh % rows_per_pass == 0
         self.scale = Dh ** -0.5
+        self.n_y = -(-Dh // self.num_threads)             # y channels per thread
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
@@ -88,6 +97,7 @@ class KdaDecode:
         Dh, L = self.Dh, self.lanes_per_row
         cg = lane % L                                    # this lane's 4 key columns: 4cg..4cg+3
         gS = cute.zipped_divide(mState[b, h, None, None], (1, 4))  # ((1,4), (V, Dh/4))
+        beta_raw = mBeta[b, h]
         # 1. state rows first: they are the bytes, everything below overlaps their latency
         st = cute.make_rmem_tensor((4, self.n_pass), Float32)
         st.fill(0.0)
@@ -95,6 +105,16 @@ class KdaDecode:
             v = (s * self.num_warps + warp) * self.rows_per_warp + lane // L
             if const_expr(self.even) or v < Dh:
                 st[None, s].store(gS[None, (v, cg)].load())
+        # ... and the gated RMSNorm's operands: channels c = tidx + i * threads of y
+        zr = cute.make_rmem_tensor(self.n_y, mZ.element_type)
+        nw = cute.make_rmem_tensor(self.n_y, Float32)
+        zr.fill(0.0)
+        nw.fill(0.0)
+        for i in cutlass.range_constexpr(self.n_y):
+            c = i * self.num_threads + tidx
+            if c < Dh:
+                zr[i] = mZ[b, h * Dh + c]
+                nw[i] = mNormW[c].to(Float32)
         # 2. convs + SiLU -> sQKV (fp32 of the wd-rounded value), gate decay -> sAlpha
         smem = cutlass.memory.SmemAllocator()
         sQKV = smem.allocate_tensor(Float32, cute.make_layout((Dh, 3)), 16)
@@ -102,24 +122,26 @@ class KdaDecode:
         sO = smem.allocate_tensor(Float32, cute.make_layout(Dh), 16)
         self.conv_and_gate(mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, sQKV, sAlpha,
                            lower_bound, b, h, tidx)
-        beta = _sigmoid(mBeta[b, h].to(Float32))
+        beta = _sigmoid(beta_raw.to(Float32))
+        sig = cute.make_rmem_tensor(self.n_y, Float32)
+        for i in cutlass.range_constexpr(self.n_y):
+            sig[i] = _sigmoid(zr[i].to(Float32))
         cute.arch.sync_threads()
-        self.update_rows(st, gS, sQKV, sAlpha, sO, beta, l2_eps, warp, lane, 0)
+        self.update_rows(st, gS, sQKV, sAlpha, sO, beta, l2_eps, warp, lane)
         cute.arch.sync_threads()
         # 5. gated RMSNorm: y = o * rsqrt(mean o^2 + eps) * w * sigmoid(z)
         rstd = cute.math.rsqrt(self.warp_sum_sq(sO, None, lane) / Dh + norm_eps)
-        for c0 in cutlass.range_constexpr(0, Dh, self.num_threads):
-            c = c0 + tidx
+        for i in cutlass.range_constexpr(self.n_y):
+            c = i * self.num_threads + tidx
             if c < Dh:
-                z = mZ[b, h * Dh + c].to(Float32)
-                y = sO[c] * rstd * mNormW[c].to(Float32) * _sigmoid(z)
+                y = sO[c] * rstd * nw[i] * sig[i]
                 mY[b, h * Dh + c] = y.to(mY.element_type)
 
     @cute.jit
-    def update_rows(self, st, gS, sQKV, sAlpha, sO, beta, l2_eps, warp, lane, v0):
+    def update_rows(self, st, gS, sQKV, sAlpha, sO, beta, l2_eps, warp, lane):
         """3. l2 norms of q, k (every warp redundantly: no second barrier);
-        4. per state row v0 + r, r < self.rows (the rows `st` holds): decay, delta rule, rank-1
-        write, read-out o (rounded to the working dtype) into sO."""
+        4. per state row v: decay, delta rule, rank-1 write, read-out o (rounded to the working
+        dtype) into sO."""
         L = self.lanes_per_row
         cg = lane % L
         rq = cute.math.rsqrt(self.warp_sum_sq(sQKV, 0, lane) + l2_eps) * self.scale
@@ -133,9 +155,8 @@ class KdaDecode:
             av[e] = sAlpha[4 * cg + e]
         q, k, a = qv.load(), kv.load(), av.load()
         for s in cutlass.range_constexpr(self.n_pass):
-            r = (s * self.num_warps + warp) * self.rows_per_warp + lane // L
-            if const_expr(self.even) or r < self.rows:
-                v = v0 + r
+            v = (s * self.num_warps + warp) * self.rows_per_warp + lane // L
+            if const_expr(self.even) or v < self.Dh:
                 sd = st[None, s].load() * a
                 ks = (sd * k).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 ks = cute.arch.warp_reduction(ks, operator.add, threads_in_group=L)
@@ -192,12 +213,8 @@ class KdaDecode:
 
 @runtime.compile_cache("kda_decode")
 def _compile(dtype: str, Dh: int, W: int, cfg: KdaConfig):
-    return compile_op(KdaDecode(runtime.cutlass_dtype(dtype), Dh, W, cfg), dtype, Dh, W)
-
-
-def compile_op(op, dtype: str, Dh: int, W: int):
-    """Compile a kernel object with KdaDecode's call signature against fake tensors (batch and
-    head count dynamic); shared with fused.kda_decode_cluster."""
+    """Compile against fake tensors: batch and head count dynamic."""
+    op = KdaDecode(runtime.cutlass_dtype(dtype), Dh, W, cfg)
     _, cute_ = runtime.cutlass_modules()
     b, h, c = runtime.sym_int(), runtime.sym_int(), runtime.sym_int(Dh)
     dt = runtime.cutlass_dtype(dtype)
@@ -243,15 +260,9 @@ def _rows(t):
 def launch(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
            state, y, lower_bound: float, l2_eps: float, norm_eps: float,
            variant: KdaConfig | None = None):
-    """Destination-passing launch on the current stream: writes y, updates conv_state, state.
-    `variant` may also be an experimental fused.kda_decode_cluster.KdaClusterConfig."""
+    """Destination-passing launch on the current stream: writes y, updates conv_state, state."""
     if state.shape[0] == 0:
         return
-    if variant is not None and not isinstance(variant, KdaConfig):
-        from fused import kda_decode_cluster
-        return kda_decode_cluster.launch(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state,
-                                         A_log, dt_bias, o_norm_w, state, y, lower_bound, l2_eps,
-                                         norm_eps, variant=variant)
     Dh, W = state.shape[-1], conv_w.shape[-1]
     cfg = variant or KdaConfig.for_shape(Dh, state.shape[0] * state.shape[1])
     fn = _compile(runtime.dtype_name(q_raw.dtype), Dh, W, cfg)
@@ -303,9 +314,3 @@ def variants(tensors: dict, params: dict) -> list[KdaConfig]:
     """Every launch variant the harness must certify for these inputs."""
     return KdaConfig.all_configs()
 
-
-def experimental_variants(tensors: dict, params: dict) -> list:
-    """Launch variants not certified and not dispatched: one (sequence, head) split over a cluster
-    of 2..8 CTAs by state rows (fused.kda_decode_cluster). Pass one as `variant=` to try it."""
-    from fused import kda_decode_cluster
-    return kda_decode_cluster.KdaClusterConfig.all_configs()

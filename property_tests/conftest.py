@@ -15,3 +15,20 @@ def single_cpu_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def ptx_of(tmp_path):
+    """ptx_of(code): the PTX that running `code` (which compiles a kernel) dumps, compiled in a
+    fresh process for sm_90a so the dump is not a cache hit."""
+    import os
+    import subprocess
+    import sys
+
+    def run(code: str) -> str:
+        env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_ARCH="sm_90a")
+        subprocess.run([sys.executable, "-c", code], check=True, env=env,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        return "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+
+    return run

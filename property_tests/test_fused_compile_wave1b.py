@@ -54,6 +54,20 @@ def test_kda_decode_compiles_every_variant(Dh):
     assert runtime.compile_for_cpu_check("kda_decode", "float16", Dh, 4, m.KdaConfig.for_shape(Dh))
 
 
+@pytest.mark.parametrize("warps", [4, 8, 16])
+def test_kda_decode_issues_every_global_load_before_the_first_barrier(ptx_of, warps):
+    """The kernel's small-batch speed rests on it: state rows, conv and gate operands, beta and
+    the gated RMSNorm's z and o_norm_w all in flight before the first barrier, so no DRAM round
+    trip sits between the barriers or after them (session 6 moved z / o_norm_w / beta there)."""
+    ptx = ptx_of("from fused import kda_decode as m; "
+                 f"m._compile('bfloat16', 128, 4, m.KdaConfig({warps}))")
+    body = ptx[ptx.index(".entry"):]
+    first_barrier = body.index("bar.sync") if "bar.sync" in body else body.index("barrier.sync")
+    assert body.count("ld.global") >= 8 + 2                 # 8 state rows per thread at 16 warps, z, w
+    assert "ld.global" not in body[first_barrier:]
+    assert ".local" not in ptx                              # no register spills
+
+
 def test_cache_key_has_no_batch_dimension():
     """The batch is a dynamic dim: the compile key holds only dtype, static shapes, variant."""
     m = _attn()

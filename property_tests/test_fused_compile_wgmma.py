@@ -63,20 +63,10 @@ def test_wgmma_summation_order_ignores_m_pad():
         assert all(len(s) == 1 for s in by.values()), (K, N, by)
 
 
-def _ptx_of(code: str, dump_dir) -> str:
-    """The PTX that running `code` (which compiles a kernel) dumps, compiled in a fresh process for
-    sm_90a so the dump is not a cache hit."""
-    import subprocess
-    import sys
-    env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(dump_dir), CUTE_DSL_ARCH="sm_90a")
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
-    return "".join(p.read_text() for p in dump_dir.glob("*.ptx"))
-
-
-def test_wgmma_ptx_has_tma_wgmma_pipeline(tmp_path):
+def test_wgmma_ptx_has_tma_wgmma_pipeline(ptx_of):
     code = ("from fused import skinny_gemm_wgmma as wg; "
             "wg.compile_variant('bfloat16', 'bfloat16', 896, 7168, wg.configs_for(896, 7168, 32)[0])")
-    ptx = _ptx_of(code, tmp_path)
+    ptx = ptx_of(code)
     assert "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16" in ptx
     assert "cp.async.bulk.tensor.2d" in ptx and "mbarrier.try_wait" in ptx
     assert "atom.global.acq_rel.add" in ptx                  # split-K ticket (integer, not float)
@@ -175,12 +165,12 @@ def test_wgmma_spread_fold_requires_resident_grid():
     SkinnyGemmWgmma(896, 7168, SkinnyGemmWgmmaConfig(64, 64, 12, 18, 1, "vec"))     # no spin: any grid
 
 
-def test_wgmma_spread_fold_ptx(tmp_path):
+def test_wgmma_spread_fold_ptx(ptx_of):
     """"spread": integer ticket and acquire spin, 16-byte partial loads, no float atomics, no spills."""
     code = ("from fused import skinny_gemm_wgmma as wg; "
             "c = wg.SkinnyGemmWgmmaConfig(64, 64, 12, 9, 1, 'spread'); "
             "wg.compile_variant('bfloat16', 'bfloat16', 896, 7168, c)")
-    ptx = _ptx_of(code, tmp_path)
+    ptx = ptx_of(code)
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
     assert "atom.global.acq_rel.add" in ptx and "ld.acquire.gpu.global.s32" in ptx
     assert ptx.count("ld.global.v4") >= 9                    # one 16-byte load per split (S = 9)
