@@ -26,7 +26,7 @@ cmd_for() { case $1 in        # job name -> "limit command..."
   certall) echo "$CERT_S python3 -m verify.cli run --candidate fused --device cuda --profile release --no-isolate \
             --jobs ${CERT_JOBS:-8} --shards ${CERT_SHARDS:-4} ${CERT_ARGS:-} --out $R/certall --junit $R/certall/junit.xml" ;;
   wave1a) echo "$BENCH_S python3 bench/bench_wave1a.py --out $R/wave1a --ops ${WAVE1A_OPS:-dequant,cache}" ;;
-  wave1b) echo "$BENCH_S python3 -m bench.bench_wave1b --out $R/wave1b" ;;
+  wave1b) echo "$BENCH_S python3 -m bench.bench_wave1b --out $R/wave1b ${WAVE1B_ARGS:-}" ;;
   kda_versions) echo "$BENCH_S python3 -m bench.bench_kda_versions --old ${KDA_OLD:-.device/old/kda_decode.py} --out $R/kda_versions" ;;
   wgmma) echo "$BENCH_S python3 bench/bench_gemm_wgmma.py --out $R/wgmma ${WGMMA_ARGS:-}" ;;
   router) echo "$BENCH_S python3 bench/bench_router.py --out $R/router --steps ${ROUTER_STEPS:-timing}" ;;
