@@ -122,9 +122,10 @@ class AttnResRMSNorm:
                 part[2 * j] += (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 part[2 * j + 1] += (v * q).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         smem = cutlass.memory.SmemAllocator()
-        red = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps, 2 * S + 1)), 16)
-        xch = smem.allocate_tensor(Float32, cute.make_layout(2 * S + 1), 16)  # read by the cluster
-        self.block_sum(part, red, xch, 0, 2 * S)
+        red = smem.allocate_tensor(Float32, cute.make_layout((2 * S, self.num_threads)), 16)
+        tot = smem.allocate_tensor(Float32, cute.make_layout(2 * S + 1), 16)  # read by the cluster
+        fin = smem.allocate_tensor(Float32, cute.make_layout(2 * S + 1), 16)
+        self.block_sum(part, red, tot, fin, 0, 2 * S)
         # softmax over sources of score_j = dot_j * rsqrt(mean x_j^2 + eps)
         score = cute.make_rmem_tensor(S, Float32)
         m = -Float32.inf
@@ -147,7 +148,7 @@ class AttnResRMSNorm:
             mix[None, i].store(acc.to(dt))
             mx = mix[None, i].load().to(Float32)
             ss[0] += (mx * mx).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        self.block_sum(ss, red, xch, 2 * S, 1)
+        self.block_sum(ss, red, tot, fin, 2 * S, 1)
         rstd = cute.math.rsqrt(ss[0] / self.D + norm_eps)
         zero = cute.make_rmem_tensor(vec, dt)
         zero.fill(0.0)
@@ -161,41 +162,50 @@ class AttnResRMSNorm:
                     gP[None, c].store(zero.load())
                 else:
                     gP[None, c].store(x[None, i, S - 1].load())
-        if const_expr(self.cluster_n > 1):   # peers may still read this CTA's xch
+        if const_expr(self.cluster_n > 1):   # peers may still read this CTA's tot
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 
     @cute.jit
-    def block_sum(self, vals: cute.Tensor, red: cute.Tensor, xch: cute.Tensor,
+    def block_sum(self, vals: cute.Tensor, red: cute.Tensor, tot: cute.Tensor, fin: cute.Tensor,
                   col0: cutlass.Constexpr[int], n: cutlass.Constexpr[int]):
-        """vals[k] <- sum over the CTA (and its cluster) of vals[k], k < n. Butterfly sums in a
-        fixed order: every thread of every CTA of the row gets the same bits."""
+        """vals[k] <- sum over the CTA (and its cluster) of vals[k], k < n, in a fixed order, so
+        every thread of every CTA of the row gets the same bits. Through shared memory, one warp
+        per value: thread t stores red[k, t]; warp k % warps adds red[k, lane + 32 j] over j, then
+        a butterfly over its lanes, into tot[col0 + k]; in a cluster, thread k adds the CTAs'
+        tot[col0 + k] in rank order into fin. (Three 5-step butterflies of all n values per warp,
+        the earlier form, cost ~270 shuffles per thread for n = 18: most of the kernel's issue
+        slots, Nsight Compute session 6.)"""
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        tidx = cute.arch.thread_idx()[0]
         for k in cutlass.range_constexpr(n):
-            vals[k] = cute.arch.warp_reduction(vals[k], operator.add)
-        if lane == 0:
-            for k in cutlass.range_constexpr(n):
-                red[warp, col0 + k] = vals[k]
+            red[k, tidx] = vals[k]
         cute.arch.sync_threads()
         for k in cutlass.range_constexpr(n):
-            t = Float32(0.0)
-            if lane < self.num_warps:
-                t = red[lane, col0 + k]
-            vals[k] = cute.arch.warp_reduction(t, operator.add)
+            if warp == k % self.num_warps:
+                t = red[k, lane]
+                for j in cutlass.range_constexpr(1, self.num_warps):
+                    t = t + red[k, lane + 32 * j]
+                t = cute.arch.warp_reduction(t, operator.add)
+                if lane == 0:
+                    tot[col0 + k] = t
+        cute.arch.sync_threads()
+        out = tot
         if const_expr(self.cluster_n > 1):
-            if cute.arch.thread_idx()[0] == 0:
-                for k in cutlass.range_constexpr(n):
-                    xch[col0 + k] = vals[k]
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
-            for k in cutlass.range_constexpr(n):
+            if tidx < n:
                 t = Float32(0.0)
-                if lane < self.cluster_n:
-                    peer = cute.arch.map_dsmem_ptr(xch.iterator + (col0 + k), lane)
-                    t = cute.arch.inline_ptx("ld.shared::cluster.f32 {$w0}, [{$r0}];",
-                                             write_only_types=[Float32],
-                                             read_only_args=[peer.toint()])
-                vals[k] = cute.arch.warp_reduction(t, operator.add)
+                for r in cutlass.range_constexpr(self.cluster_n):
+                    peer = cute.arch.map_dsmem_ptr(tot.iterator + (col0 + tidx), r)
+                    v = cute.arch.inline_ptx("ld.shared::cluster.f32 {$w0}, [{$r0}];",
+                                             write_only_types=[Float32], read_only_args=[peer.toint()])
+                    t = v if const_expr(r == 0) else t + v
+                fin[col0 + tidx] = t
+            cute.arch.sync_threads()
+            out = fin
+        for k in cutlass.range_constexpr(n):
+            vals[k] = out[col0 + k]
 
 
 @runtime.compile_cache("attn_res_rmsnorm")

@@ -1,0 +1,167 @@
+"""A fused kernel's current source against another version of its source file (e.g. the last
+certified one, `git show REV:fused/OP.py > FILE`), on the GPU.
+
+kda_decode: bitwise y, state and conv_state for every KdaConfig on a set of shapes (bf16 and fp16,
+strided activations, Dh 16..128), then CUDA-graph timings of both dispatchers at T = 1 (96 heads)
+and T = 8 (12 heads), B = 1..64.
+attn_res_rmsnorm: prefix and blocks bitwise, out against the fp64 oracle (bench_wave1b's derived
+criterion) and its largest difference from the old version in ulps, for every AttnResConfig; then
+timings of both dispatchers and of every current config at D = 7168, B = 1..64.
+Timings use bench_wave1b's method (operands from HBM, median of 5 batches of graph replays).
+
+    python3 -m bench.bench_versions --op kda_decode --old FILE --out $OUT    # versions_OP.log / .json
+
+A change that only moves loads or renames values should be bitwise equal: then the old version's
+accuracy evidence carries over, and only the speed is new.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+
+from bench import bench_wave1b as w1b
+from bench.bench_wave1b import attn_inputs, bench, bitwise, clone_all, derived, kda_inputs, log, record
+
+CASES = [  # (B, H, Dh, strided, wd)
+    (1, 12, 128, False, torch.bfloat16), (3, 12, 128, True, torch.bfloat16),
+    (8, 12, 128, False, torch.bfloat16), (2, 96, 128, False, torch.bfloat16),
+    (2, 12, 128, False, torch.float16), (3, 4, 32, False, torch.bfloat16),
+    (2, 6, 16, False, torch.bfloat16), (3, 2, 64, False, torch.bfloat16)]
+
+
+def load_old(op: str, path: str):
+    """The old source as module `OP_old`, its compile cache under its own key."""
+    src = open(path).read().replace(f'compile_cache("{op}")', f'compile_cache("{op}@old")')
+    spec = importlib.util.spec_from_loader(f"{op}_old", loader=None)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[f"{op}_old"] = mod
+    exec(compile(src, path, "exec"), mod.__dict__)
+    return mod
+
+
+def run(mod, inp: dict, cfg):
+    """y, state, conv_state of one launch on copies of the inputs."""
+    s = clone_all(inp)
+    y = torch.empty_like(s["z"])
+    mod.launch(**{k: s[k] for k in ("q_raw", "k_raw", "v_raw", "g_raw", "beta_raw", "z", "conv_w",
+                                    "conv_state", "A_log", "dt_bias", "o_norm_w", "state")},
+               y=y, lower_bound=s["lower_bound"], l2_eps=s["l2_eps"], norm_eps=s["norm_eps"], variant=cfg)
+    torch.cuda.synchronize()
+    return y, s["state"], s["conv_state"]
+
+
+def check_kda(new, old) -> None:
+    log("== kda_decode: current source vs --old, bitwise, every KdaConfig")
+    for B, H, Dh, strided, wd in CASES:
+        inp = kda_inputs(B, H, Dh, "cuda", wd=wd, seed=B * 7 + H, strided=strided)
+        for cfg in new.KdaConfig.all_configs():
+            a, b = run(new, inp, cfg), run(old, inp, old.KdaConfig(cfg.num_warps))
+            record("kda_decode", f"B={B} H={H} Dh={Dh} {str(wd)[6:]} strided={strided} w{cfg.num_warps}",
+                   [bitwise(n, x, y) for n, x, y in zip(("y", "state", "conv_state"), a, b)])
+
+
+def timing_kda(new, old) -> None:
+    log("== kda_decode timing, current vs old dispatcher (Dh=128, W=4, H=96/T; us per call)")
+    Dh, e = 128, 2
+    for T in (1, 8):
+        H = 96 // T
+        for B in (1, 8, 32, 64):
+            C = H * Dh
+            moved = (B * H * Dh * Dh * 4 * 2 + B * C * e * (6 + 2 * 3 * 3) + B * H * e + 3 * C * 4 * 4
+                     + C * 4 + H * 4 + Dh * 4)
+            fns = {"current": lambda s: new.kda_decode(**s), "old": lambda s, m=old: _old_call(m, s)}
+            bench("kda_decode", f"T={T} H={H} B={B}", fns, lambda i: kda_inputs(B, H, Dh, "cuda", seed=i),
+                  B * H * Dh * Dh * 4, moved, 4.24e12)
+
+
+def _old_call(old, s):
+    y = torch.empty_like(s["z"])
+    args = {k: v for k, v in s.items() if k not in ("lower_bound", "l2_eps", "norm_eps")}
+    old.launch(**args, y=y, lower_bound=s["lower_bound"], l2_eps=s["l2_eps"], norm_eps=s["norm_eps"])
+    return y
+
+
+ATTN_CASES = [(1, 7168, 9, 8, -1), (5, 7168, 9, 3, 3), (64, 7168, 9, 8, -1), (3, 7168, 9, 0, 0),
+              (7, 256, 4, 2, -1), (2, 64, 9, 8, 8), (33, 7168, 9, 5, 6)]   # (B, D, slots, n_blocks, write)
+
+
+def _attn_run(mod, inp: dict, cfg):
+    s = clone_all(inp)
+    out = torch.full_like(s["prefix"], float("nan"))      # poisoned: every element must be written
+    mod.launch(s["prefix"], s["delta"], s["blocks"], s["res_norm_w"], s["res_proj_w"], s["norm_w"], out,
+               s["n_blocks"], s["block_write"], s["eps"], s["norm_eps"], variant=cfg)
+    torch.cuda.synchronize()
+    return out, s["prefix"], s["blocks"]
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in units in the last place between two same-dtype tensors (finite values)."""
+    ia, ib = (t.view(torch.int16).to(torch.int32) for t in (a, b))
+    ia, ib = (torch.where(i < 0, -32768 - i, i) for i in (ia, ib))   # sign-magnitude -> ordered
+    return int((ia - ib).abs().max())
+
+
+def check_attn(new, old) -> None:
+    from references.attn_res import attn_res_rmsnorm as ref
+    log("== attn_res_rmsnorm: current source vs --old, every AttnResConfig (oracle = reference on float64)")
+    for B, D, NB, nb, bw in ATTN_CASES:
+        inp = attn_inputs(B, D, NB, nb, bw, "cuda", seed=B * 31 + nb)
+        o_out, b_out = ref(**clone_all(inp, torch.float64)), ref(**clone_all(inp))
+        for cfg in new.AttnResConfig.all_configs(D):
+            a = _attn_run(new, inp, cfg)
+            b = _attn_run(old, inp, old.AttnResConfig(cfg.num_threads, cfg.cluster_n))
+            checks = [derived("out", a[0], b_out, o_out, torch.bfloat16),
+                      bitwise("prefix", a[1], b[1]), bitwise("blocks", a[2], b[2])]
+            checks[0]["ulps_from_old"] = ulps_apart(a[0], b[0])
+            record("attn_res_rmsnorm", f"B={B} D={D} nb={nb} bw={bw} t{cfg.num_threads}c{cfg.cluster_n} "
+                   f"(out {checks[0]['ulps_from_old']} ulp from old)", checks)
+
+
+def timing_attn(new, old) -> None:
+    log("== attn_res_rmsnorm timing, current vs old dispatcher and every current config (D=7168, 9 slots)")
+    D, NB, e = 7168, 9, 2
+    for B in (1, 8, 32, 64):
+        for nb, bwr in ((8, -1), (4, 4)):
+            moved = B * D * e * (nb + 4 + (1 if bwr >= 0 else 0)) + 3 * D * e
+            # both dispatchers' picks as explicit variants: the launch path, no custom op (the old
+            # module would register its op under the current one's name)
+            pick, pick_old = new.AttnResConfig.for_shape(D, 16, B), old.AttnResConfig.for_shape(D, 16, B)
+            fns = {f"current t{pick.num_threads}c{pick.cluster_n}": lambda s: new.attn_res_rmsnorm(**s, variant=pick),
+                   f"old t{pick_old.num_threads}c{pick_old.cluster_n}": lambda s: old.attn_res_rmsnorm(**s, variant=pick_old)}
+            for cfg in new.AttnResConfig.all_configs(D):
+                fns[f"t{cfg.num_threads}c{cfg.cluster_n}"] = (lambda c: lambda s: new.attn_res_rmsnorm(**s, variant=c))(cfg)
+            bench("attn_res_rmsnorm", f"B={B} nb={nb} bw={bwr}", fns,
+                  lambda i: attn_inputs(B, D, NB, nb, bwr, "cuda", seed=i), B * (NB + 3) * D * e, moved, 4.24e12)
+
+
+OPS = {"kda_decode": (check_kda, timing_kda), "attn_res_rmsnorm": (check_attn, timing_attn)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--op", required=True, choices=sorted(OPS))
+    ap.add_argument("--old", required=True, help="an older fused/OP.py")
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    new = importlib.import_module(f"fused.{args.op}")
+    old = load_old(args.op, args.old)
+    check, timing = OPS[args.op]
+    check(new, old)
+    timing(new, old)
+    n_fail = sum(not r["pass"] for r in w1b.RESULTS["correctness"])
+    log(f"checks: {len(w1b.RESULTS['correctness']) - n_fail} pass, {n_fail} fail")
+    with open(f"{args.out}/versions_{args.op}.json", "w") as f:
+        json.dump(w1b.RESULTS, f, indent=1, default=str)
+    with open(f"{args.out}/versions_{args.op}.log", "w") as f:
+        f.write("\n".join(w1b.LOG) + "\n")
+    return 1 if n_fail else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
