@@ -34,10 +34,13 @@ class AttnResConfig:
 
     @staticmethod
     def for_shape(D: int, elem_bits: int = 16, B: int = 64) -> "AttnResConfig":
-        """Picks measured best on the H200 at D=7168 (results/gpu/wave1b.md): 4 CTAs x 224
-        threads per row up to B=16, 2 x 448 up to B=32, one CTA of 256 threads beyond."""
+        """Picks measured best on the H200 at D=7168 with the shared-memory block sums (session 6,
+        results/gpu/s6-2026-11-30/call6_versions_attn_res_rmsnorm): 4 CTAs x 224 threads per row
+        up to B=32, 2 x 448 beyond (8.3 us at B=64 with 8 blocks, against 10.2 for one CTA of
+        256 threads, which spills). Rows under 512 vectors (small test D) keep one CTA beyond
+        B=32, as before."""
         n_vec = D // (128 // elem_bits)
-        n = 4 if B <= 16 else 2 if B <= 32 else 1
+        n = 4 if B <= 32 else 2 if n_vec >= 512 else 1
         while n > 1 and n_vec % n:
             n //= 2
         per_cta = n_vec // n

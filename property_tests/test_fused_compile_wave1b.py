@@ -81,10 +81,12 @@ def test_cache_key_has_no_batch_dimension():
 
 def test_configs_are_frozen_and_cover_the_dispatch():
     a, k = _attn(), _kda()
-    for D in ATTN_D:
-        assert a.AttnResConfig.for_shape(D) in a.AttnResConfig.all_configs(D)
+    for D in ATTN_D:        # every batch's pick is a certified variant
+        for bits in (16, 32):
+            picks = {a.AttnResConfig.for_shape(D, bits, B) for B in range(1, 65)}
+            assert picks <= set(a.AttnResConfig.all_configs(D, bits)), (D, bits)
     for Dh in KDA_DH:
-        assert k.KdaConfig.for_shape(Dh) in k.KdaConfig.all_configs()
+        assert {k.KdaConfig.for_shape(Dh, n) for n in range(1, 6145)} <= set(k.KdaConfig.all_configs())
     with pytest.raises(Exception):
         a.AttnResConfig(128).num_threads = 64
 
