@@ -44,13 +44,18 @@ def load_old(op: str, path: str):
     return mod
 
 
+def _kda_launch(mod, s: dict, cfg=None):
+    """One launch of `mod` (kda_decode, any version) on input set `s`, in place; returns y."""
+    y = torch.empty_like(s["z"])
+    mod.launch(**{k: v for k, v in s.items() if isinstance(v, torch.Tensor)}, y=y,
+               lower_bound=s["lower_bound"], l2_eps=s["l2_eps"], norm_eps=s["norm_eps"], variant=cfg)
+    return y
+
+
 def run(mod, inp: dict, cfg):
     """y, state, conv_state of one launch on copies of the inputs."""
     s = clone_all(inp)
-    y = torch.empty_like(s["z"])
-    mod.launch(**{k: s[k] for k in ("q_raw", "k_raw", "v_raw", "g_raw", "beta_raw", "z", "conv_w",
-                                    "conv_state", "A_log", "dt_bias", "o_norm_w", "state")},
-               y=y, lower_bound=s["lower_bound"], l2_eps=s["l2_eps"], norm_eps=s["norm_eps"], variant=cfg)
+    y = _kda_launch(mod, s, cfg)
     torch.cuda.synchronize()
     return y, s["state"], s["conv_state"]
 
@@ -74,16 +79,9 @@ def timing_kda(new, old) -> None:
             C = H * Dh
             moved = (B * H * Dh * Dh * 4 * 2 + B * C * e * (6 + 2 * 3 * 3) + B * H * e + 3 * C * 4 * 4
                      + C * 4 + H * 4 + Dh * 4)
-            fns = {"current": lambda s: new.kda_decode(**s), "old": lambda s, m=old: _old_call(m, s)}
+            fns = {"current": lambda s: new.kda_decode(**s), "old": lambda s: _kda_launch(old, s)}
             bench("kda_decode", f"T={T} H={H} B={B}", fns, lambda i: kda_inputs(B, H, Dh, "cuda", seed=i),
                   B * H * Dh * Dh * 4, moved, 4.24e12)
-
-
-def _old_call(old, s):
-    y = torch.empty_like(s["z"])
-    args = {k: v for k, v in s.items() if k not in ("lower_bound", "l2_eps", "norm_eps")}
-    old.launch(**args, y=y, lower_bound=s["lower_bound"], l2_eps=s["l2_eps"], norm_eps=s["norm_eps"])
-    return y
 
 
 ATTN_CASES = [(1, 7168, 9, 8, -1), (5, 7168, 9, 3, 3), (64, 7168, 9, 8, -1), (3, 7168, 9, 0, 0),
