@@ -25,7 +25,7 @@ import sys
 import torch
 
 from bench import bench_wave1b as w1b
-from bench.bench_wave1b import attn_inputs, bench, bitwise, clone_all, derived, kda_inputs, log, record
+from bench.bench_wave1b import attn_bytes, attn_inputs, bench, bitwise, clone_all, derived, kda_bytes, kda_inputs, log, record
 
 CASES = [  # (B, H, Dh, strided, wd)
     (1, 12, 128, False, torch.bfloat16), (3, 12, 128, True, torch.bfloat16),
@@ -76,9 +76,7 @@ def timing_kda(new, old) -> None:
     for T in (1, 8):
         H = 96 // T
         for B in (1, 8, 32, 64):
-            C = H * Dh
-            moved = (B * H * Dh * Dh * 4 * 2 + B * C * e * (6 + 2 * 3 * 3) + B * H * e + 3 * C * 4 * 4
-                     + C * 4 + H * 4 + Dh * 4)
+            moved = kda_bytes(B, H, Dh, e)
             fns = {"current": lambda s: new.kda_decode(**s), "old": lambda s: _kda_launch(old, s)}
             bench("kda_decode", f"T={T} H={H} B={B}", fns, lambda i: kda_inputs(B, H, Dh, "cuda", seed=i),
                   B * H * Dh * Dh * 4, moved, 4.24e12)
@@ -125,7 +123,7 @@ def timing_attn(new, old) -> None:
     D, NB, e = 7168, 9, 2
     for B in (1, 8, 32, 64):
         for nb, bwr in ((8, -1), (4, 4)):
-            moved = B * D * e * (nb + 4 + (1 if bwr >= 0 else 0)) + 3 * D * e
+            moved = attn_bytes(B, D, nb, bwr, e)
             # both dispatchers' picks as explicit variants: the launch path, no custom op (the old
             # module would register its op under the current one's name)
             pick, pick_old = new.AttnResConfig.for_shape(D, 16, B), old.AttnResConfig.for_shape(D, 16, B)

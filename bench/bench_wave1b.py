@@ -254,6 +254,20 @@ def bench(op, shape, fns: dict, make_set, set_bytes, moved, bw):
     RESULTS["timing"].append(row)
 
 
+def attn_bytes(B: int, D: int, nb: int, bwr: int, e: int = 2) -> int:
+    """HBM bytes attn_res_rmsnorm must move: n_blocks block rows, prefix, delta, out and the prefix
+    write per row (+ the block write), and the three weight vectors."""
+    return B * D * e * (nb + 4 + (1 if bwr >= 0 else 0)) + 3 * D * e
+
+
+def kda_bytes(B: int, H: int, Dh: int, e: int = 2) -> int:
+    """HBM bytes kda_decode must move: the fp32 state read and written, activations, conv state
+    read and written, conv weights, dt_bias, A_log, o_norm_w."""
+    C = H * Dh
+    return (B * H * Dh * Dh * 4 * 2 + B * C * e * (6 + 2 * 3 * 3) + B * H * e + 3 * C * 4 * 4
+            + C * 4 + H * 4 + Dh * 4)
+
+
 def timing_attn(bw, compile_ok=True):
     from references.attn_res import attn_res_rmsnorm as ref
     from fused import attn_res_rmsnorm as fused
@@ -262,7 +276,7 @@ def timing_attn(bw, compile_ok=True):
     D, NB, e = 7168, 9, 2
     for B in (1, 8, 32, 64):
         for nb, bwr in ((8, -1), (4, 4)):
-            moved = B * D * e * (nb + 4 + (1 if bwr >= 0 else 0)) + 3 * D * e
+            moved = attn_bytes(B, D, nb, bwr, e)
             fns = {"fused": lambda s: fused.attn_res_rmsnorm(**s), "eager": lambda s: ref(**s)}
             for cfg in fused.AttnResConfig.all_configs(D):
                 if cfg != fused.AttnResConfig.for_shape(D, 16, B):
@@ -282,8 +296,7 @@ def timing_kda(bw, compile_ok=True):
     for T in (1, 8):
         H = 96 // T
         for B in (1, 8, 32, 64):
-            C = H * Dh
-            moved = B * H * Dh * Dh * 4 * 2 + B * C * e * (6 + 2 * 3 * 3) + B * H * e + 3 * C * 4 * 4 + C * 4 + H * 4 + Dh * 4
+            moved = kda_bytes(B, H, Dh, e)
             fns = {"fused": lambda s: fused.kda_decode(**s), "eager": lambda s: ref(**s)}
             for cfg in fused.KdaConfig.all_configs():
                 if cfg != fused.KdaConfig.for_shape(Dh, B * H):
