@@ -2,8 +2,9 @@
 
 Diagnosis: fp32 logits of E=896 x D=7168 against the fp64 product, per implementation: torch fp32
 (the reference, cuBLAS SGEMM), the SIMT GEMV, the tensor-core kernel accumulating in the MMA's C
-fragment (the 2026-11-29 default for M >= 9), and the split-K fresh-accumulator kernel (now the
-default). Error unit: u * sum_d |x_d w_d| (u = 2^-24), the scale any fp32 summation order errs by.
+fragment (the 2026-11-29 default for M >= 9), the split-K fresh-accumulator mma.sync kernel (the
+default for 2..16 tokens) and the wgmma kernel with split-K and short C-fragment chains (the default
+from 17 tokens). Error unit: u * sum_d |x_d w_d| (u = 2^-24), the scale any fp32 summation order errs by.
 Timing: the fused op per B against the reference eager, torch.compile and cuBLAS bf16 logits alone,
 and a row per other certified variant (the argmax-round top-k kernels, the other logits GEMM).
 
@@ -45,9 +46,10 @@ def diagnose():
             for name, cfg in (("simt gemv", sg.simt_config(B, E, D)),
                               ("mma, C-fragment chain", SkinnyGemmMmaConfig(16 if B <= 16 else 64, 8, 8, 4 if B <= 16 else 2)),
                               ("mma split7, C-fragment", SkinnyGemmMmaConfig(16 if B <= 16 else 64, 8, 8, 4 if B <= 16 else 2, True, 7, False)),
-                              ("mma split7 fresh_acc (default)", fr.logits_config(B, E, D))):
+                              ("mma split-K fresh_acc", fr.mma_logits_config(B, E, D)),
+                              ("wgmma split-K, C chains <= 16 k-tiles", fr.wgmma_logits_config(B, E, D))):
                 def run(cfg=cfg):
-                    S = getattr(cfg, "ksplit", 1)
+                    S = fr.partials(cfg)
                     out = torch.full((S, B, E), float("nan"), device="cuda")
                     sg.launch(x, w, out if S > 1 else out[0], cfg)
                     acc = out[0].clone()
@@ -99,7 +101,7 @@ def kernels():
     E, k, D = 896, 16, 7168
     w = (torch.randn(E, D, device="cuda") * D ** -0.5).to(torch.bfloat16)
     bias = torch.randn(E, device="cuda") * 0.01
-    for B in (1, 16, 64):
+    for B in (1, 16, 32, 64):
         x = torch.randn(B, D, device="cuda").to(torch.bfloat16)
         rounds = fr.RouterTopkConfig(1, None, 4, select="rounds")
         for label, v in (("default", None), ("rounds_w4", rounds)):

@@ -7,6 +7,10 @@ and T = 8 (12 heads), B = 1..64.
 attn_res_rmsnorm: prefix and blocks bitwise, out against the fp64 oracle (bench_wave1b's derived
 criterion) and its largest difference from the old version in ulps, for every AttnResConfig; then
 timings of both dispatchers and of every current config at D = 7168, B = 1..64.
+router_topk (the old fused/router_topk.py with its fused/router_topk_select.py beside it): ids and
+weights bitwise for every top-k kernel with the same logits GEMM, the current default's ids and weights
+against the old default's; then timings of both defaults and of the current top-k with the old
+default's logits GEMM, B = 1..64.
 Timings use bench_wave1b's method (operands from HBM, median of 5 batches of graph replays).
 
     python3 -m bench.bench_versions --op kda_decode --old FILE --out $OUT    # versions_OP.log / .json
@@ -17,6 +21,7 @@ accuracy evidence carries over, and only the speed is new.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -34,13 +39,21 @@ CASES = [  # (B, H, Dh, strided, wd)
     (2, 6, 16, False, torch.bfloat16), (3, 2, 64, False, torch.bfloat16)]
 
 
+SIBLINGS = {"router_topk": "router_topk_select"}     # modules of an op that live in a file of their own
+
+
 def load_old(op: str, path: str):
-    """The old source as module `OP_old`, its compile cache under its own key."""
+    """The old source as module `OP_old`, its compile cache under its own key; a sibling module
+    (SIBLINGS) is loaded from the same directory and imported by the old source in its place."""
     src = open(path).read().replace(f'compile_cache("{op}")', f'compile_cache("{op}@old")')
+    if op in SIBLINGS:
+        sib = SIBLINGS[op]
+        load_old(sib, os.path.join(os.path.dirname(path), f"{sib}.py"))
+        src = src.replace(f"from fused.{sib} import", f"from {sib}_old import")
     spec = importlib.util.spec_from_loader(f"{op}_old", loader=None)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[f"{op}_old"] = mod
-    exec(compile(src, path, "exec"), mod.__dict__)
+    exec(compile(src, path, "exec", dont_inherit=True), mod.__dict__)   # not this file's __future__ flags
     return mod
 
 
@@ -135,7 +148,57 @@ def timing_attn(new, old) -> None:
                   lambda i: attn_inputs(B, D, NB, nb, bwr, "cuda", seed=i), B * (NB + 3) * D * e, moved, 4.24e12)
 
 
-OPS = {"kda_decode": (check_kda, timing_kda), "attn_res_rmsnorm": (check_attn, timing_attn)}
+ROUTER_SHAPES = [(896, 16, 7168), (48, 8, 1024), (20, 16, 256)]     # (E, k, D)
+
+
+def _router_inputs(B: int, E: int, D: int, seed: int, tied: bool = False) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(B, D, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(E, D, device="cuda", generator=g) * D ** -0.5).to(torch.bfloat16)
+    bias = torch.randn(E, device="cuda", generator=g) * 0.01
+    if tied:                                       # 4 distinct rows: exact ties the lower id must win
+        w, bias = w[torch.arange(E, device="cuda") % 4].contiguous(), bias[torch.arange(E, device="cuda") % 4].contiguous()
+    return {"x": x, "w_gate": w, "bias": bias}
+
+
+def check_router(new, old) -> None:
+    log("== router_topk: current source vs --old; every top-k kernel with the same logits GEMM bitwise, "
+        "then the two defaults (their logits GEMMs may differ)")
+    for E, k, D in ROUTER_SHAPES:
+        for B in (1, 5, 16, 17, 32, 64):
+            for tied in (False, True):
+                s = _router_inputs(B, E, D, B * 7 + E, tied)
+                tag = f"E={E} k={k} D={D} B={B}{' tied' if tied else ''}"
+                gemm = old.logits_config(B, E, D)
+                for cfg in new.all_configs():
+                    a = new.router_topk(**s, top_k=k, routed_scale=2.5, variant=dataclasses.replace(cfg, gemm=gemm))
+                    b = old.router_topk(**s, top_k=k, routed_scale=2.5, variant=old.RouterTopkConfig(
+                        cfg.tokens_per_cta, gemm, cfg.warps_per_token, cfg.select))
+                    record("router_topk", f"{tag} {cfg.name} logits {gemm.name}",
+                           [bitwise("ids", a[0], b[0]), bitwise("weights", a[1], b[1])])
+                a = new.router_topk(**s, top_k=k, routed_scale=2.5, variant=new.RouterTopkConfig())
+                b = old.router_topk(**s, top_k=k, routed_scale=2.5, variant=old.RouterTopkConfig())
+                same_ids = torch.equal(a[0], b[0])
+                rel = ((a[1] - b[1]).abs() / b[1].abs().clamp_min(1e-30)).max().item() if same_ids else float("nan")
+                log(f"  defaults {tag}: logits {new.logits_config(B, E, D).name} vs {gemm.name}: ids "
+                    f"{'equal' if same_ids else 'DIFFER'}, weights max rel diff {rel:.3g} "
+                    f"({'bitwise' if same_ids and torch.equal(a[1], b[1]) else 'not bitwise'})")
+
+
+def timing_router(new, old) -> None:
+    log("== router_topk timing, E=896 k=16 D=7168: current default, old default, current top-k with the "
+        "old default's logits GEMM (weights from HBM; us per call)")
+    E, k, D = 896, 16, 7168
+    for B in (1, 2, 8, 16, 17, 32, 64):
+        gemm = old.logits_config(B, E, D)
+        fns = {f"current ({new.logits_config(B, E, D).name})": lambda s: new.router_topk(**s, top_k=k, routed_scale=2.5, variant=new.RouterTopkConfig()),
+               f"old ({gemm.name})": lambda s: old.router_topk(**s, top_k=k, routed_scale=2.5, variant=old.RouterTopkConfig()),
+               "current top-k, old logits": lambda s: new.router_topk(**s, top_k=k, routed_scale=2.5, variant=new.RouterTopkConfig(gemm=gemm))}
+        bench("router_topk", f"B={B}", fns, lambda i: _router_inputs(B, E, D, i), E * D * 2, E * D * 2 + B * D * 2, 4.24e12)
+
+
+OPS = {"kda_decode": (check_kda, timing_kda), "attn_res_rmsnorm": (check_attn, timing_attn),
+       "router_topk": (check_router, timing_router)}
 
 
 def main(argv=None) -> int:

@@ -1,22 +1,28 @@
 """router_topk: fp32 router logits, sigmoid, + bias, exact top-k, renormalised weights.
 
-Two launches on the caller's stream: (1) a skinny_gemm kernel writes fp32 logit partials
-ws[S, B, E] (bf16 products are exact in fp32; fp32 accumulation); (2) the top-k kernel folds the S
-partials in order s = 0..S-1 (IEEE fp32 adds), then selects the top k of
+Two launches on the caller's stream: (1) a skinny_gemm kernel writes fp32 logits, or fp32 logit
+partials ws[S, B, E] (bf16 products are exact in fp32; fp32 accumulation); (2) the top-k kernel folds
+the S partials in order s = 0..S-1 (IEEE fp32 adds), then selects the top k of
 choice = sigmoid(logit) + bias (by rank above a bound; by k rounds of argmax in the other variants).
 
-The logits GEMM (`logits_config`): the SIMT GEMV (S = 1, IEEE FMA chains) up to M = SIMT_MAX tokens;
-above it the tensor-core kernel with split-K over S CTAs (`split_for`, so 56 x S CTAs fill the 132
-SMs at E = 896; per-M choice measured on the H200, results/gpu/router_topk.md) and `fresh_acc`: each
-mma.sync sums its 16 products into zeroed fragments that are added to the fp32 accumulator with
-IEEE adds. Accumulating straight in the MMA's C fragment was measured on the H200
-(results/gpu/router_topk.md): the tensor core aligns and truncates its addends to the largest one,
-so a 448-MMA chain over D = 7168 erred 3x more than the fp32 reference and failed the weights'
-derived bound at every M >= 9. The logit selects experts: it is held to fp32 accuracy, not to a
-bf16 GEMM's.
+The logits GEMM (`logits_config`), by token count M:
+- M <= SIMT_MAX: the SIMT GEMV (S = 1, IEEE FMA chains).
+- token buckets below WGMMA_MIN_PAD: the mma.sync kernel with split-K over S CTAs (`split_for`, so
+  56 x S CTAs fill the 132 SMs at E = 896) and `fresh_acc`: each mma.sync sums its 16 products into
+  zeroed fragments that are added to the fp32 accumulator with IEEE adds.
+- from WGMMA_MIN_PAD: the wgmma kernel (`wgmma_logits_config`: 64 weight rows per CTA, split-K folded
+  in the kernel in ks order, S = 1 here), whose chains in the tensor core's C fragment are at most
+  MAX_CHAIN_TILES k-tiles (64 MMAs of k = 16) long. The mma.sync kernel's fresh-accumulator adds
+  made it issue-bound at 64 tokens (Nsight Compute, session 5: 17.6 % of DRAM bandwidth, 12.4 us).
+Why chains are bounded: the tensor core aligns and truncates its addends to the largest one, so a
+448-MMA chain in C over D = 7168 erred 3x more than the fp32 reference and failed the weights' derived
+bound at every M >= 9 (results/gpu/router_topk.md); split 7 ways (64-MMA chains) it erred less than the
+reference itself (0.25 / 0.85 u sum|x w| against cuBLAS SGEMM's 0.35 / 1.76). The logit selects
+experts: it is held to fp32 accuracy, not to a bf16 GEMM's.
 
 The top-k device code and how it selects: fused/router_topk_select.py.
 """
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +30,7 @@ import torch
 from fused import runtime
 from fused import skinny_gemm as sg
 from fused import skinny_gemm_mma as mma
+from fused import skinny_gemm_wgmma as wgmma
 from fused.router_topk_select import make_select
 from fused.skinny_gemm_mma import SkinnyGemmMmaConfig
 
@@ -31,6 +38,8 @@ DTYPES = ("bfloat16", "float16")   # working dtypes of x and w (the harness draw
 
 
 SIMT_MAX = 1                        # tokens up to which the SIMT GEMV computes the logits
+WGMMA_MIN_PAD = 32                  # token buckets (m_pad) from which the wgmma kernel computes them
+MAX_CHAIN_TILES = 16                # k-tiles of 64 one wgmma split may chain in its C fragment
 
 
 def split_for(D: int, m_pad: int = 8) -> int:
@@ -56,12 +65,32 @@ def mma_logits_config(M: int, E: int, D: int) -> SkinnyGemmMmaConfig | None:
     return SkinnyGemmMmaConfig(pad, rows, w, mma._unroll(D // S, w, pad), True, S, True)
 
 
+def wgmma_logits_config(M: int, E: int, D: int):
+    """The wgmma logits for M tokens (64 weight rows, one CTA per SM, the "spread" fold of the split-K
+    partials, as skinny_gemm's default at the router shape), or None where it does not apply: M over
+    64, E not a multiple of 64, or a split longer than MAX_CHAIN_TILES k-tiles."""
+    if not (1 <= M <= 64 and wgmma.supports(D) and E % 64 == 0):
+        return None
+    kt = D // wgmma.BK
+    for c in wgmma.configs_for(E, D, wgmma.m_pad_for(M)):
+        if (c.rows, c.occupancy) == (64, 1) and -(-kt // c.ksplit) <= MAX_CHAIN_TILES:
+            return dataclasses.replace(c, fold="spread") if c.ksplit > 1 else c
+    return None
+
+
 def logits_config(M: int, E: int, D: int):
     if M > SIMT_MAX:
-        cfg = mma_logits_config(M, E, D)
+        cfg = wgmma_logits_config(M, E, D) if M <= 64 and wgmma.m_pad_for(M) >= WGMMA_MIN_PAD else None
+        cfg = cfg or mma_logits_config(M, E, D)
         if cfg is not None:
             return cfg
     return sg.simt_config(max(M, 1), E, D)
+
+
+def partials(gemm) -> int:
+    """Logit partials the top-k kernel folds: the mma.sync kernel's split-K S (the wgmma kernel folds
+    its own splits; the SIMT GEMV has none)."""
+    return gemm.ksplit if isinstance(gemm, SkinnyGemmMmaConfig) else 1
 
 
 @dataclass(frozen=True)
@@ -88,16 +117,16 @@ def all_configs() -> list[RouterTopkConfig]:
 
 
 def variants(tensors: dict, params: dict) -> list:
-    """Every launch variant the harness must certify for these inputs: both top-k tilings with the
-    default logits GEMM, and the other logits path (SIMT <-> split-K MMA) where this M allows it."""
+    """Every launch variant the harness must certify for these inputs: every top-k kernel with the
+    default logits GEMM, and the default top-k with each other logits path this M allows (the SIMT
+    GEMV, the split-K mma.sync kernel, the wgmma kernel from WGMMA_MIN_PAD)."""
     M, D = tensors["x"].shape
     E = tensors["w_gate"].shape[0]
-    out = all_configs()
     default = logits_config(M, E, D)
-    other = sg.simt_config(max(M, 1), E, D) if isinstance(default, SkinnyGemmMmaConfig) else mma_logits_config(M, E, D)
-    if other is not None:
-        out.append(RouterTopkConfig(1, other, 4))
-    return out
+    paths = [sg.simt_config(max(M, 1), E, D), mma_logits_config(M, E, D)]
+    if 1 <= M <= 64 and wgmma.m_pad_for(M) >= WGMMA_MIN_PAD:
+        paths.append(wgmma_logits_config(M, E, D))
+    return all_configs() + [RouterTopkConfig(1, g, 4) for g in paths if g is not None and g != default]
 
 
 class RouterTopk:
@@ -109,8 +138,6 @@ class RouterTopk:
         if cfg.select not in ("rounds", "threshold") or (cfg.select == "threshold" and cfg.tokens_per_cta != 1):
             raise ValueError(f"variant: {cfg}: select is 'rounds' or 'threshold' (one token per CTA)")
         self.E, self.k, self.cfg, self.S = E, top_k, cfg, S
-        self.threads_per_token = 32 * cfg.warps_per_token
-        self.per_lane = -(-E // self.threads_per_token)
 
     def jit_host(self):
         cutlass, cute = runtime.cutlass_modules()
@@ -157,21 +184,18 @@ def _compile(E: int, top_k: int, tokens_per_cta: int, S: int, warps_per_token: i
 
 def compile_all_for(dtype: str, E: int, D: int, top_k: int, cfg: RouterTopkConfig) -> list:
     """Every compiled function a launch with this top-k config can use, for any M (CPU compile checks):
-    the SIMT GEMV, the split-K tensor-core logits of each token bucket, and the top-k kernels."""
+    the SIMT GEMV, the split-K mma.sync and wgmma logits of each token bucket, and the top-k kernels."""
     tk = (cfg.tokens_per_cta, cfg.warps_per_token, cfg.select)
     out = [sg._compile(dtype, "float32", E, D, sg.simt_config(1, E, D)), _compile(E, top_k, tk[0], 1, *tk[1:])]
     for M in (8, 16, 32, 64):
-        g = mma_logits_config(M, E, D)
-        if g is not None:
-            out += [sg._compile(dtype, "float32", E, D, g), _compile(E, top_k, tk[0], g.ksplit, *tk[1:])]
+        gs = [mma_logits_config(M, E, D)] + ([wgmma_logits_config(M, E, D)] if M >= WGMMA_MIN_PAD else [])
+        for g in (g for g in gs if g is not None):
+            out += [sg._compile(dtype, "float32", E, D, g), _compile(E, top_k, tk[0], partials(g), *tk[1:])]
     return out
 
 
 def logits_workspace(B: int, E: int, D: int, device, gemm=None):
-    import torch
-
-    cfg = gemm or logits_config(B, E, D)
-    S = getattr(cfg, "ksplit", 1)
+    S = partials(gemm or logits_config(B, E, D))
     return torch.empty(S, B, E, dtype=torch.float32, device=device)
 
 
@@ -183,7 +207,7 @@ def launch(x, w_gate, bias, top_k, routed_scale, ids, weights, logits, variant=N
         return
     variant = variant or RouterTopkConfig()
     gemm = variant.gemm or logits_config(B, E, D)
-    S = getattr(gemm, "ksplit", 1)
+    S = partials(gemm)
     if logits.shape != (S, B, E):
         raise ValueError(f"logits: expected the workspace [{S}, {B}, {E}], got {tuple(logits.shape)}")
     sg.launch(x, w_gate, logits if S > 1 else logits[0], gemm)

@@ -28,6 +28,7 @@ import operator
 from fused import runtime
 
 RENORM_EPS = 1e-20
+RANK_LANES = 4          # independent partial counts in the threshold select's rank loops (r0..r3)
 
 
 def make_select(E: int, k: int, S: int, tokens_per_cta: int, warps_per_token: int, select_kind: str):
@@ -78,7 +79,8 @@ def make_select(E: int, k: int, S: int, tokens_per_cta: int, warps_per_token: in
         so every expert of the top k, and every expert better than one of them, has key >= B: at
         most k * per_lane candidates. Each candidate's rank among the candidates is its rank among
         all experts; rank r < k is written to slot r. Returns (id, sigmoid) of round t, as the
-        rounds give them (thread t < k of the first warp)."""
+        rounds give them (thread t < k of the first warp). The counts run in RANK_LANES independent
+        sums (short dependent add chains); a thread takes one slot range for all its candidates."""
         keys = cute.make_rmem_tensor(cute.make_layout(pl), Int64)
         mk = Int64(MIN_KEY)
         for j in cutlass.range_constexpr(pl):
@@ -87,30 +89,45 @@ def make_select(E: int, k: int, S: int, tokens_per_cta: int, warps_per_token: in
                 keys[j] = key_of(choice[j], Int32(j * T) + t)
                 mk = Int64(cutlass.select_(keys[j] > mk, keys[j], mk))
         tk[t] = mk
+        for i in cutlass.range_constexpr(-(-(cap + RANK_LANES) // T)):
+            if i * T + t < cap + RANK_LANES:
+                ck[i * T + t] = Int64(MIN_KEY)           # padding past the candidates ranks below all
         if t == 0:
             tcnt[0] = Int32(0)
             tbound[0] = Int64(MIN_KEY)
         cute.arch.sync_threads()
-        above = Int32(0)
+        part = [Int32(0)] * RANK_LANES
         for u in cutlass.range_constexpr(T):
-            above = above + Int32(cutlass.select_(tk[u] > mk, 1, 0))
+            part[u % RANK_LANES] = part[u % RANK_LANES] + Int32(cutlass.select_(tk[u] > mk, 1, 0))
+        above = (part[0] + part[1]) + (part[2] + part[3])
         if above == Int32(k - 1) and mk > Int64(MIN_KEY):
             tbound[0] = mk                               # the k-th best thread maximum
         cute.arch.sync_threads()
         bound = tbound[0]
+        mine = Int32(0)
+        for j in cutlass.range_constexpr(pl):
+            if j * T + t < E:
+                mine = mine + Int32(cutlass.select_(keys[j] >= bound, 1, 0))
+        slot = Int32(0)
+        if mine > Int32(0):
+            slot = cute.arch.atomic_add(tcnt.iterator, mine, scope="cta")
         for j in cutlass.range_constexpr(pl):
             if j * T + t < E:
                 if keys[j] >= bound:
-                    slot = cute.arch.atomic_add(tcnt.iterator, Int32(1), scope="cta")
                     ck[slot] = keys[j]
                     cs[slot] = sig[j]
+                    slot = slot + Int32(1)
         cute.arch.sync_threads()
         n = tcnt[0]
         for i in cutlass.range(t, n, T):
             key = ck[i]
-            rank = Int32(0)
-            for m in cutlass.range(n):
-                rank = rank + Int32(cutlass.select_(ck[m] > key, 1, 0))
+            r0, r1, r2, r3 = Int32(0), Int32(0), Int32(0), Int32(0)
+            for m in cutlass.range(0, n, RANK_LANES):
+                r0 = r0 + Int32(cutlass.select_(ck[m] > key, 1, 0))
+                r1 = r1 + Int32(cutlass.select_(ck[m + 1] > key, 1, 0))
+                r2 = r2 + Int32(cutlass.select_(ck[m + 2] > key, 1, 0))
+                r3 = r3 + Int32(cutlass.select_(ck[m + 3] > key, 1, 0))
+            rank = (r0 + r1) + (r2 + r3)
             if rank < Int32(k):
                 oid[rank] = Int32(E - 1) - Int32(key & Int64(0xFFFFFFFF))
                 osig[rank] = cs[i]
@@ -146,7 +163,7 @@ def make_select(E: int, k: int, S: int, tokens_per_cta: int, warps_per_token: in
         if cutlass.const_expr(thresh):
             smem = cutlass.memory.SmemAllocator()
             tk = smem.allocate_tensor(Int64, cute.make_layout(T), byte_alignment=16)        # threads' best keys
-            ck = smem.allocate_tensor(Int64, cute.make_layout(cap), byte_alignment=16)      # candidates' keys
+            ck = smem.allocate_tensor(Int64, cute.make_layout(cap + RANK_LANES), byte_alignment=16)   # candidates' keys
             cs = smem.allocate_tensor(Float32, cute.make_layout(cap), byte_alignment=16)    # and sigmoids
             oid = smem.allocate_tensor(Int32, cute.make_layout(k), byte_alignment=16)       # rank -> id
             osig = smem.allocate_tensor(Float32, cute.make_layout(k), byte_alignment=16)    # rank -> sigmoid

@@ -115,11 +115,33 @@ def test_mla_cache_write_compiles_every_variant(dtype):
 @pytest.mark.parametrize("E,k,D", [(896, 16, 7168), (48, 8, 1024)])
 def test_router_topk_compiles_every_variant(E, k, D):
     from fused import router_topk as fr
+    from fused.skinny_gemm_wgmma import SkinnyGemmWgmmaConfig
+    wg = E % 64 == 0                    # the wgmma logits (token buckets 32, 64) need 64-row blocks
     for cfg in fr.all_configs():
         fns = fr.compile_all_for("bfloat16", E, D, k, cfg)
-        assert len(fns) == 10 and all(f is not None for f in fns)     # SIMT + 4 token buckets, each + top-k
-    big = fr.logits_config(64, E, D)
-    assert big.fresh_acc and big.ksplit > 1 and (D // 32) % big.ksplit == 0
+        # SIMT + mma.sync in 4 token buckets (+ wgmma in 2), each with its top-k kernel
+        assert len(fns) == (14 if wg else 10) and all(f is not None for f in fns)
+    mid, big = fr.logits_config(16, E, D), fr.logits_config(64, E, D)
+    assert mid.fresh_acc and mid.ksplit > 1 and (D // 32) % mid.ksplit == 0
+    if wg:      # wgmma from 17 tokens: its splits folded in the kernel, chains of <= 16 k-tiles
+        assert isinstance(big, SkinnyGemmWgmmaConfig) and fr.partials(big) == 1
+        assert big.ksplit > 1 and big.fold == "spread" and -(-(D // 64) // big.ksplit) <= fr.MAX_CHAIN_TILES
+    else:
+        assert big.fresh_acc and fr.partials(big) == big.ksplit > 1
+
+
+def test_router_topk_variants_cover_every_logits_path():
+    """Each launch variant a token count can take is certified: the four top-k kernels with the
+    default logits, and the default top-k with every other logits path that applies at that M."""
+    from fused import router_topk as fr
+    x = lambda M: torch.empty(M, 7168, dtype=torch.bfloat16)
+    w = torch.empty(896, 7168, dtype=torch.bfloat16)
+    kinds = lambda M: sorted(type(v.gemm).__name__ for v in fr.variants({"x": x(M), "w_gate": w}, {}) if v.gemm)
+    assert kinds(1) == []                                                # SIMT only (mma.sync from 2 tokens)
+    assert kinds(16) == ["SkinnyGemmConfig"]                             # mma.sync default
+    assert kinds(17) == kinds(64) == ["SkinnyGemmConfig", "SkinnyGemmMmaConfig"]   # wgmma default
+    parts = {M: fr.partials(fr.logits_config(M, 896, 7168)) for M in range(1, 65)}
+    assert parts[1] == 1 and all(parts[M] > 1 for M in range(2, 17)) and all(parts[M] == 1 for M in range(17, 65))
 
 
 def test_router_topk_rejects_k_over_warp():
@@ -271,7 +293,7 @@ def test_skinny_gemm_unaligned_views_give_the_aligned_bits():
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("B", [1, 16])
+@pytest.mark.parametrize("B", [1, 16, 64])
 @pytest.mark.parametrize("select", ["threshold", "rounds"])
 def test_router_topk_in_a_cuda_graph(B, select):
     """The two launches captured in a CUDA graph replay to the bits of an eager call, on poisoned
