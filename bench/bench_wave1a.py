@@ -2,7 +2,6 @@
 mla_cache_write, router_topk against torch eager, torch.compile and torch linear (cuBLAS).
 
 Run on the H200 (see shared/device/README.md):  PYTHONPATH=$PWD python3 bench/bench_wave1a.py --out $OUT
-`--ops dequant_tma` runs only the bench-only bulk-store experiment (bench/dequant_tma_store.py).
 Weights rotate over enough copies (>= 256 MB together) that every call reads them from HBM.
 Prints one line per measurement; writes wave1a.json and wave1a.log under --out.
 """
@@ -91,7 +90,7 @@ def bench_dequant(args):
         scale[1, :] = 255
         ref = ref_dq(packed, scale, out_dtype).cuda()
         pk, sc = packed.cuda(), scale.cuda()
-        for cfg in all_configs():
+        for cfg in all_configs(out_dtype):
             out = mxfp4_dequant(pk, sc, out_dtype, variant=cfg)
             ib = {"bfloat16": torch.int16, "float16": torch.int16, "float32": torch.int32}[out_dtype]
             nan_r, nan_o = torch.isnan(ref), torch.isnan(out)
@@ -138,71 +137,6 @@ def _write_anchors(shape, outs, nb):
     dsts = [torch.empty_like(x) for x in srcs]
     fns = [lambda a=a, b=b: b.copy_(a) for a, b in zip(srcs, dsts)]
     record("mxfp4_dequant", shape, "anchor: copy_ of the same bytes", graph_time_us(fns), nb)
-
-
-DQ_TMA_SHAPES = ((7168, 2048), (3072, 3584))       # the target shape; a K3 expert's w1/w3 (w2 = same bytes)
-
-
-def bench_dequant_tma(args):
-    """Bench-only bulk-store launches of mxfp4_dequant bf16 (bench/dequant_tma_store.py): does one
-    cp.async.bulk store of a CTA's contiguous output span write DRAM faster than the default launch's
-    per-thread 16-byte st.global (77.6-79.2 % of copy bw, target >= 80 %)? Each launch is first checked
-    bit for bit against the default kernel (random codes; scale bytes 0, 255, all 256 values; a
-    partial last CTA), then timed in CUDA graphs beside the default launch (timed first and last, for
-    drift) and the fill_ / copy_ anchors, all in this one run."""
-    import dequant_tma_store as dts
-    diffs = {cfg: [] for cfg in dts.all_configs()}
-    for O, I in ((67, 1024), (21, 1024)) + DQ_TMA_SHAPES:    # 67, 21 rows: a short last chunk
-        for cfg, d in diffs.items():
-            d.append(_check_dequant_tma(dts, cfg, O, I))
-    for O, I in DQ_TMA_SHAPES[:1] if args.quick else DQ_TMA_SHAPES:
-        _time_dequant_tma(dts, diffs, O, I)
-        torch.cuda.empty_cache()
-
-
-def _check_dequant_tma(dts, cfg, O, I):
-    """Elements of one launch that differ from the default kernel's bits; None if it raised
-    (logged, not fatal: the other launches still run)."""
-    from fused.mxfp4_dequant import mxfp4_dequant
-    torch.manual_seed(O * I)
-    packed = torch.randint(0, 256, (O, I // 2), dtype=torch.uint8, device="cuda")
-    scale = torch.randint(0, 256, (O, I // 32), dtype=torch.uint8, device="cuda")
-    scale[0, :8] = torch.tensor([0, 1, 2, 126, 127, 253, 254, 255], dtype=torch.uint8)
-    scale[1, :], scale[2, :] = 0, 255
-    want = mxfp4_dequant(packed, scale, "bfloat16").view(torch.int16)
-    got = torch.full_like(want, -1)                     # poisoned: an element left unwritten shows
-    try:
-        dts.launch(packed, scale, got.view(torch.bfloat16), cfg)
-        torch.cuda.synchronize()
-    except Exception as e:                              # keep the other launches' results
-        log(f"CHECK mxfp4_dequant_tma [{O},{I}] {cfg.name} ERROR {type(e).__name__}: {e}")
-        return None
-    n_diff = int((got != want).sum())
-    log(f"CHECK mxfp4_dequant_tma [{O},{I}] {cfg.name} bitwise_vs_default={n_diff == 0} n_diff={n_diff}")
-    return n_diff
-
-
-def _time_dequant_tma(dts, diffs, O, I):
-    from fused import mxfp4_dequant as fm
-    nb = O * I // 2 + O * I // 32 + O * I * 2
-    sets = [(torch.randint(0, 256, (O, I // 2), dtype=torch.uint8, device="cuda"),
-             torch.randint(100, 150, (O, I // 32), dtype=torch.uint8, device="cuda")) for _ in range(n_copies(nb))]
-    outs = [torch.empty(O, I, dtype=torch.bfloat16, device="cuda") for _ in sets]
-    shape = f"[{O},{I}] bf16"
-    default = fm.Mxfp4DequantConfig()
-
-    def timed(name, run):
-        fns = [lambda p=p, s=s, o=o: run(p, s, o) for (p, s), o in zip(sets, outs)]
-        record("mxfp4_dequant", shape, name, graph_time_us(fns), nb)
-
-    timed("fused:" + default.name + " (default)", lambda p, s, o: fm.launch(p, s, o, default))
-    for cfg, d in diffs.items():                        # one that differed is timed, marked FAIL
-        if None in d:
-            log(f"mxfp4_dequant {shape} {cfg.name} not timed: its launch raised")
-            continue
-        timed(cfg.name + ("" if not any(d) else " FAIL"), lambda p, s, o, c=cfg: dts.launch(p, s, o, c))
-    timed("fused:" + default.name + " (default, again)", lambda p, s, o: fm.launch(p, s, o, default))
-    _write_anchors(shape, outs, nb)
 
 
 def _byte_mix_kernel():
@@ -317,8 +251,7 @@ def main():
     args = ap.parse_args()
     log(f"device: {torch.cuda.get_device_name()} torch {torch.__version__} "
         f"date {time.strftime('%Y-%m-%d %H:%M:%S')}")
-    table = {"gemm": bench_gemm, "dequant": bench_dequant, "dequant_tma": bench_dequant_tma,
-             "cache": bench_cache_write, "router": bench_router}
+    table = {"gemm": bench_gemm, "dequant": bench_dequant, "cache": bench_cache_write, "router": bench_router}
     for name in args.ops.split(","):
         t0 = time.time()
         try:

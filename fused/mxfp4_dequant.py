@@ -3,9 +3,17 @@
 Elementwise over the flattened tensors: one 32-bit word of packed codes (8 columns, 4 bytes) is a
 unit; group g = word // 4 owns scale byte g (both tensors are contiguous, so the flat indices line
 up across rows). Each thread takes `units` words spaced one CTA width apart (a warp loads 128
-contiguous bytes of codes and stores 32 x 16 bytes contiguous per unit), all loads issued before
-any arithmetic. The compiled kernel depends on the output dtype and the launch shape only, not on O
-or I.
+contiguous bytes of codes), all loads issued before any arithmetic. The compiled kernel depends on
+the output dtype and the launch shape only, not on O or I.
+
+Stores, by variant: "word" launches store each word's 16 bytes from the thread (a warp writes 32 x
+16 bytes contiguous per unit). "bulk" launches (bf16, the default there) put them in shared memory
+and thread 0 writes the CTA's whole contiguous span (16 KB at 256 x 4) with one bulk async copy
+(cp.async.bulk global <- shared, dynamic size: the grid's last span may be short). On the H200
+(session 7, results/gpu/targets.md) the bulk store took [7168, 2048] from 79.4 % to 82.2 % of copy
+bandwidth and [3072, 3584] from 71.9 % to 77.8 %; spans of 32-64 KB double-buffered were slower
+(60-68 %), an L2 evict_first hint +0.4 % (left out: the GEMM that reads the weights next may hit
+them in L2).
 
 Value of code c (low nibble = even column; bit 3 = sign, bits 0-2 = magnitude m): the fp32 word
 `sign << 31 | m << 22` holds E2M1(m) * 2^-126 exactly (m = 1 is the subnormal 2^-127, m >= 2 has
@@ -36,20 +44,27 @@ WORDS_PER_GROUP = GROUP // CODES
 class Mxfp4DequantConfig:
     threads: int = 256
     units: int = 4                 # words per thread, loaded before any arithmetic
+    bulk: bool = False             # bf16 only: the CTA's output span through shared memory, one bulk store
 
     @property
     def name(self) -> str:
-        return f"word_t{self.threads}_u{self.units}"
+        return f"{'bulk' if self.bulk else 'word'}_t{self.threads}_u{self.units}"
 
 
-def all_configs() -> list[Mxfp4DequantConfig]:
-    return [Mxfp4DequantConfig(256, 4), Mxfp4DequantConfig(128, 8), Mxfp4DequantConfig(256, 1),
-            Mxfp4DequantConfig(256, 8), Mxfp4DequantConfig(512, 4)]
+def default_config(out_dtype: str) -> Mxfp4DequantConfig:
+    return Mxfp4DequantConfig(256, 4, bulk=out_dtype == "bfloat16")
+
+
+def all_configs(out_dtype: str = "bfloat16") -> list[Mxfp4DequantConfig]:
+    """The word-store launches (any output dtype), and for bf16 the bulk-store default."""
+    words = [Mxfp4DequantConfig(256, 4), Mxfp4DequantConfig(128, 8), Mxfp4DequantConfig(256, 1),
+             Mxfp4DequantConfig(256, 8), Mxfp4DequantConfig(512, 4)]
+    return words + ([Mxfp4DequantConfig(256, 4, bulk=True)] if out_dtype == "bfloat16" else [])
 
 
 def variants(tensors: dict, params: dict) -> list:
-    """Every launch variant the harness must certify for these inputs."""
-    return all_configs()
+    """Every launch variant the harness must certify for these inputs (their output dtype)."""
+    return all_configs(params["out_dtype"])
 
 
 def _code_bits(cutlass, word, i: int):
@@ -94,21 +109,65 @@ def _bf16_words(cutlass, cute, Int32, w, e, ow):
 
 class Mxfp4Dequant:
     def __init__(self, cfg: Mxfp4DequantConfig, out_dtype: str):
+        if cfg.bulk and out_dtype != "bfloat16":
+            raise ValueError(f"variant: {cfg.name} stores bf16 only, not {out_dtype}; use a word_* variant")
         self.cfg, self.out_dtype = cfg, out_dtype
 
     def jit_host(self):
         cutlass, cute = runtime.cutlass_modules()
-        kernel = self.device_kernel()
+        bulk = self.cfg.bulk
+        kernel = self.bulk_kernel() if bulk else self.device_kernel()
         T, U = self.cfg.threads, self.cfg.units
 
         @cute.jit
         def host(mP: cute.Tensor, mS: cute.Tensor, mW: cute.Tensor, stream):
-            gW = cute.zipped_divide(mW, (CODES,))
             nwords = mP.shape[0]
-            kernel(mP, mS, gW, nwords).launch(grid=[(nwords + T * U - 1) // (T * U), 1, 1],
-                                              block=[T, 1, 1], stream=stream)
+            out = mW if cutlass.const_expr(bulk) else cute.zipped_divide(mW, (CODES,))
+            kernel(mP, mS, out, nwords).launch(grid=[(nwords + T * U - 1) // (T * U), 1, 1],
+                                               block=[T, 1, 1], stream=stream)
 
         return host
+
+    def bulk_kernel(self):
+        """bf16 out through shared memory: the default kernel's loads and conversion, each word's 16
+        bytes to shared memory, then one bulk async store of the CTA's span by thread 0, which waits
+        for the copy to have read shared memory before the CTA exits."""
+        cutlass, cute = runtime.cutlass_modules()
+        from cutlass import Int32
+        from cutlass._mlir.dialects import nvvm
+
+        T, U = self.cfg.threads, self.cfg.units
+        span = T * U
+
+        @cute.kernel
+        def kernel(mP: cute.Tensor, mS: cute.Tensor, mW: cute.Tensor, nwords: Int32):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            base = bidx * span
+            sOut = cutlass.memory.SmemAllocator().allocate_tensor(Int32, cute.make_layout((CODES // 2, span)), 128)
+            words = cute.make_rmem_tensor(cute.make_layout(U), Int32)
+            exps = cute.make_rmem_tensor(cute.make_layout(U), Int32)
+            for j in cutlass.range_constexpr(U):
+                u = base + tidx + j * T
+                if u < nwords:
+                    words[j] = mP[u]
+                    exps[j] = Int32(mS[u // WORDS_PER_GROUP])
+            for j in cutlass.range_constexpr(U):
+                w = tidx + j * T
+                if base + w < nwords:
+                    ow = cute.make_rmem_tensor(cute.make_layout(CODES // 2), Int32)
+                    _bf16_words(cutlass, cute, Int32, words[j], exps[j], ow)
+                    sOut[None, w].store(ow.load())
+            cute.arch.fence_proxy("async.shared", space="cta")     # st.shared before the async proxy reads
+            cute.arch.sync_threads()
+            if tidx == 0:
+                n = cutlass.min(nwords - base, span)
+                nvvm.cp_async_bulk_global_shared_cta((mW.iterator + base * CODES).to_llvm_ptr(),
+                                                     sOut.iterator.to_llvm_ptr(), Int32(n * CODES * 2).ir_value())
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the reads
+
+        return kernel
 
     def device_kernel(self):
         cutlass, cute = runtime.cutlass_modules()
@@ -186,10 +245,13 @@ def _check(packed, scale, out_dtype):
 def launch(packed, scale, out, variant=None) -> None:
     if packed.shape[0] == 0:
         return
-    cfg = variant or Mxfp4DequantConfig()
-    fn = _compile(runtime.dtype_name(out.dtype), cfg)
-    # the kernel reads `packed` as 32-bit words and writes 16-byte vectors: fresh storage if the
-    # caller's views are offset or strided
+    out_dtype = runtime.dtype_name(out.dtype)
+    cfg = variant or default_config(out_dtype)
+    if cfg.bulk and out_dtype != "bfloat16":
+        raise ValueError(f"variant: {cfg.name} stores bf16 only, not {out_dtype}; use a word_* variant")
+    fn = _compile(out_dtype, cfg)
+    # the kernel reads `packed` as 32-bit words and writes 16-byte vectors (bulk stores: 16-byte
+    # aligned spans): fresh storage if the caller's views are offset or strided
     if packed.data_ptr() % 16:
         packed = packed.clone()
     dst = out if out.is_contiguous() and out.data_ptr() % 16 == 0 else torch.empty_like(

@@ -2,6 +2,7 @@
 configuration and variant it supports; a new batch size reuses the compiled kernel; numerics are
 checked on a CUDA device only (skipped here with the reason, never counted as passed)."""
 import os
+import re
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")      # before any cutlass import
 
@@ -101,8 +102,25 @@ def test_skinny_gemm_new_batch_size_does_not_recompile():
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float16", "float32"])
 def test_mxfp4_dequant_compiles_every_variant(out_dtype):
     from fused import mxfp4_dequant as fm
-    for cfg in fm.all_configs():
+    cfgs = fm.all_configs(out_dtype)
+    assert fm.default_config(out_dtype) in cfgs and any(c.bulk for c in cfgs) == (out_dtype == "bfloat16")
+    for cfg in cfgs:
         runtime.compile_for_cpu_check("mxfp4_dequant", out_dtype, cfg)
+
+
+def test_mxfp4_dequant_bulk_variant_stores_through_one_bulk_copy(ptx_of):
+    """The bf16 default writes its output span with one bulk async copy from shared memory after a
+    proxy fence, and no st.global; it waits for the copy's reads before exiting."""
+    ptx = ptx_of("from fused import mxfp4_dequant as fm; fm._compile('bfloat16', fm.default_config('bfloat16'))")
+    assert ptx.count("cp.async.bulk.global.shared::cta.bulk_group") == 1
+    assert "fence.proxy.async.shared::cta" in ptx and re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)
+    assert "st.global" not in ptx and ptx.count("st.shared.v4.b32") == 4 and ".local" not in ptx
+
+
+def test_mxfp4_dequant_bulk_variant_refuses_other_dtypes():
+    from fused import mxfp4_dequant as fm
+    with pytest.raises(ValueError, match="bf16 only"):
+        fm.Mxfp4Dequant(fm.Mxfp4DequantConfig(256, 4, bulk=True), "float16")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -209,7 +227,7 @@ def test_mxfp4_dequant_bitwise():
     for dt in ("bfloat16", "float16", "float32"):
         ref = ref_dq(packed, scale, dt)
         nan = ref.isnan()
-        for cfg in all_configs():
+        for cfg in all_configs(dt):
             for pk in (packed.cuda(), offset.cuda()):
                 got = mxfp4_dequant(pk, scale.cuda(), dt, variant=cfg).cpu()
                 assert torch.equal(got.isnan(), nan), (dt, cfg)
