@@ -3,14 +3,15 @@
 Diagnosis: fp32 logits of E=896 x D=7168 against the fp64 product, per implementation: torch fp32
 (the reference, cuBLAS SGEMM), the SIMT GEMV, the tensor-core kernel accumulating in the MMA's C
 fragment (the 2026-11-29 default for M >= 9), the split-K fresh-accumulator mma.sync kernel (the
-default for 2..16 tokens) and the wgmma kernel with split-K and short C-fragment chains (the default
-from 17 tokens). Error unit: u * sum_d |x_d w_d| (u = 2^-24), the scale any fp32 summation order errs by.
+default for 2..16 tokens), and the split-K wgmma kernel with its running sum in C and with fresh
+accumulators per k-tile (the default from 17 tokens). Error unit: u * sum_d |x_d w_d| (u = 2^-24), the scale any fp32 summation order errs by.
 Timing: the fused op per B against the reference eager, torch.compile and cuBLAS bf16 logits alone,
 and a row per other certified variant (the argmax-round top-k kernels, the other logits GEMM).
 
     PYTHONPATH=$PWD python3 bench/bench_router.py --out $OUT
 """
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -47,7 +48,8 @@ def diagnose():
                               ("mma, C-fragment chain", SkinnyGemmMmaConfig(16 if B <= 16 else 64, 8, 8, 4 if B <= 16 else 2)),
                               ("mma split7, C-fragment", SkinnyGemmMmaConfig(16 if B <= 16 else 64, 8, 8, 4 if B <= 16 else 2, True, 7, False)),
                               ("mma split-K fresh_acc", fr.mma_logits_config(B, E, D)),
-                              ("wgmma split-K, C chains <= 16 k-tiles", fr.wgmma_logits_config(B, E, D))):
+                              ("wgmma split-K, C chains of 12 k-tiles", dataclasses.replace(fr.wgmma_logits_config(B, E, D), fresh_acc=False)),
+                              ("wgmma split-K fresh_acc per k-tile", fr.wgmma_logits_config(B, E, D))):
                 def run(cfg=cfg):
                     S = fr.partials(cfg)
                     out = torch.full((S, B, E), float("nan"), device="cuda")

@@ -11,14 +11,15 @@ The logits GEMM (`logits_config`), by token count M:
   56 x S CTAs fill the 132 SMs at E = 896) and `fresh_acc`: each mma.sync sums its 16 products into
   zeroed fragments that are added to the fp32 accumulator with IEEE adds.
 - from WGMMA_MIN_PAD: the wgmma kernel (`wgmma_logits_config`: 64 weight rows per CTA, split-K folded
-  in the kernel in ks order, S = 1 here), whose chains in the tensor core's C fragment are at most
-  MAX_CHAIN_TILES k-tiles (64 MMAs of k = 16) long. The mma.sync kernel's fresh-accumulator adds
-  made it issue-bound at 64 tokens (Nsight Compute, session 5: 17.6 % of DRAM bandwidth, 12.4 us).
-Why chains are bounded: the tensor core aligns and truncates its addends to the largest one, so a
-448-MMA chain in C over D = 7168 erred 3x more than the fp32 reference and failed the weights' derived
-bound at every M >= 9 (results/gpu/router_topk.md); split 7 ways (64-MMA chains) it erred less than the
-reference itself (0.25 / 0.85 u sum|x w| against cuBLAS SGEMM's 0.35 / 1.76). The logit selects
-experts: it is held to fp32 accuracy, not to a bf16 GEMM's.
+  in the kernel in ks order, so S = 1 here) with `fresh_acc`: each k-tile's 4 wgmma chain from zero,
+  added to the fp32 accumulator with IEEE adds. The mma.sync kernel's fresh-accumulator adds made it
+  issue-bound at 64 tokens (Nsight Compute, session 5: 17.6 % of DRAM bandwidth, 12.4 us).
+Why fresh accumulators: the tensor core aligns and truncates its addends to the largest one, so a
+chain that carries the running sum in C errs more than fp32: a 448-MMA mma.sync chain over D = 7168
+erred 3x more than the fp32 reference and failed the weights' derived bound at every M >= 9 (an
+earlier spec; results/gpu/router_topk.md); the wgmma kernel with 12-tile chains in C erred up to
+1.05 / 3.06 u sum|x w| (normal / wide_range) against cuBLAS SGEMM's 0.35 / 1.76 (session 7). The
+logit selects experts: it is held to fp32 accuracy, not to a bf16 GEMM's.
 
 The top-k device code and how it selects: fused/router_topk_select.py.
 """
@@ -39,7 +40,6 @@ DTYPES = ("bfloat16", "float16")   # working dtypes of x and w (the harness draw
 
 SIMT_MAX = 1                        # tokens up to which the SIMT GEMV computes the logits
 WGMMA_MIN_PAD = 32                  # token buckets (m_pad) from which the wgmma kernel computes them
-MAX_CHAIN_TILES = 16                # k-tiles of 64 one wgmma split may chain in its C fragment
 
 
 def split_for(D: int, m_pad: int = 8) -> int:
@@ -66,15 +66,14 @@ def mma_logits_config(M: int, E: int, D: int) -> SkinnyGemmMmaConfig | None:
 
 
 def wgmma_logits_config(M: int, E: int, D: int):
-    """The wgmma logits for M tokens (64 weight rows, one CTA per SM, the "spread" fold of the split-K
-    partials, as skinny_gemm's default at the router shape), or None where it does not apply: M over
-    64, E not a multiple of 64, or a split longer than MAX_CHAIN_TILES k-tiles."""
+    """The wgmma logits for M tokens: 64 weight rows, one CTA per SM, the "spread" fold of the split-K
+    partials (as skinny_gemm's default at the router shape), fresh accumulators per k-tile; None
+    where it does not apply (M over 64, E not a multiple of 64)."""
     if not (1 <= M <= 64 and wgmma.supports(D) and E % 64 == 0):
         return None
-    kt = D // wgmma.BK
     for c in wgmma.configs_for(E, D, wgmma.m_pad_for(M)):
-        if (c.rows, c.occupancy) == (64, 1) and -(-kt // c.ksplit) <= MAX_CHAIN_TILES:
-            return dataclasses.replace(c, fold="spread") if c.ksplit > 1 else c
+        if (c.rows, c.occupancy) == (64, 1):
+            return dataclasses.replace(c, fold="spread" if c.ksplit > 1 else c.fold, fresh_acc=True)
     return None
 
 

@@ -39,7 +39,11 @@ position; padded tokens are zeros in their own accumulator columns. So the resul
 batch invariant: a token row gives the same bits at any M <= m_pad with the same variant, and (on the
 assumption that a wgmma output element does not depend on the instruction's N, checked by the GPU
 test) across m_pad variants with the same rows and occupancy. Not bitwise equal to the mma.sync or
-SIMT kernels (other orders).
+SIMT kernels (other orders). `fresh_acc` (router_topk's fp32 logits only): each k-tile's 4 wgmma
+chain from zero into a second fragment (scale-d off on the first), which is added to the accumulator
+with IEEE fp32 adds in k-tile order: the tensor core aligns and truncates its addends to the largest
+one, and a chain that carries the running sum in C erred ~3x more than cuBLAS's fp32 GEMM
+(results/gpu/router_topk.md, session 7). The adds wait for each tile's wgmma (wait_group 0).
 
 The launcher (`launch`) owns the workspace and the counters: allocated with torch on x's device on
 first use per (device, N, K, variant) and reused, so warm a variant up before capturing it in a CUDA
@@ -74,10 +78,11 @@ class SkinnyGemmWgmmaConfig:
     ksplit: int          # CTAs along K per column block (1: no workspace)
     occupancy: int = 1   # CTAs per SM the stage count was sized for (1 or 2)
     fold: str = "last"   # split-K fold: "last", "vec" or "spread" (FOLDS); "last" is the shipped kernel
+    fresh_acc: bool = False  # each k-tile's 4 wgmma chain from zero, added to the accumulator by IEEE adds
 
     @property
     def name(self) -> str:
-        tail = "" if self.fold == "last" else f"_{self.fold}"
+        tail = ("" if self.fold == "last" else f"_{self.fold}") + ("_f" if self.fresh_acc else "")
         return f"wgmma_m{self.m_pad}_r{self.rows}_st{self.stages}_s{self.ksplit}_o{self.occupancy}{tail}"
 
 
@@ -249,6 +254,7 @@ class SkinnyGemmWgmma:
         nkb = BK // 16
         tx_bytes = stage_bytes(rows, self.cfg.m_pad)           # 2-byte dtypes; OOB rows count too
         fold, spread = self.cfg.fold, self.cfg.fold == "spread"
+        fresh = self.cfg.fresh_acc
         E = rows * self.cfg.m_pad                              # floats per split partial
         wait_at_least = spin_wait_op() if spread else None
 
@@ -390,17 +396,31 @@ class SkinnyGemmWgmma:
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
                 done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+                if cutlass.const_expr(fresh):
+                    part = cute.make_rmem_tensor(tCc.shape, Float32)
                 for i in cutlass.range(nk, unroll=1):
                     pipe.consumer_wait(read)
                     warpgroup.fence()
-                    for kb in cutlass.range_constexpr(nkb):
-                        cute.gemm(tiled_mma, acc, tCrW[(None, None, kb, read.index)],
-                                  tCrX[(None, None, kb, read.index)], acc)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(1)                        # stage i-1's wgmma has finished
-                    if i > 0:
+                    if cutlass.const_expr(fresh):                  # the tile's chain from zero, then IEEE adds
+                        for kb in cutlass.range_constexpr(nkb):
+                            tiled_mma.set(warpgroup.Field.ACCUMULATE, kb > 0)
+                            cute.gemm(tiled_mma, part, tCrW[(None, None, kb, read.index)],
+                                      tCrX[(None, None, kb, read.index)], part)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
+                        for j in cutlass.range_constexpr(cute.size(acc)):
+                            acc[j] = acc[j] + part[j]
                         pipe.consumer_release(done)
                         done.advance()
+                    else:
+                        for kb in cutlass.range_constexpr(nkb):
+                            cute.gemm(tiled_mma, acc, tCrW[(None, None, kb, read.index)],
+                                      tCrX[(None, None, kb, read.index)], acc)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(1)                    # stage i-1's wgmma has finished
+                        if i > 0:
+                            pipe.consumer_release(done)
+                            done.advance()
                     read.advance()
                 warpgroup.wait_group(0)
                 epilogue(acc, tCc, mY, mWs, mCnt, storage.ticket.get_tensor(cute.make_layout(4)),
