@@ -2,8 +2,8 @@
 certified one, `git show REV:fused/OP.py > FILE`), on the GPU.
 
 kda_decode: bitwise y, state and conv_state for every KdaConfig on a set of shapes (bf16 and fp16,
-strided activations, Dh 16..128), then CUDA-graph timings of both dispatchers at T = 1 (96 heads)
-and T = 8 (12 heads), B = 1..64.
+strided activations, Dh 16..128), then CUDA-graph timings of both dispatchers and of every current
+KdaConfig at T = 1 (96 heads) and T = 8 (12 heads), B = 1..64.
 attn_res_rmsnorm: prefix and blocks bitwise, out against the fp64 oracle (bench_wave1b's derived
 criterion) and its largest difference from the old version in ulps, for every AttnResConfig; then
 timings of both dispatchers and of every current config at D = 7168, B = 1..64.
@@ -79,7 +79,8 @@ def check_kda(new, old) -> None:
         inp = kda_inputs(B, H, Dh, "cuda", wd=wd, seed=B * 7 + H, strided=strided)
         for cfg in new.KdaConfig.all_configs():
             a, b = run(new, inp, cfg), run(old, inp, old.KdaConfig(cfg.num_warps))
-            record("kda_decode", f"B={B} H={H} Dh={Dh} {str(wd)[6:]} strided={strided} w{cfg.num_warps}",
+            tag = f"w{cfg.num_warps}" + ("_bulk" if getattr(cfg, "bulk_state", False) else "")
+            record("kda_decode", f"B={B} H={H} Dh={Dh} {str(wd)[6:]} strided={strided} {tag}",
                    [bitwise(n, x, y) for n, x, y in zip(("y", "state", "conv_state"), a, b)])
 
 
@@ -91,6 +92,9 @@ def timing_kda(new, old) -> None:
         for B in (1, 8, 32, 64):
             moved = kda_bytes(B, H, Dh, e)
             fns = {"current": lambda s: new.kda_decode(**s), "old": lambda s: _kda_launch(old, s)}
+            for cfg in new.KdaConfig.all_configs():          # every current launch variant, by name
+                tag = f"w{cfg.num_warps}" + ("_bulk" if getattr(cfg, "bulk_state", False) else "")
+                fns[tag] = (lambda c: lambda s: new.kda_decode(**s, variant=c))(cfg)
             bench("kda_decode", f"T={T} H={H} B={B}", fns, lambda i: kda_inputs(B, H, Dh, "cuda", seed=i),
                   B * H * Dh * Dh * 4, moved, 4.24e12)
 
