@@ -27,8 +27,7 @@ from fused import runtime
 from references.primitives import check_tensor
 
 cutlass, cute = runtime.cutlass_modules()           # pins sm_90a before the DSL latches an arch
-from cutlass import Float32, Int32, const_expr  # noqa: E402
-from cutlass._mlir.dialects import nvvm  # noqa: E402
+from cutlass import Float32, const_expr  # noqa: E402
 
 WD_DTYPES = (torch.bfloat16, torch.float16)
 DTYPES = ("bfloat16", "float16")   # working dtypes (the harness draws only these; the state is fp32)
@@ -36,15 +35,12 @@ DTYPES = ("bfloat16", "float16")   # working dtypes (the harness draws only thes
 
 @dataclass(frozen=True)
 class KdaConfig:
-    """Launch variant: warps per CTA (each CTA owns one head of one sequence); `bulk_state`: the
-    updated state rows are staged in shared memory (Dh^2 fp32) and thread 0 writes the head's
-    contiguous state block with one bulk async copy, instead of each lane's 16-byte stores."""
+    """Launch variant: warps per CTA (each CTA owns one head of one sequence)."""
     num_warps: int = 16
-    bulk_state: bool = False
 
     @staticmethod
     def all_configs() -> list["KdaConfig"]:
-        return [KdaConfig(4), KdaConfig(8), KdaConfig(16), KdaConfig(8, True), KdaConfig(16, True)]
+        return [KdaConfig(4), KdaConfig(8), KdaConfig(16)]
 
     @staticmethod
     def for_shape(Dh: int, n_heads_total: int = 0) -> "KdaConfig":
@@ -69,7 +65,6 @@ class KdaDecode:
             raise ValueError(f"conv width: {W} must be >= 2")
         self.dtype, self.Dh, self.W = dtype, Dh, W
         self.num_warps = config.num_warps
-        self.bulk_state = config.bulk_state
         self.num_threads = 32 * config.num_warps
         self.lanes_per_row = Dh // 4                      # 4 fp32 (16 bytes) per lane
         self.rows_per_warp = 32 // self.lanes_per_row
@@ -125,10 +120,6 @@ class KdaDecode:
         sQKV = smem.allocate_tensor(Float32, cute.make_layout((Dh, 3)), 16)
         sAlpha = smem.allocate_tensor(Float32, cute.make_layout(Dh), 16)
         sO = smem.allocate_tensor(Float32, cute.make_layout(Dh), 16)
-        dS = gS                                          # where update_rows writes the new rows
-        if const_expr(self.bulk_state):
-            sS = smem.allocate_tensor(Float32, cute.make_layout((Dh, Dh), stride=(Dh, 1)), 128)
-            dS = cute.zipped_divide(sS, (1, 4))
         self.conv_and_gate(mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, sQKV, sAlpha,
                            lower_bound, b, h, tidx)
         beta = _sigmoid(beta_raw.to(Float32))
@@ -136,15 +127,8 @@ class KdaDecode:
         for i in cutlass.range_constexpr(self.n_y):
             sig[i] = _sigmoid(zr[i].to(Float32))
         cute.arch.sync_threads()
-        self.update_rows(st, dS, sQKV, sAlpha, sO, beta, l2_eps, warp, lane)
-        if const_expr(self.bulk_state):
-            cute.arch.fence_proxy("async.shared", space="cta")   # st.shared before the async proxy reads
+        self.update_rows(st, gS, sQKV, sAlpha, sO, beta, l2_eps, warp, lane)
         cute.arch.sync_threads()
-        if const_expr(self.bulk_state):
-            if tidx == 0:
-                nvvm.cp_async_bulk_global_shared_cta(mState[b, h, None, None].iterator.to_llvm_ptr(),
-                                                     sS.iterator.to_llvm_ptr(), Int32(Dh * Dh * 4).ir_value())
-                cute.arch.cp_async_bulk_commit_group()
         # 5. gated RMSNorm: y = o * rsqrt(mean o^2 + eps) * w * sigmoid(z)
         rstd = cute.math.rsqrt(self.warp_sum_sq(sO, None, lane) / Dh + norm_eps)
         for i in cutlass.range_constexpr(self.n_y):
@@ -152,9 +136,6 @@ class KdaDecode:
             if c < Dh:
                 y = sO[c] * rstd * nw[i] * sig[i]
                 mY[b, h * Dh + c] = y.to(mY.element_type)
-        if const_expr(self.bulk_state):
-            if tidx == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)   # shared memory must outlive the reads
 
     @cute.jit
     def update_rows(self, st, gS, sQKV, sAlpha, sO, beta, l2_eps, warp, lane):
