@@ -29,6 +29,7 @@ from fused import runtime
 
 RENORM_EPS = 1e-20
 RANK_LANES = 4          # independent partial counts in the threshold select's rank loops (r0..r3)
+PRELOAD_MAX = 64        # logit partials per thread up to which all are loaded before any sigmoid
 
 
 def make_select(E: int, k: int, S: int, tokens_per_cta: int, warps_per_token: int, select_kind: str):
@@ -41,6 +42,7 @@ def make_select(E: int, k: int, S: int, tokens_per_cta: int, warps_per_token: in
     pl = -(-E // T)                                  # experts per thread
     thresh = select_kind == "threshold"
     cap = k * pl                                     # candidates at most (threshold_select)
+    preload = S * pl <= PRELOAD_MAX                  # every load in registers before the arithmetic
 
     @cute.jit
     def logit(mLogit: cute.Tensor, b, e):
@@ -172,14 +174,32 @@ def make_select(E: int, k: int, S: int, tokens_per_cta: int, warps_per_token: in
         if b < mLogit.shape[1]:
             choice = cute.make_rmem_tensor(cute.make_layout(pl), Float32)
             sig = cute.make_rmem_tensor(cute.make_layout(pl), Float32)
+            if cutlass.const_expr(preload):
+                # every logit partial and bias load before the first sigmoid: the IEEE division's
+                # slow-path branch would otherwise keep later loads behind earlier divisions
+                part = cute.make_rmem_tensor(cute.make_layout((S, pl)), Float32)
+                bias = cute.make_rmem_tensor(cute.make_layout(pl), Float32)
+                for j in cutlass.range_constexpr(pl):
+                    if j * T + t < E:
+                        for s in cutlass.range_constexpr(S):
+                            part[s, j] = mLogit[s, b, j * T + t]
+                        bias[j] = mBias[j * T + t]
             for j in cutlass.range_constexpr(pl):
                 choice[j] = Float32(-float("inf"))
                 sig[j] = Float32(0.0)
                 e = j * T + t
                 if e < E:
-                    sv = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logit(mLogit, b, e)))
-                    sig[j] = sv
-                    choice[j] = sv + mBias[e]
+                    if cutlass.const_expr(preload):
+                        lg = part[0, j]
+                        for s in cutlass.range_constexpr(1, S):
+                            lg = lg + part[s, j]             # the S partials folded in order
+                        sv = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lg))
+                        sig[j] = sv
+                        choice[j] = sv + bias[j]
+                    else:
+                        sv = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logit(mLogit, b, e)))
+                        sig[j] = sv
+                        choice[j] = sv + mBias[e]
             my_id = Int32(0)
             my_s = Float32(0.0)
             if cutlass.const_expr(thresh):
