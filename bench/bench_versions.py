@@ -79,8 +79,7 @@ def check_kda(new, old) -> None:
         inp = kda_inputs(B, H, Dh, "cuda", wd=wd, seed=B * 7 + H, strided=strided)
         for cfg in new.KdaConfig.all_configs():
             a, b = run(new, inp, cfg), run(old, inp, old.KdaConfig(cfg.num_warps))
-            tag = f"w{cfg.num_warps}" + ("_bulk" if getattr(cfg, "bulk_state", False) else "")
-            record("kda_decode", f"B={B} H={H} Dh={Dh} {str(wd)[6:]} strided={strided} {tag}",
+            record("kda_decode", f"B={B} H={H} Dh={Dh} {str(wd)[6:]} strided={strided} w{cfg.num_warps}",
                    [bitwise(n, x, y) for n, x, y in zip(("y", "state", "conv_state"), a, b)])
 
 
@@ -93,8 +92,7 @@ def timing_kda(new, old) -> None:
             moved = kda_bytes(B, H, Dh, e)
             fns = {"current": lambda s: new.kda_decode(**s), "old": lambda s: _kda_launch(old, s)}
             for cfg in new.KdaConfig.all_configs():          # every current launch variant, by name
-                tag = f"w{cfg.num_warps}" + ("_bulk" if getattr(cfg, "bulk_state", False) else "")
-                fns[tag] = (lambda c: lambda s: new.kda_decode(**s, variant=c))(cfg)
+                fns[f"w{cfg.num_warps}"] = (lambda c: lambda s: new.kda_decode(**s, variant=c))(cfg)
             bench("kda_decode", f"T={T} H={H} B={B}", fns, lambda i: kda_inputs(B, H, Dh, "cuda", seed=i),
                   B * H * Dh * Dh * 4, moved, 4.24e12)
 
