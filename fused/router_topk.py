@@ -10,9 +10,11 @@ The logits GEMM (`logits_config`), by token count M:
 - token buckets below WGMMA_MIN_PAD: the mma.sync kernel with split-K over S CTAs (`split_for`, so
   56 x S CTAs fill the 132 SMs at E = 896) and `fresh_acc`: each mma.sync sums its 16 products into
   zeroed fragments that are added to the fp32 accumulator with IEEE adds.
-- from WGMMA_MIN_PAD: the wgmma kernel (`wgmma_logits_config`: 64 weight rows per CTA, split-K folded
-  in the kernel in ks order, so S = 1 here) with `fresh_acc`: each k-tile's 4 wgmma chain from zero,
-  added to the fp32 accumulator with IEEE adds. The mma.sync kernel's fresh-accumulator adds made it
+- from WGMMA_MIN_PAD: the wgmma kernel (`wgmma_logits_config`: 64 weight rows per CTA, 14 x 9 CTAs
+  at E = 896, each writing its split-K partial for the top-k kernel to fold, as the mma.sync kernel
+  does; until session 8 the GEMM folded them itself with skinny_gemm's "spread" fold, whose CTAs
+  spin until their peers arrive) with `fresh_acc`: each k-tile's 4 wgmma chain from zero, added to
+  the fp32 accumulator with IEEE adds. The mma.sync kernel's fresh-accumulator adds made it
   issue-bound at 64 tokens (Nsight Compute, session 5: 17.6 % of DRAM bandwidth, 12.4 us).
 Why fresh accumulators: the tensor core aligns and truncates its addends to the largest one, so a
 chain that carries the running sum in C errs more than fp32: a 448-MMA mma.sync chain over D = 7168
@@ -66,14 +68,14 @@ def mma_logits_config(M: int, E: int, D: int) -> SkinnyGemmMmaConfig | None:
 
 
 def wgmma_logits_config(M: int, E: int, D: int):
-    """The wgmma logits for M tokens: 64 weight rows, one CTA per SM, the "spread" fold of the split-K
-    partials (as skinny_gemm's default at the router shape), fresh accumulators per k-tile; None
-    where it does not apply (M over 64, E not a multiple of 64)."""
+    """The wgmma logits for M tokens: 64 weight rows, one CTA per SM, the split-K partials written
+    for the top-k kernel to fold (fold "partials"), fresh accumulators per k-tile; None where it
+    does not apply (M over 64, E not a multiple of 64)."""
     if not (1 <= M <= 64 and wgmma.supports(D) and E % 64 == 0):
         return None
     for c in wgmma.configs_for(E, D, wgmma.m_pad_for(M)):
         if (c.rows, c.occupancy) == (64, 1):
-            return dataclasses.replace(c, fold="spread" if c.ksplit > 1 else c.fold, fresh_acc=True)
+            return dataclasses.replace(c, fold="partials" if c.ksplit > 1 else c.fold, fresh_acc=True)
     return None
 
 
@@ -87,9 +89,12 @@ def logits_config(M: int, E: int, D: int):
 
 
 def partials(gemm) -> int:
-    """Logit partials the top-k kernel folds: the mma.sync kernel's split-K S (the wgmma kernel folds
-    its own splits; the SIMT GEMV has none)."""
-    return gemm.ksplit if isinstance(gemm, SkinnyGemmMmaConfig) else 1
+    """Logit partials the top-k kernel folds: the split-K S of the mma.sync kernel and of the wgmma
+    kernel's "partials" fold (the SIMT GEMV has none)."""
+    if isinstance(gemm, SkinnyGemmMmaConfig) or (isinstance(gemm, wgmma.SkinnyGemmWgmmaConfig)
+                                                 and gemm.writes_partials):
+        return gemm.ksplit
+    return 1
 
 
 @dataclass(frozen=True)

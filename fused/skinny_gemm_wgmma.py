@@ -26,8 +26,11 @@ takes its ticket, spins (thread 0, ld.acquire) until the counter reaches S, then
 slice of the M x rows outputs; a second round of tickets lets the last CTA out reset the counter.
 The spin is safe only if the whole grid is resident, which `validate` enforces for the H200 (N/rows
 x S <= 132 x occupancy, and the CTA's shared memory allows that occupancy) and `resident_or_vec`
-checks against the device's own SM count at launch (a smaller part runs it as "vec"); a co-running
-kernel that holds SMs only delays it. Both fold in the same ks order as "last", so they give its
+checks against the device's own SM count at launch (a smaller part runs it as "vec"); the launch is
+cooperative, so the driver places the whole grid at once: a co-running kernel that holds SMs only
+delays it, and two spread launches on two streams cannot each hold part of the SMs and wait on each
+other. "partials" leaves the fold to the caller: each split CTA writes its fp32 partial to
+y[ks, M, N] and exits (router_topk's top-k kernel folds them in ks order, the same adds). Both fold in the same ks order as "last", so they give its
 bits at the same (rows, occupancy, S). The dispatcher uses them where the H200 sweep measured them
 faster (skinny_gemm.WGMMA_DEFAULTS: the router shape 7168 -> 896, where "last" left one CTA adding
 nine partials of up to 64 x 64 outputs); the shipped `configs_for` variants keep "last".
@@ -66,8 +69,11 @@ M_PADS = (8, 16, 32, 64)
 # adds them with 16-byte loads. "spread": the same partials; every split CTA waits (integer spin on
 # the block's counter) until all S have arrived, then folds its own 1/S slice of the M x rows
 # outputs, so the fold is spread over S SMs; needs the whole grid resident (validate). Each output
-# is ((p0 + p1) + p2) + ... in ks order in all three, whichever CTA adds it.
-FOLDS = ("last", "vec", "spread")
+# is ((p0 + p1) + p2) + ... in ks order in all three, whichever CTA adds it. "partials": no fold in
+# the kernel; each split CTA writes its fp32 partial of the M real tokens to y[ks, M, N] (y fp32,
+# [S, M, N]) for the caller to fold in ks order (router_topk's top-k kernel does), as the mma.sync
+# kernel's split-K does: no counter, no wait, nothing to keep resident.
+FOLDS = ("last", "vec", "spread", "partials")
 
 
 @dataclass(frozen=True)
@@ -77,13 +83,18 @@ class SkinnyGemmWgmmaConfig:
     stages: int          # TMA pipeline depth (weight + token tile per stage)
     ksplit: int          # CTAs along K per column block (1: no workspace)
     occupancy: int = 1   # CTAs per SM the stage count was sized for (1 or 2)
-    fold: str = "last"   # split-K fold: "last", "vec" or "spread" (FOLDS); "last" is the shipped kernel
+    fold: str = "last"   # split-K fold: "last", "vec", "spread" or "partials" (FOLDS); "last" is the shipped kernel
     fresh_acc: bool = False  # each k-tile's 4 wgmma chain from zero, added to the accumulator by IEEE adds
 
     @property
     def name(self) -> str:
         tail = ("" if self.fold == "last" else f"_{self.fold}") + ("_f" if self.fresh_acc else "")
         return f"wgmma_m{self.m_pad}_r{self.rows}_st{self.stages}_s{self.ksplit}_o{self.occupancy}{tail}"
+
+    @property
+    def writes_partials(self) -> bool:
+        """y is the fp32 split-K partials [ksplit, M, N], folded by the caller."""
+        return self.fold == "partials" and self.ksplit > 1
 
 
 def supports(K: int) -> bool:
@@ -160,7 +171,7 @@ def m_pad_for(M: int) -> int:
 
 def workspace_shapes(N: int, cfg: SkinnyGemmWgmmaConfig) -> tuple[tuple[int], tuple[int]]:
     """(fp32 partials, int32 counters) element counts; 1-element dummies without split-K."""
-    if cfg.ksplit == 1:
+    if cfg.ksplit == 1 or cfg.writes_partials:
         return (1,), (1,)
     frag = cfg.rows * cfg.m_pad // CONSUMER_THREADS
     return ((N // cfg.rows) * cfg.ksplit * frag * CONSUMER_THREADS,), (N // cfg.rows,)
@@ -238,8 +249,11 @@ class SkinnyGemmWgmma:
                 sX: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(x_sl)], 1024]
 
             cfg.storage = Storage
+            # "spread" spins on its split-K peers: a cooperative launch makes the driver place the
+            # whole grid at once, so two such launches on two streams cannot each hold part of it
             kernel(tma_w, tW, tma_x, tX, mY, mWs, mCnt, tiled_mma, w_sl, x_sl).launch(
-                grid=[cfg.blocks, c.ksplit, 1], block=[THREADS, 1, 1], stream=stream)
+                grid=[cfg.blocks, c.ksplit, 1], block=[THREADS, 1, 1], stream=stream,
+                cooperative=c.fold == "spread" and c.ksplit > 1)
 
         return host
 
@@ -253,7 +267,7 @@ class SkinnyGemmWgmma:
         warpgroup = cute.nvgpu.warpgroup
         nkb = BK // 16
         tx_bytes = stage_bytes(rows, self.cfg.m_pad)           # 2-byte dtypes; OOB rows count too
-        fold, spread = self.cfg.fold, self.cfg.fold == "spread"
+        fold, spread, to_caller = self.cfg.fold, self.cfg.fold == "spread", self.cfg.writes_partials
         fresh = self.cfg.fresh_acc
         E = rows * self.cfg.m_pad                              # floats per split partial
         wait_at_least = spin_wait_op() if spread else None
@@ -320,6 +334,11 @@ class SkinnyGemmWgmma:
                     r, t = tCc[i]
                     if t < M:
                         mY[t, n0 + r] = acc[i].to(mY.element_type)
+            elif cutlass.const_expr(to_caller):                # y[ks, M, N]: the caller folds
+                for i in cutlass.range_constexpr(frag):
+                    r, t = tCc[i]
+                    if t < M:
+                        mY[ks, t, n0 + r] = acc[i]
             elif cutlass.const_expr(fold != "last"):
                 fold_tokens(acc, tCc, mY, mWs, mCnt, ticket, bn, ks, tidx, M)
             else:
@@ -356,7 +375,7 @@ class SkinnyGemmWgmma:
             tidx, _, _ = cute.arch.thread_idx()
             bn, ks, _ = cute.arch.block_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            M = mY.shape[0]
+            M = mY.shape[1] if cutlass.const_expr(to_caller) else mY.shape[0]
             if warp == 4:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
@@ -449,15 +468,18 @@ def spin_wait_op():
 
 
 def compile_variant(dtype: str, out_dtype: str, N: int, K: int, cfg: SkinnyGemmWgmmaConfig):
-    """Compile one variant: f(x[M,K], w[N,K], y[M,N], workspace fp32, counters int32), M dynamic.
+    """Compile one variant: f(x[M,K], w[N,K], y[M,N] (fold "partials": fp32 [ksplit, M, N]), workspace
+    fp32, counters int32), M dynamic.
     (skinny_gemm._compile caches it under the op "skinny_gemm".)"""
+    if cfg.writes_partials and out_dtype != "float32":
+        raise ValueError(f"variant: fold='partials' writes fp32 partials, not {out_dtype} ({cfg.name})")
     ws, cnt = workspace_shapes(N, cfg)
     m = runtime.sym_int()
     return runtime.compile_tvm_ffi(
         SkinnyGemmWgmma(N, K, cfg).jit_host(),
         runtime.fake_tensor(dtype, (m, K)),
         runtime.fake_tensor(dtype, (N, K)),
-        runtime.fake_tensor(out_dtype, (m, N), align=4),
+        runtime.fake_tensor(out_dtype, (cfg.ksplit, m, N) if cfg.writes_partials else (m, N), align=4),
         runtime.fake_tensor("float32", ws),
         runtime.fake_tensor("int32", cnt, align=4))
 
