@@ -86,7 +86,7 @@ def timing(old):
             y = torch.full(shape, float("nan"), device="cuda")
             g(x, ws[0], y)
             torch.cuda.synchronize()
-            outs[name] = y if name != "partials" else _fold(y)
+            outs[name] = y.clone() if name != "partials" else _fold(y)   # before the replays overwrite y
             row[name] = round(graph_time_us([lambda w_=w_, g=g, y=y: g(x, w_, y) for w_ in ws]), 2)
         ref = outs["spread coop"]
         row["bitwise"] = {n: bool(torch.equal(o, ref)) for n, o in outs.items()}
@@ -137,7 +137,7 @@ def stress(mode, old_path, iters):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--old", required=True)
+    ap.add_argument("--old", help="the plain-launch source (timing and --stress plain)")
     ap.add_argument("--stress", choices=("plain", "coop"))
     ap.add_argument("--iters", type=int, default=640)
     ap.add_argument("--limit", type=float, default=40.0)

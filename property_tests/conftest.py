@@ -17,18 +17,32 @@ def single_cpu_thread():
     torch.set_num_threads(n)
 
 
-@pytest.fixture
-def ptx_of(tmp_path):
-    """ptx_of(code): the PTX that running `code` (which compiles a kernel) dumps, compiled in a
-    fresh process for sm_90a so the dump is not a cache hit."""
+def _dump_of(tmp_path, keep: str, pattern: str):
+    """run(code): the artifacts matching `pattern` that running `code` (which compiles a kernel)
+    dumps with CUTE_DSL_`keep`=1, compiled in a fresh process for sm_90a so the dump is not a cache hit."""
     import os
     import subprocess
     import sys
 
     def run(code: str) -> str:
-        env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_ARCH="sm_90a")
+        for old in tmp_path.glob(pattern):
+            old.unlink()
+        env = dict(os.environ, CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_ARCH="sm_90a", **{f"CUTE_DSL_{keep}": "1"})
         subprocess.run([sys.executable, "-c", code], check=True, env=env,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        return "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+        return "".join(p.read_text() for p in tmp_path.glob(pattern))
 
     return run
+
+
+@pytest.fixture
+def ptx_of(tmp_path):
+    """ptx_of(code): the PTX that running `code` (which compiles a kernel) dumps."""
+    return _dump_of(tmp_path, "KEEP_PTX", "*.ptx")
+
+
+@pytest.fixture
+def ir_of(tmp_path):
+    """ir_of(code): the host MLIR that running `code` dumps (launch attributes such as a cooperative
+    launch live there, not in the PTX)."""
+    return _dump_of(tmp_path, "KEEP_IR", "*.mlir")

@@ -178,6 +178,39 @@ def test_wgmma_spread_fold_ptx(ptx_of):
     assert ".local" not in ptx
 
 
+@pytest.mark.parametrize("fold,coop", [("spread", True), ("vec", False), ("last", False)])
+def test_wgmma_only_the_spread_fold_launches_cooperatively(ir_of, fold, coop):
+    """"spread" CTAs spin on their split peers: launched as a plain grid, two of them on two streams
+    can each be placed in part and wait forever (H200, session 8: bench_streams' stress hung the
+    plain launch within 40 s and ran 640 cooperative rounds in 1.3 s). The cooperative launch makes
+    the driver place the whole grid at once; the other folds never wait and launch plainly."""
+    ir = ir_of("from fused import skinny_gemm_wgmma as wg; "
+               f"c = wg.SkinnyGemmWgmmaConfig(64, 64, 12, 9, 1, {fold!r}); "
+               "wg.compile_variant('bfloat16', 'bfloat16', 896, 7168, c)")
+    assert ("cooperative_launch = true" in ir) is coop
+
+
+def test_wgmma_partials_fold_ptx_writes_partials_and_never_waits(ptx_of):
+    """"partials": each split CTA stores its fp32 partial (no bf16 conversion) and exits: no
+    ticket, no spin, no fold loads, no float atomics."""
+    ptx = ptx_of("from fused import skinny_gemm_wgmma as wg; "
+                 "c = wg.SkinnyGemmWgmmaConfig(64, 64, 12, 9, 1, 'partials', True); "
+                 "wg.compile_variant('bfloat16', 'float32', 896, 7168, c)")
+    body = ptx[ptx.index(".entry"):]
+    assert "wgmma.mma_async" in ptx and body.count("st.global.b32") == 64 * 64 // 128   # the fp32 fragment
+    assert "atom.global" not in body and "ld.acquire" not in body and "ld.global" not in body
+    assert "cvt.rn.bf16" not in body and ".local" not in body
+
+
+def test_wgmma_partials_fold_writes_fp32_only():
+    from fused import skinny_gemm_wgmma as wg
+    c = wg.SkinnyGemmWgmmaConfig(64, 64, 12, 9, 1, "partials")
+    assert c.writes_partials and wg.workspace_shapes(896, c) == ((1,), (1,))
+    assert not wg.SkinnyGemmWgmmaConfig(64, 64, 12, 1, 1, "partials").writes_partials   # S = 1: y itself
+    with pytest.raises(ValueError, match="writes fp32 partials, not bfloat16"):
+        wg.compile_variant("bfloat16", "bfloat16", 896, 7168, c)
+
+
 def test_wgmma_vec_fold_compiles():
     from fused.skinny_gemm_wgmma import SkinnyGemmWgmmaConfig
     cfg = SkinnyGemmWgmmaConfig(32, 64, 12, 5, 1, "vec")
@@ -318,3 +351,53 @@ def test_wgmma_fold_variants_batch_invariant_and_graph_replays(K, N):
     for cfg in _fold_variants(N, K, 64):
         full = skinny_gemm(x, w, variant=cfg)
         _assert_rows_and_replays_match(x, w, cfg, full)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("M", [1, 17, 64])
+def test_wgmma_partials_folded_in_ks_order_give_the_spread_bits(M):
+    """The "partials" launch's [S, M, N] fp32 partials, added in ks order by the caller, equal the
+    "spread" and "last" folds' fp32 y bit for bit (same k ranges, same adds); rows past M untouched."""
+    import dataclasses
+
+    from fused import skinny_gemm as sg
+    from fused.skinny_gemm_wgmma import configs_for, m_pad_for
+    K, N = 7168, 896
+    x, w = _case(M, N, K, seed=6)
+    base = next(c for c in configs_for(N, K, m_pad_for(M)) if (c.rows, c.occupancy) == (64, 1))
+    for fresh in (False, True):
+        cfg = dataclasses.replace(base, fold="partials", fresh_acc=fresh)
+        S = cfg.ksplit
+        part = torch.full((S, M + 2, N), float("nan"), device="cuda")
+        view = part[:, :M]
+        sg.launch(x, w, view, cfg)
+        assert torch.isnan(part[:, M:]).all() and not torch.isnan(view).any()
+        folded = view[0].clone()
+        for s in range(1, S):
+            folded = folded + view[s]
+        for fold in ("spread", "last"):
+            y = torch.empty(M, N, device="cuda")
+            sg.launch(x, w, y, dataclasses.replace(cfg, fold=fold))
+            assert torch.equal(y, folded), (fold, fresh)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_two_spread_launches_on_two_streams_do_not_wait_on_each_other():
+    """bench_streams' stress in a child with a time limit: a filler matmul, a spread GEMM on a
+    low-priority stream, another on a high-priority stream after a delay swept over the filler's
+    run, 640 rounds; both results bitwise equal to the first. Launched as plain grids this hung
+    (H200, session 8); a hang here is the child killed at the limit."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "bench"), os.environ.get("PYTHONPATH", "")]))
+    try:
+        r = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_streams.py"), "--stress", "coop"],
+                           capture_output=True, text=True, timeout=120, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("two spread launches on two streams hung (child killed after 120 s)")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "done 640 rounds" in r.stdout and "bitwise=True" in r.stdout, r.stdout[-2000:]
