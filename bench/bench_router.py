@@ -84,7 +84,10 @@ def timing(args):
         x = torch.randn(B, D, device="cuda").to(torch.bfloat16)
         row = {"B": B}
         row["fused"] = graph_time_us([lambda w_=w_: fr.router_topk(x, w_, bias, k, 2.5) for w_ in ws])
-        for v in fr.variants({"x": x, "w_gate": ws[0]}, {})[1:]:
+        vs = fr.variants({"x": x, "w_gate": ws[0]}, {})[1:]
+        if B <= 16 and 1 <= B:                   # the wgmma partials logits below WGMMA_MIN_PAD (not shipped)
+            vs.append(fr.RouterTopkConfig(1, fr.wgmma_logits_config(B, E, D), 4))
+        for v in vs:
             row[f"fused {v.name}"] = graph_time_us([lambda w_=w_, v=v: fr.router_topk(x, w_, bias, k, 2.5, variant=v) for w_ in ws])
         row["eager"] = graph_time_us([lambda w_=w_: ref_rt(x, w_, bias, k, 2.5) for w_ in ws])
         if cr is not None:
@@ -128,13 +131,19 @@ def gemm_sweep():
     E, D = 896, 7168
     nb = E * D * 2
     ws = [(torch.randn(E, D, device="cuda") * D ** -0.5).to(torch.bfloat16) for _ in range(max(2, math.ceil((256 << 20) / nb)))]
-    for B in (2, 8, 9, 16, 32, 64):
+    from fused import skinny_gemm_wgmma as wg
+    for B in (1, 2, 8, 9, 16, 32, 64):
         x = torch.randn(B, D, device="cuda").to(torch.bfloat16)
         pad = mma.m_pad_for(B)
         row = {}
         simt = sg.simt_config(B, E, D)
         out1 = torch.empty(B, E, device="cuda")
         row[simt.name] = graph_time_us([lambda w_=w_: sg.launch(x, w_, out1, simt) for w_ in ws])
+        for c in wg.configs_for(E, D, wg.m_pad_for(B)):      # wgmma, split-K partials for the top-k
+            if (c.rows, c.occupancy) == (64, 1):
+                cfg = dataclasses.replace(c, fold="partials", fresh_acc=True)
+                out = torch.empty(cfg.ksplit, B, E, device="cuda")
+                row[cfg.name] = graph_time_us([lambda w_=w_, c=cfg, o=out: sg.launch(x, w_, o, c) for w_ in ws])
         for S in (2, 4, 7, 14):
             if (D // 32) % S:
                 continue
