@@ -7,14 +7,17 @@ choice = sigmoid(logit) + bias (by rank above a bound; by k rounds of argmax in 
 
 The logits GEMM (`logits_config`), by token count M:
 - M <= SIMT_MAX: the SIMT GEMV (S = 1, IEEE FMA chains).
-- token buckets below WGMMA_MIN_PAD: the mma.sync kernel with split-K over S CTAs (`split_for`, so
-  56 x S CTAs fill the 132 SMs at E = 896) and `fresh_acc`: each mma.sync sums its 16 products into
-  zeroed fragments that are added to the fp32 accumulator with IEEE adds.
-- from WGMMA_MIN_PAD: the wgmma kernel (`wgmma_logits_config`: 64 weight rows per CTA, 14 x 9 CTAs
-  at E = 896, each writing its split-K partial for the top-k kernel to fold, as the mma.sync kernel
-  does; until session 8 the GEMM folded them itself with skinny_gemm's "spread" fold, whose CTAs
-  spin until their peers arrive) with `fresh_acc`: each k-tile's 4 wgmma chain from zero, added to
-  the fp32 accumulator with IEEE adds. The mma.sync kernel's fresh-accumulator adds made it
+- above: the wgmma kernel (`wgmma_logits_config`: 64 weight rows per CTA, 14 x 9 CTAs at E = 896,
+  each writing its split-K partial for the top-k kernel to fold) with `fresh_acc`: each k-tile's 4
+  wgmma chain from zero, added to the fp32 accumulator with IEEE adds. Where it does not apply (E
+  not a multiple of 64): the mma.sync kernel with split-K over S CTAs (`split_for`, so 56 x S CTAs
+  fill the 132 SMs at E = 896) and `fresh_acc` (each mma.sync sums its 16 products into zeroed
+  fragments that are added to the fp32 accumulator with IEEE adds); it stays a certified variant.
+  H200, session 8 (results/gpu/s8-2026-11-30/call2_router): the wgmma partials GEMM took 5.67-7.20
+  us at B = 8-64 against the mma.sync kernel's 5.96-14.40, and the whole op 9.26-9.42 us at B = 2-16
+  against 9.54-10.47; the SIMT GEMV stays at B = 1 (8.61 against 9.14). Until session 8 the wgmma
+  kernel folded its splits itself with skinny_gemm's "spread" fold, whose CTAs spin until their
+  split peers arrive: two routers on two streams could wait on each other. The mma.sync kernel's fresh-accumulator adds made it
   issue-bound at 64 tokens (Nsight Compute, session 5: 17.6 % of DRAM bandwidth, 12.4 us).
 Why fresh accumulators: the tensor core aligns and truncates its addends to the largest one, so a
 chain that carries the running sum in C errs more than fp32: a 448-MMA mma.sync chain over D = 7168
@@ -41,7 +44,6 @@ DTYPES = ("bfloat16", "float16")   # working dtypes of x and w (the harness draw
 
 
 SIMT_MAX = 1                        # tokens up to which the SIMT GEMV computes the logits
-WGMMA_MIN_PAD = 32                  # token buckets (m_pad) from which the wgmma kernel computes them
 
 
 def split_for(D: int, m_pad: int = 8) -> int:
@@ -81,8 +83,7 @@ def wgmma_logits_config(M: int, E: int, D: int):
 
 def logits_config(M: int, E: int, D: int):
     if M > SIMT_MAX:
-        cfg = wgmma_logits_config(M, E, D) if M <= 64 and wgmma.m_pad_for(M) >= WGMMA_MIN_PAD else None
-        cfg = cfg or mma_logits_config(M, E, D)
+        cfg = wgmma_logits_config(M, E, D) or mma_logits_config(M, E, D)
         if cfg is not None:
             return cfg
     return sg.simt_config(max(M, 1), E, D)
@@ -123,13 +124,11 @@ def all_configs() -> list[RouterTopkConfig]:
 def variants(tensors: dict, params: dict) -> list:
     """Every launch variant the harness must certify for these inputs: every top-k kernel with the
     default logits GEMM, and the default top-k with each other logits path this M allows (the SIMT
-    GEMV, the split-K mma.sync kernel, the wgmma kernel from WGMMA_MIN_PAD)."""
+    GEMV, the split-K mma.sync kernel, the wgmma kernel)."""
     M, D = tensors["x"].shape
     E = tensors["w_gate"].shape[0]
     default = logits_config(M, E, D)
-    paths = [sg.simt_config(max(M, 1), E, D), mma_logits_config(M, E, D)]
-    if 1 <= M <= 64 and wgmma.m_pad_for(M) >= WGMMA_MIN_PAD:
-        paths.append(wgmma_logits_config(M, E, D))
+    paths = [sg.simt_config(max(M, 1), E, D), mma_logits_config(M, E, D), wgmma_logits_config(M, E, D)]
     return all_configs() + [RouterTopkConfig(1, g, 4) for g in paths if g is not None and g != default]
 
 
@@ -192,7 +191,7 @@ def compile_all_for(dtype: str, E: int, D: int, top_k: int, cfg: RouterTopkConfi
     tk = (cfg.tokens_per_cta, cfg.warps_per_token, cfg.select)
     out = [sg._compile(dtype, "float32", E, D, sg.simt_config(1, E, D)), _compile(E, top_k, tk[0], 1, *tk[1:])]
     for M in (8, 16, 32, 64):
-        gs = [mma_logits_config(M, E, D)] + ([wgmma_logits_config(M, E, D)] if M >= WGMMA_MIN_PAD else [])
+        gs = [mma_logits_config(M, E, D), wgmma_logits_config(M, E, D)]
         for g in (g for g in gs if g is not None):
             out += [sg._compile(dtype, "float32", E, D, g), _compile(E, top_k, tk[0], partials(g), *tk[1:])]
     return out

@@ -193,13 +193,13 @@ def make_select(E: int, k: int, S: int, tokens_per_cta: int, warps_per_token: in
                         lg = part[0, j]
                         for s in cutlass.range_constexpr(1, S):
                             lg = lg + part[s, j]             # the S partials folded in order
-                        sv = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lg))
-                        sig[j] = sv
-                        choice[j] = sv + bias[j]
+                        bj = bias[j]
                     else:
-                        sv = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logit(mLogit, b, e)))
-                        sig[j] = sv
-                        choice[j] = sv + mBias[e]
+                        lg = logit(mLogit, b, e)
+                        bj = mBias[e]
+                    sv = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lg))
+                    sig[j] = sv
+                    choice[j] = sv + bj
             my_id = Int32(0)
             my_s = Float32(0.0)
             if cutlass.const_expr(thresh):

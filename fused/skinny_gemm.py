@@ -155,7 +155,7 @@ class SkinnyGemm:
 
         @cute.jit
         def body(gX: cute.Tensor, gW: cute.Tensor, mY: cute.Tensor):
-            """The CTA's share of y (block_idx picks it); router_topk_fused inlines it too."""
+            """The CTA's share of y (block_idx picks it)."""
             tidx, _, _ = cute.arch.thread_idx()
             bm, bn, _ = cute.arch.block_idx()
             warp = cute.arch.warp_idx()

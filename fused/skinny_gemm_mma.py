@@ -101,7 +101,7 @@ def m_pad_for(M: int) -> int:
 
 def gemm_kernel(body):
     """The @cute.kernel of a skinny GEMM whose device code is `body(gX, gW, mY)` (SkinnyGemm,
-    SkinnyGemmMma; router_topk_fused calls the bodies inside its own kernel)."""
+    SkinnyGemmMma)."""
     _, cute = runtime.cutlass_modules()
 
     @cute.kernel
@@ -163,7 +163,7 @@ class SkinnyGemmMma:
 
         @cute.jit
         def body(gX: cute.Tensor, gW: cute.Tensor, mY: cute.Tensor):
-            """The CTA's share of y (block_idx picks it); router_topk_fused inlines it too."""
+            """The CTA's share of y (block_idx picks it)."""
             ab = gW.element_type
             atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(ab, Float32, (16, 8, 16)))
             bn, ks, _ = cute.arch.block_idx()
