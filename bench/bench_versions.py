@@ -73,13 +73,23 @@ def run(mod, inp: dict, cfg):
     return y, s["state"], s["conv_state"]
 
 
+def _kda_configs(mod) -> list:
+    """Every KdaConfig of `mod`, and its bench-only trial configs where it has them."""
+    trial = getattr(mod.KdaConfig, "trial_configs", None)
+    return mod.KdaConfig.all_configs() + (trial() if trial else [])
+
+
+def _kda_name(cfg) -> str:
+    return getattr(cfg, "name", f"w{cfg.num_warps}")
+
+
 def check_kda(new, old) -> None:
     log("== kda_decode: current source vs --old, bitwise, every KdaConfig")
     for B, H, Dh, strided, wd in CASES:
         inp = kda_inputs(B, H, Dh, "cuda", wd=wd, seed=B * 7 + H, strided=strided)
-        for cfg in new.KdaConfig.all_configs():
+        for cfg in _kda_configs(new):
             a, b = run(new, inp, cfg), run(old, inp, old.KdaConfig(cfg.num_warps))
-            record("kda_decode", f"B={B} H={H} Dh={Dh} {str(wd)[6:]} strided={strided} w{cfg.num_warps}",
+            record("kda_decode", f"B={B} H={H} Dh={Dh} {str(wd)[6:]} strided={strided} {_kda_name(cfg)}",
                    [bitwise(n, x, y) for n, x, y in zip(("y", "state", "conv_state"), a, b)])
 
 
@@ -91,8 +101,8 @@ def timing_kda(new, old) -> None:
         for B in (1, 8, 32, 64):
             moved = kda_bytes(B, H, Dh, e)
             fns = {"current": lambda s: new.kda_decode(**s), "old": lambda s: _kda_launch(old, s)}
-            for cfg in new.KdaConfig.all_configs():          # every current launch variant, by name
-                fns[f"w{cfg.num_warps}"] = (lambda c: lambda s: new.kda_decode(**s, variant=c))(cfg)
+            for cfg in _kda_configs(new):                    # every current launch variant, by name
+                fns[_kda_name(cfg)] = (lambda c: lambda s: new.kda_decode(**s, variant=c))(cfg)
             bench("kda_decode", f"T={T} H={H} B={B}", fns, lambda i: kda_inputs(B, H, Dh, "cuda", seed=i),
                   B * H * Dh * Dh * 4, moved, 4.24e12)
 

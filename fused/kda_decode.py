@@ -35,12 +35,23 @@ DTYPES = ("bfloat16", "float16")   # working dtypes (the harness draws only thes
 
 @dataclass(frozen=True)
 class KdaConfig:
-    """Launch variant: warps per CTA (each CTA owns one head of one sequence)."""
+    """Launch variant: warps per CTA (each CTA owns one head of one sequence); `early_conv`: the
+    conv and gate operands are loaded at entry with the state (registers), not in the conv loop."""
     num_warps: int = 16
+    early_conv: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"w{self.num_warps}" + ("e" if self.early_conv else "")
 
     @staticmethod
     def all_configs() -> list["KdaConfig"]:
         return [KdaConfig(4), KdaConfig(8), KdaConfig(16)]
+
+    @staticmethod
+    def trial_configs() -> list["KdaConfig"]:
+        """Launch variants the bench times beside all_configs (not dispatched, not certified)."""
+        return [KdaConfig(4, True), KdaConfig(8, True), KdaConfig(16, True)]
 
     @staticmethod
     def for_shape(Dh: int, n_heads_total: int = 0) -> "KdaConfig":
@@ -65,6 +76,8 @@ class KdaDecode:
             raise ValueError(f"conv width: {W} must be >= 2")
         self.dtype, self.Dh, self.W = dtype, Dh, W
         self.num_warps = config.num_warps
+        self.early_conv = config.early_conv
+        self.n_it = -(-4 * Dh // (32 * config.num_warps))    # conv/gate items per thread
         self.num_threads = 32 * config.num_warps
         self.lanes_per_row = Dh // 4                      # 4 fp32 (16 bytes) per lane
         self.rows_per_warp = 32 // self.lanes_per_row
@@ -120,8 +133,12 @@ class KdaDecode:
         sQKV = smem.allocate_tensor(Float32, cute.make_layout((Dh, 3)), 16)
         sAlpha = smem.allocate_tensor(Float32, cute.make_layout(Dh), 16)
         sO = smem.allocate_tensor(Float32, cute.make_layout(Dh), 16)
-        self.conv_and_gate(mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, sQKV, sAlpha,
-                           lower_bound, b, h, tidx)
+        if const_expr(self.early_conv):
+            xr, wr, orr, a_h = self.conv_operands(mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, b, h, tidx)
+            self.conv_from_registers(xr, wr, orr, a_h, mConvS, sQKV, sAlpha, lower_bound, b, h, tidx)
+        else:
+            self.conv_and_gate(mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, sQKV, sAlpha,
+                               lower_bound, b, h, tidx)
         beta = _sigmoid(beta_raw.to(Float32))
         sig = cute.make_rmem_tensor(self.n_y, Float32)
         for i in cutlass.range_constexpr(self.n_y):
@@ -195,6 +212,64 @@ class KdaDecode:
                 sQKV[c, i] = y.to(self.dtype).to(Float32)
             elif t < 4 * Dh:
                 g = mG[b, ch].to(Float32) + mDtBias[ch].to(Float32)
+                sAlpha[c] = cute.math.exp(lower_bound * _sigmoid(a_h * g))
+
+    @cute.jit
+    def conv_operands(self, mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, b, h, tidx):
+        """early_conv: this thread's conv and gate operands in registers (x or g, the W conv weights
+        or dt_bias, the W-1 conv-state values), item `it` being t = it * threads + tidx as in
+        conv_and_gate."""
+        Dh, W = self.Dh, self.W
+        xr = cute.make_rmem_tensor(self.n_it, self.dtype)
+        wr = cute.make_rmem_tensor((W, self.n_it), Float32)
+        orr = cute.make_rmem_tensor((W - 1, self.n_it), self.dtype)
+        xr.fill(0.0)
+        wr.fill(0.0)
+        orr.fill(0.0)
+        a_h = mALog[h].to(Float32)
+        for it in cutlass.range_constexpr(self.n_it):
+            t = it * self.num_threads + tidx
+            i, c = t // Dh, t % Dh
+            ch = h * Dh + c
+            if t < 3 * Dh:
+                x = mQ[b, ch]
+                if i == 1:
+                    x = mK[b, ch]
+                if i == 2:
+                    x = mV[b, ch]
+                xr[it] = x
+                w = mConvW[i, ch, None].load()
+                for j in cutlass.range_constexpr(W):
+                    wr[j, it] = w[j]
+                for j in cutlass.range_constexpr(W - 1):
+                    orr[j, it] = mConvS[b, i, ch, j]
+            elif t < 4 * Dh:
+                xr[it] = mG[b, ch]
+                wr[0, it] = mDtBias[ch].to(Float32)
+        return xr, wr, orr, a_h
+
+    @cute.jit
+    def conv_from_registers(self, xr, wr, orr, a_log, mConvS, sQKV, sAlpha, lower_bound, b, h, tidx):
+        """conv_and_gate's arithmetic, in its order, on conv_operands' registers."""
+        Dh, W = self.Dh, self.W
+        a_h = cute.math.exp(a_log)
+        for it in cutlass.range_constexpr(self.n_it):
+            t = it * self.num_threads + tidx
+            i, c = t // Dh, t % Dh
+            ch = h * Dh + c
+            if t < 3 * Dh:
+                x = xr[it]
+                acc = x.to(Float32) * wr[W - 1, it]
+                for j in cutlass.range_constexpr(W - 1):
+                    old = orr[j, it]
+                    acc = acc + old.to(Float32) * wr[j, it]
+                    if const_expr(j > 0):
+                        mConvS[b, i, ch, j - 1] = old
+                mConvS[b, i, ch, W - 2] = x
+                y = acc * _sigmoid(acc)
+                sQKV[c, i] = y.to(self.dtype).to(Float32)
+            elif t < 4 * Dh:
+                g = xr[it].to(Float32) + wr[0, it]
                 sAlpha[c] = cute.math.exp(lower_bound * _sigmoid(a_h * g))
 
     @cute.jit
