@@ -54,7 +54,7 @@ def test_kda_decode_compiles_every_variant(Dh):
     assert runtime.compile_for_cpu_check("kda_decode", "float16", Dh, 4, m.KdaConfig.for_shape(Dh))
 
 
-@pytest.mark.parametrize("warps", [4, 8, 16])
+@pytest.mark.parametrize("warps", [4, 8, 16, "4, True"])
 def test_kda_decode_issues_every_global_load_before_the_first_barrier(ptx_of, warps):
     """The kernel's small-batch speed rests on it: state rows, conv and gate operands, beta and
     the gated RMSNorm's z and o_norm_w all in flight before the first barrier, so no DRAM round
@@ -66,6 +66,21 @@ def test_kda_decode_issues_every_global_load_before_the_first_barrier(ptx_of, wa
     assert body.count("ld.global") >= 8 + 2                 # 8 state rows per thread at 16 warps, z, w
     assert "ld.global" not in body[first_barrier:]
     assert ".local" not in ptx                              # no register spills
+
+
+@pytest.mark.parametrize("warps", [4, 8, 16])
+def test_kda_decode_early_conv_issues_every_load_before_the_first_division(ptx_of, warps):
+    """early_conv: every global load precedes the first IEEE division / exp (the SiLU's slow-path
+    branch would keep later items' loads behind it); the plain 4-warp kernel, which the early
+    4-warp variant replaced in the dispatcher, does not (the measured difference, session 8)."""
+    def loads_after_first_division(cfg):
+        ptx = ptx_of(f"from fused import kda_decode as m; m._compile('bfloat16', 128, 4, m.KdaConfig({cfg}))")
+        body = ptx[ptx.index(".entry"):]
+        first = min(body.index(op) for op in ("rcp.rn.f32", "div.rn.f32", "ex2.approx") if op in body)
+        return body[first:].count("ld.global")
+    assert loads_after_first_division(f"{warps}, True") == 0
+    if warps == 4:
+        assert loads_after_first_division("4") > 0
 
 
 def test_cache_key_has_no_batch_dimension():
