@@ -37,6 +37,7 @@ cmd_for() { case $1 in        # job name -> "limit command..."
   prof_*) local op=${1#prof_}; echo "$BENCH_S env VERIFY_CPROFILE_DIR=$R/$1 python3 -m verify.cli run --ops $op \
             --candidate fused --device cuda --profile release --examples ${PROF_EXAMPLES:-30} --no-isolate --out $R/$1/run" ;;
   ncu) echo "$BENCH_S bash bench/ncu_probe.sh $R/ncu" ;;   # Nsight Compute sections of bench/ncu_probe.py's kernels
+  sanprobe_*) echo "$BENCH_S compute-sanitizer --tool ${1#sanprobe_} --error-exitcode 1 python3 bench/ncu_probe.py ${SAN_RANGES:-}" ;;   # e.g. sanprobe_memcheck: bench/ncu_probe.py's K3-shape workloads under a sanitizer tool
   gpu_tests_a) echo "200 python3 -m pytest -q -m gpu ${GPU_TESTS_A:-} -p no:cacheprovider -rs" ;;
   gpu_tests_b) echo "200 python3 -m pytest -q -m gpu ${GPU_TESTS_B:-} -p no:cacheprovider -rs" ;;
   gpu_tests) echo "200 python3 -m pytest -q -m gpu ${GPU_TESTS:-property_tests} -p no:cacheprovider -rs" ;;

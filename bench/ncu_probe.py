@@ -1,9 +1,12 @@
-"""Kernels to look at under Nsight Compute (bench/gpu_run.sh job `ncu`): each workload runs warm
+"""Kernels to look at under Nsight Compute (bench/gpu_run.sh job `ncu`) or compute-sanitizer (job
+`sanprobe_TOOL`, at the K3 shapes the harness's small sanitizer cases do not reach): each workload runs warm
 (compiled, weights resident), then once inside an NVTX range named after it, which the ncu command
 line selects. Workloads (`--list` prints their names; arguments pick some): the router's two
-kernels at B = 1 and 64, skinny_gemm 7168->3584 at M = 8 and 64, 1536->7168 (o_proj) at M = 8,
+kernels at B = 1, 8 and 64 (SIMT GEMV; wgmma split-K partials), skinny_gemm 7168->896 at M = 32
+(the cooperative "spread" fold), skinny_gemm 7168->3584 at M = 8 and 64, 1536->7168 (o_proj) at M = 8,
 mxfp4_dequant bf16 [7168, 2048], attn_res_rmsnorm at D = 7168 with 8 blocks at B = 1 and 64, and
-kda_decode at T = 8 (12 heads) B = 1 and T = 1 (96 heads) B = 1 and 8."""
+kda_decode at T = 8 (12 heads) B = 1 and 32 (the 4-warp early_conv pick) and T = 1 (96 heads) B = 1
+and 8."""
 import sys
 
 import torch
@@ -57,11 +60,13 @@ def kda(T, B):
 
 
 WORKLOADS = {
-    "router_b1": lambda: router(1), "router_b64": lambda: router(64),
+    "router_b1": lambda: router(1), "router_b8": lambda: router(8), "router_b64": lambda: router(64),
+    "gemm_7168x896_m32": lambda: gemm(7168, 896, 32),
     "gemm_7168x3584_m8": lambda: gemm(7168, 3584, 8), "gemm_7168x3584_m64": lambda: gemm(7168, 3584, 64),
     "gemm_1536x7168_m8": lambda: gemm(1536, 7168, 8), "dequant": dequant,
     "attn_res_b1": lambda: attn_res(1), "attn_res_b64": lambda: attn_res(64),
     "kda_t8_b1": lambda: kda(8, 1), "kda_t1_b1": lambda: kda(1, 1), "kda_t1_b8": lambda: kda(1, 8),
+    "kda_t8_b32": lambda: kda(8, 32),
 }
 
 
