@@ -13,7 +13,8 @@ pack() { tar czf "$OUT/results.tgz.tmp" -C "$(dirname "$R")" "$(basename "$R")" 
 ( while sleep 20; do pack; done ) & PACKER=$!
 [ -d /tmp/site/nvidia_cutlass_dsl ] || { mkdir -p /tmp/site && tar xJf .device/cutedsl.tar.xz -C /tmp/site; }
 for x in .device/cutedsl-extra*.tar.xz; do [ -f "$x" ] && tar xJf "$x" -C /tmp/site; done   # files a trimmed bundle left out
-[ -d /tmp/site/pydantic ] || for w in .device/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
+[ -d /tmp/site/pydantic ] || [ ! -f .device/wheels.tar.xz ] || tar xJf .device/wheels.tar.xz -C /tmp/site   # the wheels unpacked, xz (smaller)
+[ -d /tmp/site/pydantic ] || for w in .device/wheels/*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" /tmp/site; done
 export PYTHONPATH=$PWD:$PWD/bench:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
 export VERIFY_GIT_COMMIT=${VERIFY_GIT_COMMIT:-$(cat .device/commit 2>/dev/null)}
 NG=$(nvidia-smi -L | wc -l)
