@@ -7,13 +7,12 @@ runs bitwise), batch invariance (rows of M=64 == the same rows at M=1, MMA varia
 CUDA-graph timings with weights rotated from HBM. Writes gemm_mma.json and gemm_mma.log under --out.
 """
 import argparse
-import json
 import math
 import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from timing import graph_time_us  # bench/timing.py (scripts run from bench/ on sys.path)
+from timing import graph_time_us, save_outputs  # bench/timing.py (scripts run from bench/ on sys.path)
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -166,10 +165,7 @@ def main():
         log(f"SUMMARY {shape:22s} cublas {cb:8.2f} | simt {bs['us'] if bs else '-':>8} | "
             f"mma {bm['us'] if bm else '-':>8} {bm['impl'] if bm else ''}")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gemm_mma.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1)
-    with open(os.path.join(args.out, "gemm_mma.log"), "w") as f:
-        f.write("\n".join(LOG) + "\n")
+    save_outputs(args.out, "gemm_mma", RESULTS, LOG)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,11 @@ and a row per other certified variant (the argmax-round top-k kernels, the other
 """
 import argparse
 import dataclasses
-import json
 import math
 import time
 
 import torch
-from timing import graph_time_us
+from timing import graph_time_us, save_outputs
 
 COPY_BW = 4.24e12
 LOG, RESULTS = [], []
@@ -174,10 +173,8 @@ def main():
         except Exception as e:
             import traceback
             log(f"ERROR: {type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")
-        with open(f"{args.out}/router.json", "w") as f:
-            json.dump(RESULTS, f, indent=1)
-    with open(f"{args.out}/router.log", "w") as f:
-        f.write("\n".join(LOG) + "\n")
+        save_outputs(args.out, "router", RESULTS)           # after each step: a cut run keeps the rest
+    save_outputs(args.out, "router", RESULTS, LOG)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ part, both grids wait forever. The child reports its iterations; a hang shows as
 import argparse
 import dataclasses
 import importlib.util
-import json
 import math
 import subprocess
 import sys
@@ -163,10 +162,8 @@ def main():
             verdict = f"HANG: killed after {args.limit:.0f} s; last: {last}"
         RESULTS.append({"stress": mode, "verdict": verdict, "s": round(time.time() - t0, 1)})
         log(f"STRESS {mode}: {verdict} ({time.time() - t0:.1f} s)")
-    with open(f"{args.out}/streams.json", "w") as f:
-        json.dump(RESULTS, f, indent=1)
-    with open(f"{args.out}/streams.log", "w") as f:
-        f.write("\n".join(LOG) + "\n")
+    from timing import save_outputs
+    save_outputs(args.out, "streams", RESULTS, LOG)
 
 
 if __name__ == "__main__":

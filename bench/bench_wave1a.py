@@ -6,13 +6,12 @@ Weights rotate over enough copies (>= 256 MB together) that every call reads the
 Prints one line per measurement; writes wave1a.json and wave1a.log under --out.
 """
 import argparse
-import json
 import math
 import sys
 import time
 
 import torch
-from timing import graph_time_us  # bench/timing.py (scripts run from bench/ on sys.path)
+from timing import graph_time_us, save_outputs  # bench/timing.py (scripts run from bench/ on sys.path)
 
 COPY_BW = 4.24e12            # bytes/s, measured device-to-device copy (shared/reference/h200-anchors.md)
 ROT_BYTES = 256 << 20
@@ -260,10 +259,7 @@ def main():
             import traceback
             log(f"ERROR in {name}: {type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")
         log(f"[{name} took {time.time() - t0:.1f} s]")
-        with open(f"{args.out}/wave1a.json", "w") as f:
-            json.dump(RESULTS, f, indent=1)
-        with open(f"{args.out}/wave1a.log", "w") as f:
-            f.write("\n".join(LOG) + "\n")
+        save_outputs(args.out, "wave1a", RESULTS, LOG)
     from fused.runtime import cache_info
     log(f"compile cache: {cache_info()}")
     with open(f"{args.out}/wave1a.log", "w") as f:

@@ -11,7 +11,6 @@ input sets (>= 256 MB together, so state and activations come from HBM, not L2),
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -336,10 +335,8 @@ def main() -> int:
             timing_kda(bw, not args.no_compile)
     n_fail = sum(not r["pass"] for r in RESULTS["correctness"])
     log(f"correctness: {len(RESULTS['correctness']) - n_fail} pass, {n_fail} fail; total {time.time() - t0:.1f}s")
-    with open(f"{args.out}/wave1b.json", "w") as f:
-        json.dump(RESULTS, f, indent=1)
-    with open(f"{args.out}/wave1b.log", "w") as f:
-        f.write("\n".join(LOG) + "\n")
+    from bench.timing import save_outputs
+    save_outputs(args.out, "wave1b", RESULTS, LOG)
     return 1 if n_fail else 0
 
 

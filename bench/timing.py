@@ -32,3 +32,15 @@ def graph_time_us(fn_list, reps: int = 20, trials: int = 5) -> float:
         times.append(a.elapsed_time(b) * 1e3 / (10 * reps))
     times.sort()
     return times[len(times) // 2]
+
+
+def save_outputs(out_dir: str, stem: str, results, lines=None) -> None:
+    """A bench's records as OUT/STEM.json and, given its log lines, OUT/STEM.log."""
+    import json
+    import os
+
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    if lines is not None:
+        with open(os.path.join(out_dir, f"{stem}.log"), "w") as f:
+            f.write("\n".join(lines) + "\n")
