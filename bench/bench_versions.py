@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
 import os
 import sys
 
 import torch
 
 from bench import bench_wave1b as w1b
+from bench.timing import save_outputs
 from bench.bench_wave1b import attn_bytes, attn_inputs, bench, bitwise, clone_all, derived, kda_bytes, kda_inputs, log, record
 
 CASES = [  # (B, H, Dh, strided, wd)
@@ -227,10 +227,7 @@ def main(argv=None) -> int:
     timing(new, old)
     n_fail = sum(not r["pass"] for r in w1b.RESULTS["correctness"])
     log(f"checks: {len(w1b.RESULTS['correctness']) - n_fail} pass, {n_fail} fail")
-    with open(f"{args.out}/versions_{args.op}.json", "w") as f:
-        json.dump(w1b.RESULTS, f, indent=1, default=str)
-    with open(f"{args.out}/versions_{args.op}.log", "w") as f:
-        f.write("\n".join(w1b.LOG) + "\n")
+    save_outputs(args.out, f"versions_{args.op}", w1b.RESULTS, w1b.LOG)
     return 1 if n_fail else 0
 
 

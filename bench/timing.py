@@ -40,7 +40,7 @@ def save_outputs(out_dir: str, stem: str, results, lines=None) -> None:
     import os
 
     with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
-        json.dump(results, f, indent=1)
+        json.dump(results, f, indent=1, default=str)
     if lines is not None:
         with open(os.path.join(out_dir, f"{stem}.log"), "w") as f:
             f.write("\n".join(lines) + "\n")
