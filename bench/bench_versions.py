@@ -36,7 +36,8 @@ CASES = [  # (B, H, Dh, strided, wd)
     (1, 12, 128, False, torch.bfloat16), (3, 12, 128, True, torch.bfloat16),
     (8, 12, 128, False, torch.bfloat16), (2, 96, 128, False, torch.bfloat16),
     (2, 12, 128, False, torch.float16), (3, 4, 32, False, torch.bfloat16),
-    (2, 6, 16, False, torch.bfloat16), (3, 2, 64, False, torch.bfloat16)]
+    (2, 6, 16, False, torch.bfloat16), (3, 2, 64, False, torch.bfloat16),
+    (8, 96, 128, False, torch.bfloat16), (5, 96, 64, True, torch.float16)]   # > 3 heads per persistent CTA
 
 
 SIBLINGS = {"router_topk": "router_topk_select"}     # modules of an op that live in a file of their own

@@ -32,7 +32,7 @@ from fused import runtime
 from references.primitives import check_tensor
 
 cutlass, cute = runtime.cutlass_modules()           # pins sm_90a before the DSL latches an arch
-from cutlass import Float32, const_expr  # noqa: E402
+from cutlass import Float32, Int32, const_expr  # noqa: E402
 
 WD_DTYPES = (torch.bfloat16, torch.float16)
 DTYPES = ("bfloat16", "float16")   # working dtypes (the harness draws only these; the state is fp32)
@@ -44,9 +44,13 @@ class KdaConfig:
     conv and gate operands are loaded at entry with the state (registers), not in the conv loop."""
     num_warps: int = 16
     early_conv: bool = False
+    stages: int = 0            # > 0: persistent CTAs, head states through a `stages`-deep smem ring
+    ctas_per_sm: int = 1       # persistent grid: min(heads, SMs x ctas_per_sm)
 
     @property
     def name(self) -> str:
+        if self.stages:
+            return f"w{self.num_warps}p{self.stages}c{self.ctas_per_sm}"
         return f"w{self.num_warps}" + ("e" if self.early_conv else "")
 
     @staticmethod
@@ -56,7 +60,9 @@ class KdaConfig:
     @staticmethod
     def trial_configs() -> list["KdaConfig"]:
         """Launch variants the bench times beside all_configs (not dispatched, not certified)."""
-        return [KdaConfig(8, True), KdaConfig(16, True)]
+        return [KdaConfig(8, True), KdaConfig(16, True),
+                KdaConfig(16, True, 3), KdaConfig(16, True, 2), KdaConfig(8, True, 3),
+                KdaConfig(8, True, 1, 2), KdaConfig(16, True, 1, 2), KdaConfig(4, True, 1, 3)]
 
     @staticmethod
     def for_shape(Dh: int, n_heads_total: int = 0) -> "KdaConfig":
@@ -83,7 +89,8 @@ class KdaDecode:
             raise ValueError(f"conv width: {W} must be >= 2")
         self.dtype, self.Dh, self.W = dtype, Dh, W
         self.num_warps = config.num_warps
-        self.early_conv = config.early_conv
+        self.early_conv = config.early_conv or config.stages > 0
+        self.stages = config.stages
         self.n_it = -(-4 * Dh // (32 * config.num_warps))    # conv/gate items per thread
         self.num_threads = 32 * config.num_warps
         self.lanes_per_row = Dh // 4                      # 4 fp32 (16 bytes) per lane
@@ -99,11 +106,15 @@ class KdaDecode:
                  mBeta: cute.Tensor, mZ: cute.Tensor, mConvW: cute.Tensor, mConvS: cute.Tensor,
                  mALog: cute.Tensor, mDtBias: cute.Tensor, mNormW: cute.Tensor,
                  mState: cute.Tensor, mY: cute.Tensor, lower_bound: Float32, l2_eps: Float32,
-                 norm_eps: Float32, stream):
-        self.kernel(mQ, mK, mV, mG, mBeta, mZ, mConvW, mConvS, mALog, mDtBias, mNormW, mState,
-                    mY, lower_bound, l2_eps, norm_eps).launch(
-            grid=[mState.shape[1], mState.shape[0], 1], block=[self.num_threads, 1, 1],
-            stream=stream)
+                 norm_eps: Float32, n_ctas: Int32, stream):
+        args = (mQ, mK, mV, mG, mBeta, mZ, mConvW, mConvS, mALog, mDtBias, mNormW, mState, mY,
+                lower_bound, l2_eps, norm_eps)
+        if const_expr(self.stages > 0):
+            self.pipe_kernel(*args).launch(grid=[n_ctas, 1, 1], block=[self.num_threads, 1, 1],
+                                           stream=stream)
+        else:
+            self.kernel(*args).launch(grid=[mState.shape[1], mState.shape[0], 1],
+                                      block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
@@ -160,6 +171,92 @@ class KdaDecode:
             if c < Dh:
                 y = sO[c] * rstd * nw[i] * sig[i]
                 mY[b, h * Dh + c] = y.to(mY.element_type)
+
+    @cute.kernel
+    def pipe_kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
+                    mBeta: cute.Tensor, mZ: cute.Tensor, mConvW: cute.Tensor, mConvS: cute.Tensor,
+                    mALog: cute.Tensor, mDtBias: cute.Tensor, mNormW: cute.Tensor,
+                    mState: cute.Tensor, mY: cute.Tensor, lower_bound: Float32, l2_eps: Float32,
+                    norm_eps: Float32):
+        """Persistent: CTA c takes heads n = c, c + G, ... (n = b * H + h, G CTAs). Each head's state
+        comes into a ring of `stages` shared-memory buffers by one bulk async copy, issued `stages`
+        heads ahead, so the next heads' state reads overlap this head's chain and its state writes.
+        Per head the arithmetic is kernel()'s with early_conv, in the same order."""
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        G, _, _ = cute.arch.grid_dim()
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        Dh, S = self.Dh, self.stages
+        H = mState.shape[1]
+        n_heads = mState.shape[0] * H
+        n_local = (n_heads - cta + G - 1) // G
+        smem = cutlass.memory.SmemAllocator()
+        sRing = smem.allocate_tensor(Float32, cute.make_layout((Dh, Dh, S), stride=(Dh, 1, Dh * Dh)), 128)
+        bars = smem.allocate_array(cutlass.Int64, S, byte_alignment=8)
+        sQKV = smem.allocate_tensor(Float32, cute.make_layout((Dh, 3)), 16)
+        sAlpha = smem.allocate_tensor(Float32, cute.make_layout(Dh), 16)
+        sO = smem.allocate_tensor(Float32, cute.make_layout(Dh), 16)
+        nbytes = Dh * Dh * 4
+        if tidx == 0:
+            for s in cutlass.range_constexpr(S):
+                cute.arch.mbarrier_init(bars + s, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        if tidx == 0:
+            for s in cutlass.range_constexpr(S):
+                if s < n_local:
+                    self.fetch_state(mState, sRing, bars, s, cta + s * G, H, nbytes)
+        for j in cutlass.range(n_local, unroll=1):
+            n = cta + j * G
+            b, h = n // H, n % H
+            s = j % S
+            beta_raw = mBeta[b, h]
+            zr = cute.make_rmem_tensor(self.n_y, mZ.element_type)
+            nw = cute.make_rmem_tensor(self.n_y, Float32)
+            zr.fill(0.0)
+            nw.fill(0.0)
+            for i in cutlass.range_constexpr(self.n_y):
+                c = i * self.num_threads + tidx
+                if c < Dh:
+                    zr[i] = mZ[b, h * Dh + c]
+                    nw[i] = mNormW[c].to(Float32)
+            xr, wr, orr, a_h = self.conv_operands(mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, b, h, tidx)
+            self.conv_from_registers(xr, wr, orr, a_h, mConvS, sQKV, sAlpha, lower_bound, b, h, tidx)
+            beta = _sigmoid(beta_raw.to(Float32))
+            sig = cute.make_rmem_tensor(self.n_y, Float32)
+            for i in cutlass.range_constexpr(self.n_y):
+                sig[i] = _sigmoid(zr[i].to(Float32))
+            cute.arch.sync_threads()
+            cute.arch.mbarrier_wait(bars + s, (j // S) % 2)
+            sS = cute.zipped_divide(sRing[None, None, s], (1, 4))
+            st = cute.make_rmem_tensor((4, self.n_pass), Float32)
+            st.fill(0.0)
+            for p in cutlass.range_constexpr(self.n_pass):
+                v = (p * self.num_warps + warp) * self.rows_per_warp + lane // self.lanes_per_row
+                if const_expr(self.even) or v < Dh:
+                    st[None, p].store(sS[None, (v, lane % self.lanes_per_row)].load())
+            gS = cute.zipped_divide(mState[b, h, None, None], (1, 4))
+            self.update_rows(st, gS, sQKV, sAlpha, sO, beta, l2_eps, warp, lane)
+            cute.arch.sync_threads()          # the ring slot is read, sO is whole
+            if tidx == 0:
+                if j + S < n_local:
+                    self.fetch_state(mState, sRing, bars, s, n + S * G, H, nbytes)
+            rstd = cute.math.rsqrt(self.warp_sum_sq(sO, None, lane) / Dh + norm_eps)
+            for i in cutlass.range_constexpr(self.n_y):
+                c = i * self.num_threads + tidx
+                if c < Dh:
+                    y = sO[c] * rstd * nw[i] * sig[i]
+                    mY[b, h * Dh + c] = y.to(mY.element_type)
+
+    @cute.jit
+    def fetch_state(self, mState, sRing, bars, s, n, H, nbytes: cutlass.Constexpr):
+        """One bulk async copy of head n's state into ring slot s, completing on bars[s]."""
+        from cutlass._mlir.dialects import nvvm
+        cute.arch.mbarrier_arrive_and_expect_tx(bars + s, nbytes)
+        src = mState[n // H, n % H, None, None].iterator
+        nvvm.cp_async_bulk_shared_cluster_global(
+            sRing[None, None, s].iterator.to_llvm_ptr(), src.to_llvm_ptr(),
+            (bars + s).to_llvm_ptr(), Int32(nbytes).ir_value())
 
     @cute.jit
     def update_rows(self, st, gS, sQKV, sAlpha, sO, beta, l2_eps, warp, lane):
@@ -307,7 +404,7 @@ def _compile(dtype: str, Dh: int, W: int, cfg: KdaConfig):
         op, act(c), act(c), act(c), act(c), act(h), act(c), f32((3, c, W), 16 if W % 4 == 0 else 4),
         runtime.fake_tensor(dtype, (b, 3, c, W - 1), align=2), f32((h,)), f32((c,)), f32((Dh,)),
         f32((b, h, Dh, Dh), 16), runtime.fake_tensor(dtype, (b, c), align=2),
-        Float32(-5.0), Float32(1e-6), Float32(1e-5))
+        Float32(-5.0), Float32(1e-6), Float32(1e-5), Int32(1))
 
 
 def _check(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
@@ -339,6 +436,13 @@ def _rows(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _grid(cfg: KdaConfig, state) -> int:
+    """CTAs of a persistent launch (cfg.stages > 0): min(heads, SMs x ctas_per_sm); else unused."""
+    if not cfg.stages:
+        return 1
+    return min(state.shape[0] * state.shape[1], runtime.sm_count(state.device) * cfg.ctas_per_sm)
+
+
 def launch(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
            state, y, lower_bound: float, l2_eps: float, norm_eps: float,
            variant: KdaConfig | None = None):
@@ -350,7 +454,7 @@ def launch(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, d
     fn = _compile(runtime.dtype_name(q_raw.dtype), Dh, W, cfg)
     fn(*(_rows(t) for t in (q_raw, k_raw, v_raw, g_raw, beta_raw, z)), conv_w.contiguous(),
        conv_state, A_log.contiguous(), dt_bias.contiguous(), o_norm_w.contiguous(), state, y,
-       lower_bound, l2_eps, norm_eps)
+       lower_bound, l2_eps, norm_eps, _grid(cfg, state))
 
 
 _op = None
