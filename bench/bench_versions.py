@@ -97,9 +97,10 @@ def check_kda(new, old) -> None:
 def timing_kda(new, old) -> None:
     log("== kda_decode timing, current vs old dispatcher (Dh=128, W=4, H=96/T; us per call)")
     Dh, e = 128, 2
+    batches = [int(b) for b in os.environ.get("KDA_BATCHES", "1,8,32,64").split(",")]
     for T in (1, 8):
         H = 96 // T
-        for B in (1, 8, 32, 64):
+        for B in batches:
             moved = kda_bytes(B, H, Dh, e)
             fns = {"current": lambda s: new.kda_decode(**s), "old": lambda s: _kda_launch(old, s)}
             for cfg in _kda_configs(new):                    # every current launch variant, by name

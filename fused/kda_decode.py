@@ -46,11 +46,14 @@ class KdaConfig:
     early_conv: bool = False
     stages: int = 0            # > 0: persistent CTAs, head states through a `stages`-deep smem ring
     ctas_per_sm: int = 1       # persistent grid: min(heads, SMs x ctas_per_sm)
+    prefetch: int = 0          # persistent, early_conv: 1 = a head's operand loads before its state
+                               # wait; 2 = also the next head's operands prefetched into L2
 
     @property
     def name(self) -> str:
         name = f"w{self.num_warps}" + ("e" if self.early_conv else "")
-        return name + (f"p{self.stages}c{self.ctas_per_sm}" if self.stages else "")
+        return name + (f"p{self.stages}c{self.ctas_per_sm}" if self.stages else "") + (
+            f"f{self.prefetch}" if self.prefetch else "")
 
     @staticmethod
     def all_configs() -> list["KdaConfig"]:
@@ -60,8 +63,8 @@ class KdaConfig:
     def trial_configs() -> list["KdaConfig"]:
         """Launch variants the bench times beside all_configs (not dispatched, not certified)."""
         return [KdaConfig(8, True), KdaConfig(16, True),
-                KdaConfig(4, False, 1, 3), KdaConfig(4, True, 1, 3), KdaConfig(8, False, 1, 2),
-                KdaConfig(8, True, 1, 2), KdaConfig(16, False, 1, 2), KdaConfig(8, True, 2, 1)]
+                KdaConfig(4, True, 1, 3), KdaConfig(4, True, 1, 3, 1), KdaConfig(4, True, 1, 3, 2),
+                KdaConfig(8, True, 1, 2), KdaConfig(8, True, 1, 2, 1), KdaConfig(8, True, 1, 2, 2)]
 
     @staticmethod
     def for_shape(Dh: int, n_heads_total: int = 0) -> "KdaConfig":
@@ -90,6 +93,9 @@ class KdaDecode:
         self.num_warps = config.num_warps
         self.early_conv = config.early_conv
         self.stages, self.ctas_per_sm = config.stages, config.ctas_per_sm
+        self.prefetch = config.prefetch
+        if config.prefetch and not (config.stages and config.early_conv):
+            raise ValueError(f"KdaConfig {config.name}: prefetch needs a persistent early_conv launch")
         self.n_it = -(-4 * Dh // (32 * config.num_warps))    # conv/gate items per thread
         self.num_threads = 32 * config.num_warps
         self.lanes_per_row = Dh // 4                      # 4 fp32 (16 bytes) per lane
@@ -211,8 +217,15 @@ class KdaDecode:
             n = cta + j * G
             b, h = n // H, n % H
             s = j % S
-            # this head's state from its ring slot into registers first: the slot is refilled (the
-            # head `stages` on) right after the barrier below, so that read overlaps this head's chain
+            if const_expr(self.prefetch >= 2):
+                if j + 1 < n_local:
+                    nn = n + G
+                    self.prefetch_operands(mQ, mK, mV, mG, mZ, mConvW, mConvS, nn // H, nn % H, tidx)
+            if const_expr(self.prefetch >= 1):
+                beta_raw, zr, nw = self.norm_operands(mBeta, mZ, mNormW, b, h, tidx)
+                xr, wr, orr, a_h = self.conv_operands(mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, b, h, tidx)
+            # this head's state from its ring slot into registers: the slot is refilled (the head
+            # `stages` on) right after the barrier below, so that read overlaps this head's chain
             cute.arch.mbarrier_wait(bars + s, (j // S) % 2)
             sS = cute.zipped_divide(sRing[None, None, s], (1, 4))
             st = cute.make_rmem_tensor((4, self.n_pass), Float32)
@@ -221,18 +234,11 @@ class KdaDecode:
                 v = (p * self.num_warps + warp) * self.rows_per_warp + lane // self.lanes_per_row
                 if const_expr(self.even) or v < Dh:
                     st[None, p].store(sS[None, (v, lane % self.lanes_per_row)].load())
-            beta_raw = mBeta[b, h]
-            zr = cute.make_rmem_tensor(self.n_y, mZ.element_type)
-            nw = cute.make_rmem_tensor(self.n_y, Float32)
-            zr.fill(0.0)
-            nw.fill(0.0)
-            for i in cutlass.range_constexpr(self.n_y):
-                c = i * self.num_threads + tidx
-                if c < Dh:
-                    zr[i] = mZ[b, h * Dh + c]
-                    nw[i] = mNormW[c].to(Float32)
+            if const_expr(self.prefetch == 0):
+                beta_raw, zr, nw = self.norm_operands(mBeta, mZ, mNormW, b, h, tidx)
             if const_expr(self.early_conv):
-                xr, wr, orr, a_h = self.conv_operands(mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, b, h, tidx)
+                if const_expr(self.prefetch == 0):
+                    xr, wr, orr, a_h = self.conv_operands(mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, b, h, tidx)
                 self.conv_from_registers(xr, wr, orr, a_h, mConvS, sQKV, sAlpha, lower_bound, b, h, tidx)
             else:
                 self.conv_and_gate(mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, sQKV, sAlpha,
@@ -254,6 +260,48 @@ class KdaDecode:
                 if c < Dh:
                     y = sO[c] * rstd * nw[i] * sig[i]
                     mY[b, h * Dh + c] = y.to(mY.element_type)
+
+    @cute.jit
+    def norm_operands(self, mBeta, mZ, mNormW, b, h, tidx):
+        """beta_raw, and this thread's z and o_norm_w channels (c = tidx + i * threads) of head (b, h)."""
+        zr = cute.make_rmem_tensor(self.n_y, mZ.element_type)
+        nw = cute.make_rmem_tensor(self.n_y, Float32)
+        zr.fill(0.0)
+        nw.fill(0.0)
+        for i in cutlass.range_constexpr(self.n_y):
+            c = i * self.num_threads + tidx
+            if c < self.Dh:
+                zr[i] = mZ[b, h * self.Dh + c]
+                nw[i] = mNormW[c].to(Float32)
+        return mBeta[b, h], zr, nw
+
+    @cute.jit
+    def prefetch_operands(self, mQ, mK, mV, mG, mZ, mConvW, mConvS, b, h, tidx):
+        """L2 prefetch of head (b, h)'s activations, conv weights and conv state: the addresses this
+        thread loads in conv_operands / norm_operands (a hint: no registers, no wait)."""
+        from cutlass._mlir.dialects import nvvm
+        Dh = self.Dh
+
+        def pf(t, crd):
+            nvvm.prefetch((t.iterator + cute.crd2idx(crd, t.layout)).to_llvm_ptr(),
+                          cache_level=nvvm.PrefetchCacheLevel.L2)
+
+        for it in cutlass.range_constexpr(self.n_it):
+            t = it * self.num_threads + tidx
+            i, c = t // Dh, t % Dh
+            ch = h * Dh + c
+            if t < 3 * Dh:
+                if i == 0:
+                    pf(mQ, (b, ch))
+                if i == 1:
+                    pf(mK, (b, ch))
+                if i == 2:
+                    pf(mV, (b, ch))
+                pf(mConvW, (i, ch, 0))
+                pf(mConvS, (b, i, ch, 0))
+            elif t < 4 * Dh:
+                pf(mG, (b, ch))
+                pf(mZ, (b, ch))
 
     @cute.jit
     def fetch_state(self, mState, sRing, bars, s, n, H, nbytes: cutlass.Constexpr):
