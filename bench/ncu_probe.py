@@ -5,8 +5,8 @@ line selects. Workloads (`--list` prints their names; arguments pick some): the 
 kernels at B = 1, 8 and 64 (SIMT GEMV; wgmma split-K partials), skinny_gemm 7168->896 at M = 32
 (the cooperative "spread" fold), skinny_gemm 7168->3584 at M = 8 and 64, 1536->7168 (o_proj) at M = 8,
 mxfp4_dequant bf16 [7168, 2048], attn_res_rmsnorm at D = 7168 with 8 blocks at B = 1 and 64, and
-kda_decode at T = 8 (12 heads) B = 1 and 32 (the 4-warp early_conv pick) and T = 1 (96 heads) B = 1
-and 8."""
+kda_decode at T = 8 (12 heads) B = 1, 32 (the 4-warp early_conv pick) and 64 (the persistent launch)
+and T = 1 (96 heads) B = 1 and 8 (persistent)."""
 import sys
 
 import torch
@@ -66,7 +66,7 @@ WORKLOADS = {
     "gemm_1536x7168_m8": lambda: gemm(1536, 7168, 8), "dequant": dequant,
     "attn_res_b1": lambda: attn_res(1), "attn_res_b64": lambda: attn_res(64),
     "kda_t8_b1": lambda: kda(8, 1), "kda_t1_b1": lambda: kda(1, 1), "kda_t1_b8": lambda: kda(1, 8),
-    "kda_t8_b32": lambda: kda(8, 32),
+    "kda_t8_b32": lambda: kda(8, 32), "kda_t8_b64": lambda: kda(8, 64),
 }
 
 

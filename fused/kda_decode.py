@@ -17,9 +17,20 @@ warps a thread has 4 items). Same arithmetic instructions, but not always the sa
 plain variant: ptxas pairs the mul/add into FMAs per build (session 8: fp16 state differed at 8 and
 16 warps, bf16 and the 4-warp fp16 build were bitwise), so each is certified on its own.
 
+The persistent launch (`stages` > 0; the dispatcher's pick from one to three waves of the 4-warp
+kernel, e.g. 768 heads): min(heads, 3 x SMs) CTAs walk the heads n = c, c + G, ...; each head's state
+comes into a shared-memory ring slot by one bulk async copy (mbarrier), is read into registers, and
+the slot is refilled with the head `stages` on before the update starts, so the next state read
+overlaps this head's chain and its state writes. With one CTA per head the CTAs of a wave run their
+chains in step and the DRAM idles between their reads and writes: on the H200 (session 9) 768 heads
+went from 77.7 to 82.7 % of copy bandwidth (T = 1, B = 8) and from 78.6 to 83.1 % (T = 8, B = 64).
+Per head it is the early_conv kernel's arithmetic in its order (bitwise equal at bf16).
+
 Measured and dropped (code in git history): a head split over a 2..8-CTA cluster by state rows
 (session 4: no gain at T = 8, B = 1, up to 2.6x slower elsewhere); 8 or 16 lanes per state row
-instead of Dh/4 (fewer shuffles; session 6: within +-5 % at small B, up to 33 % slower at B = 32).
+instead of Dh/4 (fewer shuffles; session 6: within +-5 % at small B, up to 33 % slower at B = 32);
+persistent launches with one CTA per SM and a 2- or 3-deep ring, or the ring slot refilled only
+after the update, or the next head's operands prefetched into L2 (session 9: 64-77 % at 768 heads).
 """
 from __future__ import annotations
 
@@ -45,36 +56,43 @@ class KdaConfig:
     num_warps: int = 16
     early_conv: bool = False
     stages: int = 0            # > 0: persistent CTAs, head states through a `stages`-deep smem ring
-    ctas_per_sm: int = 1       # persistent grid: min(heads, SMs x ctas_per_sm)
-    prefetch: int = 0          # persistent, early_conv: 1 = a head's operand loads before its state
-                               # wait; 2 = also the next head's operands prefetched into L2
+    ctas_per_sm: int = 1       # persistent grid: min(heads, SMs x ctas_per_sm, max_ctas)
+    max_ctas: int = 0          # 0: no cap (a cap only serves certification, see all_configs)
 
     @property
     def name(self) -> str:
         name = f"w{self.num_warps}" + ("e" if self.early_conv else "")
-        return name + (f"p{self.stages}c{self.ctas_per_sm}" if self.stages else "") + (
-            f"f{self.prefetch}" if self.prefetch else "")
+        if self.stages:
+            name += f"p{self.stages}c{self.ctas_per_sm}" + (f"g{self.max_ctas}" if self.max_ctas else "")
+        return name
 
     @staticmethod
     def all_configs() -> list["KdaConfig"]:
-        return [KdaConfig(4), KdaConfig(8), KdaConfig(16), KdaConfig(4, True)]
+        """Every launch the dispatcher can pick, and `w4ep1c3g16`: the persistent launch on a grid of
+        16 CTAs, so that any shape of more than 16 heads certifies the ring's refills and phase
+        flips (on the full grid only shapes of more than 3 x SMs heads reach them)."""
+        return [KdaConfig(4), KdaConfig(8), KdaConfig(16), KdaConfig(4, True),
+                KdaConfig(4, True, 1, 3), KdaConfig(4, True, 1, 3, 16)]
 
     @staticmethod
     def trial_configs() -> list["KdaConfig"]:
         """Launch variants the bench times beside all_configs (not dispatched, not certified)."""
-        return [KdaConfig(8, True), KdaConfig(16, True),
-                KdaConfig(4, True, 1, 3), KdaConfig(4, True, 1, 3, 1), KdaConfig(4, True, 1, 3, 2),
-                KdaConfig(8, True, 1, 2), KdaConfig(8, True, 1, 2, 1), KdaConfig(8, True, 1, 2, 2)]
+        return [KdaConfig(8, True), KdaConfig(16, True), KdaConfig(8, True, 1, 2)]
 
     @staticmethod
-    def for_shape(Dh: int, n_heads_total: int = 0) -> "KdaConfig":
-        """Few CTAs (B*H <= 2 waves): 16 warps put the most state loads in flight per SM; many
-        CTAs: 4 warps with the conv operands loaded at entry (H200, session 8: 2-12 % faster than
-        the 8 warps that were the pick before, e.g. T = 1, B = 32: 107.8 vs 113.3 us; T = 8,
-        B = 32: 16.9 vs 19.3 us)."""
+    def for_shape(Dh: int, n_heads_total: int = 0, sms: int = 132) -> "KdaConfig":
+        """Few CTAs (B*H <= 2 waves): 16 warps put the most state loads in flight per SM. Up to one
+        wave of the 4-warp kernel (3 CTAs per SM): 4 warps with the conv operands loaded at entry
+        (H200, session 8: 2-12 % faster than 8 warps). From one to three such waves: the persistent
+        4-warp launch (session 9: 768 heads 30.2 vs 32.2 us, 1152 heads 44.2 vs 44.5 us; at 1536
+        heads and more the one-CTA-per-head kernel is 2-5 % faster again). `sms`: the device's."""
         if Dh < 128:
             return KdaConfig(4)
-        return KdaConfig(16) if n_heads_total <= 264 else KdaConfig(4, True)
+        if n_heads_total <= 264:
+            return KdaConfig(16)
+        if 3 * sms < n_heads_total <= 9 * sms:
+            return KdaConfig(4, True, 1, 3)
+        return KdaConfig(4, True)
 
 
 def _sigmoid(x):
@@ -93,9 +111,8 @@ class KdaDecode:
         self.num_warps = config.num_warps
         self.early_conv = config.early_conv
         self.stages, self.ctas_per_sm = config.stages, config.ctas_per_sm
-        self.prefetch = config.prefetch
-        if config.prefetch and not (config.stages and config.early_conv):
-            raise ValueError(f"KdaConfig {config.name}: prefetch needs a persistent early_conv launch")
+        if config.stages and not config.early_conv:
+            raise ValueError(f"KdaConfig {config.name}: a persistent launch loads the conv operands at entry (early_conv)")
         self.n_it = -(-4 * Dh // (32 * config.num_warps))    # conv/gate items per thread
         self.num_threads = 32 * config.num_warps
         self.lanes_per_row = Dh // 4                      # 4 fp32 (16 bytes) per lane
@@ -143,16 +160,8 @@ class KdaDecode:
             v = (s * self.num_warps + warp) * self.rows_per_warp + lane // L
             if const_expr(self.even) or v < Dh:
                 st[None, s].store(gS[None, (v, cg)].load())
-        # ... and the gated RMSNorm's operands: channels c = tidx + i * threads of y
-        zr = cute.make_rmem_tensor(self.n_y, mZ.element_type)
-        nw = cute.make_rmem_tensor(self.n_y, Float32)
-        zr.fill(0.0)
-        nw.fill(0.0)
-        for i in cutlass.range_constexpr(self.n_y):
-            c = i * self.num_threads + tidx
-            if c < Dh:
-                zr[i] = mZ[b, h * Dh + c]
-                nw[i] = mNormW[c].to(Float32)
+        # ... and the gated RMSNorm's operands
+        zr, nw = self.norm_operands(mZ, mNormW, b, h, tidx)
         # 2. convs + SiLU -> sQKV (fp32 of the wd-rounded value), gate decay -> sAlpha
         smem = cutlass.memory.SmemAllocator()
         sQKV = smem.allocate_tensor(Float32, cute.make_layout((Dh, 3)), 16)
@@ -217,15 +226,12 @@ class KdaDecode:
             n = cta + j * G
             b, h = n // H, n % H
             s = j % S
-            if const_expr(self.prefetch >= 2):
-                if j + 1 < n_local:
-                    nn = n + G
-                    self.prefetch_operands(mQ, mK, mV, mG, mZ, mConvW, mConvS, nn // H, nn % H, tidx)
-            if const_expr(self.prefetch >= 1):
-                beta_raw, zr, nw = self.norm_operands(mBeta, mZ, mNormW, b, h, tidx)
-                xr, wr, orr, a_h = self.conv_operands(mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, b, h, tidx)
-            # this head's state from its ring slot into registers: the slot is refilled (the head
-            # `stages` on) right after the barrier below, so that read overlaps this head's chain
+            # this head's operand loads first: their latency overlaps the state wait below
+            beta_raw = mBeta[b, h]
+            zr, nw = self.norm_operands(mZ, mNormW, b, h, tidx)
+            xr, wr, orr, a_h = self.conv_operands(mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, b, h, tidx)
+            # its state from the ring slot into registers: the slot is refilled (the head `stages`
+            # on) right after the barrier below, so that read overlaps this head's chain
             cute.arch.mbarrier_wait(bars + s, (j // S) % 2)
             sS = cute.zipped_divide(sRing[None, None, s], (1, 4))
             st = cute.make_rmem_tensor((4, self.n_pass), Float32)
@@ -234,15 +240,7 @@ class KdaDecode:
                 v = (p * self.num_warps + warp) * self.rows_per_warp + lane // self.lanes_per_row
                 if const_expr(self.even) or v < Dh:
                     st[None, p].store(sS[None, (v, lane % self.lanes_per_row)].load())
-            if const_expr(self.prefetch == 0):
-                beta_raw, zr, nw = self.norm_operands(mBeta, mZ, mNormW, b, h, tidx)
-            if const_expr(self.early_conv):
-                if const_expr(self.prefetch == 0):
-                    xr, wr, orr, a_h = self.conv_operands(mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, b, h, tidx)
-                self.conv_from_registers(xr, wr, orr, a_h, mConvS, sQKV, sAlpha, lower_bound, b, h, tidx)
-            else:
-                self.conv_and_gate(mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, sQKV, sAlpha,
-                                   lower_bound, b, h, tidx)
+            self.conv_from_registers(xr, wr, orr, a_h, mConvS, sQKV, sAlpha, lower_bound, b, h, tidx)
             beta = _sigmoid(beta_raw.to(Float32))
             sig = cute.make_rmem_tensor(self.n_y, Float32)
             for i in cutlass.range_constexpr(self.n_y):
@@ -262,8 +260,8 @@ class KdaDecode:
                     mY[b, h * Dh + c] = y.to(mY.element_type)
 
     @cute.jit
-    def norm_operands(self, mBeta, mZ, mNormW, b, h, tidx):
-        """beta_raw, and this thread's z and o_norm_w channels (c = tidx + i * threads) of head (b, h)."""
+    def norm_operands(self, mZ, mNormW, b, h, tidx):
+        """This thread's z and o_norm_w channels (c = tidx + i * threads) of head (b, h)."""
         zr = cute.make_rmem_tensor(self.n_y, mZ.element_type)
         nw = cute.make_rmem_tensor(self.n_y, Float32)
         zr.fill(0.0)
@@ -273,35 +271,7 @@ class KdaDecode:
             if c < self.Dh:
                 zr[i] = mZ[b, h * self.Dh + c]
                 nw[i] = mNormW[c].to(Float32)
-        return mBeta[b, h], zr, nw
-
-    @cute.jit
-    def prefetch_operands(self, mQ, mK, mV, mG, mZ, mConvW, mConvS, b, h, tidx):
-        """L2 prefetch of head (b, h)'s activations, conv weights and conv state: the addresses this
-        thread loads in conv_operands / norm_operands (a hint: no registers, no wait)."""
-        from cutlass._mlir.dialects import nvvm
-        Dh = self.Dh
-
-        def pf(t, crd):
-            nvvm.prefetch((t.iterator + cute.crd2idx(crd, t.layout)).to_llvm_ptr(),
-                          cache_level=nvvm.PrefetchCacheLevel.L2)
-
-        for it in cutlass.range_constexpr(self.n_it):
-            t = it * self.num_threads + tidx
-            i, c = t // Dh, t % Dh
-            ch = h * Dh + c
-            if t < 3 * Dh:
-                if i == 0:
-                    pf(mQ, (b, ch))
-                if i == 1:
-                    pf(mK, (b, ch))
-                if i == 2:
-                    pf(mV, (b, ch))
-                pf(mConvW, (i, ch, 0))
-                pf(mConvS, (b, i, ch, 0))
-            elif t < 4 * Dh:
-                pf(mG, (b, ch))
-                pf(mZ, (b, ch))
+        return zr, nw
 
     @cute.jit
     def fetch_state(self, mState, sRing, bars, s, n, H, nbytes: cutlass.Constexpr):
@@ -495,7 +465,8 @@ def _grid(cfg: KdaConfig, state) -> int:
     """CTAs of a persistent launch (cfg.stages > 0): min(heads, SMs x ctas_per_sm); else unused."""
     if not cfg.stages:
         return 1
-    return min(state.shape[0] * state.shape[1], runtime.sm_count(state.device) * cfg.ctas_per_sm)
+    n = min(state.shape[0] * state.shape[1], runtime.sm_count(state.device) * cfg.ctas_per_sm)
+    return min(n, cfg.max_ctas) if cfg.max_ctas else n
 
 
 def launch(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
@@ -505,7 +476,7 @@ def launch(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, d
     if state.shape[0] == 0:
         return
     Dh, W = state.shape[-1], conv_w.shape[-1]
-    cfg = variant or KdaConfig.for_shape(Dh, state.shape[0] * state.shape[1])
+    cfg = variant or KdaConfig.for_shape(Dh, state.shape[0] * state.shape[1], runtime.sm_count(state.device))
     fn = _compile(runtime.dtype_name(q_raw.dtype), Dh, W, cfg)
     fn(*(_rows(t) for t in (q_raw, k_raw, v_raw, g_raw, beta_raw, z)), conv_w.contiguous(),
        conv_state, A_log.contiguous(), dt_bias.contiguous(), o_norm_w.contiguous(), state, y,

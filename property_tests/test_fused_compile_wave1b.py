@@ -5,6 +5,7 @@ wrappers reject bad arguments by name. GPU numerics are in the `gpu`-marked test
 from __future__ import annotations
 
 import os
+import re
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")   # before any cutlass import
 
@@ -83,6 +84,33 @@ def test_kda_decode_early_conv_issues_every_load_before_the_first_division(ptx_o
         assert loads_after_first_division("4") > 0
 
 
+def test_kda_decode_persistent_launch_streams_state_through_the_ring(ptx_of):
+    """The persistent launch: each head's state arrives by one bulk async copy completing on an
+    mbarrier (not by the threads' own loads), the registers are fitted to 3 resident CTAs per SM,
+    and every operand load of a head is issued before its state wait (session 9, f1 order)."""
+    ptx = ptx_of("from fused import kda_decode as m; m._compile('bfloat16', 128, 4, m.KdaConfig(4, True, 1, 3))")
+    body = ptx[ptx.index(".entry"):]
+    assert re.search(r"cp\.async\.bulk\.shared::(cta|cluster)\.global\.mbarrier::complete_tx::bytes", body)
+    assert ".minnctapersm 3" in ptx
+    loop = body[body.index("mbarrier.init"):]
+    wait = loop.index("mbarrier.try_wait")
+    assert loop[:wait].count("ld.global") >= 4 + 2           # conv/gate items, z, o_norm_w, beta
+    assert "ld.global" not in loop[wait:]                   # the state comes through shared memory
+    assert ".local" not in loop[wait:loop.index("bar.sync", wait)]
+
+
+def test_kda_decode_dispatch_takes_the_persistent_launch_between_one_and_three_waves():
+    """The session-9 measurements behind for_shape (H200, 132 SMs): the persistent launch won at
+    768 and 1152 heads, lost at 384 (one wave of the one-CTA kernel) and at 1536 and more."""
+    k = _kda()
+    pick = lambda n, sms=132: k.KdaConfig.for_shape(128, n, sms).name
+    assert [pick(n) for n in (96, 264, 384, 396, 397, 768, 1152, 1188, 1189, 1536, 6144)] == \
+        ["w16", "w16", "w4e", "w4e", "w4ep1c3", "w4ep1c3", "w4ep1c3", "w4ep1c3", "w4e", "w4e", "w4e"]
+    assert pick(768, sms=78) == "w4e" and pick(300, sms=78) == "w4ep1c3"    # waves of the device's SMs
+    with pytest.raises(ValueError, match="early_conv"):
+        k.KdaDecode(None, 128, 4, k.KdaConfig(4, False, 1, 3))
+
+
 def test_cache_key_has_no_batch_dimension():
     """The batch is a dynamic dim: the compile key holds only dtype, static shapes, variant."""
     m = _attn()
@@ -157,14 +185,22 @@ def test_attn_res_rmsnorm_matches_oracle_on_gpu(nb, bw):
     assert torch.equal(f_in["prefix"], b_in["prefix"]) and torch.equal(f_in["blocks"], b_in["blocks"])
 
 
+def _kda_variant_ids():
+    return [c.name for c in _kda().KdaConfig.all_configs()]
+
+
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("H,Dh", [(12, 128), (4, 32)])
-def test_kda_decode_matches_oracle_on_gpu(H, Dh):
+@pytest.mark.parametrize("variant", [None] + _kda_variant_ids())
+@pytest.mark.parametrize("B,H,Dh", [(3, 12, 128), (3, 4, 32), (8, 96, 128)])
+def test_kda_decode_matches_oracle_on_gpu(B, H, Dh, variant):
+    """Every launch variant (None: the dispatcher's pick) against the fp64 oracle; 8 x 96 heads puts
+    two heads on most persistent CTAs (the ring refilled, its phase flipped), g16 does so everywhere."""
     from references.kda import kda_decode as ref
     m = _kda()
+    cfg = {c.name: c for c in m.KdaConfig.all_configs()}.get(variant)
     g = torch.Generator(device="cuda").manual_seed(H)
-    B, W, C = 3, 4, H * Dh
+    W, C = 4, H * Dh
     rn = lambda *s: torch.randn(*s, generator=g, device="cuda")
     inp = dict(q_raw=rn(B, C).bfloat16(), k_raw=rn(B, C).bfloat16(), v_raw=rn(B, C).bfloat16(),
                g_raw=rn(B, C).bfloat16(), beta_raw=rn(B, H).bfloat16(), z=rn(B, C).bfloat16(),
@@ -173,7 +209,7 @@ def test_kda_decode_matches_oracle_on_gpu(H, Dh):
                lower_bound=-5.0, l2_eps=1e-6, norm_eps=1e-5)
     cl = lambda d, f: {k: (f(v) if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
     o_in, b_in, f_in = cl(inp, torch.Tensor.double), cl(inp, torch.Tensor.clone), cl(inp, torch.Tensor.clone)
-    oracle, base, y = ref(**o_in), ref(**b_in), m.kda_decode(**f_in)
+    oracle, base, y = ref(**o_in), ref(**b_in), m.kda_decode(**f_in, variant=cfg)
     ec = (y.double() - oracle).abs().amax(-1)
     eb = (base.double() - oracle).abs().amax(-1)
     assert bool((ec <= 2 * eb + oracle.abs().amax(-1) * 2.0 ** -7).all())
@@ -183,3 +219,28 @@ def test_kda_decode_matches_oracle_on_gpu(H, Dh):
     es = (f_in["state"].double() - o_in["state"]).abs().amax(-1)
     eb_state = (b_in["state"].double() - o_in["state"]).abs().amax(-1)
     assert bool((es <= 2 * eb_state + o_in["state"].abs().amax(-1) * 2.0 ** -23).all())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("B,H,Dh", [(8, 96, 128), (5, 12, 128), (7, 6, 64), (9, 4, 16)])
+def test_kda_decode_persistent_launch_is_bitwise_the_one_cta_kernel_on_gpu(B, H, Dh):
+    """bf16: the persistent launch (full grid and 16 CTAs) does the early-conv kernel's arithmetic in
+    its order, so y, state and conv_state are its bits (session 9 measured it, bench_versions)."""
+    m = _kda()
+    g = torch.Generator(device="cuda").manual_seed(B * H)
+    W, C = 4, H * Dh
+    rn = lambda *s: torch.randn(*s, generator=g, device="cuda")
+    inp = dict(q_raw=rn(B, C).bfloat16(), k_raw=rn(B, C).bfloat16(), v_raw=rn(B, C).bfloat16(),
+               g_raw=rn(B, C).bfloat16(), beta_raw=rn(B, H).bfloat16(), z=rn(B, C).bfloat16(),
+               conv_w=rn(3, C, W) / 2, conv_state=rn(B, 3, C, W - 1).bfloat16(), A_log=rn(H) / 2,
+               dt_bias=rn(C) / 3, o_norm_w=1 + rn(Dh) / 5, state=rn(B, H, Dh, Dh) / 3,
+               lower_bound=-5.0, l2_eps=1e-6, norm_eps=1e-5)
+    runs = {}
+    for cfg in (m.KdaConfig(4, True), m.KdaConfig(4, True, 1, 3), m.KdaConfig(4, True, 1, 3, 16)):
+        s = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
+        y = m.kda_decode(**s, variant=cfg)
+        runs[cfg.name] = (y, s["state"], s["conv_state"])
+    for name in ("w4ep1c3", "w4ep1c3g16"):
+        for a, b in zip(runs[name], runs["w4e"]):
+            assert torch.equal(a, b), name
