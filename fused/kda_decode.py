@@ -461,11 +461,23 @@ def _rows(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+_sm_counts: dict[int, int] = {}
+
+
+def _sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: the persistent grid is sized per launch)."""
+    idx = torch.device(device).index
+    idx = torch.cuda.current_device() if idx is None else idx
+    if idx not in _sm_counts:
+        _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_counts[idx]
+
+
 def _grid(cfg: KdaConfig, state) -> int:
     """CTAs of a persistent launch (cfg.stages > 0): min(heads, SMs x ctas_per_sm); else unused."""
     if not cfg.stages:
         return 1
-    n = min(state.shape[0] * state.shape[1], runtime.sm_count(state.device) * cfg.ctas_per_sm)
+    n = min(state.shape[0] * state.shape[1], _sm_count(state.device) * cfg.ctas_per_sm)
     return min(n, cfg.max_ctas) if cfg.max_ctas else n
 
 
@@ -476,7 +488,7 @@ def launch(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, d
     if state.shape[0] == 0:
         return
     Dh, W = state.shape[-1], conv_w.shape[-1]
-    cfg = variant or KdaConfig.for_shape(Dh, state.shape[0] * state.shape[1], runtime.sm_count(state.device))
+    cfg = variant or KdaConfig.for_shape(Dh, state.shape[0] * state.shape[1], _sm_count(state.device))
     fn = _compile(runtime.dtype_name(q_raw.dtype), Dh, W, cfg)
     fn(*(_rows(t) for t in (q_raw, k_raw, v_raw, g_raw, beta_raw, z)), conv_w.contiguous(),
        conv_state, A_log.contiguous(), dt_bias.contiguous(), o_norm_w.contiguous(), state, y,

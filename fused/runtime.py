@@ -56,20 +56,6 @@ def cutlass_dtype(name: str):
     return table[name]
 
 
-_sm_counts: dict[int, int] = {}
-
-
-def sm_count(device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached: persistent grids are sized per launch)."""
-    import torch
-
-    idx = torch.device(device).index
-    idx = torch.cuda.current_device() if idx is None else idx
-    if idx not in _sm_counts:
-        _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _sm_counts[idx]
-
-
 def dtype_name(torch_dtype) -> str:
     """"bfloat16" for torch.bfloat16: the cache key holds names, not torch objects."""
     return str(torch_dtype).removeprefix("torch.")
