@@ -3,7 +3,8 @@ certified one, `git show REV:fused/OP.py > FILE`), on the GPU.
 
 kda_decode: bitwise y, state and conv_state for every KdaConfig on a set of shapes (bf16 and fp16,
 strided activations, Dh 16..128), then CUDA-graph timings of both dispatchers and of every current
-KdaConfig at T = 1 (96 heads) and T = 8 (12 heads), B = 1..64.
+KdaConfig (and bench-only trial config) at T = 1 (96 heads) and T = 8 (12 heads), B = 1, 8, 32, 64
+(env KDA_BATCHES=1,8,12,... for others).
 attn_res_rmsnorm: prefix and blocks bitwise, out against the fp64 oracle (bench_wave1b's derived
 criterion) and its largest difference from the old version in ulps, for every AttnResConfig; then
 timings of both dispatchers and of every current config at D = 7168, B = 1..64.

@@ -23,7 +23,8 @@ comes into a shared-memory ring slot by one bulk async copy (mbarrier), is read 
 the slot is refilled with the head `stages` on before the update starts, so the next state read
 overlaps this head's chain and its state writes. With one CTA per head the CTAs of a wave run their
 chains in step and the DRAM idles between their reads and writes: on the H200 (session 9) 768 heads
-went from 77.7 to 82.7 % of copy bandwidth (T = 1, B = 8) and from 78.6 to 83.1 % (T = 8, B = 64).
+went from 77.7 to 82.7 % of copy bandwidth (T = 1, B = 8) and from 78.6 to 83.1 % (T = 8, B = 64)
+(results/gpu/s9-2026-11-30/call3_kda_versions).
 Per head it is the early_conv kernel's arithmetic in its order (bitwise equal at bf16).
 
 Measured and dropped (code in git history): a head split over a 2..8-CTA cluster by state rows
@@ -474,7 +475,8 @@ def _sm_count(device) -> int:
 
 
 def _grid(cfg: KdaConfig, state) -> int:
-    """CTAs of a persistent launch (cfg.stages > 0): min(heads, SMs x ctas_per_sm); else unused."""
+    """CTAs of a persistent launch (cfg.stages > 0): min(heads, SMs x ctas_per_sm, max_ctas if set);
+    1 (unused) for the one-CTA-per-head kernel, whose grid is (H, B)."""
     if not cfg.stages:
         return 1
     n = min(state.shape[0] * state.shape[1], _sm_count(state.device) * cfg.ctas_per_sm)
