@@ -185,6 +185,19 @@ def test_attn_res_rmsnorm_matches_oracle_on_gpu(nb, bw):
     assert torch.equal(f_in["prefix"], b_in["prefix"]) and torch.equal(f_in["blocks"], b_in["blocks"])
 
 
+def _kda_gpu_inputs(B: int, H: int, Dh: int, seed: int, W: int = 4) -> dict:
+    """kda_decode's arguments on the GPU: bf16 activations, fp32 weights and state, K3 constants."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    C = H * Dh
+    rn = lambda *s: torch.randn(*s, generator=g, device="cuda")
+    inp = dict(q_raw=rn(B, C).bfloat16(), k_raw=rn(B, C).bfloat16(), v_raw=rn(B, C).bfloat16(),
+               g_raw=rn(B, C).bfloat16(), beta_raw=rn(B, H).bfloat16(), z=rn(B, C).bfloat16(),
+               conv_w=rn(3, C, W) / 2, conv_state=rn(B, 3, C, W - 1).bfloat16(), A_log=rn(H) / 2,
+               dt_bias=rn(C) / 3, o_norm_w=1 + rn(Dh) / 5, state=rn(B, H, Dh, Dh) / 3,
+               lower_bound=-5.0, l2_eps=1e-6, norm_eps=1e-5)
+    return inp
+
+
 def _kda_variant_ids():
     return [c.name for c in _kda().KdaConfig.all_configs()]
 
@@ -202,14 +215,7 @@ def test_kda_decode_matches_oracle_on_gpu(B, H, Dh, variant):
     from references.kda import kda_decode as ref
     m = _kda()
     cfg = {c.name: c for c in m.KdaConfig.all_configs()}.get(variant)
-    g = torch.Generator(device="cuda").manual_seed(H)
-    W, C = 4, H * Dh
-    rn = lambda *s: torch.randn(*s, generator=g, device="cuda")
-    inp = dict(q_raw=rn(B, C).bfloat16(), k_raw=rn(B, C).bfloat16(), v_raw=rn(B, C).bfloat16(),
-               g_raw=rn(B, C).bfloat16(), beta_raw=rn(B, H).bfloat16(), z=rn(B, C).bfloat16(),
-               conv_w=rn(3, C, W) / 2, conv_state=rn(B, 3, C, W - 1).bfloat16(), A_log=rn(H) / 2,
-               dt_bias=rn(C) / 3, o_norm_w=1 + rn(Dh) / 5, state=rn(B, H, Dh, Dh) / 3,
-               lower_bound=-5.0, l2_eps=1e-6, norm_eps=1e-5)
+    inp = _kda_gpu_inputs(B, H, Dh, seed=H)
     cl = lambda d, f: {k: (f(v) if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
     o_in, b_in, f_in = cl(inp, torch.Tensor.double), cl(inp, torch.Tensor.clone), cl(inp, torch.Tensor.clone)
     oracle, base, y = ref(**o_in), ref(**b_in), m.kda_decode(**f_in, variant=cfg)
@@ -231,14 +237,7 @@ def test_kda_decode_persistent_launch_is_bitwise_the_one_cta_kernel_on_gpu(B, H,
     """bf16: the persistent launch (full grid and 16 CTAs) does the early-conv kernel's arithmetic in
     its order, so y, state and conv_state are its bits (session 9 measured it, bench_versions)."""
     m = _kda()
-    g = torch.Generator(device="cuda").manual_seed(B * H)
-    W, C = 4, H * Dh
-    rn = lambda *s: torch.randn(*s, generator=g, device="cuda")
-    inp = dict(q_raw=rn(B, C).bfloat16(), k_raw=rn(B, C).bfloat16(), v_raw=rn(B, C).bfloat16(),
-               g_raw=rn(B, C).bfloat16(), beta_raw=rn(B, H).bfloat16(), z=rn(B, C).bfloat16(),
-               conv_w=rn(3, C, W) / 2, conv_state=rn(B, 3, C, W - 1).bfloat16(), A_log=rn(H) / 2,
-               dt_bias=rn(C) / 3, o_norm_w=1 + rn(Dh) / 5, state=rn(B, H, Dh, Dh) / 3,
-               lower_bound=-5.0, l2_eps=1e-6, norm_eps=1e-5)
+    inp = _kda_gpu_inputs(B, H, Dh, seed=B * H)
     runs = {}
     for cfg in (m.KdaConfig(4, True), m.KdaConfig(4, True, 1, 3), m.KdaConfig(4, True, 1, 3, 16)):
         s = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
