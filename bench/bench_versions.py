@@ -85,13 +85,28 @@ def _kda_name(cfg) -> str:
     return getattr(cfg, "name", f"w{cfg.num_warps}")
 
 
+def _old_twin(old, cfg):
+    """The old version's launch to compare `cfg` with: the same-named config where the old source has
+    one; else the one-CTA kernel with the same warps and conv loading (a persistent launch does its
+    arithmetic in its order), if the old source has early_conv; else the plain one with the same warps."""
+    old_cfgs = {_kda_name(c): c for c in _kda_configs(old)}
+    if _kda_name(cfg) in old_cfgs:
+        return old_cfgs[_kda_name(cfg)]
+    early = getattr(cfg, "early_conv", False)
+    if early and "early_conv" in {f.name for f in dataclasses.fields(old.KdaConfig)}:
+        return old.KdaConfig(cfg.num_warps, True)
+    return old.KdaConfig(cfg.num_warps)
+
+
 def check_kda(new, old) -> None:
-    log("== kda_decode: current source vs --old, bitwise, every KdaConfig")
+    log("== kda_decode: current source vs --old, bitwise, every KdaConfig against its old twin (_old_twin)")
     for B, H, Dh, strided, wd in CASES:
         inp = kda_inputs(B, H, Dh, "cuda", wd=wd, seed=B * 7 + H, strided=strided)
         for cfg in _kda_configs(new):
-            a, b = run(new, inp, cfg), run(old, inp, old.KdaConfig(cfg.num_warps))
-            record("kda_decode", f"B={B} H={H} Dh={Dh} {str(wd)[6:]} strided={strided} {_kda_name(cfg)}",
+            twin = _old_twin(old, cfg)
+            a, b = run(new, inp, cfg), run(old, inp, twin)
+            record("kda_decode", f"B={B} H={H} Dh={Dh} {str(wd)[6:]} strided={strided} {_kda_name(cfg)} "
+                   f"vs old {_kda_name(twin)}",
                    [bitwise(n, x, y) for n, x, y in zip(("y", "state", "conv_state"), a, b)])
 
 

@@ -129,7 +129,9 @@ def test_configs_are_frozen_and_cover_the_dispatch():
             picks = {a.AttnResConfig.for_shape(D, bits, B) for B in range(1, 65)}
             assert picks <= set(a.AttnResConfig.all_configs(D, bits)), (D, bits)
     for Dh in KDA_DH:
-        assert {k.KdaConfig.for_shape(Dh, n) for n in range(1, 6145)} <= set(k.KdaConfig.all_configs())
+        for sms in (132, 114, 78):      # H200 / H100 PCIe / H20: the persistent range moves with the SMs
+            picks = {k.KdaConfig.for_shape(Dh, n, sms) for n in range(1, 6145)}
+            assert picks <= set(k.KdaConfig.all_configs()), (Dh, sms)
     with pytest.raises(Exception):
         a.AttnResConfig(128).num_threads = 64
 
