@@ -26,11 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from fused import runtime  # noqa: E402
-
-BK = 64
-CONSUMER_THREADS = 128
-THREADS = CONSUMER_THREADS + 32
-SMEM_PER_SM = 233472
+from fused.skinny_gemm_wgmma import BK, CONSUMER_THREADS, THREADS, stage_bytes, stages_for  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -45,7 +41,7 @@ class BopConfig:
 
     @property
     def depth(self) -> int:
-        return self.stages or min(12, (SMEM_PER_SM - 1024 - 2048) // ((64 + self.n_rows) * BK * 2))
+        return self.stages or stages_for(self.n_rows, 64, 1)     # a stage: n_rows weight + 64 token rows
 
 
 class SkinnyGemmBop:
@@ -55,6 +51,7 @@ class SkinnyGemmBop:
         self.N, self.K, self.cfg = N, K, cfg
         self.kt, self.blocks = K // BK, N // cfg.n_rows
         self.frag = 64 * cfg.n_rows // CONSUMER_THREADS
+        self.ws_numel = max(1, self.blocks * cfg.ksplit * self.frag * CONSUMER_THREADS)   # split-K partials
         self.storage = None
 
     def jit_host(self):
@@ -101,7 +98,7 @@ class SkinnyGemmBop:
         me = self
         n_rows, S, kt, frag, stages = self.cfg.n_rows, self.cfg.ksplit, self.kt, self.frag, self.cfg.depth
         warpgroup = cute.nvgpu.warpgroup
-        tx_bytes = (64 + n_rows) * BK * 2                  # OOB token rows count too
+        tx_bytes = stage_bytes(n_rows, 64)                 # OOB token rows count too
 
         @cute.jit
         def epilogue(acc, tCc, mY, mWs, mCnt, ticket, bn, ks, tidx, M):
@@ -212,7 +209,7 @@ def _compile(dtype: str, N: int, K: int, cfg: BopConfig):
     x = cute.runtime.make_fake_compact_tensor(dt, (m, K), stride_order=(1, 0), assumed_align=16)
     w = cute.runtime.make_fake_compact_tensor(dt, (N, K), stride_order=(1, 0), assumed_align=16)
     y = cute.runtime.make_fake_compact_tensor(dt, (m, N), stride_order=(1, 0), assumed_align=16)
-    ws = runtime.fake_tensor("float32", (max(1, op.blocks * cfg.ksplit * op.frag * CONSUMER_THREADS),))
+    ws = runtime.fake_tensor("float32", (op.ws_numel,))
     cnt = runtime.fake_tensor("int32", (op.blocks,))
     return runtime.compile_tvm_ffi(op.jit_host(), x, w, y, ws, cnt)
 
@@ -226,10 +223,9 @@ def gemm(x, w, cfg: BopConfig, y=None):
     N = w.shape[0]
     key = (x.device, N, K, cfg)
     if key not in _scratch:
-        frag = 64 * cfg.n_rows // CONSUMER_THREADS
-        blocks = N // cfg.n_rows
-        _scratch[key] = (torch.empty(max(1, blocks * cfg.ksplit * frag * CONSUMER_THREADS), device=x.device),
-                         torch.zeros(blocks, dtype=torch.int32, device=x.device))
+        op = SkinnyGemmBop(N, K, cfg)
+        _scratch[key] = (torch.empty(op.ws_numel, device=x.device),
+                         torch.zeros(op.blocks, dtype=torch.int32, device=x.device))
     ws, cnt = _scratch[key]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device) if y is None else y
     _compile(runtime.dtype_name(x.dtype), N, K, cfg)(x, w, y, ws, cnt)
