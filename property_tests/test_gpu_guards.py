@@ -49,3 +49,56 @@ def test_stream_ordered_candidates_pass_the_stream_guard():
         checks = {c.name: c for c in v.checks}
         assert checks["guard:stream_order"].ok, checks["guard:stream_order"].detail
         assert v.status == "pass", (label, v.stage, v.reason)
+
+
+_SCRATCH: dict = {}
+
+
+def _global_scratch(x, w):
+    """One scratch buffer per shape for every call and every stream (the sequential-only workspace
+    of a split-K GEMM, say): the product lands in it, a ~1 ms kernel widens the window, the result is
+    copied out. Alone, sequential, on one side stream or in a graph it is right."""
+    key = (tuple(x.shape), tuple(w.shape), x.dtype, x.device)
+    buf = _SCRATCH.setdefault(key, torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device))
+    torch.matmul(x, w.T, out=buf)
+    torch.cuda._sleep(2_000_000)
+    return buf.clone()
+
+
+def _per_stream_scratch(x, w):
+    """The same, with one scratch buffer per (shape, stream): what fused/skinny_gemm_wgmma.py does."""
+    key = (tuple(x.shape), tuple(w.shape), x.dtype, x.device, torch.cuda.current_stream().cuda_stream)
+    buf = _SCRATCH.setdefault(key, torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device))
+    torch.matmul(x, w.T, out=buf)
+    torch.cuda._sleep(2_000_000)
+    return buf.clone()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_workspace_shared_by_all_streams_is_rejected_and_one_per_stream_passes():
+    bad = evaluate_case(get_op("skinny_gemm"), CASE, _global_scratch, "mymod:global_scratch", "cuda")
+    checks = {c.name: c for c in bad.checks}
+    assert bad.status == "fail" and not checks["guard:concurrent"].ok, (bad.stage, bad.reason)
+    for name, c in checks.items():      # nothing else sees it
+        if name.startswith("guard:") and name != "guard:concurrent":
+            assert c.ok, (name, c.detail)
+    good = evaluate_case(get_op("skinny_gemm"), CASE, _per_stream_scratch, "mymod:per_stream", "cuda")
+    assert good.status == "pass", (good.stage, good.reason)
+    assert {c.name: c for c in good.checks}["guard:concurrent"].ok
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("opname,config,batch", [
+    ("skinny_gemm", "k3", 5), ("skinny_gemm", "small", 3), ("kda_decode", "k3", 5), ("router_topk", "k3", 9),
+    ("mxfp4_dequant", "small", 1), ("attn_res_rmsnorm", "k3", 4), ("mla_cache_write", "small", 6)])
+def test_the_fused_kernels_pass_the_concurrent_guard(opname, config, batch):
+    """Our own kernels: split-K workspaces are per stream, the persistent kda launch (480 heads at k3)
+    and the cooperative spread fold wait on nothing another launch can hold."""
+    from verify.candidates import Candidate
+    op = get_op(opname)
+    fn = Candidate("fused").resolve(op, "cuda")
+    v = evaluate_case(op, Case(opname, 3, batch, config, "bfloat16", op.dists[0], 1), fn, "fused", "cuda")
+    c = {c.name: c for c in v.checks}.get("guard:concurrent")
+    assert c is not None and c.ok, (v.stage, v.reason, c and c.detail)

@@ -69,11 +69,16 @@ class _Placed:
             self.kwargs["out"] = tuple(self.outs[n].view for n in op.outputs) if len(op.outputs) > 1 \
                 else self.outs[op.outputs[0]].view
 
-    def call(self, fn, params: dict):
-        """The candidate on these tensors, with the allocator poisoned; raises what it raises."""
+    def launch(self, fn, params: dict):
+        """The candidate on these tensors, with the allocator poisoned, not waited for (the caller
+        synchronizes); raises what it raises."""
         guards.poison_allocator([self.expected[n] for n in self.op.outputs], self.device)
         with guards.poisoned_empty():
-            returned = fn(**self.kwargs, **params)
+            return fn(**self.kwargs, **params)
+
+    def call(self, fn, params: dict):
+        """launch(), then wait for the device."""
+        returned = self.launch(fn, params)
         if str(self.device).startswith("cuda"):
             torch.cuda.synchronize()
         return returned
@@ -297,11 +302,12 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
     if refresh:
         checks.append(refreshed_inputs_check(op, spec, fn, inputs, other, device))
     if str(device).startswith("cuda") and spec.claims.deterministic:
-        from verify.gpu_guards import cuda_graph_check, side_stream_check, stream_order_check
+        from verify.gpu_guards import concurrent_check, cuda_graph_check, side_stream_check, stream_order_check
 
         checks += [side_stream_check(fn, op, dinputs, base, first, device), cuda_graph_check(fn, op, dinputs, first, device)]
         if other is not None:
             checks.append(stream_order_check(fn, op, dinputs, other[1], base, first, device))
+            checks.append(concurrent_check(fn, op, dinputs, other[1], base, first, device))
     if not strided_run:
         return checks
     strided = guarded_call(fn, op, dinputs, base, device, strided=True)

@@ -1,7 +1,8 @@
 """GPU-only guards: the candidate launched on a side stream and captured in a CUDA graph must give
 the same bits as a plain launch (a kernel that ignores the caller's stream, or allocates, syncs or
-reads host state during capture, fails here); and its work must be ordered on the caller's stream
-(`stream_order_check`)."""
+reads host state during capture, fails here); its work must be ordered on the caller's stream
+(`stream_order_check`); and two of its calls in flight at once on two streams must each give their
+own bits (`concurrent_check`)."""
 from __future__ import annotations
 
 import torch
@@ -86,3 +87,51 @@ def stream_order_check(fn, op, dinputs: OpInputs, other: OpInputs, base: dict, f
     return Check(name, not diff, f"{', '.join(diff)} differ when the caller's stream is busy: work not "
                  "ordered on the caller's stream read the inputs before they were written" if diff
                  else "work ordered on the caller's stream")
+
+
+CONCURRENT_ROUNDS = 3
+
+
+def concurrent_check(fn, op, dinputs: OpInputs, other: OpInputs, base: dict, first: dict, device) -> Check:
+    """guard:concurrent: two calls in flight at once, each on tensors of its own: this case's values
+    on a low-priority stream, another case's (same shapes) on a high-priority one, both held back by
+    equal sleeps so they start together, in CONCURRENT_ROUNDS rounds with the second start moved a
+    little later each round. Each must give the bits it gives alone. A decode layer runs the shared
+    expert on a side stream beside the routed ones: a candidate that keeps one workspace, counter or
+    output buffer for every call (not one per stream or per call) mixes the two calls' data here,
+    while sequential calls, a single side-stream call and a graph replay all pass; one whose CTAs
+    spin on other CTAs of the same launch can deadlock when the other launch holds SMs (the
+    per-case timeout reports that when candidates run isolated, the default)."""
+    name = "guard:concurrent"
+    alone = guarded_call(fn, op, other, base, device)            # the other values' own bits, sequential
+    if alone.error:
+        return Check(name, False, f"a call on another case's values raised {alone.error}")
+    second = {k: v.clone() for k, v in alone.results.items()}
+    cur = torch.cuda.current_stream()
+    low, high = torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-1)
+    for r in range(CONCURRENT_ROUNDS):
+        a = _Placed(fn, op, dinputs, base, device)
+        b = _Placed(fn, op, other, base, device)
+        low.wait_stream(cur)
+        high.wait_stream(cur)
+        try:
+            with torch.cuda.stream(low):
+                torch.cuda._sleep(SLEEP_CYCLES // 10)
+                ret_a = a.launch(fn, dinputs.params)
+            with torch.cuda.stream(high):
+                torch.cuda._sleep(SLEEP_CYCLES // 10 + r * 20_000)      # 0, ~10, ~20 us later
+                ret_b = b.launch(fn, other.params)
+            torch.cuda.synchronize()
+        except Exception as e:
+            return Check(name, False, f"two calls in flight on two streams raised {_one_line(e)}")
+        for label, placed, ret, want in (("this case", a, ret_a, first), ("the other case", b, ret_b, second)):
+            results, checks = placed.outputs(ret)
+            bad = [c for c in checks + placed.unwritten(results) if not c.ok]
+            if bad:
+                return Check(name, False, f"round {r}, {label}: " + "; ".join(f"{c.name}: {c.detail}" for c in bad))
+            diff = _same(want, results)
+            if diff:
+                return Check(name, False, f"{', '.join(diff)} of {label} differ when another call runs at the "
+                             f"same time on another stream (round {r}): state shared across calls (one "
+                             "workspace, counter or buffer for all streams) mixes their data")
+    return Check(name, True, f"{CONCURRENT_ROUNDS} rounds of two calls in flight on two streams: each bitwise its own")
