@@ -174,20 +174,11 @@ class KdaDecode:
         else:
             self.conv_and_gate(mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, sQKV, sAlpha,
                                lower_bound, b, h, tidx)
-        beta = _sigmoid(beta_raw.to(Float32))
-        sig = cute.make_rmem_tensor(self.n_y, Float32)
-        for i in cutlass.range_constexpr(self.n_y):
-            sig[i] = _sigmoid(zr[i].to(Float32))
+        beta, sig = self.gates(beta_raw, zr)
         cute.arch.sync_threads()
         self.update_rows(st, gS, sQKV, sAlpha, sO, beta, l2_eps, warp, lane)
         cute.arch.sync_threads()
-        # 5. gated RMSNorm: y = o * rsqrt(mean o^2 + eps) * w * sigmoid(z)
-        rstd = cute.math.rsqrt(self.warp_sum_sq(sO, None, lane) / Dh + norm_eps)
-        for i in cutlass.range_constexpr(self.n_y):
-            c = i * self.num_threads + tidx
-            if c < Dh:
-                y = sO[c] * rstd * nw[i] * sig[i]
-                mY[b, h * Dh + c] = y.to(mY.element_type)
+        self.gated_norm_out(sO, nw, sig, mY, b, h, tidx, lane, norm_eps)
 
     @cute.kernel
     def pipe_kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
@@ -242,10 +233,7 @@ class KdaDecode:
                 if const_expr(self.even) or v < Dh:
                     st[None, p].store(sS[None, (v, lane % self.lanes_per_row)].load())
             self.conv_from_registers(xr, wr, orr, a_h, mConvS, sQKV, sAlpha, lower_bound, b, h, tidx)
-            beta = _sigmoid(beta_raw.to(Float32))
-            sig = cute.make_rmem_tensor(self.n_y, Float32)
-            for i in cutlass.range_constexpr(self.n_y):
-                sig[i] = _sigmoid(zr[i].to(Float32))
+            beta, sig = self.gates(beta_raw, zr)
             cute.arch.sync_threads()          # sQKV / sAlpha written, the ring slot read
             if tidx == 0:
                 if j + S < n_local:
@@ -253,12 +241,27 @@ class KdaDecode:
             gS = cute.zipped_divide(mState[b, h, None, None], (1, 4))
             self.update_rows(st, gS, sQKV, sAlpha, sO, beta, l2_eps, warp, lane)
             cute.arch.sync_threads()          # sO is whole
-            rstd = cute.math.rsqrt(self.warp_sum_sq(sO, None, lane) / Dh + norm_eps)
-            for i in cutlass.range_constexpr(self.n_y):
-                c = i * self.num_threads + tidx
-                if c < Dh:
-                    y = sO[c] * rstd * nw[i] * sig[i]
-                    mY[b, h * Dh + c] = y.to(mY.element_type)
+            self.gated_norm_out(sO, nw, sig, mY, b, h, tidx, lane, norm_eps)
+
+    @cute.jit
+    def gates(self, beta_raw, zr):
+        """beta = sigmoid(beta_raw) and this thread's output gates sigmoid(z)."""
+        beta = _sigmoid(beta_raw.to(Float32))
+        sig = cute.make_rmem_tensor(self.n_y, Float32)
+        for i in cutlass.range_constexpr(self.n_y):
+            sig[i] = _sigmoid(zr[i].to(Float32))
+        return beta, sig
+
+    @cute.jit
+    def gated_norm_out(self, sO, nw, sig, mY, b, h, tidx, lane, norm_eps):
+        """5. gated RMSNorm of the whole read-out sO: y = o * rsqrt(mean o^2 + eps) * w * sigmoid(z),
+        this thread's channels of head (b, h)."""
+        rstd = cute.math.rsqrt(self.warp_sum_sq(sO, None, lane) / self.Dh + norm_eps)
+        for i in cutlass.range_constexpr(self.n_y):
+            c = i * self.num_threads + tidx
+            if c < self.Dh:
+                y = sO[c] * rstd * nw[i] * sig[i]
+                mY[b, h * self.Dh + c] = y.to(mY.element_type)
 
     @cute.jit
     def norm_operands(self, mZ, mNormW, b, h, tidx):
@@ -462,24 +465,12 @@ def _rows(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-_sm_counts: dict[int, int] = {}
-
-
-def _sm_count(device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached: the persistent grid is sized per launch)."""
-    idx = torch.device(device).index
-    idx = torch.cuda.current_device() if idx is None else idx
-    if idx not in _sm_counts:
-        _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _sm_counts[idx]
-
-
 def _grid(cfg: KdaConfig, state) -> int:
     """CTAs of a persistent launch (cfg.stages > 0): min(heads, SMs x ctas_per_sm, max_ctas if set);
     1 (unused) for the one-CTA-per-head kernel, whose grid is (H, B)."""
     if not cfg.stages:
         return 1
-    n = min(state.shape[0] * state.shape[1], _sm_count(state.device) * cfg.ctas_per_sm)
+    n = min(state.shape[0] * state.shape[1], runtime.sm_count(state.device) * cfg.ctas_per_sm)
     return min(n, cfg.max_ctas) if cfg.max_ctas else n
 
 
@@ -490,7 +481,7 @@ def launch(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, d
     if state.shape[0] == 0:
         return
     Dh, W = state.shape[-1], conv_w.shape[-1]
-    cfg = variant or KdaConfig.for_shape(Dh, state.shape[0] * state.shape[1], _sm_count(state.device))
+    cfg = variant or KdaConfig.for_shape(Dh, state.shape[0] * state.shape[1], runtime.sm_count(state.device))
     fn = _compile(runtime.dtype_name(q_raw.dtype), Dh, W, cfg)
     fn(*(_rows(t) for t in (q_raw, k_raw, v_raw, g_raw, beta_raw, z)), conv_w.contiguous(),
        conv_state, A_log.contiguous(), dt_bias.contiguous(), o_norm_w.contiguous(), state, y,

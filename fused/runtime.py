@@ -6,6 +6,7 @@
   `compile_cache(op)` decorates a tensor-free `_compile(*static)` builder; `cache_info()` counts hits,
   misses and entries so a test can prove a new batch size does not recompile.
 - `compile_for_cpu_check(op, *static)` compiles a registered builder without a GPU (CI).
+- `sm_count(device)`: the device's SM count, cached.
 - `register_op(name, mutates_args)` makes a destination-passing `verify_kernels::<name>` custom op
   with a no-op fake impl, so torch.compile and CUDA graphs can hold the launch.
 - Kernels are compiled with TVM-FFI and an env stream: a launch runs on the caller's current
@@ -152,6 +153,21 @@ def register_op(name: str, mutates_args: tuple[str, ...]):
         return op
 
     return deco
+
+
+_sm_counts: dict[int, int] = {}
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device, cached (persistent and resident grids are sized
+    per launch from it)."""
+    import torch
+
+    idx = torch.device(device).index
+    idx = torch.cuda.current_device() if idx is None else idx
+    if idx not in _sm_counts:
+        _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_counts[idx]
 
 
 def require_cuda(name: str, t) -> None:

@@ -520,10 +520,7 @@ def resident_or_vec(device, N: int, cfg: SkinnyGemmWgmmaConfig) -> SkinnyGemmWgm
         return cfg
     import dataclasses
 
-    import torch
-
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if num_ctas(N, cfg) <= sms * cfg.occupancy:
+    if num_ctas(N, cfg) <= runtime.sm_count(device) * cfg.occupancy:
         return cfg
     return dataclasses.replace(cfg, fold="vec")
 

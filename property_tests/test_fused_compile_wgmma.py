@@ -140,15 +140,12 @@ def test_spread_fold_runs_as_vec_where_the_grid_cannot_be_resident(monkeypatch):
     """On a Hopper part with fewer SMs than the H200's 132 (H100 PCIe: 114; H20: 78) the spinning
     "spread" fold could wait forever for a CTA that cannot be scheduled: it runs as "vec" there."""
     import dataclasses
-    import types
 
-    import torch
-
+    from fused import runtime
     from fused import skinny_gemm_wgmma as wg
     cfg = wg.SkinnyGemmWgmmaConfig(64, 64, 12, 9, 1, "spread")                      # 126 CTAs
     for sms, fold in ((132, "spread"), (126, "spread"), (125, "vec"), (114, "vec"), (78, "vec")):
-        monkeypatch.setattr(torch.cuda, "get_device_properties",
-                            lambda dev, n=sms: types.SimpleNamespace(multi_processor_count=n))
+        monkeypatch.setattr(runtime, "sm_count", lambda dev, n=sms: n)
         assert wg.resident_or_vec("cuda:0", 896, cfg) == dataclasses.replace(cfg, fold=fold), sms
     last = dataclasses.replace(cfg, fold="last")
     assert wg.resident_or_vec("cuda:0", 896, last) is last
@@ -401,3 +398,23 @@ def test_two_spread_launches_on_two_streams_do_not_wait_on_each_other():
         pytest.fail("two spread launches on two streams hung (child killed after 120 s)")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "done 640 rounds" in r.stdout and "bitwise=True" in r.stdout, r.stdout[-2000:]
+
+
+def test_sm_count_is_read_once_per_device(monkeypatch):
+    """runtime.sm_count: the device's SM count (the persistent kda grid and the resident check of the
+    spread fold size themselves from it), read from the driver once per device index."""
+    import types
+
+    import torch
+
+    from fused import runtime
+    calls = []
+
+    def props(idx):
+        calls.append(idx)
+        return types.SimpleNamespace(multi_processor_count=100 + idx)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    monkeypatch.setattr(runtime, "_sm_counts", {})
+    assert [runtime.sm_count(d) for d in ("cuda:1", torch.device("cuda", 1), "cuda:3")] == [101, 101, 103]
+    assert calls == [1, 3]
