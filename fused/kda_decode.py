@@ -319,6 +319,16 @@ class KdaDecode:
                     sO[v] = o.to(self.dtype).to(Float32)
 
     @cute.jit
+    def conv_input(self, mQ, mK, mV, b, i, ch):
+        """Channel ch of token b's conv input i (0, 1, 2: q, k, v)."""
+        x = mQ[b, ch]
+        if i == 1:
+            x = mK[b, ch]
+        if i == 2:
+            x = mV[b, ch]
+        return x
+
+    @cute.jit
     def conv_and_gate(self, mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, sQKV, sAlpha,
                       lower_bound, b, h, tidx):
         Dh, W = self.Dh, self.W
@@ -328,11 +338,7 @@ class KdaDecode:
             i, c = t // Dh, t % Dh                      # i = 0,1,2: q,k,v conv; 3: gate
             ch = h * Dh + c
             if t < 3 * Dh:
-                x = mQ[b, ch]
-                if i == 1:
-                    x = mK[b, ch]
-                if i == 2:
-                    x = mV[b, ch]
+                x = self.conv_input(mQ, mK, mV, b, i, ch)
                 w = mConvW[i, ch, None].load()
                 acc = x.to(Float32) * w[W - 1]
                 for j in cutlass.range_constexpr(W - 1):
@@ -365,12 +371,7 @@ class KdaDecode:
             i, c = t // Dh, t % Dh
             ch = h * Dh + c
             if t < 3 * Dh:
-                x = mQ[b, ch]
-                if i == 1:
-                    x = mK[b, ch]
-                if i == 2:
-                    x = mV[b, ch]
-                xr[it] = x
+                xr[it] = self.conv_input(mQ, mK, mV, b, i, ch)
                 w = mConvW[i, ch, None].load()
                 for j in cutlass.range_constexpr(W):
                     wr[j, it] = w[j]
