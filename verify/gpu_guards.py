@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from verify.evaluate import _one_line, _Placed, guarded_call
+from verify.evaluate import _one_line, _Placed, guarded_call, run_plain
 from verify.opdef import OpInputs
 from verify.verdict import Check
 
@@ -102,8 +102,14 @@ def concurrent_check(fn, op, dinputs: OpInputs, other: OpInputs, base: dict, fir
     while sequential calls, a single side-stream call and a graph replay all pass; one whose CTAs
     spin on other CTAs of the same launch can deadlock when the other launch holds SMs (the
     per-case timeout reports that when candidates run isolated, the default)."""
+    from verify.candidates import reference_fn
+
     name = "guard:concurrent"
-    alone = guarded_call(fn, op, other, base, device)            # the other values' own bits, sequential
+    # The other call is held to the other values' own reference: a hole (poison left in an output)
+    # is NaN where that reference is finite, and the other values may give NaN where this case's
+    # do not (an E8M0 scale of 0xFF, say).
+    base2 = run_plain(reference_fn(op), op, other, device)
+    alone = guarded_call(fn, op, other, base2, device)           # the other values' own bits, sequential
     if alone.error:
         return Check(name, False, f"a call on another case's values raised {alone.error}")
     second = {k: v.clone() for k, v in alone.results.items()}
@@ -111,7 +117,7 @@ def concurrent_check(fn, op, dinputs: OpInputs, other: OpInputs, base: dict, fir
     low, high = torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-1)
     for r in range(CONCURRENT_ROUNDS):
         a = _Placed(fn, op, dinputs, base, device)
-        b = _Placed(fn, op, other, base, device)
+        b = _Placed(fn, op, other, base2, device)
         low.wait_stream(cur)
         high.wait_stream(cur)
         try:
