@@ -74,3 +74,38 @@ def test_jobs_with_changed_since_carry_the_unchanged_ops(tmp_path):
     cert = json.loads((tmp_path / "again" / "certificate.json").read_text())
     assert set(cert["ops"]) == {"mxfp4_dequant", "mla_cache_write"}
     assert all("carried_from" in v for e in cert["ops"].values() for v in e["verdicts"].values())
+
+
+def test_children_share_the_cores(tmp_path, monkeypatch):
+    """Each child's CPU thread pools get cores // jobs threads (unset, 16 torch children on a 32-core
+    host each start 32 OpenMP threads); a value the user set passes through unchanged."""
+    from verify import parallel
+    for v in parallel.THREAD_VARS:
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
+    assert parallel.child_threads(16) == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+    assert parallel.child_threads(48) == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    assert parallel.child_threads(16) == {}
+    monkeypatch.undo()
+
+    mod = tmp_path / "mods"
+    mod.mkdir()
+    (mod / "vk_threads.py").write_text(
+        "import os, torch\n"
+        "from references.mxfp4 import mxfp4_dequant\n"
+        "def dequant(packed, scale, out_dtype='bfloat16'):\n"
+        "    with open(os.environ['VK_THREADS_LOG'], 'a') as f:\n"
+        "        f.write(f\"{os.environ.get('OMP_NUM_THREADS')} {torch.get_num_threads()}\\n\")\n"
+        "    return mxfp4_dequant(packed, scale, out_dtype)\n")
+    log = tmp_path / "threads.log"
+    env = {k: v for k, v in os.environ.items() if k not in parallel.THREAD_VARS}
+    env.update(VK_THREADS_LOG=str(log), PYTHONPATH=os.pathsep.join([str(ROOT), str(mod)]))
+    r = subprocess.run([sys.executable, "-m", "verify.cli", "run", "--ops", "mxfp4_dequant,mla_cache_write",
+                        "--candidate", "vk_threads:dequant", "--profile", "quick", "--examples", "2",
+                        "--no-isolate", "--jobs", "2", "--out", "out"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode in (0, 1), r.stdout + r.stderr
+    want = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    seen = set(log.read_text().split("\n")) - {""}
+    assert seen == {f"{want} {want}"}, seen

@@ -11,7 +11,8 @@ the child's exit status and log named; what it finished is kept.
 `--shards K` splits each op further: the parent draws the op's cases as the certification would
 (`certify.draw_cases`, nothing judged) and deals them round-robin to K children
 (`--case-list`, logs OUT/jobs/OP.shardK/), which judge them at once on the op's GPU: CuTe DSL
-compiles, input building and the harness's host work run in K processes instead of one. When the
+compiles, input building and the harness's host work run in K processes instead of one. Each
+child's CPU thread pools share the host's cores (`child_threads`). When the
 K have exited, their case lines are joined into OUT/jobs/OP/run.jsonl and the op's own child runs
 with `--resume`: hypothesis replays the judged cases from that memo, judges any case the dry draw
 did not foresee (a draw after a vacuous case can differ), shrinks a failure and writes the op's
@@ -45,6 +46,20 @@ def child_argv(argv: list[str], ops: list[str], out: Path) -> list[str]:
     if kept and kept[0] == "run":
         kept = kept[1:]
     return [sys.executable, "-m", "verify.cli", "run", *kept, "--ops", ",".join(ops), "--out", str(out)]
+
+
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def child_threads(jobs: int) -> dict[str, str]:
+    """Intra-op CPU threads per child: the cores this process may use, shared by the `jobs`
+    children (at least 1 each). Unset, every child's torch takes all the cores, and 16 children
+    on a 32-core host run 512 busy-waiting OpenMP threads. A value the user set is kept."""
+    if any(v in os.environ for v in THREAD_VARS):
+        return {}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = str(max(1, cores // max(1, jobs)))
+    return {v: n for v in THREAD_VARS}
 
 
 def visible_gpus(device: str) -> list[str]:
@@ -93,7 +108,7 @@ def run_jobs(argv: list[str], op_names: list[str], candidates: list[str], jobs: 
     problems, by_pair, cases = [], {}, {}
 
     def start(slot: int, name: str, task: str, extra: list[str]) -> None:
-        env = dict(os.environ)
+        env = {**os.environ, **child_threads(jobs)}
         if gpus:
             # an op's shards and its final child share the op's GPU; ops round-robin over the GPUs
             env["CUDA_VISIBLE_DEVICES"] = gpu_of[name] if dealt and shards > 1 else gpus[slot % len(gpus)]
