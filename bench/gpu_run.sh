@@ -54,8 +54,10 @@ for g in "${!lane[@]}"; do (
     set -- $(cmd_for "${j%@*}"); limit=$1; shift; [ "${j#*@}" != "$j" ] && limit=${j#*@}; t0=$(date +%s)
     n=${j%@*}; if [ -f "${RESUME_DIR:-results/gpu/resume}/$n/run.jsonl" ] && [ "${n#cert_}" != "$n" ]; then
       mkdir -p "$R/$n"; cp "${RESUME_DIR:-results/gpu/resume}/$n/run.jsonl" "$R/$n/"; set -- "$@" --resume; fi   # a cut run goes on
-    if [ "$n" = certall ] && [ -d "${RESUME_DIR:-results/gpu/resume}/certall/jobs" ]; then     # its per-op/shard logs
-      mkdir -p "$R/certall"; cp -r "${RESUME_DIR:-results/gpu/resume}/certall/jobs" "$R/certall/"; set -- "$@" --resume; fi
+    jobs_from=${RESUME_JOBS:-${RESUME_DIR:-results/gpu/resume}/certall/jobs}   # RESUME_JOBS: a recorded jobs/ dir
+    if [ "$n" = certall ] && [ -d "$jobs_from" ]; then     # its per-op/shard logs (xz-compressed ones unpacked)
+      mkdir -p "$R/certall"; cp -r "$jobs_from" "$R/certall/"; find "$R/certall/jobs" -name '*.xz' -exec xz -df {} +
+      set -- "$@" --resume; fi
     if [ "$n" = certall ]; then gpus=${CERTALL_GPUS:-$(seq -s, 0 $((NG - 1)))}; else gpus=$g; fi   # certall: every GPU (or CERTALL_GPUS)
     CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" "$@" > "$R/${j%@*}.log" 2>&1
     echo "$j gpu=$g rc=$? $(( $(date +%s) - t0 ))s" >> "$R/env.txt"
