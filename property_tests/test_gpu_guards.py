@@ -54,36 +54,39 @@ def test_stream_ordered_candidates_pass_the_stream_guard():
 _SCRATCH: dict = {}
 
 
-def _global_scratch(x, w):
-    """One scratch buffer per shape for every call and every stream (the sequential-only workspace
-    of a split-K GEMM, say): the product lands in it, a ~1 ms kernel widens the window, the result is
-    copied out. Alone, sequential, on one side stream or in a graph it is right."""
-    key = (tuple(x.shape), tuple(w.shape), x.dtype, x.device)
-    buf = _SCRATCH.setdefault(key, torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device))
-    torch.matmul(x, w.T, out=buf)
-    torch.cuda._sleep(2_000_000)
-    return buf.clone()
+def _scratch_gemm(per_stream: bool):
+    """A GEMM through one scratch buffer per shape (the sequential-only workspace of a split-K GEMM,
+    say), or per (shape, stream) as fused/skinny_gemm_wgmma.py keeps it: the product lands in it, a
+    ~1 ms kernel widens the window, the result is copied out. Alone, sequential, on one side stream
+    or in a graph both are right."""
+    def gemm(x, w):
+        key = (tuple(x.shape), tuple(w.shape), x.dtype, x.device,
+               torch.cuda.current_stream().cuda_stream if per_stream else None)
+        buf = _SCRATCH.setdefault(key, torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device))
+        torch.matmul(x, w.T, out=buf)
+        torch.cuda._sleep(2_000_000)
+        return buf.clone()
+    return gemm
 
 
-def _per_stream_scratch(x, w):
-    """The same, with one scratch buffer per (shape, stream): what fused/skinny_gemm_wgmma.py does."""
-    key = (tuple(x.shape), tuple(w.shape), x.dtype, x.device, torch.cuda.current_stream().cuda_stream)
-    buf = _SCRATCH.setdefault(key, torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device))
-    torch.matmul(x, w.T, out=buf)
-    torch.cuda._sleep(2_000_000)
-    return buf.clone()
+def _concurrent_guard(opname: str, case: Case):
+    """The fused kernel's verdict on `case` and its guard:concurrent check (None if not run)."""
+    from verify.candidates import Candidate
+    op = get_op(opname)
+    v = evaluate_case(op, case, Candidate("fused").resolve(op, "cuda"), "fused", "cuda")
+    return v, {c.name: c for c in v.checks}.get("guard:concurrent")
 
 
 @pytest.mark.gpu
 @needs_gpu
 def test_a_workspace_shared_by_all_streams_is_rejected_and_one_per_stream_passes():
-    bad = evaluate_case(get_op("skinny_gemm"), CASE, _global_scratch, "mymod:global_scratch", "cuda")
+    bad = evaluate_case(get_op("skinny_gemm"), CASE, _scratch_gemm(False), "mymod:global_scratch", "cuda")
     checks = {c.name: c for c in bad.checks}
     assert bad.status == "fail" and not checks["guard:concurrent"].ok, (bad.stage, bad.reason)
     for name, c in checks.items():      # nothing else sees it
         if name.startswith("guard:") and name != "guard:concurrent":
             assert c.ok, (name, c.detail)
-    good = evaluate_case(get_op("skinny_gemm"), CASE, _per_stream_scratch, "mymod:per_stream", "cuda")
+    good = evaluate_case(get_op("skinny_gemm"), CASE, _scratch_gemm(True), "mymod:per_stream", "cuda")
     assert good.status == "pass", (good.stage, good.reason)
     assert {c.name: c for c in good.checks}["guard:concurrent"].ok
 
@@ -96,11 +99,7 @@ def test_a_workspace_shared_by_all_streams_is_rejected_and_one_per_stream_passes
 def test_the_fused_kernels_pass_the_concurrent_guard(opname, config, batch):
     """Our own kernels: split-K workspaces are per stream, the persistent kda launch (480 heads at k3)
     and the cooperative spread fold wait on nothing another launch can hold."""
-    from verify.candidates import Candidate
-    op = get_op(opname)
-    fn = Candidate("fused").resolve(op, "cuda")
-    v = evaluate_case(op, Case(opname, 3, batch, config, "bfloat16", op.dists[0], 1), fn, "fused", "cuda")
-    c = {c.name: c for c in v.checks}.get("guard:concurrent")
+    v, c = _concurrent_guard(opname, Case(opname, 3, batch, config, "bfloat16", get_op(opname).dists[0], 1))
     assert c is not None and c.ok, (v.stage, v.reason, c and c.detail)
 
 
@@ -113,10 +112,6 @@ def test_the_concurrent_guard_holds_the_other_call_to_its_own_reference(seed, ba
     "w: 32 elements unwritten or NaN" in the other call. The other values' E8M0 scales give NaN
     blocks where this case's are finite, and the guard had held the other call to this case's
     reference. The other call is now held to its own."""
-    from verify.candidates import Candidate
-    op = get_op("mxfp4_dequant")
-    fn = Candidate("fused").resolve(op, "cuda")
-    v = evaluate_case(op, Case("mxfp4_dequant", seed, batch, config, dtype, "wide_range", 1), fn, "fused", "cuda")
-    c = {c.name: c for c in v.checks}.get("guard:concurrent")
+    v, c = _concurrent_guard("mxfp4_dequant", Case("mxfp4_dequant", seed, batch, config, dtype, "wide_range", 1))
     assert c is not None and c.ok, (v.stage, v.reason, c and c.detail)
     assert v.status == "pass", (v.stage, v.reason)
