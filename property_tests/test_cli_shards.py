@@ -95,3 +95,77 @@ def test_sharded_run_resumes_after_a_cut(tmp_path):
     assert "judged 0 listed cases" in (jobs / "skinny_gemm.shard0.log").read_text()
     second = json.loads((tmp_path / "sh" / "certificate.json").read_text())
     assert _cases(first, "skinny_gemm", "reference") == _cases(second, "skinny_gemm", "reference")
+
+
+_DRAW = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+if sys.argv[2] == "after":
+    import many_constants  # noqa: F401  (a local module full of integer constants)
+from verify.candidates import Candidate
+from verify.cases import get_profile
+from verify.certify import RunOptions, draw_cases
+from verify.registry import get_op
+opts = RunOptions(device="cpu", profile=get_profile("release"), examples=120)
+print(json.dumps(draw_cases(get_op("attn_res_rmsnorm"), Candidate("reference"), opts)))
+"""
+
+
+def test_the_draw_does_not_depend_on_the_modules_imported(tmp_path):
+    """A seed draws the same cases whatever else the process imported: a sharded run deals from the
+    parent's dry draw, the op's own child and a --resume replay draw again in other processes, and a
+    certificate's cases must be reproducible from its seed. (Hypothesis mixes constants of every
+    non-site-packages module in sys.modules into its draws; on the device the CuTe DSL bundle lies
+    outside site-packages.)"""
+    (tmp_path / "many_constants.py").write_text(
+        "TABLE = (" + ", ".join(str(7919 * i + 104729 * i * i) for i in range(1, 300)) + ")\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    draws = [subprocess.run([sys.executable, "-c", _DRAW, str(tmp_path), when], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600) for when in ("before", "after")]
+    for d in draws:
+        assert d.returncode == 0, d.stderr
+    a, b = (json.loads(d.stdout.strip().splitlines()[-1]) for d in draws)
+    assert len(a) >= 100 and a == b
+
+
+def test_a_case_logged_twice_counts_once():
+    """Two shards of different deals may both judge a case: the op's cases count it once, and where the
+    two verdicts differ the failing one stands."""
+    op = get_op("skinny_gemm")
+    opts = RunOptions(device="cpu", profile=get_profile("quick"), examples=3)
+    plain = certify_op(op, Candidate("reference"), opts)
+    case = draw_cases(op, Candidate("reference"), opts)[0]
+    ok = CaseVerdict("skinny_gemm", "reference", case, "pass", "", "", (), 0.1)
+    twice = certify_op(op, Candidate("reference"), opts, judged=[ok, ok])
+    assert (twice.status, twice.cases_run, twice.cases_passed) == (plain.status, plain.cases_run, plain.cases_passed)
+    bad = CaseVerdict("skinny_gemm", "reference", case, FAIL, "compare:y", "planted: the second shard's verdict", (), 0.1)
+    v = certify_op(op, Candidate("reference"), opts, judged=[ok, bad])
+    assert v.status == FAIL and "the second shard's verdict" in v.reason
+
+
+def test_a_resume_keeps_each_shards_recorded_deal_and_joins_overlaps_once(tmp_path):
+    """A cut sharded run resumed: each shard goes on with the cases it was dealt (its recorded list),
+    not a fresh deal, so no case is judged again; a case line two shard logs both hold counts once."""
+    common = ["--ops", "skinny_gemm", "--candidate", "reference", "--profile", "ci", "--examples", "8",
+              "--no-isolate", "--jobs", "2", "--shards", "2", "--out", "sh"]
+    assert _cli(common, tmp_path).returncode == 0
+    first = json.loads((tmp_path / "sh" / "certificate.json").read_text())
+    jobs = tmp_path / "sh" / "jobs"
+    (jobs / "skinny_gemm" / "run.jsonl").unlink()
+    # an earlier deal that a fresh one would not repeat: the two shards' lists and logs swapped
+    for suffix in (".cases.json", ""):
+        a, b, t = (jobs / f"skinny_gemm.shard{k}{suffix}" for k in ("0", "1", "x"))
+        a.rename(t), b.rename(a), t.rename(b)
+    # and one case both shards judged
+    log0, log1 = jobs / "skinny_gemm.shard0" / "run.jsonl", jobs / "skinny_gemm.shard1" / "run.jsonl"
+    dup = next(line for line in log0.read_text().splitlines() if '"kind":"case"' in line.replace(" ", ""))
+    log1.write_text(log1.read_text() + dup + "\n")
+    again = _cli(common + ["--resume"], tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    for k in (0, 1):
+        assert "judged 0 listed cases" in (jobs / f"skinny_gemm.shard{k}.log").read_text()
+    assert "1 case lines judged by more than one shard" in again.stdout
+    second = json.loads((tmp_path / "sh" / "certificate.json").read_text())
+    assert _cases(first, "skinny_gemm", "reference") == _cases(second, "skinny_gemm", "reference")
+    v1, v2 = (c["ops"]["skinny_gemm"]["verdicts"]["reference"] for c in (first, second))
+    assert v1["cases_run"] == v2["cases_run"]

@@ -11,6 +11,27 @@ from verify.opdef import OpDef
 CONFIG_ORDER = ("tiny", "small", "k3")      # shrink toward the smallest config
 
 
+def _draw_without_local_constants() -> None:
+    """A seed must draw the same cases in every process: `run --shards` deals from the parent's dry
+    draw, the op's own child and `--resume` draw again, and a certificate's cases are reproducible
+    from its seed. Hypothesis (6.131+) mixes integer and float constants found in the source of every
+    imported non-site-packages module into its draws, so the draw depended on what the process had
+    imported (on the device, the CuTe DSL bundle is unpacked outside site-packages). Its global
+    constants stay; the local pool is kept empty. Checked by
+    property_tests/test_cli_shards.py::test_the_draw_does_not_depend_on_the_modules_imported."""
+    try:
+        from hypothesis.internal.conjecture import providers
+        from hypothesis.internal.constants_ast import Constants
+    except ImportError:              # a hypothesis without the local pool
+        return
+    if hasattr(providers, "_get_local_constants"):
+        empty = Constants()
+        providers._get_local_constants = lambda: empty
+
+
+_draw_without_local_constants()
+
+
 @dataclass(frozen=True)
 class Profile:
     name: str

@@ -16,7 +16,8 @@ child's CPU thread pools share the host's cores (`child_threads`). When the
 K have exited, their case lines are joined into OUT/jobs/OP/run.jsonl and the op's own child runs
 with `--resume`: hypothesis replays the judged cases from that memo, judges any case the dry draw
 did not foresee (a draw after a vacuous case can differ), shrinks a failure and writes the op's
-verdict, exactly as an unsharded run would.
+verdict, exactly as an unsharded run would. On --resume each shard goes on with the list it was
+dealt (`_recorded_deal`), and the join counts a case two shards both judged once.
 """
 import json
 import os
@@ -73,13 +74,31 @@ def visible_gpus(device: str) -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
+def _status(line_obj: dict) -> str:
+    return (line_obj.get("record") or {}).get("status", "")
+
+
+def _recorded_deal(jobs_dir: Path, name: str, shards: int) -> list[dict] | None:
+    """On --resume, the deal an earlier run wrote (OP.shardK.cases.json), so each shard goes on with
+    the cases its own log holds: a fresh dry draw need not deal the same (hypothesis mixes in
+    constants of the modules imported so far). None where there is none, or it was for another K.
+    Any deal is safe: the op's own child judges every case of its draw that no shard did."""
+    paths = [jobs_dir / f"{name}.shard{k}.cases.json" for k in range(shards)]
+    if not any(p.exists() for p in paths) or (jobs_dir / f"{name}.shard{shards}.cases.json").exists():
+        return None
+    try:
+        return [json.loads(p.read_text()).get(name, {}) if p.exists() else {} for p in paths]
+    except (json.JSONDecodeError, AttributeError):
+        return None
+
+
 def run_jobs(argv: list[str], op_names: list[str], candidates: list[str], jobs: int, device: str,
              out: Path, console, dealt: dict | None = None, shards: int = 1) -> tuple[list, dict, list[str]]:
     """Run the children and merge. Returns (op verdicts in the order of op_names x candidates,
     (op, candidate) -> case records, one line per child that did not exit 0 or 1). `dealt`:
     op -> candidate -> drawn cases, to split over `shards` children per op first."""
     from verify.runlog import LOG_NAME, read
-    from verify.verdict import FAIL, OpVerdict
+    from verify.verdict import FAIL, XPASS, OpVerdict
 
     gpus = visible_gpus(device)
     jobs_dir = out / "jobs"
@@ -91,11 +110,12 @@ def run_jobs(argv: list[str], op_names: list[str], candidates: list[str], jobs: 
         resumed = (jobs_dir / name / LOG_NAME).exists() and "--resume" in argv
         if dealt and shards > 1 and not resumed:
             pending_shards[name] = set()
+            recorded = _recorded_deal(jobs_dir, name, shards) if "--resume" in argv else None
             for k in range(shards):
-                part = {c: cs[k::shards] for c, cs in dealt.get(name, {}).items()}
+                task = f"{name}.shard{k}"
+                part = recorded[k] if recorded else {c: cs[k::shards] for c, cs in dealt.get(name, {}).items()}
                 if not any(part.values()):
                     continue
-                task = f"{name}.shard{k}"
                 (jobs_dir / f"{task}.cases.json").write_text(json.dumps({name: part}))
                 pending_shards[name].add(task)
                 queue.append((name, task, ["--case-list", str(jobs_dir / f"{task}.cases.json")]))
@@ -120,8 +140,11 @@ def run_jobs(argv: list[str], op_names: list[str], candidates: list[str], jobs: 
         running[slot] = (name, task, proc, log, time.monotonic())
 
     def join_shards(name: str) -> None:
-        """The op's shard logs, one run log for its final child to --resume from."""
-        lines, start_line = [], None
+        """The op's shard logs, one run log for its final child to --resume from: one line per
+        case. A case two shards both judged (logs of an earlier deal) counts once; where their
+        verdicts differ, the failing one is kept."""
+        by_case: dict[tuple, str] = {}
+        start_line, twice = None, 0
         for path in sorted(jobs_dir.glob(f"{name}.shard*/{LOG_NAME}")):
             for line in path.read_text().splitlines():
                 try:
@@ -131,10 +154,18 @@ def run_jobs(argv: list[str], op_names: list[str], candidates: list[str], jobs: 
                 if obj.get("kind") == "start":
                     start_line = start_line or line
                 elif obj.get("kind") == "case":
-                    lines.append(line)
+                    key = (obj.get("op"), obj.get("candidate"), obj.get("case"))
+                    if key in by_case:
+                        twice += 1
+                        if _status(obj) in (FAIL, XPASS) and _status(json.loads(by_case[key])) not in (FAIL, XPASS):
+                            by_case[key] = line
+                    else:
+                        by_case[key] = line
+        if twice:
+            console.print(f"{name}: {twice} case lines judged by more than one shard, each case counted once")
         if start_line is not None:
             (jobs_dir / name).mkdir(parents=True, exist_ok=True)
-            (jobs_dir / name / LOG_NAME).write_text("\n".join([start_line, *lines]) + "\n")
+            (jobs_dir / name / LOG_NAME).write_text("\n".join([start_line, *by_case.values()]) + "\n")
 
     def finish(slot: int) -> None:
         name, task, proc, log, t0 = running.pop(slot)
