@@ -14,9 +14,6 @@ variant as HANG and restarts the child, which skips it and everything already re
 stream to gemm_wgmma.jsonl). Writes gemm_wgmma.{json,md,log} under --out.
 CPU-only check of this script: python3 bench/bench_gemm_wgmma.py --compile-only --limit 2
 
-2-CTA clusters sharing the token tile by TMA multicast (`cluster_configs`, bench-only until measured)
-run with every sweep; each must give its cluster-1 twin's bits (`twin_bitwise`, part of `ok`).
-
 Split-K folds (bench-only until measured): `configs_for(..., sweep=True)` also lists the "vec" and
 "spread" folds at each split variant's S and at about S/2; on the H200:
   python3 bench/bench_gemm_wgmma.py --shapes 7168x896,7168x3584,7168x6144 --ms 8,16,32,64 --out $OUT/folds
@@ -174,10 +171,6 @@ def run_child(args):
                              rel=((out.double() - ref).norm() / ref.norm()).item(),
                              deterministic=bool(torch.equal(out.view(torch.int16), again.view(torch.int16))),
                              batch_invariant=bool(torch.equal(one.view(torch.int16), out[M - 1:].view(torch.int16))))
-                    if getattr(cfg, "cluster", 1) > 1:            # multicast moves bytes, not sums: same bits
-                        twin = sg.skinny_gemm(x, ws[0], variant=dataclasses.replace(cfg, cluster=1))
-                        r.update(twin_bitwise=bool(torch.equal(twin.view(torch.int16), out.view(torch.int16))))
-                        r["ok"] = r["ok"] and r["twin_bitwise"]
                     fns = [lambda w=w, o=out, c=cfg: sg.skinny_gemm(x, w, out=o, variant=c) for w in ws]
                     us = graph_time_us(fns)
                     r.update(us=round(us, 2), pct_bw=round(100 * nb / (us * 1e-6) / COPY_BW, 1))

@@ -53,7 +53,6 @@ first use per (device, N, K, variant) and reused, so warm a variant up before ca
 graph; concurrent launches of one variant on different streams would share them and must be ordered.
 """
 
-import dataclasses
 from dataclasses import dataclass
 
 from fused import runtime
@@ -86,12 +85,10 @@ class SkinnyGemmWgmmaConfig:
     occupancy: int = 1   # CTAs per SM the stage count was sized for (1 or 2)
     fold: str = "last"   # split-K fold: "last", "vec", "spread" or "partials" (FOLDS); "last" is the shipped kernel
     fresh_acc: bool = False  # each k-tile's 4 wgmma chain from zero, added to the accumulator by IEEE adds
-    cluster: int = 1     # CTAs of adjacent column blocks sharing each token tile by TMA multicast (1 or 2)
 
     @property
     def name(self) -> str:
         tail = ("" if self.fold == "last" else f"_{self.fold}") + ("_f" if self.fresh_acc else "")
-        tail += f"_c{self.cluster}" if self.cluster > 1 else ""
         return f"wgmma_m{self.m_pad}_r{self.rows}_st{self.stages}_s{self.ksplit}_o{self.occupancy}{tail}"
 
     @property
@@ -147,18 +144,8 @@ def configs_for(N: int, K: int, m_pad: int, sweep: bool = False) -> list[SkinnyG
             if st >= 3:
                 out.append(SkinnyGemmWgmmaConfig(m_pad, rows, st, ksplit_for(N, K, rows, occ), occ))
     if sweep:
-        shipped = [c for c in out if (c.rows, c.occupancy) in SHIPPED]
-        out += fold_configs(shipped) + cluster_configs(N, shipped)
+        out += fold_configs([c for c in out if (c.rows, c.occupancy) in SHIPPED])
     return out
-
-
-def cluster_configs(N: int, base: list[SkinnyGemmWgmmaConfig]) -> list[SkinnyGemmWgmmaConfig]:
-    """Bench-only: each "last"-fold variant (m_pad >= 16, an even number of column blocks) as 2-CTA
-    clusters of adjacent column blocks that share each token tile: every CTA loads half of it and
-    the TMA multicasts it to both, halving the x reads from L2 (at m_pad 64 as many bytes as the
-    weights'). The same k order and split: the same bits as the variant without the cluster."""
-    return [dataclasses.replace(c, cluster=2) for c in base
-            if c.fold == "last" and c.m_pad >= 16 and (N // c.rows) % 2 == 0]
 
 
 def fold_configs(base: list[SkinnyGemmWgmmaConfig]) -> list[SkinnyGemmWgmmaConfig]:
@@ -207,12 +194,6 @@ def validate(N: int, K: int, cfg: SkinnyGemmWgmmaConfig) -> None:
         raise ValueError(f"variant: {cfg.stages} stages need {smem} bytes of shared memory ({cfg.name})")
     if cfg.fold not in FOLDS:
         raise ValueError(f"variant: fold={cfg.fold!r} must be one of {FOLDS} ({cfg.name})")
-    if cfg.cluster not in (1, 2) or (N // cfg.rows) % cfg.cluster:
-        raise ValueError(f"variant: cluster={cfg.cluster} must be 1 or 2 and divide the {N // cfg.rows} column "
-                         f"blocks ({cfg.name})")
-    if cfg.cluster > 1 and (cfg.fold == "spread" or cfg.m_pad < 16):
-        raise ValueError(f"variant: cluster={cfg.cluster} multicasts halves of the token tile (m_pad >= 16) and "
-                         f"is not a cooperative launch (fold 'spread') ({cfg.name})")
     if cfg.fold == "spread":
         # every CTA spins until all S of its column block arrived: only safe if the grid is resident
         if cfg.occupancy not in (1, 2) or smem > SMEM_PER_SM // cfg.occupancy - 1024:
@@ -257,13 +238,8 @@ class SkinnyGemmWgmma:
             g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
             tma_w, tW = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 g2s, mW, cute.slice_(w_sl, (None, None, 0)), (c.rows, BK))
-            if cutlass.const_expr(c.cluster > 1):          # each CTA loads 1/cluster of the tile, sent to all
-                tma_x, tX = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                    cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(), mX,
-                    cute.slice_(x_sl, (None, None, 0)), (c.m_pad, BK), num_multicast=c.cluster)
-            else:
-                tma_x, tX = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                    g2s, mX, cute.slice_(x_sl, (None, None, 0)), (c.m_pad, BK))
+            tma_x, tX = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                g2s, mX, cute.slice_(x_sl, (None, None, 0)), (c.m_pad, BK))
 
             @cute.struct
             class Storage:
@@ -275,14 +251,9 @@ class SkinnyGemmWgmma:
             cfg.storage = Storage
             # "spread" spins on its split-K peers: a cooperative launch makes the driver place the
             # whole grid at once, so two such launches on two streams cannot each hold part of it
-            if cutlass.const_expr(c.cluster > 1):
-                kernel(tma_w, tW, tma_x, tX, mY, mWs, mCnt, tiled_mma, w_sl, x_sl).launch(
-                    grid=[cfg.blocks, c.ksplit, 1], block=[THREADS, 1, 1], cluster=[c.cluster, 1, 1],
-                    stream=stream)
-            else:
-                kernel(tma_w, tW, tma_x, tX, mY, mWs, mCnt, tiled_mma, w_sl, x_sl).launch(
-                    grid=[cfg.blocks, c.ksplit, 1], block=[THREADS, 1, 1], stream=stream,
-                    cooperative=c.fold == "spread" and c.ksplit > 1)
+            kernel(tma_w, tW, tma_x, tX, mY, mWs, mCnt, tiled_mma, w_sl, x_sl).launch(
+                grid=[cfg.blocks, c.ksplit, 1], block=[THREADS, 1, 1], stream=stream,
+                cooperative=c.fold == "spread" and c.ksplit > 1)
 
         return host
 
@@ -298,7 +269,6 @@ class SkinnyGemmWgmma:
         tx_bytes = stage_bytes(rows, self.cfg.m_pad)           # 2-byte dtypes; OOB rows count too
         fold, spread, to_caller = self.cfg.fold, self.cfg.fold == "spread", self.cfg.writes_partials
         fresh = self.cfg.fresh_acc
-        cl = self.cfg.cluster
         E = rows * self.cfg.m_pad                              # floats per split partial
         wait_at_least = spin_wait_op() if spread else None
 
@@ -412,13 +382,11 @@ class SkinnyGemmWgmma:
             storage = cutlass.memory.SmemAllocator().allocate(cfg.storage)
             sW = storage.sW.get_tensor(w_sl.outer, swizzle=w_sl.inner)
             sX = storage.sX.get_tensor(x_sl.outer, swizzle=x_sl.inner)
-            # cluster > 1: a stage is free once the consumer warps of every CTA it is multicast to have
-            # released it (one arrive per warp per CTA); the create syncs the cluster after the init
             pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.bars.data_ptr(), num_stages=stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, cl * CONSUMER_THREADS // 32),
-                tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, cl, 1, 1)))
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
+                tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
             kt0 = (ks * kt) // S
             nk = ((ks + 1) * kt) // S - kt0
 
@@ -427,32 +395,16 @@ class SkinnyGemmWgmma:
                 gX = cute.local_tile(tX, (cfg.cfg.m_pad, BK), (0, None))
                 tWs, tWg = cute.nvgpu.cpasync.tma_partition(
                     tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+                tXs, tXg = cute.nvgpu.cpasync.tma_partition(
+                    tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-                if cutlass.const_expr(cl > 1):                 # this CTA's slice of x, to the whole cluster
-                    rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-                    cta_layout = cute.make_layout((cl, 1, 1))
-                    mask = cute.make_layout_image_mask(cta_layout, cta_layout.get_flat_coord(rank), mode=0)
-                    tXs, tXg = cute.nvgpu.cpasync.tma_partition(
-                        tma_x, rank, cute.make_layout(cl), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
-                    for i in cutlass.range(nk, unroll=1):
-                        pipe.producer_acquire(prod)
-                        bar = pipe.producer_get_barrier(prod)
-                        cute.copy(tma_w, tWg[(None, kt0 + i)], tWs[(None, prod.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_x, tXg[(None, kt0 + i)], tXs[(None, prod.index)], tma_bar_ptr=bar,
-                                  mcast_mask=mask)
-                        pipe.producer_commit(prod)
-                        prod.advance()
-                    pipe.producer_tail(prod)                   # the peers' last releases land before exit
-                else:
-                    tXs, tXg = cute.nvgpu.cpasync.tma_partition(
-                        tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
-                    for i in cutlass.range(nk, unroll=1):
-                        pipe.producer_acquire(prod)
-                        bar = pipe.producer_get_barrier(prod)
-                        cute.copy(tma_w, tWg[(None, kt0 + i)], tWs[(None, prod.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_x, tXg[(None, kt0 + i)], tXs[(None, prod.index)], tma_bar_ptr=bar)
-                        pipe.producer_commit(prod)
-                        prod.advance()
+                for i in cutlass.range(nk, unroll=1):
+                    pipe.producer_acquire(prod)
+                    bar = pipe.producer_get_barrier(prod)
+                    cute.copy(tma_w, tWg[(None, kt0 + i)], tWs[(None, prod.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_x, tXg[(None, kt0 + i)], tXs[(None, prod.index)], tma_bar_ptr=bar)
+                    pipe.producer_commit(prod)
+                    prod.advance()
             else:                                                  # consumer warpgroup: wgmma
                 thr = tiled_mma.get_slice(tidx)
                 tCrW = tiled_mma.make_fragment_A(thr.partition_A(sW))
@@ -490,8 +442,6 @@ class SkinnyGemmWgmma:
                             done.advance()
                     read.advance()
                 warpgroup.wait_group(0)
-                if cutlass.const_expr(cl > 1 and not fresh):       # the last stage, for the producers' tail
-                    pipe.consumer_release(done)
                 epilogue(acc, tCc, mY, mWs, mCnt, storage.ticket.get_tensor(cute.make_layout(4)),
                          bn, ks, tidx, M)
 
@@ -568,6 +518,8 @@ def resident_or_vec(device, N: int, cfg: SkinnyGemmWgmmaConfig) -> SkinnyGemmWgm
     one CTA: the same bits, never a hang."""
     if cfg.fold != "spread":
         return cfg
+    import dataclasses
+
     if num_ctas(N, cfg) <= runtime.sm_count(device) * cfg.occupancy:
         return cfg
     return dataclasses.replace(cfg, fold="vec")
