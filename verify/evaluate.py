@@ -100,12 +100,16 @@ def guarded_call(fn, op: OpDef, inputs: OpInputs, expected: dict[str, torch.Tens
                  strided: bool = False) -> guards.CallResult:
     """Call the candidate once with every tensor in a canary buffer; check what it did."""
     placed = _Placed(fn, op, inputs, expected, device, strided)
+    before = guards.process_state(device)
     try:
         returned = placed.call(fn, inputs.params)
     except Exception as e:  # the candidate's own failure is a verdict, never a crash of the run
+        guards.restore_process_state(before, device)
         return guards.CallResult(error=_one_line(e))
+    changed = guards.restore_process_state(before, device)
     results, checks = placed.outputs(returned)
     checks += guards.check_inputs_and_canaries(op, placed.inputs, inputs.tensors, placed.outs)
+    checks.append(guards.process_state_check(changed))
     return guards.CallResult(results=results, checks=checks + placed.unwritten(results))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import torch
 
@@ -242,6 +243,70 @@ def check_inputs_and_canaries(op, guarded: dict[str, Guarded], originals: dict[s
         Check("guard:canaries", not stomped,
               f"writes outside the tensors: {', '.join(stomped)}" if stomped else "no writes outside tensors"),
     ]
+
+
+def _flushes_denormals() -> bool:
+    """Whether this thread flushes float32 denormals to zero (torch.set_flush_denormal has no getter)."""
+    return torch.tensor([1e-40], dtype=torch.float32).mul(1.0).item() == 0.0
+
+
+def _torch_flag(path: str) -> tuple[str, object, object]:
+    """(name, read, restore) of a flag attribute under torch, e.g. 'backends.cudnn.benchmark'."""
+    owner, _, attr = path.rpartition(".")
+    return (f"torch.{path}", lambda: getattr(attrgetter(owner)(torch), attr),
+            lambda v: setattr(attrgetter(owner)(torch), attr, v))
+
+
+# Process-wide settings a candidate could change and leave changed: (name, read, restore). Each alters
+# every later computation in the process: the reference's own runs in the working dtype (which the
+# tolerances are measured against: TF32 matmuls or flushed denormals loosen them), the next cases'
+# candidate calls, or where work is queued (the current stream).
+_PROCESS_STATE = [
+    ("torch.get_default_dtype()", torch.get_default_dtype, torch.set_default_dtype),
+    ("torch.is_grad_enabled()", torch.is_grad_enabled, torch.set_grad_enabled),
+    ("torch.get_float32_matmul_precision()", torch.get_float32_matmul_precision,
+     torch.set_float32_matmul_precision),
+    *[_torch_flag(path) for path in (
+        "backends.cuda.matmul.allow_tf32", "backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
+        "backends.cuda.matmul.allow_bf16_reduced_precision_reduction", "backends.cudnn.allow_tf32",
+        "backends.cudnn.deterministic", "backends.cudnn.benchmark")],
+    ("torch.are_deterministic_algorithms_enabled()", torch.are_deterministic_algorithms_enabled,
+     torch.use_deterministic_algorithms),
+    ("torch.get_num_threads()", torch.get_num_threads, torch.set_num_threads),
+    ("flush denormals (torch.set_flush_denormal)", _flushes_denormals, torch.set_flush_denormal),
+    ("torch.is_autocast_enabled('cpu')", lambda: torch.is_autocast_enabled("cpu"),
+     lambda v: torch.set_autocast_enabled("cpu", v)),
+]
+_CUDA_STATE = [
+    ("torch.is_autocast_enabled('cuda')", lambda: torch.is_autocast_enabled("cuda"),
+     lambda v: torch.set_autocast_enabled("cuda", v)),
+    ("torch.cuda.current_device()", torch.cuda.current_device, torch.cuda.set_device),
+    ("torch.cuda.current_stream()", lambda: torch.cuda.current_stream(), torch.cuda.set_stream),
+]
+
+
+def process_state(device) -> dict[str, object]:
+    """The process-wide torch settings of _PROCESS_STATE (and the CUDA ones on a CUDA device), now."""
+    table = _PROCESS_STATE + (_CUDA_STATE if str(device).startswith("cuda") else [])
+    return {name: read() for name, read, _ in table}
+
+
+def restore_process_state(before: dict[str, object], device) -> list[str]:
+    """Put back every setting that differs from `before`; returns them as 'name: old -> new'."""
+    table = _PROCESS_STATE + (_CUDA_STATE if str(device).startswith("cuda") else [])
+    changed = []
+    for name, read, restore in table:
+        now = read()
+        if now != before[name]:
+            changed.append(f"{name}: {before[name]} -> {now}")
+            restore(before[name])
+    return changed
+
+
+def process_state_check(changed: list[str]) -> Check:
+    return Check("guard:process_state", not changed,
+                 "the call left process-wide torch settings changed (restored for the rest of the run): "
+                 + "; ".join(changed) if changed else "no process-wide torch setting changed")
 
 
 def check_unwritten(results: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> Check:

@@ -30,6 +30,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "weights prepacked once per tensor: values written into the same weight tensor are never seen"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_static_output", "guard:outputs_kept|storage the first call returned",
      "one preallocated output per shape, returned by every call"),
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_leaves_tf32_on", "guard:process_state|float32_matmul_precision",
+     "turns TF32 matmuls on for the whole process and leaves them on"),
     # ---- mxfp4_dequant
     ("mxfp4_dequant", f"{P}.mxfp4:mxfp4_dequant_memo_output", "guard:refreshed_inputs|new values",
      "dequantizes each packed tensor once and returns copies of that result afterwards"),
@@ -46,6 +48,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "cache write touches the neighbouring slot of its pair (bitwise)"),
     ("mla_cache_write", f"{P}.mla:mla_cache_write_assumes_contiguous", "guard:canaries|writes outside the tensors",
      "cache write ignores strides: writes into row padding (canary)"),
+    ("mla_cache_write", f"{P}.mla:mla_cache_write_flushes_denormals", "guard:process_state|flush denormals",
+     "leaves flush-to-zero on for the thread"),
     ("mla_decode_attn", f"{P}.mla:mla_decode_attn_scale_128", "compare:o_latent|exceed",
      "softmax scale 128^-0.5 instead of 192^-0.5"),
     ("mla_decode_attn", f"{P}.mla:mla_decode_attn_causal_off_by_one", "compare:o_latent|exceed",

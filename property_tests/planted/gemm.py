@@ -83,3 +83,11 @@ def skinny_gemm_static_output(x, w):
         y = _OUTPUT_BUFFERS[key] = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     y.copy_(linear(x, w))
     return y
+
+
+def skinny_gemm_leaves_tf32_on(x, w):
+    """A wrapper that turns on TF32 matmuls for its own speed and never turns them off: its bf16
+    result is right, but every later fp32 matmul in the process (the reference's own runs, whose error
+    the tolerances are measured against) runs with 10-bit mantissas."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    return linear(x, w)

@@ -174,3 +174,14 @@ def mla_out_gate_swapped_rows(o_latent, w_uv, x, w_g):
     pairs = idx[: B - B % 2].view(-1, 2).flip(-1).reshape(-1)
     idx[: B - B % 2] = pairs
     return y[idx].contiguous()
+
+
+def mla_cache_write_flushes_denormals(latent, cache, slot_mapping) -> None:
+    """Sets flush-to-zero for speed (torch.set_flush_denormal) and leaves it on: the copy is still
+    bitwise right, but every later float32 op of this thread reads denormals as zero."""
+    torch.set_flush_denormal(True)
+    C = cache.shape[-1]
+    flat = cache.view(-1, C)
+    for i, s in enumerate(slot_mapping.tolist()):
+        if s >= 0:
+            flat[s] = latent[i]
