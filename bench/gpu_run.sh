@@ -25,6 +25,8 @@ CERT_S=${CERT_S:-520}; BENCH_S=${BENCH_S:-300}
 cmd_for() { case $1 in        # job name -> "limit command..."
   cert_*) local op=${1#cert_}; echo "$CERT_S python3 -m verify.cli run --ops $op --candidate fused --device cuda \
             --profile release --no-isolate ${CERT_ARGS:-} --out $R/cert_$op --junit $R/cert_$op/junit.xml" ;;
+  smoke) echo "$CERT_S python3 -m verify.cli run --candidate fused --device cuda --profile quick --no-isolate \
+            ${CERT_ARGS:-} --out $R/smoke" ;;   # minutes: every fused op, quick profile (before a long release run)
   certall) echo "$CERT_S python3 -m verify.cli run --candidate fused --device cuda --profile release --no-isolate \
             --jobs ${CERT_JOBS:-8} --shards ${CERT_SHARDS:-4} ${CERT_ARGS:-} --out $R/certall --junit $R/certall/junit.xml" ;;
   wave1a) echo "$BENCH_S python3 bench/bench_wave1a.py --out $R/wave1a --ops ${WAVE1A_OPS:-dequant,cache}" ;;

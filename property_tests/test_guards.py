@@ -121,8 +121,32 @@ def wrong_shape(x, w):
     return linear(x, w)[:, :-1]
 
 
+def sets_default_dtype(x, w):
+    torch.set_default_dtype(torch.float64)
+    return linear(x, w)
+
+
+def another_thread_count(x, w):
+    torch.set_num_threads(torch.get_num_threads() + 1)
+    return linear(x, w)
+
+
+def no_grad_left_on(x, w):
+    torch.set_grad_enabled(False)
+    return linear(x, w)
+
+
+def flushes_then_raises(x, w):
+    torch.set_flush_denormal(True)
+    raise RuntimeError("kernel launch failed after setting FTZ")
+
+
 @pytest.mark.parametrize("fn,stage,needle", [
     (unwritten_tail, "guard:outputs_written", "unwritten"),
+    (sets_default_dtype, "guard:process_state", "torch.get_default_dtype(): torch.float32 -> torch.float64"),
+    (another_thread_count, "guard:process_state", "torch.get_num_threads()"),
+    (no_grad_left_on, "guard:process_state", "torch.is_grad_enabled(): True -> False"),
+    (flushes_then_raises, "candidate", "after setting FTZ"),
     (mutates_input, "guard:inputs_unchanged", "x"),
     (aliases_input, "guard:no_aliasing", "aliases input x"),
     (nondeterministic, "guard:deterministic", "differ bitwise"),
@@ -138,10 +162,14 @@ def wrong_shape(x, w):
     (wrong_shape, "guard:output_type", "shape"),
 ])
 def test_guard_rejects(fn, stage, needle):
+    from verify.guards import process_state
+
+    before = process_state("cpu")
     v = evaluate_case(TOY, CASE, fn, fn.__name__, spec=SPEC)
     assert v.status == "fail", v
     assert v.stage == stage, (v.stage, v.reason)
     assert needle in v.reason, v.reason
+    assert process_state("cpu") == before, "a candidate's change of process-wide settings outlived its call"
 
 
 @pytest.mark.parametrize("fn,stage", [(strided_last_bit, "guard:strided_inputs"),
@@ -162,7 +190,8 @@ def test_correct_candidate_passes_every_guard(seed):
     assert v.status == "pass", v.reason
     names = {c.name for c in v.checks}
     assert {"guard:output_type", "guard:no_aliasing", "guard:inputs_unchanged", "guard:canaries",
-            "guard:outputs_written", "guard:deterministic", "guard:strided_inputs", "compare:y"} <= names
+            "guard:outputs_written", "guard:deterministic", "guard:strided_inputs", "guard:process_state",
+            "compare:y"} <= names
 
 
 def test_refreshed_inputs_keep_shapes_and_params_and_change_values():
