@@ -77,15 +77,22 @@ def test_shards_need_jobs(tmp_path):
     assert r.returncode == 2 and "--shards 3: needs" in r.stderr
 
 
-def test_sharded_run_resumes_after_a_cut(tmp_path):
-    """Cut after the shards (the op's own child never ran) and inside one shard (its last case line
-    lost): --resume judges only that case again and finishes the op with the same cases."""
+def _cut_after_the_shards(tmp_path):
+    """A 2-shard run of skinny_gemm, cut after the shards (the op's own child's log removed):
+    (its arguments, its certificate, its jobs/ dir)."""
     common = ["--ops", "skinny_gemm", "--candidate", "reference", "--profile", "ci", "--examples", "8",
               "--no-isolate", "--jobs", "2", "--shards", "2", "--out", "sh"]
     assert _cli(common, tmp_path).returncode == 0
     first = json.loads((tmp_path / "sh" / "certificate.json").read_text())
     jobs = tmp_path / "sh" / "jobs"
     (jobs / "skinny_gemm" / "run.jsonl").unlink()
+    return common, first, jobs
+
+
+def test_sharded_run_resumes_after_a_cut(tmp_path):
+    """Cut after the shards (the op's own child never ran) and inside one shard (its last case line
+    lost): --resume judges only that case again and finishes the op with the same cases."""
+    common, first, jobs = _cut_after_the_shards(tmp_path)
     shard_log = jobs / "skinny_gemm.shard1" / "run.jsonl"
     lines = shard_log.read_text().splitlines()
     shard_log.write_text("\n".join(lines[:-1]) + "\n")
@@ -146,12 +153,7 @@ def test_a_case_logged_twice_counts_once():
 def test_a_resume_keeps_each_shards_recorded_deal_and_joins_overlaps_once(tmp_path):
     """A cut sharded run resumed: each shard goes on with the cases it was dealt (its recorded list),
     not a fresh deal, so no case is judged again; a case line two shard logs both hold counts once."""
-    common = ["--ops", "skinny_gemm", "--candidate", "reference", "--profile", "ci", "--examples", "8",
-              "--no-isolate", "--jobs", "2", "--shards", "2", "--out", "sh"]
-    assert _cli(common, tmp_path).returncode == 0
-    first = json.loads((tmp_path / "sh" / "certificate.json").read_text())
-    jobs = tmp_path / "sh" / "jobs"
-    (jobs / "skinny_gemm" / "run.jsonl").unlink()
+    common, first, jobs = _cut_after_the_shards(tmp_path)
     # an earlier deal that a fresh one would not repeat: the two shards' lists and logs swapped
     for suffix in (".cases.json", ""):
         a, b, t = (jobs / f"skinny_gemm.shard{k}{suffix}" for k in ("0", "1", "x"))
