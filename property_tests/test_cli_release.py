@@ -31,6 +31,8 @@ def test_help_is_pinned(command):
     (["run", "--ops", "no_such_op"], "unknown op 'no_such_op'"),
     (["run", "--bogus"], "unrecognized arguments: --bogus"),
     (["run", "--case-timeout", "0"], "--case-timeout 0"),
+    (["run", "--examples", "0"], "--examples 0: must be 1 or more"),
+    (["run", "--examples", "-1"], "--examples -1: must be 1 or more"),
     (["run", "--tp", "3"], "--tp 3"),
     (["run", "--changed-since", "/nonexistent/cert.json"], "--changed-since: certificate /nonexistent/cert.json"),
     (["run", "--distributed", "gloo", "--sanitize", "memcheck"], "cannot be combined"),

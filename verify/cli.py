@@ -235,6 +235,8 @@ def _run_setup(args):
         raise UsageError(str(e)) from None
     if args.case_timeout <= 0:
         raise UsageError(f"--case-timeout {args.case_timeout:g}: must be a positive number of seconds")
+    if args.examples is not None and args.examples < 1:
+        raise UsageError(f"--examples {args.examples}: must be 1 or more (cases drawn per op and candidate)")
     modes = [m for m in ("resume", "changed_since", "distributed", "sanitize") if getattr(args, m)]
     if len(set(modes) - {"resume"}) > 1:
         raise UsageError(f"--{modes[0].replace('_', '-')} and --{modes[1].replace('_', '-')} cannot be combined")
