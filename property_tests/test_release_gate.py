@@ -239,6 +239,16 @@ def test_changed_since_recertifies_everything_after_a_harness_change(base_cert, 
     assert all("carried_from" not in e["verdicts"]["reference"] for e in cert["ops"].values())
 
 
+def test_the_harness_hash_covers_every_module_that_draws_runs_judges_or_counts_cases():
+    """A verdict depends on how its cases were drawn, run, isolated, judged, sharded, resumed and
+    counted: session 11's over-counted kda_decode certificate came from parallel.py, which the hash
+    did not cover. The reporting side stays out, so a report template does not stale a verdict."""
+    names = {p.stem for p in certificate.harness_files()}
+    assert names >= {"case", "cases", "values", "evaluate", "guards", "gpu_guards", "compare", "specs",
+                     "split", "certify", "parallel", "runlog", "worker", "candidates", "distributed"}
+    assert not names & {"cli", "gate", "diff", "certificate", "pytest_plugin"}
+
+
 def test_source_hash_covers_the_modules_a_kernel_imports(tmp_path):
     """An op's fused (or reference) hash covers every project module it imports, transitively and
     from inside functions: editing a helper (skinny_gemm -> skinny_gemm_wgmma) un-carries the verdict;

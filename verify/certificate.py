@@ -80,8 +80,8 @@ def sha256_file(path: Path | None) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _project_imports(path: Path) -> set[str]:
-    """Module names this file imports from the kernel and reference packages (fused, references)."""
+def _project_imports(path: Path, packages: tuple[str, ...] = ("fused", "references")) -> set[str]:
+    """Module names this file imports from `packages` (by default the kernel and reference ones)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_bytes())):
         if isinstance(node, ast.Import):
@@ -89,7 +89,7 @@ def _project_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
             names |= {f"{node.module}.{a.name}" for a in node.names}       # `from fused import runtime`
-    return {n for n in names if n.split(".")[0] in ("fused", "references")}
+    return {n for n in names if n.split(".")[0] in packages}
 
 
 def sha256_closure(path: Path | None, root: Path = ROOT) -> str | None:
@@ -116,17 +116,38 @@ def sha256_closure(path: Path | None, root: Path = ROOT) -> str | None:
     return h.hexdigest()
 
 
-# the harness files whose change alters how any case is drawn, run or judged (the guards, the
-# comparison): a verdict from another version of them is not carried forward
-HARNESS_FILES = ("case.py", "cases.py", "values.py", "evaluate.py", "guards.py", "gpu_guards.py",
-                 "compare.py", "specs.py", "split.py", "certify.py")
+# The harness: every verify/ module that the certification paths import, transitively (at module
+# level or inside functions): how cases are drawn, run, isolated, judged, sharded, resumed and
+# counted. A verdict from another version of any of them is not carried forward. The registry
+# entries (verify/ops/) are hashed per op family instead; the reporting side (cli, gate, diff,
+# certificate, report templates) is not part of it.
+HARNESS_ROOTS = ("certify", "parallel", "distributed", "sanitize", "values")   # values: via the registry
+NOT_HARNESS = ("verify.certificate", "verify.cli", "verify.gate", "verify.diff")
+
+
+def harness_files() -> list[Path]:
+    """The harness modules (HARNESS_ROOTS and what they import from verify/), sorted."""
+    seen: set[Path] = set()
+    todo = [ROOT / "verify" / f"{r}.py" for r in HARNESS_ROOTS]
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        for name in _project_imports(p, ("verify",)):
+            if name in NOT_HARNESS or name.startswith(("verify.ops", "verify.reporters")):
+                continue
+            f = ROOT.joinpath(*name.split(".")).with_suffix(".py")
+            if f.is_file():
+                todo.append(f)
+    return sorted(seen)
 
 
 def harness_hash() -> str:
     h = hashlib.sha256()
-    for name in HARNESS_FILES:
-        h.update(name.encode())
-        h.update((ROOT / "verify" / name).read_bytes())
+    for p in harness_files():
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
     return h.hexdigest()
 
 

@@ -281,21 +281,23 @@ _CUDA_STATE = [
     ("torch.is_autocast_enabled('cuda')", lambda: torch.is_autocast_enabled("cuda"),
      lambda v: torch.set_autocast_enabled("cuda", v)),
     ("torch.cuda.current_device()", torch.cuda.current_device, torch.cuda.set_device),
-    ("torch.cuda.current_stream()", lambda: torch.cuda.current_stream(), torch.cuda.set_stream),
+    ("torch.cuda.current_stream()", torch.cuda.current_stream, torch.cuda.set_stream),
 ]
+
+
+def _state_table(device) -> list:
+    return _PROCESS_STATE + (_CUDA_STATE if str(device).startswith("cuda") else [])
 
 
 def process_state(device) -> dict[str, object]:
     """The process-wide torch settings of _PROCESS_STATE (and the CUDA ones on a CUDA device), now."""
-    table = _PROCESS_STATE + (_CUDA_STATE if str(device).startswith("cuda") else [])
-    return {name: read() for name, read, _ in table}
+    return {name: read() for name, read, _ in _state_table(device)}
 
 
 def restore_process_state(before: dict[str, object], device) -> list[str]:
     """Put back every setting that differs from `before`; returns them as 'name: old -> new'."""
-    table = _PROCESS_STATE + (_CUDA_STATE if str(device).startswith("cuda") else [])
     changed = []
-    for name, read, restore in table:
+    for name, read, restore in _state_table(device):
         now = read()
         if now != before[name]:
             changed.append(f"{name}: {before[name]} -> {now}")
