@@ -123,7 +123,7 @@ def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions, judged: Sequen
                                        f"waived case now passes; remove the waiver ({waiver.reason})")
         return done[v.case]
 
-    for v in once_per_case(judged):     # already in the log: counted once here, never evaluated or logged again
+    for v in judged:          # already in the log: counted once here, never evaluated or logged again
         record(v)
 
     def run_one(case: Case) -> CaseVerdict:
@@ -172,16 +172,6 @@ def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions, judged: Sequen
                 break
     seconds = time.perf_counter() - t0 + sum(v.seconds for v in judged)     # a resumed pair's whole cost
     return _summarise(op, label, opts, seen, failure, waived_fail, seconds, scope)
-
-
-def once_per_case(verdicts: Sequence[CaseVerdict]) -> list[CaseVerdict]:
-    """One verdict per case, in first-logged order; of a case logged twice (two shards of different
-    deals judged it), the failing verdict."""
-    by_case: dict[str, CaseVerdict] = {}
-    for v in verdicts:
-        if v.case not in by_case or (v.status in (FAIL, XPASS) and by_case[v.case].status not in (FAIL, XPASS)):
-            by_case[v.case] = v
-    return list(by_case.values())
 
 
 def _candidate_scope(op: OpDef, fn, profile: Profile) -> tuple[Profile | None, str]:
@@ -319,7 +309,10 @@ def run_all(args, ops, candidates, profile, tps, device, log, console) -> tuple[
 
                         v = sanitize_op(op, cand.label, args.sanitize, args.seed)
                     else:
-                        judged = once_per_case(prev.partial.get((op.name, cand.label), []))
+                        judged = prev.partial.get((op.name, cand.label), [])
+                        if prev.repeated_lines:
+                            console.print(f"{op.name} / {cand.label}: {prev.repeated_lines} case lines of "
+                                          "cases already logged (shards of two deals), each case counted once")
                         if judged:
                             console.print(f"{op.name} / {cand.label}: {len(judged)} cases judged earlier (a cut "
                                           f"run, or --shards children) are replayed from {log.path}")

@@ -17,7 +17,7 @@ K have exited, their case lines are joined into OUT/jobs/OP/run.jsonl and the op
 with `--resume`: hypothesis replays the judged cases from that memo, judges any case the dry draw
 did not foresee (a draw after a vacuous case can differ), shrinks a failure and writes the op's
 verdict, exactly as an unsharded run would. On --resume each shard goes on with the list it was
-dealt (`_recorded_deal`), and the join counts a case two shards both judged once.
+dealt (`_recorded_deal`), and reading the joined log counts a case two shards both judged once.
 """
 import json
 import os
@@ -74,10 +74,6 @@ def visible_gpus(device: str) -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def _status(line_obj: dict) -> str:
-    return (line_obj.get("record") or {}).get("status", "")
-
-
 def _recorded_deal(jobs_dir: Path, name: str, shards: int) -> list[dict] | None:
     """On --resume, the deal an earlier run wrote (OP.shardK.cases.json), so each shard goes on with
     the cases its own log holds: a fresh dry draw need not deal the same (hypothesis mixes in
@@ -98,7 +94,7 @@ def run_jobs(argv: list[str], op_names: list[str], candidates: list[str], jobs: 
     (op, candidate) -> case records, one line per child that did not exit 0 or 1). `dealt`:
     op -> candidate -> drawn cases, to split over `shards` children per op first."""
     from verify.runlog import LOG_NAME, read
-    from verify.verdict import FAIL, XPASS, OpVerdict
+    from verify.verdict import FAIL, OpVerdict
 
     gpus = visible_gpus(device)
     jobs_dir = out / "jobs"
@@ -140,11 +136,9 @@ def run_jobs(argv: list[str], op_names: list[str], candidates: list[str], jobs: 
         running[slot] = (name, task, proc, log, time.monotonic())
 
     def join_shards(name: str) -> None:
-        """The op's shard logs, one run log for its final child to --resume from: one line per
-        case. A case two shards both judged (logs of an earlier deal) counts once; where their
-        verdicts differ, the failing one is kept."""
-        by_case: dict[tuple, str] = {}
-        start_line, twice = None, 0
+        """The op's shard logs, one run log for its final child to --resume from (reading it counts
+        a case two shards both judged once: runlog.read)."""
+        lines, start_line = [], None
         for path in sorted(jobs_dir.glob(f"{name}.shard*/{LOG_NAME}")):
             for line in path.read_text().splitlines():
                 try:
@@ -154,18 +148,10 @@ def run_jobs(argv: list[str], op_names: list[str], candidates: list[str], jobs: 
                 if obj.get("kind") == "start":
                     start_line = start_line or line
                 elif obj.get("kind") == "case":
-                    key = (obj.get("op"), obj.get("candidate"), obj.get("case"))
-                    if key in by_case:
-                        twice += 1
-                        if _status(obj) in (FAIL, XPASS) and _status(json.loads(by_case[key])) not in (FAIL, XPASS):
-                            by_case[key] = line
-                    else:
-                        by_case[key] = line
-        if twice:
-            console.print(f"{name}: {twice} case lines judged by more than one shard, each case counted once")
+                    lines.append(line)
         if start_line is not None:
             (jobs_dir / name).mkdir(parents=True, exist_ok=True)
-            (jobs_dir / name / LOG_NAME).write_text("\n".join([start_line, *by_case.values()]) + "\n")
+            (jobs_dir / name / LOG_NAME).write_text("\n".join([start_line, *lines]) + "\n")
 
     def finish(slot: int) -> None:
         name, task, proc, log, t0 = running.pop(slot)

@@ -72,6 +72,7 @@ class Resumed:
     partial: dict[tuple[str, str], list] = field(default_factory=dict)   # cut pair -> its CaseVerdicts, in order
     options: dict | None = None           # the options of the run that began the log
     torn_lines: int = 0
+    repeated_lines: int = 0               # case lines of a case already logged (shards of two deals)
 
 
 def settings_mismatch(previous: dict | None, options: dict) -> str:
@@ -113,10 +114,16 @@ class RunLog:
         self._f.close()
 
 
+def _fails(line: dict) -> bool:
+    return line["record"]["status"] in ("fail", "xpass")
+
+
 def read(path: Path) -> Resumed:
-    """Read a log; a line torn by a kill (the last one) is counted and ignored."""
+    """Read a log; a line torn by a kill (the last one) is counted and ignored. A case logged twice
+    (two shards of different deals judged it) counts once, in its first place; where the two verdicts
+    differ, the failing one stands."""
     res = Resumed()
-    pending: dict[tuple[str, str], list[dict]] = {}
+    pending: dict[tuple[str, str], dict[str, dict]] = {}     # pair -> case -> its line
     for line in Path(path).read_text().splitlines():
         try:
             obj = json.loads(line)
@@ -127,9 +134,13 @@ def read(path: Path) -> Resumed:
         if obj.get("kind") == "start" and res.options is None:
             res.options = obj.get("options")
         elif obj.get("kind") == "case":
-            pending.setdefault(key, []).append(obj)
+            lines = pending.setdefault(key, {})
+            seen = lines.get(obj["case"])
+            res.repeated_lines += seen is not None
+            if seen is None or (_fails(obj) and not _fails(seen)):
+                lines[obj["case"]] = obj
         elif obj.get("kind") == "op":
             res.op_verdicts[key] = op_verdict_from_dict(obj["verdict"])
-            res.cases[key] = [line["record"] for line in pending.pop(key, [])]
-    res.partial = {key: [case_verdict_from_line(line) for line in lines] for key, lines in pending.items()}
+            res.cases[key] = [line["record"] for line in pending.pop(key, {}).values()]
+    res.partial = {key: [case_verdict_from_line(line) for line in lines.values()] for key, lines in pending.items()}
     return res
