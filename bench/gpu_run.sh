@@ -8,7 +8,7 @@
 # A certification job whose log is in results/gpu/resume/cert_OP/ goes on from it (--resume).
 # Run from the repository root carrying .device (see bench/gpu_certify.sh for the bundle).
 set -u
-OUT=${OUT:-gpu-out}; R=${R:-/tmp/gpu-r}; mkdir -p "$OUT" "$R" "$R/wave1a" "$R/wave1b" "$R/wgmma" "$R/router" "$R/streams"
+OUT=${OUT:-gpu-out}; R=${R:-/tmp/gpu-r}; mkdir -p "$OUT" "$R" "$R/wave1a" "$R/wave1b" "$R/wgmma" "$R/router" "$R/streams" "$R/floor"
 pack() { tar czf "$OUT/results.tgz.tmp" -C "$(dirname "$R")" "$(basename "$R")" && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"; }
 ( while sleep 20; do pack; done ) & PACKER=$!
 [ -d /tmp/site/nvidia_cutlass_dsl ] || { mkdir -p /tmp/site && tar xJf .device/cutedsl.tar.xz -C /tmp/site; }
@@ -32,6 +32,7 @@ cmd_for() { case $1 in        # job name -> "limit command..."
   wave1a) echo "$BENCH_S python3 bench/bench_wave1a.py --out $R/wave1a --ops ${WAVE1A_OPS:-dequant,cache}" ;;
   wave1b) echo "$BENCH_S python3 -m bench.bench_wave1b --out $R/wave1b ${WAVE1B_ARGS:-}" ;;
   versions_*) local op=${1#versions_}; echo "$BENCH_S python3 -m bench.bench_versions --op $op --old .device/old/$op.py --out $R/$1" ;;   # versions_OP: against the source in .device/old/OP.py
+  floor) echo "$BENCH_S python3 bench/bench_floor.py --out $R/floor ${FLOOR_ARGS:-}" ;;   # missed targets beside a copy of the same bytes
   wgmma) echo "$BENCH_S python3 bench/bench_gemm_wgmma.py --out $R/wgmma ${WGMMA_ARGS:-}" ;;
   router) echo "$BENCH_S python3 bench/bench_router.py --out $R/router --steps ${ROUTER_STEPS:-timing}" ;;
   streams) echo "$BENCH_S python3 bench/bench_streams.py --old .device/old/skinny_gemm_wgmma.py --out $R/streams" ;;   # folds at the router shape, cross-stream stress
