@@ -39,6 +39,15 @@ def test_help_is_pinned(command):
     (["run", "--candidate", "nomodule_xyz:fn"], "--candidate"),
     (["diff", "/nonexistent/a.json", "/nonexistent/b.json"], "cannot read it"),
     (["report", "/nonexistent/a.json"], "cannot read it"),
+    (["repro", '{"op": "mla_cache_write", "seed": 1, "batch": 2, "config": "huge"}'], "CASE config: 'huge' is not one of"),
+    (["repro", '{"op": "mla_cache_write", "seed": 1, "batch": 2, "dtype": "int8"}'], "CASE dtype: 'int8'"),
+    (["repro", '{"op": "mla_cache_write", "seed": 1, "batch": 2, "dist": "weird"}'], "CASE dist: 'weird'"),
+    (["repro", '{"op": "mla_cache_write", "seed": 1, "batch": 0}'], "CASE batch: 0"),
+    (["repro", '{"op": "mla_cache_write", "seed": "x", "batch": 2}'], "CASE seed: 'x' is not an integer"),
+    (["repro", '{"op": "mla_cache_write", "seed": 1, "batch": 2, "tp": 3}'], "CASE tp: 3"),
+    (["repro", '{"op": "attn_res_rmsnorm", "seed": 1, "batch": 2, "extra": [["n_blokcs", 3]]}'],
+     "CASE extra: ['n_blokcs'] not read"),
+    (["repro", '{"op": "mla_cache_write", "seed": 1}'], "CASE is not a case record"),
 ])
 def test_bad_usage_exits_2_with_one_line(args, words):
     got = _cli(*args)
@@ -69,3 +78,10 @@ def test_sanitizer_report_is_parsed():
     assert parse_report(text) == (2, ["Invalid __global__ write of size 4 bytes"])
     assert parse_report("========= ERROR SUMMARY: 0 errors") == (0, [])
     assert parse_report("========= RACECHECK SUMMARY: 3 hazards displayed (3 errors, 0 warnings)")[0] == 3
+
+
+def test_repro_accepts_a_knob_the_op_reads():
+    """The unread-knob check must not refuse the knobs an op does read (attn_res_rmsnorm's n_blocks)."""
+    got = _cli("repro", '{"op": "attn_res_rmsnorm", "seed": 1, "batch": 2, "config": "tiny", "extra": [["n_blocks", 3]]}')
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert "n_blocks" in got.stdout

@@ -421,6 +421,52 @@ def cmd_check(args) -> int:
     return EXIT_OK if all(st.ok for st in states) else EXIT_FAIL
 
 
+def _check_case(case, op) -> None:
+    """A case record names only what the harness can rebuild for this op, or the CLI says which field
+    is wrong (rather than a failed "harness" verdict from deep inside the input builders)."""
+    from references.config import CONFIGS
+    from verify.case import Case
+    from verify.values import DISTS
+
+    def bad(field, why):
+        raise UsageError(f"CASE {field}: {why} (op {op.name})")
+
+    for field in ("seed", "batch", "tp"):
+        v = getattr(case, field)
+        if not isinstance(v, int) or isinstance(v, bool):
+            bad(field, f"{v!r} is not an integer")
+    if case.seed < 0:
+        bad("seed", f"{case.seed} is negative")
+    if case.batch < 1:
+        bad("batch", f"{case.batch}: must be 1 or more")
+    for field, known in (("config", sorted(CONFIGS)), ("dtype", list(op.dtypes)), ("dist", list(DISTS))):
+        if getattr(case, field) not in known:
+            bad(field, f"{getattr(case, field)!r} is not one of {known}")
+    tps = (1,) + (tuple(op.split.tp_values) if op.split is not None else ())
+    if case.tp not in tps:
+        bad("tp", f"{case.tp} is not one of {sorted(set(tps))}" + ("" if op.split else ": the op has no split rule"))
+    if not all(isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) for kv in case.extra):
+        bad("extra", f"{[list(kv) for kv in case.extra]} is not a list of [name, value] pairs")
+    if case.extra:   # a knob the op's input builder never reads would be silently ignored
+        read: set[str] = set()
+        plain = Case.knob
+
+        def knob(self, key, default=None):
+            read.add(key)
+            return plain(self, key, default)
+
+        Case.knob = knob
+        try:
+            op.make_inputs(case)
+        except Exception:  # noqa: BLE001  (the replay reports a builder failure as the case's verdict)
+            return
+        finally:
+            Case.knob = plain
+        unread = [k for k, _ in case.extra if k not in read]
+        if unread:
+            bad("extra", f"{unread} not read by the op's input builder (it reads {sorted(read) or 'no knob'} here)")
+
+
 def cmd_repro(args) -> int:
     from rich.console import Console
 
@@ -434,6 +480,7 @@ def cmd_repro(args) -> int:
     except (ValueError, TypeError) as e:
         raise UsageError(f"CASE is not a case record: {e}") from None
     op = _op_or_usage(case.op)
+    _check_case(case, op)
     device = _resolve_device(args.device)
     cand = _candidates(args.candidate, device)[0]
     from verify.candidates import CandidateUnavailable
