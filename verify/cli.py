@@ -424,6 +424,8 @@ def cmd_check(args) -> int:
 def _check_case(case, op) -> None:
     """A case record names only what the harness can rebuild for this op, or the CLI says which field
     is wrong (rather than a failed "harness" verdict from deep inside the input builders)."""
+    import dataclasses
+
     from references.config import CONFIGS
     from verify.case import Case
     from verify.values import DISTS
@@ -449,19 +451,17 @@ def _check_case(case, op) -> None:
         bad("extra", f"{[list(kv) for kv in case.extra]} is not a list of [name, value] pairs")
     if case.extra:   # a knob the op's input builder never reads would be silently ignored
         read: set[str] = set()
-        plain = Case.knob
 
-        def knob(self, key, default=None):
-            read.add(key)
-            return plain(self, key, default)
+        class Tracked(Case):
+            def knob(self, key, default=None):
+                read.add(key)
+                return super().knob(key, default)
 
-        Case.knob = knob
+        tracked = Tracked(**dataclasses.asdict(case) | {"extra": case.extra})
         try:
-            op.make_inputs(case)
+            op.make_inputs(tracked)
         except Exception:  # noqa: BLE001  (the replay reports a builder failure as the case's verdict)
             return
-        finally:
-            Case.knob = plain
         unread = [k for k, _ in case.extra if k not in read]
         if unread:
             bad("extra", f"{unread} not read by the op's input builder (it reads {sorted(read) or 'no knob'} here)")
