@@ -18,7 +18,6 @@ the plain copy of the same bytes misses cannot be met by any kernel that moves t
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -26,21 +25,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.bench_wave1b import attn_bytes, attn_inputs, kda_bytes, kda_inputs, time_graph  # noqa: E402
+from bench.bench_wave1b import LOG, attn_bytes, attn_inputs, kda_bytes, kda_inputs, log, n_sets, time_graph  # noqa: E402
 from bench.timing import save_outputs  # noqa: E402
 
 COPY_BW = 4.24e12
-LOG: list[str] = []
 ROWS: list[dict] = []
-
-
-def log(msg: str = "") -> None:
-    print(msg, flush=True)
-    LOG.append(msg)
-
-
-def n_sets(set_bytes: int) -> int:
-    return max(2, min(256, math.ceil(200e6 / set_bytes)))
 
 
 def target_us(nb: int, t_empty: float) -> float:
@@ -49,7 +38,7 @@ def target_us(nb: int, t_empty: float) -> float:
 
 def row(op: str, shape: str, nb: int, fns: dict, make_set, set_bytes: int, t_empty: float) -> None:
     """Time fns (name -> fn(set)) over rotated sets, and the copy anchors of nb bytes beside them."""
-    n = n_sets(max(set_bytes, nb // 2))
+    n = n_sets(max(set_bytes, nb // 2), cap=256)
     sets = [make_set(i) for i in range(n)]
     half = max(16, nb // 2 // 16 * 16)
     cps = [(torch.empty(half, dtype=torch.uint8, device="cuda"), torch.empty(half, dtype=torch.uint8, device="cuda"))

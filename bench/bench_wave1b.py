@@ -228,8 +228,9 @@ def copy_bandwidth() -> tuple[float, float]:
     return 2 * x.nbytes / (us_memcpy * 1e-6), 2 * x.nbytes / (us_kernel * 1e-6)
 
 
-def n_sets(set_bytes: int) -> int:
-    return max(2, min(48, math.ceil(256e6 / set_bytes)))
+def n_sets(set_bytes: int, cap: int = 48) -> int:
+    """Input sets per graph: >= 256 MB together (operands from HBM, not L2), at most `cap`."""
+    return max(2, min(cap, math.ceil(256e6 / set_bytes)))
 
 
 def bench(op, shape, fns: dict, make_set, set_bytes, moved, bw):
