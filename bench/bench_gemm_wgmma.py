@@ -50,6 +50,9 @@ def parse(argv=None):
     ap.add_argument("--folds", default="last,vec,spread",
                     help="split-K folds of the wgmma variants to run (fused/skinny_gemm_wgmma.py FOLDS); "
                          "e.g. vec,spread for the bench-only folds")
+    ap.add_argument("--bk", default="", help="k per stage of the default's twins, e.g. 128 (bench-only)")
+    ap.add_argument("--step", default="", help="output columns per CTA of the default's twins with "
+                    "overlapping 64-row tiles, e.g. 56,48 (kept where they divide N in one wave; bench-only)")
     ap.add_argument("--hang-s", type=float, default=60.0, help="silence (s) after which a variant counts as hung")
     ap.add_argument("--compile-only", action="store_true", help="compile the variants (no GPU needed) and exit")
     ap.add_argument("--limit", type=int, default=0, help="with --compile-only: compile only this many variants")
@@ -83,7 +86,24 @@ def variants_for(N, K, M, sweep, folds=None):
             except ValueError:
                 continue
             extra.append(cand)
-    return base + extra + [sg.default_config(M, N, K)]
+    d = sg.default_config(M, N, K)
+    if isinstance(d, wg.SkinnyGemmWgmmaConfig) and d.fold == "last" and not d.fresh_acc:
+        for bk in [wg.BK] + BK_EXTRA:                    # twins with the default's S: the same sums
+            for step in [0] + STEP_EXTRA:
+                if (bk, step) == (wg.BK, 0) or step and (N % step or N // step * d.ksplit > wg.SMS):
+                    continue
+                cand = dataclasses.replace(d, bk=bk, step=step,
+                                           stages=wg.stages_for(d.rows, d.m_pad, d.occupancy, bk))
+                try:
+                    wg.validate(N, K, cand)
+                except ValueError:
+                    continue
+                extra.append(cand)
+    return base + extra + [d]
+
+
+BK_EXTRA: list[int] = []
+STEP_EXTRA: list[int] = []
 
 
 def folds_of(args):
@@ -91,6 +111,8 @@ def folds_of(args):
 
 
 def all_variants(args):
+    BK_EXTRA[:] = [int(b) for b in args.bk.split(",") if b]
+    STEP_EXTRA[:] = [int(n) for n in args.step.split(",") if n]
     sweep = [int(s) for s in args.ksplit_sweep.split(",") if s]
     ms = [int(m) for m in args.ms.split(",")]
     out = {}
@@ -166,6 +188,12 @@ def run_child(args):
                     again = sg.skinny_gemm(x, ws[0], variant=cfg)
                     one = sg.skinny_gemm(x[M - 1:].clone(), ws[0], variant=cfg) if M > 1 else out
                     torch.cuda.synchronize()
+                    if cfg == sg.default_config(M, N, K):
+                        r["same_bits_as_default"] = True
+                    else:
+                        d_out = sg.skinny_gemm(x, ws[0], variant=sg.default_config(M, N, K))
+                        torch.cuda.synchronize()
+                        r["same_bits_as_default"] = bool(torch.equal(out.view(torch.int16), d_out.view(torch.int16)))
                     err = (out.double() - ref).abs().max().item()
                     r.update(maxerr=err, ok=row_ok(out, ref, base), le_cublas=err <= base_err,
                              rel=((out.double() - ref).norm() / ref.norm()).item(),
@@ -176,7 +204,7 @@ def run_child(args):
                     r.update(us=round(us, 2), pct_bw=round(100 * nb / (us * 1e-6) / COPY_BW, 1))
                     log(f"{shape:22s} {cfg.name:30s} {us:8.2f} us {r['pct_bw']:5.1f}%  err={err:.3g} "
                         f"cublas_err={base_err:.3g} {'OK' if r['ok'] else 'FAIL'} det={r['deterministic']} "
-                        f"inv={r['batch_invariant']}")
+                        f"inv={r['batch_invariant']} same_bits={r['same_bits_as_default']}")
                 except Exception as e:                               # noqa: BLE001
                     r.update(error=f"{type(e).__name__}: {e}"[:400])
                     log(f"FAIL {shape} {cfg.name}: {r['error']}")

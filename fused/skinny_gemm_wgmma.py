@@ -85,11 +85,20 @@ class SkinnyGemmWgmmaConfig:
     occupancy: int = 1   # CTAs per SM the stage count was sized for (1 or 2)
     fold: str = "last"   # split-K fold: "last", "vec", "spread" or "partials" (FOLDS); "last" is the shipped kernel
     fresh_acc: bool = False  # each k-tile's 4 wgmma chain from zero, added to the accumulator by IEEE adds
+    bk: int = BK         # k per stage: 64 (one 128-byte swizzle row per weight row) or 128 (two)
+    step: int = 0        # output columns per CTA (0: rows); below rows, neighbouring CTAs' tiles overlap
 
     @property
     def name(self) -> str:
         tail = ("" if self.fold == "last" else f"_{self.fold}") + ("_f" if self.fresh_acc else "")
+        tail += (f"_k{self.bk}" if self.bk != BK else "") + (f"_n{self.step}" if self.step else "")
         return f"wgmma_m{self.m_pad}_r{self.rows}_st{self.stages}_s{self.ksplit}_o{self.occupancy}{tail}"
+
+    @property
+    def cols(self) -> int:
+        """Output columns per CTA: `step` where set (a rows-deep tile starting every step rows, the
+        rows past step loaded and multiplied but not stored), else rows."""
+        return self.step or self.rows
 
     @property
     def writes_partials(self) -> bool:
@@ -101,13 +110,13 @@ def supports(K: int) -> bool:
     return K % BK == 0 and K >= BK
 
 
-def stage_bytes(rows: int, m_pad: int) -> int:
-    return (rows + m_pad) * BK * 2
+def stage_bytes(rows: int, m_pad: int, bk: int = BK) -> int:
+    return (rows + m_pad) * bk * 2
 
 
-def stages_for(rows: int, m_pad: int, occupancy: int) -> int:
+def stages_for(rows: int, m_pad: int, occupancy: int, bk: int = BK) -> int:
     budget = SMEM_PER_SM // occupancy - 1024 - 2048       # reserved + barriers/flag/alignment
-    return min(MAX_STAGES, budget // stage_bytes(rows, m_pad))
+    return min(MAX_STAGES, budget // stage_bytes(rows, m_pad, bk))
 
 
 def ksplit_for(N: int, K: int, rows: int, occupancy: int) -> int:
@@ -174,7 +183,7 @@ def workspace_shapes(N: int, cfg: SkinnyGemmWgmmaConfig) -> tuple[tuple[int], tu
     if cfg.ksplit == 1 or cfg.writes_partials:
         return (1,), (1,)
     frag = cfg.rows * cfg.m_pad // CONSUMER_THREADS
-    return ((N // cfg.rows) * cfg.ksplit * frag * CONSUMER_THREADS,), (N // cfg.rows,)
+    return ((N // cfg.cols) * cfg.ksplit * frag * CONSUMER_THREADS,), (N // cfg.cols,)
 
 
 def validate(N: int, K: int, cfg: SkinnyGemmWgmmaConfig) -> None:
@@ -182,14 +191,19 @@ def validate(N: int, K: int, cfg: SkinnyGemmWgmmaConfig) -> None:
         raise ValueError(f"w: K={K} must be a positive multiple of {BK} for the wgmma variant")
     if cfg.rows not in (64, 128, 256):
         raise ValueError(f"variant: rows={cfg.rows} must be 64, 128 or 256 ({cfg.name})")
-    if N % cfg.rows:
+    if N % cfg.cols or (cfg.step == 0 and N % cfg.rows):
         raise ValueError(f"w: N={N} must be a multiple of rows={cfg.rows} ({cfg.name}); pick a variant "
                          f"from configs_for(N, K, m_pad)")
     if cfg.m_pad not in M_PADS:
         raise ValueError(f"variant: m_pad={cfg.m_pad} must be one of {M_PADS} ({cfg.name})")
-    if not 1 <= cfg.ksplit <= K // BK:
-        raise ValueError(f"variant: ksplit={cfg.ksplit} must be in 1..K/{BK}={K // BK} ({cfg.name})")
-    smem = cfg.stages * stage_bytes(cfg.rows, cfg.m_pad) + 2048
+    if cfg.bk not in (BK, 2 * BK) or K % cfg.bk:
+        raise ValueError(f"variant: bk={cfg.bk} must be {BK} or {2 * BK} and divide K={K} ({cfg.name})")
+    if cfg.step and (cfg.step > cfg.rows or cfg.step % 8 or N % cfg.step or cfg.fold != "last" or cfg.fresh_acc):
+        raise ValueError(f"variant: step={cfg.step} must be a multiple of 8 up to rows={cfg.rows} dividing "
+                         f"N={N}, with the 'last' fold ({cfg.name})")
+    if not 1 <= cfg.ksplit <= K // cfg.bk:
+        raise ValueError(f"variant: ksplit={cfg.ksplit} must be in 1..K/{cfg.bk}={K // cfg.bk} ({cfg.name})")
+    smem = cfg.stages * stage_bytes(cfg.rows, cfg.m_pad, cfg.bk) + 2048
     if cfg.stages < 2 or smem > SMEM_PER_SM - 1024:
         raise ValueError(f"variant: {cfg.stages} stages need {smem} bytes of shared memory ({cfg.name})")
     if cfg.fold not in FOLDS:
@@ -211,8 +225,8 @@ class SkinnyGemmWgmma:
     def __init__(self, N: int, K: int, cfg: SkinnyGemmWgmmaConfig):
         validate(N, K, cfg)
         self.N, self.K, self.cfg = N, K, cfg
-        self.kt = K // BK
-        self.blocks = N // cfg.rows
+        self.kt = K // cfg.bk
+        self.blocks = N // cfg.cols
         self.frag = cfg.rows * cfg.m_pad // CONSUMER_THREADS     # fp32 accumulators per thread
         self.storage = None
 
@@ -232,14 +246,14 @@ class SkinnyGemmWgmma:
             kmajor = cute.nvgpu.OperandMajorMode.K
             tiled_mma = sm90.make_trivial_tiled_mma(dt, dt, kmajor, kmajor, cutlass.Float32, (1, 1, 1),
                                                     tiler_mn=(64, c.m_pad))
-            tile = (c.rows, c.m_pad, BK)
+            tile = (c.rows, c.m_pad, c.bk)
             w_sl = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, dt, c.stages)
             x_sl = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, dt, c.stages)
             g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
             tma_w, tW = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                g2s, mW, cute.slice_(w_sl, (None, None, 0)), (c.rows, BK))
+                g2s, mW, cute.slice_(w_sl, (None, None, 0)), (c.rows, c.bk))
             tma_x, tX = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                g2s, mX, cute.slice_(x_sl, (None, None, 0)), (c.m_pad, BK))
+                g2s, mX, cute.slice_(x_sl, (None, None, 0)), (c.m_pad, c.bk))
 
             @cute.struct
             class Storage:
@@ -265,8 +279,9 @@ class SkinnyGemmWgmma:
         cfg = self
         rows, S, kt, frag, stages = self.cfg.rows, self.cfg.ksplit, self.kt, self.frag, self.cfg.stages
         warpgroup = cute.nvgpu.warpgroup
-        nkb = BK // 16
-        tx_bytes = stage_bytes(rows, self.cfg.m_pad)           # 2-byte dtypes; OOB rows count too
+        bk, cols = self.cfg.bk, self.cfg.cols
+        nkb = bk // 16
+        tx_bytes = stage_bytes(rows, self.cfg.m_pad, bk)       # 2-byte dtypes; OOB rows count too
         fold, spread, to_caller = self.cfg.fold, self.cfg.fold == "spread", self.cfg.writes_partials
         fresh = self.cfg.fresh_acc
         E = rows * self.cfg.m_pad                              # floats per split partial
@@ -325,15 +340,24 @@ class SkinnyGemmWgmma:
                     mY[t, c + j] = sum4[j].to(mY.element_type)
 
         @cute.jit
+        def store(acc: cute.Tensor, tCc: cute.Tensor, mY: cute.Tensor, n0: Int32, M: Int32):
+            """y[t, n0 + r] for the real tokens and, with overlapping tiles, the CTA's own columns."""
+            for i in cutlass.range_constexpr(frag):
+                r, t = tCc[i]
+                if cutlass.const_expr(cols == rows):
+                    if t < M:
+                        mY[t, n0 + r] = acc[i].to(mY.element_type)
+                else:
+                    if t < M and r < cols:
+                        mY[t, n0 + r] = acc[i].to(mY.element_type)
+
+        @cute.jit
         def epilogue(acc: cute.Tensor, tCc: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor,
                      mCnt: cute.Tensor, ticket: cute.Tensor, bn: Int32, ks: Int32, tidx: Int32, M: Int32):
             """Consumer threads: store y, or write the split-K partial and let the last CTA fold."""
-            n0 = bn * rows
+            n0 = bn * cols
             if cutlass.const_expr(S == 1):
-                for i in cutlass.range_constexpr(frag):
-                    r, t = tCc[i]
-                    if t < M:
-                        mY[t, n0 + r] = acc[i].to(mY.element_type)
+                store(acc, tCc, mY, n0, M)
             elif cutlass.const_expr(to_caller):                # y[ks, M, N]: the caller folds
                 for i in cutlass.range_constexpr(frag):
                     r, t = tCc[i]
@@ -361,10 +385,7 @@ class SkinnyGemmWgmma:
                         for i in cutlass.range_constexpr(frag):
                             acc[i] = acc[i] + cute.arch.load(mWs.iterator + (part + i * CONSUMER_THREADS),
                                                              Float32, cop="cg")
-                    for i in cutlass.range_constexpr(frag):
-                        r, t = tCc[i]
-                        if t < M:
-                            mY[t, n0 + r] = acc[i].to(mY.element_type)
+                    store(acc, tCc, mY, n0, M)
                     if tidx == 0:
                         mCnt[bn] = Int32(0)
 
@@ -391,8 +412,11 @@ class SkinnyGemmWgmma:
             nk = ((ks + 1) * kt) // S - kt0
 
             if warp == 4:                                          # producer warp: TMA loads
-                gW = cute.local_tile(tW, (rows, BK), (bn, None))
-                gX = cute.local_tile(tX, (cfg.cfg.m_pad, BK), (0, None))
+                if cutlass.const_expr(cols == rows):
+                    gW = cute.local_tile(tW, (rows, bk), (bn, None))
+                else:                                              # tiles start every `cols` rows
+                    gW = cute.local_tile(cute.domain_offset((bn * cols, 0), tW), (rows, bk), (0, None))
+                gX = cute.local_tile(tX, (cfg.cfg.m_pad, bk), (0, None))
                 tWs, tWg = cute.nvgpu.cpasync.tma_partition(
                     tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
                 tXs, tXg = cute.nvgpu.cpasync.tma_partition(
@@ -526,7 +550,7 @@ def resident_or_vec(device, N: int, cfg: SkinnyGemmWgmmaConfig) -> SkinnyGemmWgm
 
 
 def num_ctas(N: int, cfg: SkinnyGemmWgmmaConfig) -> int:
-    return (N // cfg.rows) * cfg.ksplit
+    return (N // cfg.cols) * cfg.ksplit
 
 
 def waves(N: int, cfg: SkinnyGemmWgmmaConfig) -> float:
