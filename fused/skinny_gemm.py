@@ -13,9 +13,10 @@ Both are SIMT (CUDA-core FMA): past M ~ 16 the FMA rate, not HBM, is the limit.
 `wgmma_*` (fused/skinny_gemm_wgmma.py): Hopper warpgroup MMA, swap-AB, 64 or 128 weight rows per
 CTA, weight and token tiles through a TMA pipeline in shared memory, fixed-order split-K over CTAs,
 for 1 <= M <= 64; its order depends on (K, its split-K S) only, so it is batch invariant within a
-variant but not bitwise equal to the SIMT kernel. `default_config` picks SIMT for small M and the
-wgmma variant of M's bucket above a per-shape threshold, from the H200 measurements in
-results/gpu/skinny_gemm_wgmma.md: a dispatcher that switches kernels with M is batch invariant
+variant but not bitwise equal to the SIMT kernel. At the 3584-, 6144- and 7168-column K3 shapes the
+default adds skinny_gemm_wgmma's bk / step tiling (WGMMA_TILES): the plain variant's bits on 128
+CTAs. `default_config` picks SIMT for small M and the wgmma variant of M's bucket above a per-shape
+threshold, from the H200 measurements in results/gpu/skinny_gemm_wgmma.md: a dispatcher that switches kernels with M is batch invariant
 within each M (the harness's permuted-batch check), not across M. (The mma.sync kernel of
 fused/skinny_gemm_mma.py, slower than wgmma everywhere measured, serves router_topk only.)
 """
@@ -91,14 +92,28 @@ WGMMA_DEFAULTS: dict[tuple[int, int], tuple[int, dict[int, tuple]]] = {
 }
 
 
+# Shapes whose default runs its "last"-fold variant with 128 k per stage and a 64-row tile every
+# `step` rows (skinny_gemm_wgmma's bk / step), so the 3584, 6144 and 7168 columns fill 128 CTAs (64 x 2,
+# 128, 128) where 64-row blocks gave 112 or 96: (N, K) -> (bk, step). Same S, same k order, so the
+# same bits as the plain variant (H200 session 12, results/gpu/targets.md: 80 of 80 bitwise; at M = 64
+# 4-7 % faster, at M = 8 within +-1 %).
+WGMMA_TILES: dict[tuple[int, int], tuple[int, int]] = {
+    (3584, 7168): (128, 56), (6144, 7168): (128, 48), (7168, 1536): (128, 56), (7168, 12288): (128, 56),
+}
+
+
 def default_wgmma(N: int, K: int, m_pad: int) -> SkinnyGemmWgmmaConfig | None:
-    """The wgmma variant WGMMA_DEFAULTS names for this shape's m_pad bucket, or None."""
+    """The wgmma variant WGMMA_DEFAULTS names for this shape's m_pad bucket (with its WGMMA_TILES
+    tiling), or None."""
     entry = WGMMA_DEFAULTS.get((N, K))
     if entry is None or not wgmma.supports(K):
         return None
     rows, occ, *fold = entry[1][m_pad]
     for c in wgmma.configs_for(N, K, m_pad):
         if (c.rows, c.occupancy) == (rows, occ):
+            if (N, K) in WGMMA_TILES:
+                bk, step = WGMMA_TILES[(N, K)]
+                c = dataclasses.replace(c, bk=bk, step=step, stages=wgmma.stages_for(rows, m_pad, occ, bk))
             return dataclasses.replace(c, fold=fold[0]) if fold else c
     return None
 

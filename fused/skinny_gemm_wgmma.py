@@ -35,6 +35,15 @@ bits at the same (rows, occupancy, S). The dispatcher uses them where the H200 s
 faster (skinny_gemm.WGMMA_DEFAULTS: the router shape 7168 -> 896, where "last" left one CTA adding
 nine partials of up to 64 x 64 outputs); the shipped `configs_for` variants keep "last".
 
+Tiling options (`bk`, `step`; skinny_gemm.WGMMA_TILES picks them per shape): `bk` = 128 loads two
+128-byte swizzle rows of each weight row per stage (half the stages, twice the bytes each; the chain
+runs the same k16 steps in the same order). `step` < rows starts a CTA's rows-deep tile every `step`
+weight rows, so N/step CTAs cover N where N/rows would leave SMs idle (3584 / 56 x S 2 = 128 CTAs
+against 112; 6144 / 48 = 128 against 96; 7168 / 56 = 128 against 112): each CTA also loads and
+multiplies the next tile's first rows - step rows (its neighbour reads them from L2 at about the same
+time; the last tile's rows past N are zero filled by the TMA) and stores only its own `step` columns.
+Neither changes S or the k order, so both give the plain variant's bits (checked on the H200).
+
 Summation order of y[m, n]: the wgmma chain over the k-tiles of each split in k order (inside a tile
 the tensor core's fixed k order), then the splits in ks order. It depends on K, the k tile (64) and S
 only. S is a function of (N, K, rows, occupancy) (`ksplit_for`), never of M, m_pad or the token's
@@ -191,7 +200,7 @@ def validate(N: int, K: int, cfg: SkinnyGemmWgmmaConfig) -> None:
         raise ValueError(f"w: K={K} must be a positive multiple of {BK} for the wgmma variant")
     if cfg.rows not in (64, 128, 256):
         raise ValueError(f"variant: rows={cfg.rows} must be 64, 128 or 256 ({cfg.name})")
-    if N % cfg.cols or (cfg.step == 0 and N % cfg.rows):
+    if cfg.step == 0 and N % cfg.rows:
         raise ValueError(f"w: N={N} must be a multiple of rows={cfg.rows} ({cfg.name}); pick a variant "
                          f"from configs_for(N, K, m_pad)")
     if cfg.m_pad not in M_PADS:

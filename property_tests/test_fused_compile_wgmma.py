@@ -379,6 +379,57 @@ def test_wgmma_partials_folded_in_ks_order_give_the_spread_bits(M):
             assert torch.equal(y, folded), (fold, fresh)
 
 
+def test_tiled_defaults_keep_the_plain_variants_sums_and_fill_one_wave():
+    """WGMMA_TILES' defaults (bk 128, a 64-row tile every `step` rows) differ from the shipped plain
+    variant of their bucket only in bk, step and stages: same rows, occupancy and S, so the same k
+    ranges in the same order; their grid is one wave of more CTAs than the plain one's; bad bk / step
+    are refused by name."""
+    import dataclasses
+
+    from fused import skinny_gemm as sg
+    from fused import skinny_gemm_wgmma as wg
+    for (N, K), (bk, step) in sg.WGMMA_TILES.items():
+        for p in wg.M_PADS:
+            d = sg.default_wgmma(N, K, p)
+            plain = next(c for c in wg.configs_for(N, K, p) if (c.rows, c.occupancy) == (d.rows, d.occupancy))
+            assert (d.bk, d.step) == (bk, step) and dataclasses.replace(d, bk=wg.BK, step=0, stages=plain.stages) == plain
+            assert wg.num_ctas(N, plain) < wg.num_ctas(N, d) <= wg.SMS, (N, K, p)
+            assert d in sg.all_configs(N, K)
+    N, K = 3584, 7168
+    base = wg.configs_for(N, K, 8)[0]
+    for bad, words in ((dict(bk=96), "bk=96"), (dict(step=60), "step=60"), (dict(step=72), "step=72"),
+                       (dict(step=56, fold="vec"), "'last' fold")):
+        with pytest.raises(ValueError, match=words):
+            wg.validate(N, K, dataclasses.replace(base, **bad))
+    with pytest.raises(ValueError, match="bk=128"):
+        wg.validate(N, 1600, dataclasses.replace(base, bk=128, ksplit=1))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("K,N", [(7168, 3584), (7168, 6144), (1536, 7168)], ids=["7168to3584", "7168to6144", "1536to7168"])
+def test_tiled_defaults_give_the_plain_variants_bits(K, N):
+    """The overlapping-tile, 128-k default equals the plain 64-row variant of its bucket bit for bit
+    at M = 1, 8, 29, 64 (so the plain variant's accuracy evidence carries over), writes every column
+    once and nothing past M, and replays in a CUDA graph to the same bits."""
+    import dataclasses
+
+    from fused import skinny_gemm as sg
+    from fused import skinny_gemm_wgmma as wg
+    for M in (1, 8, 29, 64):
+        x, w = _case(M, N, K, seed=M)
+        d = sg.default_wgmma(N, K, wg.m_pad_for(M))
+        plain = dataclasses.replace(d, bk=wg.BK, step=0, stages=wg.stages_for(d.rows, d.m_pad, d.occupancy))
+        big = torch.full((M + 3, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        got = sg.skinny_gemm(x, w, out=big[:M], variant=d)
+        assert torch.isnan(big[M:]).all() and not torch.isnan(got).any(), (d.name, M)
+        want = sg.skinny_gemm(x, w, variant=plain)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (d.name, M)
+    x, w = _case(64, N, K, seed=9)
+    d = sg.default_wgmma(N, K, 64)
+    _assert_rows_and_replays_match(x, w, d, sg.skinny_gemm(x, w, variant=d))
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_two_spread_launches_on_two_streams_do_not_wait_on_each_other():
