@@ -17,8 +17,8 @@ variant but not bitwise equal to the SIMT kernel. At the 3584-, 6144- and 7168-c
 default adds skinny_gemm_wgmma's bk / step tiling (WGMMA_TILES): the plain variant's bits on 128
 CTAs. `default_config` picks SIMT for small M and the wgmma variant of M's bucket above a per-shape
 threshold, from the H200 measurements in results/gpu/skinny_gemm_wgmma.md: a dispatcher that switches
-kernels with M is batch invariant within each M (the harness's permuted-batch check), not across M. (The mma.sync kernel of
-fused/skinny_gemm_mma.py, slower than wgmma everywhere measured, serves router_topk only.)
+kernels with M is batch invariant within each M (the harness's permuted-batch check), not across M.
+(The mma.sync kernel of fused/skinny_gemm_mma.py, slower than wgmma everywhere measured, serves router_topk only.)
 """
 
 import dataclasses

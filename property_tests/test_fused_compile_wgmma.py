@@ -392,7 +392,8 @@ def test_tiled_defaults_keep_the_plain_variants_sums_and_fill_one_wave():
         for p in wg.M_PADS:
             d = sg.default_wgmma(N, K, p)
             plain = next(c for c in wg.configs_for(N, K, p) if (c.rows, c.occupancy) == (d.rows, d.occupancy))
-            assert (d.bk, d.step) == (bk, step) and dataclasses.replace(d, bk=wg.BK, step=0, stages=plain.stages) == plain
+            assert (d.bk, d.step) == (bk, step)
+            assert dataclasses.replace(d, bk=wg.BK, step=0, stages=plain.stages) == plain
             assert wg.num_ctas(N, plain) < wg.num_ctas(N, d) <= wg.SMS, (N, K, p)
             assert d in sg.all_configs(N, K)
     N, K = 3584, 7168
@@ -407,7 +408,8 @@ def test_tiled_defaults_keep_the_plain_variants_sums_and_fill_one_wave():
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("K,N", [(7168, 3584), (7168, 6144), (1536, 7168)], ids=["7168to3584", "7168to6144", "1536to7168"])
+@pytest.mark.parametrize("K,N", [(7168, 3584), (7168, 6144), (1536, 7168)],
+                         ids=["7168to3584", "7168to6144", "1536to7168"])
 def test_tiled_defaults_give_the_plain_variants_bits(K, N):
     """The overlapping-tile, 128-k default equals the plain 64-row variant of its bucket bit for bit
     at M = 1, 8, 29, 64 (so the plain variant's accuracy evidence carries over), writes every column
