@@ -45,6 +45,7 @@ cmd_for() { case $1 in        # job name -> "limit command..."
   gpu_tests_a) echo "200 python3 -m pytest -q -m gpu ${GPU_TESTS_A:-} -p no:cacheprovider -rs" ;;
   gpu_tests_b) echo "200 python3 -m pytest -q -m gpu ${GPU_TESTS_B:-} -p no:cacheprovider -rs" ;;
   gpu_tests) echo "200 python3 -m pytest -q -m gpu ${GPU_TESTS:-property_tests} -p no:cacheprovider -rs" ;;
+  nccl) echo "200 python3 -m pytest -q -m multi_gpu property_tests/test_distributed_nccl.py -p no:cacheprovider -rs" ;;   # every GPU
   *) echo "0 false unknown job $1" ;;
 esac; }
 JOBS=${JOBS:-"cert_skinny_gemm cert_kda_decode cert_attn_res_rmsnorm cert_router_topk cert_mxfp4_dequant cert_mla_cache_write wave1a wave1b gpu_tests"}
@@ -62,6 +63,7 @@ for g in "${!lane[@]}"; do (
       mkdir -p "$R/certall"; cp -r "$jobs_from" "$R/certall/"; find "$R/certall/jobs" -name '*.xz' -exec xz -df {} +
       set -- "$@" --resume; fi
     if [ "$n" = certall ]; then gpus=${CERTALL_GPUS:-$(seq -s, 0 $((NG - 1)))}; else gpus=$g; fi   # certall: every GPU (or CERTALL_GPUS)
+    [ "$n" = nccl ] && gpus=$(seq -s, 0 $((NG - 1)))                                               # nccl: one rank per GPU
     CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" "$@" > "$R/${j%@*}.log" 2>&1
     echo "$j gpu=$g rc=$? $(( $(date +%s) - t0 ))s" >> "$R/env.txt"
   done ) & done
