@@ -33,6 +33,7 @@ cmd_for() { case $1 in        # job name -> "limit command..."
   wave1b) echo "$BENCH_S python3 -m bench.bench_wave1b --out $R/wave1b ${WAVE1B_ARGS:-}" ;;
   versions_*) local op=${1#versions_}; echo "$BENCH_S python3 -m bench.bench_versions --op $op --old .device/old/$op.py --out $R/$1" ;;   # versions_OP: against the source in .device/old/OP.py
   floor) echo "$BENCH_S python3 bench/bench_floor.py --out $R/floor ${FLOOR_ARGS:-}" ;;   # missed targets beside a copy of the same bytes
+  diag_tiles) echo "$BENCH_S python3 bench/diag_tiles.py --out $R" ;;   # tiled skinny_gemm defaults against their plain twins
   wgmma) echo "$BENCH_S python3 bench/bench_gemm_wgmma.py --out $R/wgmma ${WGMMA_ARGS:-}" ;;
   router) echo "$BENCH_S python3 bench/bench_router.py --out $R/router --steps ${ROUTER_STEPS:-timing}" ;;
   streams) echo "$BENCH_S python3 bench/bench_streams.py --old .device/old/skinny_gemm_wgmma.py --out $R/streams" ;;   # folds at the router shape, cross-stream stress
