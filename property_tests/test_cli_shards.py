@@ -47,6 +47,26 @@ def test_sharded_run_equals_a_serial_run(tmp_path):
     assert b["options"]["shards"] == 3
 
 
+def test_sharded_worst_ratio_is_the_worst_launch_variants(tmp_path):
+    """A case judges every launch variant a candidate declares; the sharded run's certificate reports
+    the worst variant's err / tol, as the serial run does (the case log line once kept only the last
+    variant's ratio, so the sharded certificate under-reported: H200 session 12)."""
+    cand = "property_tests.planted_release.gemm_variants:skinny_gemm"
+    common = ["--ops", "skinny_gemm", "--candidate", cand, "--profile", "ci", "--examples", "8", "--no-isolate"]
+    serial = _cli(common + ["--out", "serial"], tmp_path)
+    shard = _cli(common + ["--out", "sh", "--jobs", "2", "--shards", "2"], tmp_path)
+    assert serial.returncode == 0 and shard.returncode == 0, shard.stdout + shard.stderr
+    va = json.loads((tmp_path / "serial" / "certificate.json").read_text())["ops"]["skinny_gemm"]["verdicts"][cand]
+    vb = json.loads((tmp_path / "sh" / "certificate.json").read_text())["ops"]["skinny_gemm"]["verdicts"][cand]
+    assert va["status"] == vb["status"] == "pass"
+    assert va["worst_ratio"] == vb["worst_ratio"] and va["worst_ratio"]["y"] > 0
+    exact = _cli(["--ops", "skinny_gemm", "--candidate", cand.replace("skinny_gemm", "exact_only"), "--profile",
+                  "ci", "--examples", "8", "--no-isolate", "--out", "ex"], tmp_path)
+    assert exact.returncode == 0, exact.stdout + exact.stderr
+    ve = json.loads((tmp_path / "ex" / "certificate.json").read_text())["ops"]["skinny_gemm"]["verdicts"]
+    assert vb["worst_ratio"]["y"] > next(iter(ve.values()))["worst_ratio"]["y"]    # the "halves" variant's
+
+
 def test_sharded_run_finds_shrinks_and_reports_a_planted_bug(tmp_path):
     cand = "property_tests.planted.gemm:skinny_gemm_unwritten_tail"
     common = ["--ops", "skinny_gemm", "--candidate", cand, "--examples", "6", "--no-isolate"]

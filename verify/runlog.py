@@ -27,10 +27,12 @@ def case_record(v) -> dict:
         c = Case.from_json(v.case)
         rec.update(seed=c.seed, batch=c.batch, config=c.config, dtype=c.dtype, dist=c.dist, tp=c.tp)
     ratios, errs = {}, {}
-    for ch in v.checks:
+    for ch in v.checks:      # one compare per output and launch variant: keep the worst of them
         if ch.name.startswith("compare:") and "ratio" in ch.metrics:
-            ratios[ch.name[8:]] = ch.metrics["ratio"]
-            errs[ch.name[8:]] = ch.metrics.get("max_abs")
+            name = ch.name[8:]
+            ratios[name] = max(ratios.get(name, 0.0), ch.metrics["ratio"])
+            if ch.metrics.get("max_abs") is not None:
+                errs[name] = max(errs.get(name) or 0.0, ch.metrics["max_abs"])
     rec["ratio"], rec["max_abs"] = ratios, errs
     if v.reason and v.status != "pass":
         rec["reason"] = v.reason[:300]
