@@ -68,7 +68,7 @@ def shapes_of(args):
     return [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
 
 
-def variants_for(N, K, M, sweep, folds=None):
+def variants_for(N, K, M, sweep, folds=None, bks=(), steps=()):
     """The wgmma variants of M's bucket with a fold in `folds` (all if None), plus the split-K sweep
     (dropped where a variant rejects it, e.g. a "spread" grid that would not be resident), and the
     current default."""
@@ -88,8 +88,8 @@ def variants_for(N, K, M, sweep, folds=None):
             extra.append(cand)
     d = sg.default_config(M, N, K)
     if isinstance(d, wg.SkinnyGemmWgmmaConfig) and d.fold == "last" and not d.fresh_acc:
-        for bk in [wg.BK] + BK_EXTRA:                    # twins with the default's S: the same sums
-            for step in [0] + STEP_EXTRA:
+        for bk in [wg.BK, *bks]:                         # twins with the default's S: the same sums
+            for step in [0, *steps]:
                 if (bk, step) == (wg.BK, 0) or step and (N % step or N // step * d.ksplit > wg.SMS):
                     continue
                 cand = dataclasses.replace(d, bk=bk, step=step,
@@ -102,8 +102,9 @@ def variants_for(N, K, M, sweep, folds=None):
     return base + extra + [d]
 
 
-BK_EXTRA: list[int] = []
-STEP_EXTRA: list[int] = []
+def tilings_of(args):
+    """(bks, steps): the --bk / --step twins of the default."""
+    return ([int(b) for b in args.bk.split(",") if b], [int(n) for n in args.step.split(",") if n])
 
 
 def folds_of(args):
@@ -111,15 +112,13 @@ def folds_of(args):
 
 
 def all_variants(args):
-    BK_EXTRA[:] = [int(b) for b in args.bk.split(",") if b]
-    STEP_EXTRA[:] = [int(n) for n in args.step.split(",") if n]
     sweep = [int(s) for s in args.ksplit_sweep.split(",") if s]
     ms = [int(m) for m in args.ms.split(",")]
     out = {}
     for K, N in shapes_of(args):
         seen = []
         for M in ms:
-            for c in variants_for(N, K, M, sweep, folds_of(args)):
+            for c in variants_for(N, K, M, sweep, folds_of(args), *tilings_of(args)):
                 if c not in seen:
                     seen.append(c)
         out[(K, N)] = seen
@@ -168,7 +167,8 @@ def run_child(args):
             base = F.linear(x, ws[0])
             base_err = (base.double() - ref).abs().max().item()
             shape = f"{K}->{N} M={M}"
-            for cfg in variants_for(N, K, M, [int(s) for s in args.ksplit_sweep.split(",") if s], folds_of(args)):
+            for cfg in variants_for(N, K, M, [int(s) for s in args.ksplit_sweep.split(",") if s], folds_of(args),
+                                    *tilings_of(args)):
                 tag = f"{K}x{N}:{M}:{cfg.name}"
                 if (K, N, M, cfg.name) in done:
                     continue
@@ -188,12 +188,9 @@ def run_child(args):
                     again = sg.skinny_gemm(x, ws[0], variant=cfg)
                     one = sg.skinny_gemm(x[M - 1:].clone(), ws[0], variant=cfg) if M > 1 else out
                     torch.cuda.synchronize()
-                    if cfg == sg.default_config(M, N, K):
-                        r["same_bits_as_default"] = True
-                    else:
-                        d_out = sg.skinny_gemm(x, ws[0], variant=sg.default_config(M, N, K))
-                        torch.cuda.synchronize()
-                        r["same_bits_as_default"] = bool(torch.equal(out.view(torch.int16), d_out.view(torch.int16)))
+                    d_out = out if r["default"] else sg.skinny_gemm(x, ws[0], variant=sg.default_config(M, N, K))
+                    torch.cuda.synchronize()
+                    r["same_bits_as_default"] = bool(torch.equal(out.view(torch.int16), d_out.view(torch.int16)))
                     err = (out.double() - ref).abs().max().item()
                     r.update(maxerr=err, ok=row_ok(out, ref, base), le_cublas=err <= base_err,
                              rel=((out.double() - ref).norm() / ref.norm()).item(),
