@@ -90,10 +90,12 @@ def variants_for(N, K, M, sweep, folds=None, bks=(), steps=()):
     if isinstance(d, wg.SkinnyGemmWgmmaConfig) and d.fold == "last" and not d.fresh_acc:
         for bk in [wg.BK, *bks]:                         # twins with the default's S: the same sums
             for step in [0, *steps]:
-                if (bk, step) == (wg.BK, 0) or step and (N % step or N // step * d.ksplit > wg.SMS):
+                if step and (N % step or N // step * d.ksplit > wg.SMS):
                     continue
                 cand = dataclasses.replace(d, bk=bk, step=step,
                                            stages=wg.stages_for(d.rows, d.m_pad, d.occupancy, bk))
+                if cand == d or cand in base + extra:
+                    continue
                 try:
                     wg.validate(N, K, cand)
                 except ValueError:
