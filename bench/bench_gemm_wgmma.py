@@ -76,31 +76,28 @@ def variants_for(N, K, M, sweep, folds=None, bks=(), steps=()):
     from fused import skinny_gemm_wgmma as wg
     base = [c for c in wg.configs_for(N, K, wg.m_pad_for(M), sweep=True) if folds is None or c.fold in folds]
     extra = []
+    d = sg.default_config(M, N, K)
+
+    def keep(cand):
+        """cand, if new and accepted by the kernel (e.g. not a "spread" grid that would not be resident)."""
+        if cand == d or cand in base + extra:
+            return
+        try:
+            wg.validate(N, K, cand)
+        except ValueError:
+            return
+        extra.append(cand)
+
     for c in base:
         for s in sweep:
-            cand = dataclasses.replace(c, ksplit=s)
-            if s == c.ksplit or not 1 <= s <= K // wg.BK or cand in base + extra:
-                continue
-            try:
-                wg.validate(N, K, cand)
-            except ValueError:
-                continue
-            extra.append(cand)
-    d = sg.default_config(M, N, K)
+            if 1 <= s <= K // wg.BK:
+                keep(dataclasses.replace(c, ksplit=s))
     if isinstance(d, wg.SkinnyGemmWgmmaConfig) and d.fold == "last" and not d.fresh_acc:
         for bk in [wg.BK, *bks]:                         # twins with the default's S: the same sums
             for step in [0, *steps]:
-                if step and (N % step or N // step * d.ksplit > wg.SMS):
-                    continue
-                cand = dataclasses.replace(d, bk=bk, step=step,
-                                           stages=wg.stages_for(d.rows, d.m_pad, d.occupancy, bk))
-                if cand == d or cand in base + extra:
-                    continue
-                try:
-                    wg.validate(N, K, cand)
-                except ValueError:
-                    continue
-                extra.append(cand)
+                if not step or (N % step == 0 and N // step * d.ksplit <= wg.SMS):
+                    keep(dataclasses.replace(d, bk=bk, step=step,
+                                             stages=wg.stages_for(d.rows, d.m_pad, d.occupancy, bk)))
     return base + extra + [d]
 
 
