@@ -49,7 +49,8 @@ def parse(argv=None):
     ap.add_argument("--ksplit-sweep", default="", help="extra split-K values tried on every wgmma variant, e.g. 1,2,4")
     ap.add_argument("--folds", default="last,vec,spread",
                     help="split-K folds of the wgmma variants to run (fused/skinny_gemm_wgmma.py FOLDS); "
-                         "e.g. vec,spread for the bench-only folds")
+                         "e.g. vec,spread for the bench-only folds; 'cluster' adds the default's (and its "
+                         "tiling twins') cluster-fold twins: the same S and sums")
     ap.add_argument("--bk", default="", help="k per stage of the default's twins, e.g. 128 (bench-only)")
     ap.add_argument("--step", default="", help="output columns per CTA of the default's twins with "
                     "overlapping 64-row tiles, e.g. 56,48 (kept where they divide N in one wave; bench-only)")
@@ -92,12 +93,20 @@ def variants_for(N, K, M, sweep, folds=None, bks=(), steps=()):
         for s in sweep:
             if 1 <= s <= K // wg.BK:
                 keep(dataclasses.replace(c, ksplit=s))
-    if isinstance(d, wg.SkinnyGemmWgmmaConfig) and d.fold == "last" and not d.fresh_acc:
+    if isinstance(d, wg.SkinnyGemmWgmmaConfig) and not d.fresh_acc:
         for bk in [wg.BK, *bks]:                         # twins with the default's S: the same sums
             for step in [0, *steps]:
-                if not step or (N % step == 0 and N // step * d.ksplit <= wg.SMS):
-                    keep(dataclasses.replace(d, bk=bk, step=step,
-                                             stages=wg.stages_for(d.rows, d.m_pad, d.occupancy, bk)))
+                if step and N % step:
+                    continue
+                twin = dataclasses.replace(d, bk=bk, step=step, stages=wg.stages_for(d.rows, d.m_pad, d.occupancy, bk))
+                blocks = N // (step or d.rows)
+                if d.fold == "last" and (not step or blocks * d.ksplit <= wg.SMS):
+                    keep(twin)
+                if folds and "cluster" in folds:         # the split CTAs as one cluster: at the default's S
+                    most = min(wg.MAX_CLUSTER, wg.SMS // blocks, K // bk // 4)    # and at the most in one wave
+                    for s in {d.ksplit, most}:
+                        if blocks * s <= wg.SMS:
+                            keep(dataclasses.replace(twin, fold="cluster", ksplit=s))
     return base + extra + [d]
 
 

@@ -81,8 +81,13 @@ M_PADS = (8, 16, 32, 64)
 # is ((p0 + p1) + p2) + ... in ks order in all three, whichever CTA adds it. "partials": no fold in
 # the kernel; each split CTA writes its fp32 partial of the M real tokens to y[ks, M, N] (y fp32,
 # [S, M, N]) for the caller to fold in ks order (router_topk's top-k kernel does), as the mma.sync
-# kernel's split-K does: no counter, no wait, nothing to keep resident.
-FOLDS = ("last", "vec", "spread", "partials")
+# kernel's split-K does: no counter, no wait, nothing to keep resident. "cluster": the S split CTAs of a
+# column block are one thread-block cluster (grid y); once every CTA of it has left its main loop
+# (cluster barrier), CTAs 1..S-1 store their fp32 fragments into CTA 0's stage buffers (distributed
+# shared memory), a second cluster barrier publishes them, and CTA 0 adds them to its own in ks
+# order: no workspace, no counter, no global round trip (bench-only until measured).
+FOLDS = ("last", "vec", "spread", "partials", "cluster")
+MAX_CLUSTER = 8              # portable thread-block cluster size
 
 
 @dataclass(frozen=True)
@@ -189,7 +194,7 @@ def m_pad_for(M: int) -> int:
 
 def workspace_shapes(N: int, cfg: SkinnyGemmWgmmaConfig) -> tuple[tuple[int], tuple[int]]:
     """(fp32 partials, int32 counters) element counts; 1-element dummies without split-K."""
-    if cfg.ksplit == 1 or cfg.writes_partials:
+    if cfg.ksplit == 1 or cfg.writes_partials or cfg.fold == "cluster":
         return (1,), (1,)
     frag = cfg.rows * cfg.m_pad // CONSUMER_THREADS
     return ((N // cfg.cols) * cfg.ksplit * frag * CONSUMER_THREADS,), (N // cfg.cols,)
@@ -207,9 +212,10 @@ def validate(N: int, K: int, cfg: SkinnyGemmWgmmaConfig) -> None:
         raise ValueError(f"variant: m_pad={cfg.m_pad} must be one of {M_PADS} ({cfg.name})")
     if cfg.bk not in (BK, 2 * BK) or K % cfg.bk:
         raise ValueError(f"variant: bk={cfg.bk} must be {BK} or {2 * BK} and divide K={K} ({cfg.name})")
-    if cfg.step and (cfg.step > cfg.rows or cfg.step % 8 or N % cfg.step or cfg.fold != "last" or cfg.fresh_acc):
+    if cfg.step and (cfg.step > cfg.rows or cfg.step % 8 or N % cfg.step or cfg.fold not in ("last", "cluster")
+                     or cfg.fresh_acc):
         raise ValueError(f"variant: step={cfg.step} must be a multiple of 8 up to rows={cfg.rows} dividing "
-                         f"N={N}, with the 'last' fold ({cfg.name})")
+                         f"N={N}, with the 'last' or 'cluster' fold ({cfg.name})")
     if not 1 <= cfg.ksplit <= K // cfg.bk:
         raise ValueError(f"variant: ksplit={cfg.ksplit} must be in 1..K/{cfg.bk}={K // cfg.bk} ({cfg.name})")
     smem = cfg.stages * stage_bytes(cfg.rows, cfg.m_pad, cfg.bk) + 2048
@@ -217,6 +223,12 @@ def validate(N: int, K: int, cfg: SkinnyGemmWgmmaConfig) -> None:
         raise ValueError(f"variant: {cfg.stages} stages need {smem} bytes of shared memory ({cfg.name})")
     if cfg.fold not in FOLDS:
         raise ValueError(f"variant: fold={cfg.fold!r} must be one of {FOLDS} ({cfg.name})")
+    if cfg.fold == "cluster":
+        peers = (cfg.ksplit - 1) * cfg.rows * cfg.m_pad * 4          # CTA 0 receives S - 1 fp32 partials
+        if not 2 <= cfg.ksplit <= MAX_CLUSTER or peers > cfg.stages * cfg.rows * cfg.bk * 2:
+            raise ValueError(f"variant: fold='cluster' makes the ksplit={cfg.ksplit} CTAs of a column block one "
+                             f"cluster: ksplit must be 2..{MAX_CLUSTER} and the {peers} bytes of peer partials "
+                             f"must fit the weight stages ({cfg.name})")
     if cfg.fold == "spread":
         # every CTA spins until all S of its column block arrived: only safe if the grid is resident
         if cfg.occupancy not in (1, 2) or smem > SMEM_PER_SM // cfg.occupancy - 1024:
@@ -274,9 +286,14 @@ class SkinnyGemmWgmma:
             cfg.storage = Storage
             # "spread" spins on its split-K peers: a cooperative launch makes the driver place the
             # whole grid at once, so two such launches on two streams cannot each hold part of it
-            kernel(tma_w, tW, tma_x, tX, mY, mWs, mCnt, tiled_mma, w_sl, x_sl).launch(
-                grid=[cfg.blocks, c.ksplit, 1], block=[THREADS, 1, 1], stream=stream,
-                cooperative=c.fold == "spread" and c.ksplit > 1)
+            if cutlass.const_expr(c.fold == "cluster"):        # a column block's S splits: one cluster
+                kernel(tma_w, tW, tma_x, tX, mY, mWs, mCnt, tiled_mma, w_sl, x_sl).launch(
+                    grid=[cfg.blocks, c.ksplit, 1], block=[THREADS, 1, 1], cluster=[1, c.ksplit, 1],
+                    stream=stream)
+            else:
+                kernel(tma_w, tW, tma_x, tX, mY, mWs, mCnt, tiled_mma, w_sl, x_sl).launch(
+                    grid=[cfg.blocks, c.ksplit, 1], block=[THREADS, 1, 1], stream=stream,
+                    cooperative=c.fold == "spread" and c.ksplit > 1)
 
         return host
 
@@ -295,6 +312,7 @@ class SkinnyGemmWgmma:
         fresh = self.cfg.fresh_acc
         E = rows * self.cfg.m_pad                              # floats per split partial
         wait_at_least = spin_wait_op() if spread else None
+        st_cluster = st_cluster_op() if fold == "cluster" else None
 
         @cute.jit
         def fold_tokens(acc: cute.Tensor, tCc: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor,
@@ -349,6 +367,29 @@ class SkinnyGemmWgmma:
                     mY[t, c + j] = sum4[j].to(mY.element_type)
 
         @cute.jit
+        def fold_cluster(acc: cute.Tensor, tCc: cute.Tensor, mY: cute.Tensor, peer_buf: cute.Pointer, n0: Int32,
+                         ks: Int32, tidx: Int32, M: Int32):
+            """fold "cluster": CTA ks > 0 stores its fragment into CTA 0's stage buffers (fragment-major,
+            thread-minor, partial ks - 1 at (ks - 1) x rows x m_pad floats); CTA 0 adds them in ks order.
+            The first cluster barrier (every CTA past its main loop, so CTA 0's stages are free) pairs
+            with the producer warp's; the second publishes the stores (arrive release, wait acquire)."""
+            cute.arch.fence_view_async_shared()                    # wgmma's reads of the stages are done
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            if ks > 0:
+                dst = cute.arch.map_dsmem_ptr(peer_buf + (ks - 1) * E + tidx, 0)
+                for i in cutlass.range_constexpr(frag):
+                    st_cluster(dst + i * CONSUMER_THREADS, acc[i])
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            if ks == 0:
+                for s in cutlass.range_constexpr(1, S):                # ((p0 + p1) + p2) + ...
+                    src = cute.make_tensor(peer_buf + (s - 1) * E + tidx, cute.make_layout(frag, stride=CONSUMER_THREADS))
+                    for i in cutlass.range_constexpr(frag):
+                        acc[i] = acc[i] + src[i]
+                store(acc, tCc, mY, n0, M)
+
+        @cute.jit
         def store(acc: cute.Tensor, tCc: cute.Tensor, mY: cute.Tensor, n0: Int32, M: Int32):
             """y[t, n0 + r] for the real tokens and, with overlapping tiles, the CTA's own columns."""
             for i in cutlass.range_constexpr(frag):
@@ -362,7 +403,8 @@ class SkinnyGemmWgmma:
 
         @cute.jit
         def epilogue(acc: cute.Tensor, tCc: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor,
-                     mCnt: cute.Tensor, ticket: cute.Tensor, bn: Int32, ks: Int32, tidx: Int32, M: Int32):
+                     mCnt: cute.Tensor, ticket: cute.Tensor, peer_buf: cute.Pointer, bn: Int32, ks: Int32,
+                     tidx: Int32, M: Int32):
             """Consumer threads: store y, or write the split-K partial and let the last CTA fold."""
             n0 = bn * cols
             if cutlass.const_expr(S == 1):
@@ -372,6 +414,8 @@ class SkinnyGemmWgmma:
                     r, t = tCc[i]
                     if t < M:
                         mY[ks, t, n0 + r] = acc[i]
+            elif cutlass.const_expr(fold == "cluster"):
+                fold_cluster(acc, tCc, mY, peer_buf, n0, ks, tidx, M)
             elif cutlass.const_expr(fold != "last"):
                 fold_tokens(acc, tCc, mY, mWs, mCnt, ticket, bn, ks, tidx, M)
             else:
@@ -438,6 +482,11 @@ class SkinnyGemmWgmma:
                     cute.copy(tma_x, tXg[(None, kt0 + i)], tXs[(None, prod.index)], tma_bar_ptr=bar)
                     pipe.producer_commit(prod)
                     prod.advance()
+                if cutlass.const_expr(fold == "cluster"):          # the consumers' two cluster barriers
+                    cute.arch.cluster_arrive()
+                    cute.arch.cluster_wait()
+                    cute.arch.cluster_arrive()
+                    cute.arch.cluster_wait()
             else:                                                  # consumer warpgroup: wgmma
                 thr = tiled_mma.get_slice(tidx)
                 tCrW = tiled_mma.make_fragment_A(thr.partition_A(sW))
@@ -475,7 +524,8 @@ class SkinnyGemmWgmma:
                             done.advance()
                     read.advance()
                 warpgroup.wait_group(0)
-                epilogue(acc, tCc, mY, mWs, mCnt, storage.ticket.get_tensor(cute.make_layout(4)),
+                peer_buf = cute.recast_ptr(storage.sW.data_ptr(), dtype=Float32)
+                epilogue(acc, tCc, mY, mWs, mCnt, storage.ticket.get_tensor(cute.make_layout(4)), peer_buf,
                          bn, ks, tidx, M)
 
         return kernel
@@ -498,6 +548,22 @@ def spin_wait_op():
             "=r,l,r", has_side_effects=True, loc=loc, ip=ip))
 
     return wait_at_least
+
+
+def st_cluster_op():
+    """st_cluster(dsmem_ptr, value): st.shared::cluster.f32 to a peer CTA's shared memory (CuTe DSL
+    4.8 tensors cannot load or store through a distributed-shared-memory pointer)."""
+    cutlass, cute = runtime.cutlass_modules()
+    from cutlass import Float32, Int32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import dsl_user_op
+
+    @dsl_user_op
+    def st_cluster(ptr, value, *, loc=None, ip=None):
+        llvm.inline_asm(None, [Int32(ptr.toint()).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
+                        "st.shared::cluster.f32 [$0], $1;", "r,f", has_side_effects=True, loc=loc, ip=ip)
+
+    return st_cluster
 
 
 def compile_variant(dtype: str, out_dtype: str, N: int, K: int, cfg: SkinnyGemmWgmmaConfig):
