@@ -102,11 +102,13 @@ def variants_for(N, K, M, sweep, folds=None, bks=(), steps=()):
                 blocks = N // (step or d.rows)
                 if d.fold == "last" and (not step or blocks * d.ksplit <= wg.SMS):
                     keep(twin)
-                if folds and "cluster" in folds:         # the split CTAs as one cluster: at the default's S
-                    most = min(wg.MAX_CLUSTER, wg.SMS // blocks, K // bk // 4)    # and at the most in one wave
+                for fold in wg.CLUSTER_FOLDS if folds else ():    # the split CTAs as one cluster: at the
+                    if fold not in folds:                # default's S and at the most in one wave
+                        continue
+                    most = min(wg.MAX_CLUSTER, wg.SMS // blocks, K // bk // 4)
                     for s in {d.ksplit, most}:
                         if blocks * s <= wg.SMS:
-                            keep(dataclasses.replace(twin, fold="cluster", ksplit=s))
+                            keep(dataclasses.replace(twin, fold=fold, ksplit=s))
     return base + extra + [d]
 
 

@@ -84,9 +84,12 @@ M_PADS = (8, 16, 32, 64)
 # kernel's split-K does: no counter, no wait, nothing to keep resident. "cluster": the S split CTAs of a
 # column block are one thread-block cluster (grid y); once every CTA of it has left its main loop
 # (cluster barrier), CTAs 1..S-1 store their fp32 fragments into CTA 0's stage buffers (distributed
-# shared memory), a second cluster barrier publishes them, and CTA 0 adds them to its own in ks
-# order: no workspace, no counter, no global round trip (bench-only until measured).
-FOLDS = ("last", "vec", "spread", "partials", "cluster")
+# shared memory), a second cluster barrier publishes them, and CTA 0 adds them in ks order: no
+# workspace, no counter, no global round trip. "cspread": the same with the fragment's elements dealt
+# over the S CTAs (a reduce-scatter: CTA j adds and stores elements [j frag/S, (j+1) frag/S)), so no
+# CTA receives more than 1/S of the partials.
+CLUSTER_FOLDS = ("cluster", "cspread")
+FOLDS = ("last", "vec", "spread", "partials", *CLUSTER_FOLDS)
 MAX_CLUSTER = 8              # portable thread-block cluster size
 
 
@@ -192,9 +195,17 @@ def m_pad_for(M: int) -> int:
     raise ValueError(f"x: M={M} is over 64, the wgmma skinny_gemm's largest token tile")
 
 
+def cluster_buffer_bytes(cfg: SkinnyGemmWgmmaConfig) -> int:
+    """Folds "cluster" / "cspread": the fp32 partials (all S, its own included) of the fragment
+    elements one CTA adds, staged in its weight stages."""
+    frag = cfg.rows * cfg.m_pad // CONSUMER_THREADS
+    owned = frag if cfg.fold == "cluster" else -(-frag // cfg.ksplit)
+    return owned * cfg.ksplit * CONSUMER_THREADS * 4
+
+
 def workspace_shapes(N: int, cfg: SkinnyGemmWgmmaConfig) -> tuple[tuple[int], tuple[int]]:
     """(fp32 partials, int32 counters) element counts; 1-element dummies without split-K."""
-    if cfg.ksplit == 1 or cfg.writes_partials or cfg.fold == "cluster":
+    if cfg.ksplit == 1 or cfg.writes_partials or cfg.fold in CLUSTER_FOLDS:
         return (1,), (1,)
     frag = cfg.rows * cfg.m_pad // CONSUMER_THREADS
     return ((N // cfg.cols) * cfg.ksplit * frag * CONSUMER_THREADS,), (N // cfg.cols,)
@@ -212,10 +223,10 @@ def validate(N: int, K: int, cfg: SkinnyGemmWgmmaConfig) -> None:
         raise ValueError(f"variant: m_pad={cfg.m_pad} must be one of {M_PADS} ({cfg.name})")
     if cfg.bk not in (BK, 2 * BK) or K % cfg.bk:
         raise ValueError(f"variant: bk={cfg.bk} must be {BK} or {2 * BK} and divide K={K} ({cfg.name})")
-    if cfg.step and (cfg.step > cfg.rows or cfg.step % 8 or N % cfg.step or cfg.fold not in ("last", "cluster")
+    if cfg.step and (cfg.step > cfg.rows or cfg.step % 8 or N % cfg.step or cfg.fold not in ("last", *CLUSTER_FOLDS)
                      or cfg.fresh_acc):
         raise ValueError(f"variant: step={cfg.step} must be a multiple of 8 up to rows={cfg.rows} dividing "
-                         f"N={N}, with the 'last' or 'cluster' fold ({cfg.name})")
+                         f"N={N}, with the 'last' or a cluster fold ({cfg.name})")
     if not 1 <= cfg.ksplit <= K // cfg.bk:
         raise ValueError(f"variant: ksplit={cfg.ksplit} must be in 1..K/{cfg.bk}={K // cfg.bk} ({cfg.name})")
     smem = cfg.stages * stage_bytes(cfg.rows, cfg.m_pad, cfg.bk) + 2048
@@ -223,12 +234,12 @@ def validate(N: int, K: int, cfg: SkinnyGemmWgmmaConfig) -> None:
         raise ValueError(f"variant: {cfg.stages} stages need {smem} bytes of shared memory ({cfg.name})")
     if cfg.fold not in FOLDS:
         raise ValueError(f"variant: fold={cfg.fold!r} must be one of {FOLDS} ({cfg.name})")
-    if cfg.fold == "cluster":
-        peers = (cfg.ksplit - 1) * cfg.rows * cfg.m_pad * 4          # CTA 0 receives S - 1 fp32 partials
-        if not 2 <= cfg.ksplit <= MAX_CLUSTER or peers > cfg.stages * cfg.rows * cfg.bk * 2:
-            raise ValueError(f"variant: fold='cluster' makes the ksplit={cfg.ksplit} CTAs of a column block one "
-                             f"cluster: ksplit must be 2..{MAX_CLUSTER} and the {peers} bytes of peer partials "
-                             f"must fit the weight stages ({cfg.name})")
+    if cfg.fold in CLUSTER_FOLDS:
+        need = cluster_buffer_bytes(cfg)
+        if not 2 <= cfg.ksplit <= MAX_CLUSTER or need > cfg.stages * cfg.rows * cfg.bk * 2:
+            raise ValueError(f"variant: fold={cfg.fold!r} makes the ksplit={cfg.ksplit} CTAs of a column block one "
+                             f"cluster: ksplit must be 2..{MAX_CLUSTER} and the {need} bytes of partials a CTA "
+                             f"adds must fit its weight stages ({cfg.name})")
     if cfg.fold == "spread":
         # every CTA spins until all S of its column block arrived: only safe if the grid is resident
         if cfg.occupancy not in (1, 2) or smem > SMEM_PER_SM // cfg.occupancy - 1024:
@@ -286,7 +297,7 @@ class SkinnyGemmWgmma:
             cfg.storage = Storage
             # "spread" spins on its split-K peers: a cooperative launch makes the driver place the
             # whole grid at once, so two such launches on two streams cannot each hold part of it
-            if cutlass.const_expr(c.fold == "cluster"):        # a column block's S splits: one cluster
+            if cutlass.const_expr(c.fold in CLUSTER_FOLDS):    # a column block's S splits: one cluster
                 kernel(tma_w, tW, tma_x, tX, mY, mWs, mCnt, tiled_mma, w_sl, x_sl).launch(
                     grid=[cfg.blocks, c.ksplit, 1], block=[THREADS, 1, 1], cluster=[1, c.ksplit, 1],
                     stream=stream)
@@ -312,7 +323,13 @@ class SkinnyGemmWgmma:
         fresh = self.cfg.fresh_acc
         E = rows * self.cfg.m_pad                              # floats per split partial
         wait_at_least = spin_wait_op() if spread else None
-        st_cluster = st_cluster_op() if fold == "cluster" else None
+        st_cluster = st_cluster_op() if fold in CLUSTER_FOLDS else None
+
+        def owner(i: int) -> int:                              # fold "cluster" / "cspread": who adds element i
+            return 0 if fold == "cluster" else (i * S) // frag
+
+        def first_owned(j: int) -> int:
+            return 0 if fold == "cluster" else (j * frag + S - 1) // S
 
         @cute.jit
         def fold_tokens(acc: cute.Tensor, tCc: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor,
@@ -369,25 +386,32 @@ class SkinnyGemmWgmma:
         @cute.jit
         def fold_cluster(acc: cute.Tensor, tCc: cute.Tensor, mY: cute.Tensor, peer_buf: cute.Pointer, n0: Int32,
                          ks: Int32, tidx: Int32, M: Int32):
-            """fold "cluster": CTA ks > 0 stores its fragment into CTA 0's stage buffers (fragment-major,
-            thread-minor, partial ks - 1 at (ks - 1) x rows x m_pad floats); CTA 0 adds them in ks order.
-            The first cluster barrier (every CTA past its main loop, so CTA 0's stages are free) pairs
-            with the producer warp's; the second publishes the stores (arrive release, wait acquire)."""
+            """folds "cluster" / "cspread": every CTA of the cluster stores fragment element i of its
+            partial into the stage buffers of the CTA that owns i (CTA 0 for "cluster"; CTA i*S//frag
+            for "cspread"), at slot (i - first owned, ks); each owner adds its elements' S partials in
+            ks order and stores them. The first cluster barrier (every CTA past its main loop, so the
+            stages are free) pairs with the producer warp's; the second publishes the stores (arrive
+            release, wait acquire)."""
             cute.arch.fence_view_async_shared()                    # wgmma's reads of the stages are done
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
-            if ks > 0:
-                dst = cute.arch.map_dsmem_ptr(peer_buf + (ks - 1) * E + tidx, 0)
-                for i in cutlass.range_constexpr(frag):
-                    st_cluster(dst + i * CONSUMER_THREADS, acc[i])
+            for i in cutlass.range_constexpr(frag):
+                j = owner(i)
+                slot = ((i - first_owned(j)) * S + ks) * CONSUMER_THREADS + tidx
+                st_cluster(cute.arch.map_dsmem_ptr(peer_buf + slot, j), acc[i])
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
-            if ks == 0:
-                for s in cutlass.range_constexpr(1, S):                # ((p0 + p1) + p2) + ...
-                    src = cute.make_tensor(peer_buf + (s - 1) * E + tidx, cute.make_layout(frag, stride=CONSUMER_THREADS))
-                    for i in cutlass.range_constexpr(frag):
-                        acc[i] = acc[i] + src[i]
-                store(acc, tCc, mY, n0, M)
+            for i in cutlass.range_constexpr(frag):
+                j = owner(i)
+                if ks == j:
+                    parts = cute.make_tensor(peer_buf + (i - first_owned(j)) * S * CONSUMER_THREADS + tidx,
+                                             cute.make_layout(S, stride=CONSUMER_THREADS))
+                    tot = parts[0]
+                    for p in cutlass.range_constexpr(1, S):              # ((p0 + p1) + p2) + ...
+                        tot = tot + parts[p]
+                    r, t = tCc[i]
+                    if t < M and r < cols:
+                        mY[t, n0 + r] = tot.to(mY.element_type)
 
         @cute.jit
         def store(acc: cute.Tensor, tCc: cute.Tensor, mY: cute.Tensor, n0: Int32, M: Int32):
@@ -414,7 +438,7 @@ class SkinnyGemmWgmma:
                     r, t = tCc[i]
                     if t < M:
                         mY[ks, t, n0 + r] = acc[i]
-            elif cutlass.const_expr(fold == "cluster"):
+            elif cutlass.const_expr(fold in CLUSTER_FOLDS):
                 fold_cluster(acc, tCc, mY, peer_buf, n0, ks, tidx, M)
             elif cutlass.const_expr(fold != "last"):
                 fold_tokens(acc, tCc, mY, mWs, mCnt, ticket, bn, ks, tidx, M)
@@ -482,7 +506,7 @@ class SkinnyGemmWgmma:
                     cute.copy(tma_x, tXg[(None, kt0 + i)], tXs[(None, prod.index)], tma_bar_ptr=bar)
                     pipe.producer_commit(prod)
                     prod.advance()
-                if cutlass.const_expr(fold == "cluster"):          # the consumers' two cluster barriers
+                if cutlass.const_expr(fold in CLUSTER_FOLDS):      # the consumers' two cluster barriers
                     cute.arch.cluster_arrive()
                     cute.arch.cluster_wait()
                     cute.arch.cluster_arrive()
