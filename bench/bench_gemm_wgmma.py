@@ -93,6 +93,10 @@ def variants_for(N, K, M, sweep, folds=None, bks=(), steps=()):
         for s in sweep:
             if 1 <= s <= K // wg.BK:
                 keep(dataclasses.replace(c, ksplit=s))
+    if folds and set(wg.CLUSTER_FOLDS) & set(folds) and not isinstance(d, wg.SkinnyGemmWgmmaConfig):
+        dw = sg.default_wgmma(N, K, wg.m_pad_for(M))     # below the shape's min_M: its wgmma bucket too
+        if dw is not None:
+            keep(dw)
     if isinstance(d, wg.SkinnyGemmWgmmaConfig) and not d.fresh_acc:
         for bk in [wg.BK, *bks]:                         # twins with the default's S: the same sums
             for step in [0, *steps]:

@@ -76,19 +76,22 @@ def simt_config(M: int, N: int, K: int) -> SkinnyGemmConfig:
 
 # Tensor-core choice measured on the H200 (wgmma sweep, results/gpu/skinny_gemm_wgmma.md, 2026-11-30;
 # SIMT at M = 1, 2, 4 from results/gpu/skinny_gemm_mma.md): (N, K) -> (min_M, {m_pad: (rows, CTAs
-# per SM[, split-K fold])}). The wgmma variant is the default for min_M <= M <= 64: min_M is the
+# per SM[, split-K fold[, S]])}). The wgmma variant is the default for min_M <= M <= 64: min_M is the
 # smallest M whose SIMT bucket was slower than the wgmma m8 variant (the m8 variant costs the same
-# for every M <= 8). Shapes not listed keep the SIMT kernel. The router shape folds its 9 split-K
-# partials with the "vec" / "spread" folds (session-4 sweep, 2026-11-30: 7.34 / 8.10 / 8.15 / 8.20 us
-# at M = 8 / 16 / 32 / 64 against "last" 8.30 / 8.56 / 14.05 / 20.14 and cuBLAS 8.68 / 8.77 / 9.10 /
-# 9.74); all of r64, 1 CTA per SM, S = 9, so every M bucket gives the same bits as "last" would.
+# for every M <= 8). Shapes not listed keep the SIMT kernel. The two split shapes fold their split-K
+# partials inside a thread-block cluster ("cspread": the S split CTAs of a column block are one
+# cluster and reduce-scatter their fp32 fragments through distributed shared memory; H200 session 13,
+# results/gpu/targets.md): 7168 -> 3584 at its S = 2 (the "last" fold's bits, 0.8-1.8 us faster),
+# and the router shape at S = 8 (a cluster holds at most 8 CTAs; was "vec" / "spread" at S = 9):
+# 6.12 / 6.26 / 6.45 / 6.97 us at M = 8 / 16 / 32 / 64 against 7.34 / 8.26 / 8.12 / 8.22 and cuBLAS
+# 8.58 / 8.79 / 8.88 / 9.68 in the same run. One S per shape, so every M bucket gives the same bits.
 WGMMA_DEFAULTS: dict[tuple[int, int], tuple[int, dict[int, tuple]]] = {
     (49152, 7168): (3, {8: (64, 1), 16: (64, 2), 32: (64, 2), 64: (128, 1)}),
     (6144, 7168): (3, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
     (7168, 12288): (2, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
     (7168, 1536): (2, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
-    (3584, 7168): (3, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
-    (896, 7168): (5, {8: (64, 1, "vec"), 16: (64, 1, "vec"), 32: (64, 1, "spread"), 64: (64, 1, "spread")}),
+    (3584, 7168): (3, {p: (64, 1, "cspread") for p in wgmma.M_PADS}),
+    (896, 7168): (5, {p: (64, 1, "cspread", 8) for p in wgmma.M_PADS}),
 }
 
 
@@ -114,7 +117,9 @@ def default_wgmma(N: int, K: int, m_pad: int) -> SkinnyGemmWgmmaConfig | None:
             if (N, K) in WGMMA_TILES:
                 bk, step = WGMMA_TILES[(N, K)]
                 c = dataclasses.replace(c, bk=bk, step=step, stages=wgmma.stages_for(rows, m_pad, occ, bk))
-            return dataclasses.replace(c, fold=fold[0]) if fold else c
+            if fold:
+                c = dataclasses.replace(c, fold=fold[0], ksplit=fold[1] if len(fold) > 1 else c.ksplit)
+            return c
     return None
 
 

@@ -103,37 +103,73 @@ def test_wgmma_new_batch_size_does_not_recompile():
 
 
 def test_wgmma_folds_reach_the_dispatcher_only_where_measured():
-    """The shipped variants (configs_for) keep the "last" fold; "vec"/"spread" reach the dispatcher
-    only where WGMMA_DEFAULTS names them (the router shape, measured on the H200), each at the
-    (rows, occupancy, S) of a shipped "last" variant, so it gives that variant's bits, and each is
-    listed by all_configs (compiled in CI) and by variants() at every M it serves (certified)."""
+    """The shipped variants (configs_for) keep the "last" fold; other folds reach the dispatcher only
+    where WGMMA_DEFAULTS names them (the two split shapes, measured on the H200): the cluster fold
+    "cspread", at 7168 -> 3584 with the S of the shipped "last" variant (so it gives that variant's
+    bits) and at the router shape with S = 8 (a cluster holds at most 8 CTAs; the shipped variant's is
+    9). Each is listed by all_configs (compiled in CI) and by variants() at every M it serves
+    (certified), and one shape's buckets share one S (the same sums at every M)."""
     import dataclasses
 
     import torch
 
     from fused import skinny_gemm as sg
-    from fused.skinny_gemm_wgmma import M_PADS, configs_for, m_pad_for
+    from fused.skinny_gemm_wgmma import BK, M_PADS, configs_for, m_pad_for, stages_for
     folded = set()
     for K, N in GEMM_SHAPES:
         for p in M_PADS:
             assert all(c.fold == "last" for c in configs_for(N, K, p)), (K, N, p)
+        splits = set()
         for M in range(1, 65):
             cfg = sg.default_config(M, N, K)
             if getattr(cfg, "fold", "last") == "last":
                 continue
             folded.add((N, K, cfg.name))
-            assert dataclasses.replace(cfg, fold="last") in configs_for(N, K, m_pad_for(M)), cfg
+            splits.add(cfg.ksplit)
+            plain = dataclasses.replace(cfg, fold="last", bk=BK, step=0,
+                                        stages=stages_for(cfg.rows, cfg.m_pad, cfg.occupancy))
+            if N == 3584:
+                assert plain in configs_for(N, K, m_pad_for(M)), cfg
             assert cfg in sg.all_configs(N, K)
             x, w = torch.empty(M, K, device="meta"), torch.empty(N, K, device="meta")
             assert cfg in sg.variants({"x": x, "w": w}, {})
-    assert {n for n, _, _ in folded} == {896}, folded
+        assert len(splits) <= 1, (K, N, splits)
+    assert {n for n, _, _ in folded} == {896, 3584}, folded
     assert {name for _, _, name in folded} == {
-        "wgmma_m8_r64_st12_s9_o1_vec", "wgmma_m16_r64_st12_s9_o1_vec",
-        "wgmma_m32_r64_st12_s9_o1_spread", "wgmma_m64_r64_st12_s9_o1_spread"}
+        "wgmma_m8_r64_st12_s8_o1_cspread", "wgmma_m16_r64_st12_s8_o1_cspread",
+        "wgmma_m32_r64_st12_s8_o1_cspread", "wgmma_m64_r64_st12_s8_o1_cspread",
+        "wgmma_m8_r64_st12_s2_o1_cspread_k128_n56", "wgmma_m16_r64_st11_s2_o1_cspread_k128_n56",
+        "wgmma_m32_r64_st9_s2_o1_cspread_k128_n56", "wgmma_m64_r64_st7_s2_o1_cspread_k128_n56"}
     new = [c for c in configs_for(896, 7168, 64, sweep=True) if c.fold != "last"]
     names = {c.name for c in new}
     assert len(names) == len(new)
     assert {"wgmma_m64_r64_st12_s9_o1_spread", "wgmma_m64_r64_st12_s5_o1_vec"} <= names, names
+
+
+def test_wgmma_cluster_folds_validate_and_ptx(ptx_of, ir_of):
+    """The cluster folds launch the S split CTAs of a column block as one (1, S, 1) cluster, stage
+    the partials in distributed shared memory (st.shared::cluster through mapa, two cluster
+    barriers) and never touch a global workspace or counter; S above 8, or partials that do not fit
+    the weight stages, are refused by name."""
+    import dataclasses
+
+    from fused import skinny_gemm as sg
+    from fused import skinny_gemm_wgmma as wg
+    d = sg.default_wgmma(896, 7168, 64)
+    assert (d.fold, d.ksplit) == ("cspread", 8) and wg.workspace_shapes(896, d) == ((1,), (1,))
+    for bad, words in ((dict(ksplit=9), "ksplit must be 2..8"), (dict(ksplit=1), "ksplit must be 2..8"),
+                       (dict(fold="cluster", bk=128, stages=7), "must fit its weight stages")):
+        with pytest.raises(ValueError, match=words):
+            wg.validate(896, 7168, dataclasses.replace(d, **bad))
+    code = ("from fused import skinny_gemm as sg, skinny_gemm_wgmma as wg; "
+            "wg.compile_variant('bfloat16', 'bfloat16', 896, 7168, sg.default_wgmma(896, 7168, 64))")
+    body = ptx_of(code)
+    body = body[body.index(".entry"):]
+    frag = 64 * 64 // wg.CONSUMER_THREADS
+    assert body.count("st.shared::cluster.f32") == frag            # every element to its owner CTA
+    assert "mapa.shared::cluster" in body and body.count("barrier.cluster.wait") == 4   # 2 consumer + 2 producer
+    assert "atom.global" not in body and "ld.global" not in body and ".local" not in body
+    assert "cluster_dim = array<i64: 1, 8, 1>" in ir_of(code)
 
 
 def test_spread_fold_runs_as_vec_where_the_grid_cannot_be_resident(monkeypatch):
@@ -304,8 +340,21 @@ def test_wgmma_same_bits_across_m_pad():
 
 
 def _fold_variants(N, K, m_pad):
-    from fused.skinny_gemm_wgmma import configs_for
-    return [c for c in configs_for(N, K, m_pad, sweep=True) if c.fold != "last"]
+    """The bench-only "vec" / "spread" folds, and both cluster folds at every split shipped variant's S
+    that a cluster holds (and at S = 8 where the shipped S is above it)."""
+    import dataclasses
+
+    from fused.skinny_gemm_wgmma import CLUSTER_FOLDS, MAX_CLUSTER, configs_for, validate
+    out = [c for c in configs_for(N, K, m_pad, sweep=True) if c.fold != "last"]
+    for c in configs_for(N, K, m_pad):
+        for fold in CLUSTER_FOLDS if c.ksplit > 1 else ():
+            cand = dataclasses.replace(c, fold=fold, ksplit=min(c.ksplit, MAX_CLUSTER))
+            try:
+                validate(N, K, cand)
+            except ValueError:
+                continue
+            out.append(cand)
+    return out
 
 
 @pytest.mark.gpu
@@ -313,9 +362,9 @@ def _fold_variants(N, K, m_pad):
 @pytest.mark.parametrize("K,N", [(7168, 896), (7168, 3584), (7168, 6144)], ids=["7168to896", "7168to3584", "7168to6144"])
 @pytest.mark.parametrize("M", [1, 5, 16, 33, 64])
 def test_wgmma_fold_variants_match_float64_and_last_fold(K, N, M):
-    """"vec"/"spread" folds: error <= torch's + 1 bf16 ulp, padded rows never written, two runs bitwise
-    equal, and the same bits as the shipped "last" fold with the same (rows, occupancy, S): the three
-    folds add the partials in the same ks order."""
+    """"vec" / "spread" / "cluster" / "cspread" folds: error <= torch's + 1 bf16 ulp, padded rows never
+    written, two runs bitwise equal, and the same bits as the "last" fold with the same (rows,
+    occupancy, S): every fold adds the partials in the same ks order."""
     import dataclasses
 
     from fused.skinny_gemm import skinny_gemm
@@ -393,13 +442,13 @@ def test_tiled_defaults_keep_the_plain_variants_sums_and_fill_one_wave():
             d = sg.default_wgmma(N, K, p)
             plain = next(c for c in wg.configs_for(N, K, p) if (c.rows, c.occupancy) == (d.rows, d.occupancy))
             assert (d.bk, d.step) == (bk, step)
-            assert dataclasses.replace(d, bk=wg.BK, step=0, stages=plain.stages) == plain
+            assert dataclasses.replace(d, bk=wg.BK, step=0, stages=plain.stages, fold="last") == plain
             assert wg.num_ctas(N, plain) < wg.num_ctas(N, d) <= wg.SMS, (N, K, p)
             assert d in sg.all_configs(N, K)
     N, K = 3584, 7168
     base = wg.configs_for(N, K, 8)[0]
     for bad, words in ((dict(bk=96), "bk=96"), (dict(step=60), "step=60"), (dict(step=72), "step=72"),
-                       (dict(step=56, fold="vec"), "'last' fold")):
+                       (dict(step=56, fold="vec"), "'last' or a cluster fold")):
         with pytest.raises(ValueError, match=words):
             wg.validate(N, K, dataclasses.replace(base, **bad))
     with pytest.raises(ValueError, match="bk=128"):
@@ -421,7 +470,8 @@ def test_tiled_defaults_give_the_plain_variants_bits(K, N):
     for M in (1, 8, 29, 64):
         x, w = _case(M, N, K, seed=M)
         d = sg.default_wgmma(N, K, wg.m_pad_for(M))
-        plain = dataclasses.replace(d, bk=wg.BK, step=0, stages=wg.stages_for(d.rows, d.m_pad, d.occupancy))
+        plain = dataclasses.replace(d, bk=wg.BK, step=0, stages=wg.stages_for(d.rows, d.m_pad, d.occupancy),
+                                    fold="last")
         big = torch.full((M + 3, N), float("nan"), device="cuda", dtype=torch.bfloat16)
         got = sg.skinny_gemm(x, w, out=big[:M], variant=d)
         assert torch.isnan(big[M:]).all() and not torch.isnan(got).any(), (d.name, M)
