@@ -77,15 +77,7 @@ def wgmma_logits_config(M: int, E: int, D: int):
         return None
     for c in wgmma.configs_for(E, D, wgmma.m_pad_for(M)):
         if (c.rows, c.occupancy) == (64, 1):
-            c = dataclasses.replace(c, fresh_acc=True)
-            if c.ksplit == 1:
-                return c
-            folded = dataclasses.replace(c, fold="cspread", ksplit=min(c.ksplit, wgmma.MAX_CLUSTER))
-            try:                                # the split CTAs fold inside a cluster (<= 8 of them)
-                wgmma.validate(E, D, folded)
-                return folded
-            except ValueError:
-                return dataclasses.replace(c, fold="partials")
+            return dataclasses.replace(c, fold="partials" if c.ksplit > 1 else c.fold, fresh_acc=True)
     return None
 
 

@@ -84,14 +84,15 @@ def simt_config(M: int, N: int, K: int) -> SkinnyGemmConfig:
 # results/gpu/targets.md): 7168 -> 3584 at its S = 2 (the "last" fold's bits, 0.8-1.8 us faster),
 # and the router shape at S = 8 (a cluster holds at most 8 CTAs; was "vec" / "spread" at S = 9):
 # 6.12 / 6.26 / 6.45 / 6.97 us at M = 8 / 16 / 32 / 64 against 7.34 / 8.26 / 8.12 / 8.22 and cuBLAS
-# 8.58 / 8.79 / 8.88 / 9.68 in the same run. One S per shape, so every M bucket gives the same bits.
+# 8.58 / 8.79 / 8.88 / 9.68 in the same run, and from M = 3 (6.28 us against the SIMT GEMV's 6.76;
+# at M = 2 the GEMV's 6.02 against 6.41). One S per shape, so every M bucket gives the same bits.
 WGMMA_DEFAULTS: dict[tuple[int, int], tuple[int, dict[int, tuple]]] = {
     (49152, 7168): (3, {8: (64, 1), 16: (64, 2), 32: (64, 2), 64: (128, 1)}),
     (6144, 7168): (3, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
     (7168, 12288): (2, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
     (7168, 1536): (2, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
     (3584, 7168): (3, {p: (64, 1, "cspread") for p in wgmma.M_PADS}),
-    (896, 7168): (5, {p: (64, 1, "cspread", 8) for p in wgmma.M_PADS}),
+    (896, 7168): (3, {p: (64, 1, "cspread", 8) for p in wgmma.M_PADS}),
 }
 
 
