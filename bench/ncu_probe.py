@@ -2,8 +2,8 @@
 `sanprobe_TOOL`, at the K3 shapes the harness's small sanitizer cases do not reach): each workload runs warm
 (compiled, weights resident), then once inside an NVTX range named after it, which the ncu command
 line selects. Workloads (`--list` prints their names; arguments pick some): the router's two
-kernels at B = 1, 8 and 64 (SIMT GEMV; wgmma split-K partials), skinny_gemm 7168->896 at M = 32
-(the cooperative "spread" fold), skinny_gemm 7168->3584 at M = 8 and 64, 1536->7168 (o_proj) at M = 8,
+kernels at B = 1, 8 and 64 (SIMT GEMV; wgmma split-K partials), skinny_gemm 7168->896 at M = 8 and 32
+and 7168->3584 at M = 8 and 64 (the "cspread" cluster fold), 1536->7168 (o_proj) at M = 8,
 mxfp4_dequant bf16 [7168, 2048], attn_res_rmsnorm at D = 7168 with 8 blocks at B = 1 and 64, and
 kda_decode at T = 8 (12 heads) B = 1, 32 (the 4-warp early_conv pick) and 64 (the persistent launch)
 and T = 1 (96 heads) B = 1 and 8 (persistent)."""
@@ -61,7 +61,7 @@ def kda(T, B):
 
 WORKLOADS = {
     "router_b1": lambda: router(1), "router_b8": lambda: router(8), "router_b64": lambda: router(64),
-    "gemm_7168x896_m32": lambda: gemm(7168, 896, 32),
+    "gemm_7168x896_m8": lambda: gemm(7168, 896, 8), "gemm_7168x896_m32": lambda: gemm(7168, 896, 32),
     "gemm_7168x3584_m8": lambda: gemm(7168, 3584, 8), "gemm_7168x3584_m64": lambda: gemm(7168, 3584, 64),
     "gemm_1536x7168_m8": lambda: gemm(1536, 7168, 8), "dequant": dequant,
     "attn_res_b1": lambda: attn_res(1), "attn_res_b64": lambda: attn_res(64),
