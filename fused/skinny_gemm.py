@@ -15,7 +15,8 @@ CTA, weight and token tiles through a TMA pipeline in shared memory, fixed-order
 for 1 <= M <= 64; its order depends on (K, its split-K S) only, so it is batch invariant within a
 variant but not bitwise equal to the SIMT kernel. At the 3584-, 6144- and 7168-column K3 shapes the
 default adds skinny_gemm_wgmma's bk / step tiling (WGMMA_TILES): the plain variant's bits on 128
-CTAs. `default_config` picks SIMT for small M and the wgmma variant of M's bucket above a per-shape
+CTAs. The two split-K defaults (7168 -> 3584 and the router shape 7168 -> 896) fold their partials
+inside a thread-block cluster (fold "cspread", WGMMA_DEFAULTS). `default_config` picks SIMT for small M and the wgmma variant of M's bucket above a per-shape
 threshold, from the H200 measurements in results/gpu/skinny_gemm_wgmma.md: a dispatcher that switches
 kernels with M is batch invariant within each M (the harness's permuted-batch check), not across M.
 (The mma.sync kernel of fused/skinny_gemm_mma.py, slower than wgmma everywhere measured, serves router_topk only.)

@@ -35,6 +35,19 @@ bits at the same (rows, occupancy, S). The dispatcher uses them where the H200 s
 faster (skinny_gemm.WGMMA_DEFAULTS: the router shape 7168 -> 896, where "last" left one CTA adding
 nine partials of up to 64 x 64 outputs); the shipped `configs_for` variants keep "last".
 
+Cluster folds ("cluster", "cspread"): the S split CTAs of a column block are launched as one
+thread-block cluster (1 x S, S <= 8), which the hardware places on one GPC at once, so a CTA only
+ever waits on peers that are running (no residency condition, no cooperative launch). After its main
+loop every CTA arrives on a cluster barrier (its stages are then free), stores each fp32 fragment
+element into the stage buffers of the CTA that adds it (st.shared::cluster), and a second cluster
+barrier (release / acquire) publishes the stores; the adder sums the S partials of its elements in
+ks order, the same adds as "last". "cluster" gathers everything in CTA 0; "cspread" deals the
+fragment over the S CTAs (a reduce-scatter), so each receives about 1/S of it. No workspace, no
+counter, no fence to gpu scope, no global round trip. H200, session 13 (results/gpu/targets.md):
+bitwise equal to "last" at the same S, 0.8-1.8 us faster at 7168 -> 3584 (S = 2), and at the router
+shape with S = 8 faster than the S = 9 "vec" / "spread" folds at every M (6.12-6.97 us against
+7.34-8.26). `cspread` is the default at both (skinny_gemm.WGMMA_DEFAULTS).
+
 Tiling options (`bk`, `step`; skinny_gemm.WGMMA_TILES picks them per shape): `bk` = 128 loads two
 128-byte swizzle rows of each weight row per stage (half the stages, twice the bytes each; the chain
 runs the same k16 steps in the same order). `step` < rows starts a CTA's rows-deep tile every `step`
