@@ -86,7 +86,8 @@ def kda_rows(t_empty):
 
 def gemm_rows(t_empty):
     from fused import skinny_gemm as sg
-    for K, N, ms in ((7168, 3584, (1, 8, 64)), (1536, 7168, (1, 8, 64)), (7168, 6144, (8, 64)), (12288, 7168, (8, 64))):
+    for K, N, ms in ((7168, 3584, (1, 8, 16, 32, 64)), (7168, 896, (2, 3, 8, 16, 32, 64)), (1536, 7168, (1, 8, 64)),
+                     (7168, 6144, (8, 64)), (12288, 7168, (8, 64))):
         for M in ms:
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             outs = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
