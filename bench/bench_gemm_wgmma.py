@@ -54,6 +54,8 @@ def parse(argv=None):
     ap.add_argument("--bk", default="", help="k per stage of the default's twins, e.g. 128 (bench-only)")
     ap.add_argument("--step", default="", help="output columns per CTA of the default's twins with "
                     "overlapping 64-row tiles, e.g. 56,48 (kept where they divide N in one wave; bench-only)")
+    ap.add_argument("--occ", default="1", help="CTAs per SM the cluster-fold twins' stages are sized for, e.g. "
+                    "1,2 (2: an S whose grid needs 2 CTAs per SM; bench-only)")
     ap.add_argument("--hang-s", type=float, default=60.0, help="silence (s) after which a variant counts as hung")
     ap.add_argument("--compile-only", action="store_true", help="compile the variants (no GPU needed) and exit")
     ap.add_argument("--limit", type=int, default=0, help="with --compile-only: compile only this many variants")
@@ -69,7 +71,7 @@ def shapes_of(args):
     return [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
 
 
-def variants_for(N, K, M, sweep, folds=None, bks=(), steps=()):
+def variants_for(N, K, M, sweep, folds=None, bks=(), steps=(), occs=(1,)):
     """The wgmma variants of M's bucket with a fold in `folds` (all if None), plus the split-K sweep
     (dropped where a variant rejects it, e.g. a "spread" grid that would not be resident), and the
     current default."""
@@ -107,18 +109,22 @@ def variants_for(N, K, M, sweep, folds=None, bks=(), steps=()):
                 if d.fold == "last" and (not step or blocks * d.ksplit <= wg.SMS):
                     keep(twin)
                 for fold in wg.CLUSTER_FOLDS if folds else ():    # the split CTAs as one cluster: at the
-                    if fold not in folds:                # default's S and at the most in one wave
-                        continue
-                    most = min(wg.MAX_CLUSTER, wg.SMS // blocks, K // bk // 4)
-                    for s in {d.ksplit, most}:
-                        if blocks * s <= wg.SMS:
-                            keep(dataclasses.replace(twin, fold=fold, ksplit=s))
+                    if fold not in folds:                # default's S and at the most in one wave; with
+                        continue                         # `occs` 2, stages for 2 CTAs per SM and an S whose
+                    for occ in occs:                     # grid needs them (over one CTA per SM)
+                        most = min(wg.MAX_CLUSTER, wg.SMS * occ // blocks, K // bk // 4)
+                        staged = dataclasses.replace(twin, occupancy=occ,
+                                                     stages=wg.stages_for(d.rows, d.m_pad, occ, bk))
+                        for s in {d.ksplit, most}:
+                            if wg.SMS * (occ - 1) < blocks * s <= wg.SMS * occ:
+                                keep(dataclasses.replace(staged, fold=fold, ksplit=s))
     return base + extra + [d]
 
 
 def tilings_of(args):
-    """(bks, steps): the --bk / --step twins of the default."""
-    return ([int(b) for b in args.bk.split(",") if b], [int(n) for n in args.step.split(",") if n])
+    """(bks, steps, occs): the --bk / --step twins of the default, the --occ of its cluster-fold twins."""
+    return ([int(b) for b in args.bk.split(",") if b], [int(n) for n in args.step.split(",") if n],
+            [int(o) for o in args.occ.split(",") if o])
 
 
 def folds_of(args):
