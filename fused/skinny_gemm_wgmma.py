@@ -94,13 +94,9 @@ M_PADS = (8, 16, 32, 64)
 # is ((p0 + p1) + p2) + ... in ks order in all three, whichever CTA adds it. "partials": no fold in
 # the kernel; each split CTA writes its fp32 partial of the M real tokens to y[ks, M, N] (y fp32,
 # [S, M, N]) for the caller to fold in ks order (router_topk's top-k kernel does), as the mma.sync
-# kernel's split-K does: no counter, no wait, nothing to keep resident. "cluster": the S split CTAs of a
-# column block are one thread-block cluster (grid y); once every CTA of it has left its main loop
-# (cluster barrier), CTAs 1..S-1 store their fp32 fragments into CTA 0's stage buffers (distributed
-# shared memory), a second cluster barrier publishes them, and CTA 0 adds them in ks order: no
-# workspace, no counter, no global round trip. "cspread": the same with the fragment's elements dealt
-# over the S CTAs (a reduce-scatter: CTA j adds and stores elements [j frag/S, (j+1) frag/S)), so no
-# CTA receives more than 1/S of the partials.
+# kernel's split-K does: no counter, no wait, nothing to keep resident. "cluster" / "cspread": the S
+# split CTAs of a column block are one thread-block cluster and fold through distributed shared
+# memory, gathered in CTA 0 / dealt over the S CTAs (module docstring, "Cluster folds").
 CLUSTER_FOLDS = ("cluster", "cspread")
 FOLDS = ("last", "vec", "spread", "partials", *CLUSTER_FOLDS)
 MAX_CLUSTER = 8              # portable thread-block cluster size
@@ -442,7 +438,8 @@ class SkinnyGemmWgmma:
         def epilogue(acc: cute.Tensor, tCc: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor,
                      mCnt: cute.Tensor, ticket: cute.Tensor, peer_buf: cute.Pointer, bn: Int32, ks: Int32,
                      tidx: Int32, M: Int32):
-            """Consumer threads: store y, or write the split-K partial and let the last CTA fold."""
+            """Consumer threads: store y, or fold the split-K partials (by the caller, inside the cluster,
+            or through the workspace)."""
             n0 = bn * cols
             if cutlass.const_expr(S == 1):
                 store(acc, tCc, mY, n0, M)
