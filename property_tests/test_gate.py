@@ -83,3 +83,79 @@ def test_cli_exit_codes_and_json(tmp_path, capsys):
     assert main(["check", str(good), "--ops", "nope"]) == 2
     assert "unknown op 'nope'" in capsys.readouterr().err
     assert main(["check", str(tmp_path / "absent.json")]) == 2
+
+
+def _with_files(name, old_hash_of=None, drop=None, extra=None):
+    """A certificate entry's per-file hashes as `build` writes them, with one file's hash changed
+    (as if it was judged on other bytes), one file missing, or one file the tree no longer has."""
+    from verify.certificate import source_files
+    files = dict(source_files(get_op(name)))
+    if old_hash_of:
+        files[old_hash_of] = "0" * 64
+    if drop:
+        files.pop(drop)
+    if extra:
+        files[extra] = "1" * 64
+    return files
+
+
+def test_a_stale_verdict_names_the_files_that_changed():
+    """With the certificate's per-file hashes, a stale op names the files behind the changed source:
+    a changed helper module of the kernel, a file the verdict did not depend on (+), one the tree no
+    longer has (-)."""
+    cert = _cert("2026-11-30T00:00:00+00:00", sources=_stale("fused"), ops=("skinny_gemm",))
+    entry = cert["ops"]["skinny_gemm"]
+    entry["source_files"] = _with_files("skinny_gemm", old_hash_of="fused/skinny_gemm_wgmma.py")
+    (st,) = gate.check(OPS[:1], [("a.json", cert)], "fused")
+    assert st.state == "stale"
+    assert st.detail == "changed since its newest verdict: fused (fused/skinny_gemm_wgmma.py); run it again"
+    entry["source_files"] = _with_files("skinny_gemm", drop="fused/runtime.py", extra="fused/gone.py")
+    (st,) = gate.check(OPS[:1], [("a.json", cert)], "fused")
+    assert "fused (+fused/runtime.py, -fused/gone.py);" in st.detail
+    entry["source_files"] = _with_files("skinny_gemm")         # same files: nothing to name, still stale
+    (st,) = gate.check(OPS[:1], [("a.json", cert)], "fused")
+    assert st.state == "stale" and st.detail == "changed since its newest verdict: fused; run it again"
+
+
+def test_certificates_record_each_source_file_hash():
+    """`build` keeps, beside each op's source hashes, the sha256 of every file behind them (kernel
+    closure, reference closure, spec, registry entry, harness modules), by path from the repo root."""
+    import hashlib
+
+    from verify import certificate
+    from verify.verdict import OpVerdict
+    ops = {"skinny_gemm": get_op("skinny_gemm")}
+    cert = certificate.build([OpVerdict("skinny_gemm", "fused", "pass")], ops, {}, "cpu")
+    files = cert["ops"]["skinny_gemm"]["source_files"]
+    assert {"fused/skinny_gemm.py", "fused/skinny_gemm_wgmma.py", "fused/runtime.py", "references/gemm.py",
+            "tolerance_specs/skinny_gemm.toml", "verify/ops/gemm.py", "verify/certify.py"} <= set(files)
+    root = certificate.ROOT
+    assert all(h == hashlib.sha256((root / f).read_bytes()).hexdigest() for f, h in files.items())
+    assert "verify/cli.py" not in files and "verify/gate.py" not in files      # reporting side, not judged by
+
+
+def test_without_file_hashes_git_names_the_files_since_the_certificates_commit(tmp_path, monkeypatch):
+    """An older certificate (no per-file hashes) names its commit: `git diff --name-only COMMIT`
+    over the op's files names what changed since, committed or not; an unknown commit names none."""
+    import subprocess
+
+    from verify import certificate
+    git = ["git", "-C", str(tmp_path), "-c", "user.email=t@t", "-c", "user.name=t"]
+    (tmp_path / "fused").mkdir()
+    (tmp_path / "fused" / "k.py").write_text("a = 1\n")
+    (tmp_path / "fused" / "same.py").write_text("b = 1\n")
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "."], check=True)
+    subprocess.run(git + ["commit", "-qm", "judged"], check=True)
+    commit = subprocess.run(git[:3] + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    (tmp_path / "fused" / "k.py").write_text("a = 2\n")
+    cert = _cert("2026-11-30T00:00:00+00:00", sources=_stale("fused"), ops=("skinny_gemm",))
+    cert["environment"]["git_commit"] = commit
+    monkeypatch.setattr(certificate, "source_files", lambda op: {"fused/k.py": "x", "fused/same.py": "y"})
+    since = certificate.changed_files_since
+    assert since(commit, OPS[0], root=tmp_path) == ["fused/k.py"]
+    assert since("0" * 40, OPS[0], root=tmp_path) is None
+    assert since(None, OPS[0], root=tmp_path) is None
+    monkeypatch.setattr(certificate, "changed_files_since", lambda c, op: since(c, op, root=tmp_path))
+    (st,) = gate.check(OPS[:1], [("a.json", cert)], "fused")
+    assert st.detail == f"changed since its newest verdict: fused (per git since {commit[:12]}: fused/k.py); run it again"

@@ -59,9 +59,9 @@ def _loaded_cutlass_version() -> str | None:
     return getattr(mod, "__version__", None) if mod is not None else None
 
 
-def _git(*args) -> str | None:
+def _git(*args, cwd: Path | None = None) -> str | None:
     try:
-        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", *args], cwd=cwd or ROOT, capture_output=True, text=True, timeout=10)
         return out.stdout.strip() if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -92,14 +92,11 @@ def _project_imports(path: Path, packages: tuple[str, ...] = ("fused", "referenc
     return {n for n in names if n.split(".")[0] in packages}
 
 
-def sha256_closure(path: Path | None, root: Path = ROOT) -> str | None:
-    """Hash of a module and every project module it imports, transitively (at module level or inside
-    functions): a kernel whose code lives in a helper module (skinny_gemm -> skinny_gemm_wgmma,
-    runtime) is a new kernel when the helper changes, and its verdict is not carried forward."""
-    if path is None or not path.exists():
-        return None
+def closure_files(path: Path | None, root: Path = ROOT) -> dict[Path, bytes]:
+    """A module and every project module it imports, transitively (at module level or inside
+    functions), with their bytes; {} for a missing module."""
     seen: dict[Path, bytes] = {}
-    todo = [path]
+    todo = [path] if path is not None and path.exists() else []
     while todo:
         p = todo.pop()
         if p in seen:
@@ -110,6 +107,16 @@ def sha256_closure(path: Path | None, root: Path = ROOT) -> str | None:
             for f in (base.with_suffix(".py"), base / "__init__.py"):
                 if f.is_file():
                     todo.append(f)
+    return seen
+
+
+def sha256_closure(path: Path | None, root: Path = ROOT) -> str | None:
+    """Hash of a module and every project module it imports (`closure_files`): a kernel whose code
+    lives in a helper module (skinny_gemm -> skinny_gemm_wgmma, runtime) is a new kernel when the
+    helper changes, and its verdict is not carried forward."""
+    seen = closure_files(path, root)
+    if not seen:
+        return None
     h = hashlib.sha256()
     for p in sorted(seen, key=lambda q: str(q.relative_to(root))):
         h.update(str(p.relative_to(root)).encode() + b"\0" + hashlib.sha256(seen[p]).digest())
@@ -163,6 +170,49 @@ def op_sources(op: OpDef) -> dict[str, str | None]:
     }
 
 
+def source_files(op: OpDef) -> dict[str, str]:
+    """Every file behind `op_sources(op)`, by path from the repository root, with its sha256: kept
+    beside the source hashes in a certificate so that `check` can name the files a stale verdict
+    was judged without."""
+    files: dict[Path, bytes] = {}
+    for mod in (op.reference, op.fused):
+        files.update(closure_files(_module_file(mod)))
+    for p in (SPEC_DIR / f"{op.name}.toml", _module_file(f"verify.ops.{op.family}") if op.family else None,
+              *harness_files()):
+        if p is not None and p.exists():
+            files[p] = p.read_bytes()
+    return {_relative(p): hashlib.sha256(b).hexdigest() for p, b in sorted(files.items())}
+
+
+def _relative(p: Path) -> str:
+    try:
+        return str(p.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(p)
+
+
+def changed_files(entry: dict, op: OpDef) -> list[str] | None:
+    """The files that differ between a certificate entry and the tree: from the entry's own file
+    hashes where it has them (certificates since session 13), else from git between the commit the
+    certificate names and the working tree; None where neither can tell. '+' marks a file the
+    verdict did not depend on, '-' one the tree no longer has."""
+    now = source_files(op)
+    old = entry.get("source_files")
+    if old is None:
+        return None
+    return sorted([f for f, h in now.items() if f in old and old[f] != h] + [f"+{f}" for f in now if f not in old]
+                  + [f"-{f}" for f in old if f not in now])
+
+
+def changed_files_since(commit: str | None, op: OpDef, root: Path | None = None) -> list[str] | None:
+    """`git diff --name-only COMMIT` over the op's source files (in the repository at `root`, by
+    default this one): for certificates without file hashes; None where git cannot tell."""
+    if not commit:
+        return None
+    out = _git("diff", "--name-only", commit, "--", *source_files(op), cwd=root)
+    return None if out is None else sorted(f for f in out.splitlines() if f)
+
+
 def _waivers(op_name: str) -> list[dict]:
     from verify.specs import SpecError, load_spec
 
@@ -178,8 +228,8 @@ def build(verdicts: list[OpVerdict], ops: dict[str, OpDef], options: dict, devic
     certificate's entry for an op whose sources did not change (kept, marked carried_from)."""
     per_op: dict[str, dict] = {}
     for v in verdicts:
-        entry = per_op.setdefault(v.op, {"sources": op_sources(ops[v.op]), "verdicts": {}, "cases": {},
-                                         "waivers": _waivers(v.op)})
+        entry = per_op.setdefault(v.op, {"sources": op_sources(ops[v.op]), "source_files": source_files(ops[v.op]),
+                                         "verdicts": {}, "cases": {}, "waivers": _waivers(v.op)})
         entry["verdicts"][v.candidate] = asdict(v)
         entry["cases"][v.candidate] = list((cases or {}).get((v.op, v.candidate), []))
     for name, old in (carried or {}).items():

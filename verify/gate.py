@@ -6,7 +6,8 @@ A verdict holds when the sources it was judged on (reference, fused kernel, spec
 harness: `certificate.op_sources`) equal the tree's now. For each op, the newest certificate whose
 entry holds gives the op's state; an op passes the gate only when that verdict passed (or failed
 exactly as its spec waives). Anything else names what to do: a stale op names the sources that
-changed since its newest verdict, a missing one says no certificate judged it.
+changed since its newest verdict and the files behind them (from the certificate's per-file hashes,
+or from git since the commit it names), a missing one says no certificate judged it.
 """
 from __future__ import annotations
 
@@ -64,7 +65,21 @@ def op_state(op, certs: list[tuple[str, dict]], candidate: str, profile: str | N
     path, cert, entry, _ = found[0]
     changed = sorted(k for k, v in now.items() if (entry.get("sources") or {}).get(k) != v)
     return _state(op.name, "stale", path, cert,
-                  "changed since its newest verdict: " + ", ".join(changed) + "; run it again")
+                  "changed since its newest verdict: " + ", ".join(changed) + _which_files(op, cert, entry)
+                  + "; run it again")
+
+
+def _which_files(op, cert: dict, entry: dict) -> str:
+    """' (file, ...)': the files behind a stale verdict's changed sources, from the certificate's file
+    hashes, else from git since the commit it names ('' where neither tells)."""
+    from verify.certificate import changed_files, changed_files_since
+
+    files = changed_files(entry, op)
+    if files is not None:
+        return f" ({', '.join(files)})" if files else ""
+    commit = (cert.get("environment") or {}).get("git_commit")
+    files = changed_files_since(commit, op)
+    return f" (per git since {commit[:12]}: {', '.join(files)})" if files else ""
 
 
 def _state(op: str, state: str, path: str, cert: dict, detail: str) -> OpState:
