@@ -159,3 +159,17 @@ def test_without_file_hashes_git_names_the_files_since_the_certificates_commit(t
     monkeypatch.setattr(certificate, "changed_files_since", lambda c, op: since(c, op, root=tmp_path))
     (st,) = gate.check(OPS[:1], [("a.json", cert)], "fused")
     assert st.detail == f"changed since its newest verdict: fused (per git since {commit[:12]}: fused/k.py); run it again"
+
+
+def test_carried_entries_gain_the_file_hashes_of_their_unchanged_sources():
+    """`--changed-since` carries an op whose sources are unchanged; an entry from a certificate older
+    than the per-file hashes gets the tree's (its sources equal the tree's, so its files do), and an
+    entry that has them keeps its own."""
+    from verify.certificate import carry_forward, source_files
+    old = _cert("2026-11-30T00:00:00+00:00", ops=("skinny_gemm",))
+    carried, changed = carry_forward(old, {"skinny_gemm": OPS[0]}, ["fused"])
+    assert changed == [] and carried["skinny_gemm"]["source_files"] == source_files(OPS[0])
+    assert "source_files" not in old["ops"]["skinny_gemm"]                     # the old certificate untouched
+    old["ops"]["skinny_gemm"]["source_files"] = {"fused/skinny_gemm.py": "kept"}
+    carried, _ = carry_forward(old, {"skinny_gemm": OPS[0]}, ["fused"])
+    assert carried["skinny_gemm"]["source_files"] == {"fused/skinny_gemm.py": "kept"}

@@ -247,6 +247,7 @@ def carry_forward(old: dict, ops: dict[str, OpDef], candidates: list[str]) -> tu
         prev = old.get("ops", {}).get(name)
         if prev and prev.get("sources") == op_sources(op) and all(c in prev.get("verdicts", {}) for c in candidates):
             entry = json.loads(json.dumps(prev))
+            entry.setdefault("source_files", source_files(op))      # same sources, so the same files now
             for v in entry["verdicts"].values():
                 v.setdefault("carried_from", origin)
             carried[name] = entry
