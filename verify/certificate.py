@@ -192,10 +192,9 @@ def _relative(p: Path) -> str:
 
 
 def changed_files(entry: dict, op: OpDef) -> list[str] | None:
-    """The files that differ between a certificate entry and the tree: from the entry's own file
-    hashes where it has them (certificates since session 13), else from git between the commit the
-    certificate names and the working tree; None where neither can tell. '+' marks a file the
-    verdict did not depend on, '-' one the tree no longer has."""
+    """The files that differ between a certificate entry and the tree, from the entry's own file
+    hashes (certificates since session 13); None for an entry without them (`changed_files_since`
+    asks git instead). '+' marks a file the verdict did not depend on, '-' one the tree no longer has."""
     now = source_files(op)
     old = entry.get("source_files")
     if old is None:
