@@ -99,7 +99,7 @@ M_PADS = (8, 16, 32, 64)
 # memory, gathered in CTA 0 / dealt over the S CTAs (module docstring, "Cluster folds").
 CLUSTER_FOLDS = ("cluster", "cspread")
 FOLDS = ("last", "vec", "spread", "partials", *CLUSTER_FOLDS)
-MAX_CLUSTER = 16             # TRIAL: non-portable cluster sizes (bench-only, reverted after the run)
+MAX_CLUSTER = 8              # portable thread-block cluster size
 
 
 @dataclass(frozen=True)
