@@ -149,6 +149,31 @@ def test_diff_names_the_change(base_cert, tmp_path, capsys):
     assert "fixed (1)" in capsys.readouterr().out
 
 
+def test_diff_names_the_judged_code_that_changed(base_cert, tmp_path, capsys):
+    """Between two certificates, an op whose source hashes differ is listed with the groups that
+    changed and, where both keep per-file hashes, the files (changed, + only in NEW, - only in OLD);
+    a code change alone is not a failure (exit 0)."""
+    old = json.loads(base_cert.read_text())
+    assert "source_files" in old["ops"][OP]                     # written by this tree's certificates
+    new = json.loads(json.dumps(old))
+    e = new["ops"][OP]
+    e["sources"]["reference"] = "0" * 64
+    file = next(f for f in e["source_files"] if f.startswith("references/"))
+    e["source_files"][file] = "0" * 64
+    e["source_files"]["references/new_helper.py"] = "1" * 64
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    assert main(["diff", str(base_cert), str(tmp_path / "new.json")]) == 0
+    text = capsys.readouterr().out
+    assert "judged code changed (1):" in text
+    assert f"  {OP}: changed: reference ({file}, +references/new_helper.py)" in text
+    del e["source_files"]                                       # an older certificate: groups only
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    assert main(["diff", str(base_cert), str(tmp_path / "new.json")]) == 0
+    assert f"  {OP}: changed: reference\n" in capsys.readouterr().out + "\n"
+    assert main(["diff", str(base_cert), str(base_cert)]) == 0
+    assert "no changes" in capsys.readouterr().out
+
+
 def test_report_is_one_self_contained_page(base_cert, tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "r.html"

@@ -195,12 +195,15 @@ def changed_files(entry: dict, op: OpDef) -> list[str] | None:
     """The files that differ between a certificate entry and the tree, from the entry's own file
     hashes (certificates since session 13); None for an entry without them (`changed_files_since`
     asks git instead). '+' marks a file the verdict did not depend on, '-' one the tree no longer has."""
-    now = source_files(op)
     old = entry.get("source_files")
-    if old is None:
-        return None
-    return sorted([f for f, h in now.items() if f in old and old[f] != h] + [f"+{f}" for f in now if f not in old]
-                  + [f"-{f}" for f in old if f not in now])
+    return None if old is None else file_changes(old, source_files(op))
+
+
+def file_changes(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    """Files whose hash differs between two per-file hash maps, then '+' the files only `new` has,
+    then '-' the files only `old` had, each sorted."""
+    return (sorted(f for f in new if f in old and old[f] != new[f]) + sorted(f"+{f}" for f in new if f not in old)
+            + sorted(f"-{f}" for f in old if f not in new))
 
 
 def changed_files_since(commit: str | None, op: OpDef, root: Path | None = None) -> list[str] | None:

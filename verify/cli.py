@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="one self-contained HTML page from a certificate")
     rep.add_argument("certificate", metavar="CERT.json")
     rep.add_argument("-o", "--output", default=None, help="HTML file (default: report.html beside CERT)")
-    di = sub.add_parser("diff", help="new failures, fixed ops and error growth between two certificates")
+    di = sub.add_parser("diff", help="new failures, fixed ops, error growth and judged code changed between two "
+                        "certificates")
     di.add_argument("old", metavar="OLD.json")
     di.add_argument("new", metavar="NEW.json")
     di.add_argument("--json", action="store_true", help="machine-readable output")

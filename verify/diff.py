@@ -1,4 +1,5 @@
-"""Compare two certificates: new failures, fixed ops, error growth (worst err/tol ratio) per op.
+"""Compare two certificates: new failures, fixed ops, error growth (worst err/tol ratio) per op, and
+the judged code that changed between them (source hashes; the files, where both keep per-file hashes).
 
     verify-kernels diff OLD.json NEW.json [--json]      exit 1 when NEW has a failure OLD did not
 """
@@ -14,7 +15,7 @@ GROWTH = 1.25          # report an output whose worst err/tol grew by more than 
 class Change:
     op: str
     candidate: str
-    kind: str            # new_failure | fixed | error_growth | error_shrink | added | removed | status
+    kind: str            # new_failure | fixed | error_growth | error_shrink | added | removed | status | sources
     old: str = ""
     new: str = ""
     detail: str = ""
@@ -71,18 +72,44 @@ def diff(old: dict, new: dict) -> CertDiff:
             elif ra and rb and ra > rb * GROWTH:
                 out.changes.append(Change(op, cand, "error_shrink", f"{ra:.3g}", f"{rb:.3g}",
                                           f"{o}: worst err/tol {ra:.3g} -> {rb:.3g}"))
+    for op in sorted(set(old.get("ops", {})) & set(new.get("ops", {}))):
+        change = _sources_change(op, old["ops"][op], new["ops"][op])
+        if change:
+            out.changes.append(change)
     return out
+
+
+def _sources_change(op: str, ea: dict, eb: dict) -> Change | None:
+    """The source groups (reference, fused, spec, registry, harness) whose hashes differ between two
+    entries of one op, with the files behind them where both entries keep per-file hashes ('+' a
+    file only NEW depends on, '-' one only OLD did)."""
+    sa, sb = ea.get("sources") or {}, eb.get("sources") or {}
+    groups = sorted(k for k in set(sa) | set(sb) if sa.get(k) != sb.get(k))
+    if not groups:
+        return None
+    fa, fb = ea.get("source_files"), eb.get("source_files")
+    files = ""
+    if fa is not None and fb is not None:
+        from verify.certificate import file_changes
+
+        names = file_changes(fa, fb)
+        files = f" ({', '.join(names)})" if names else ""
+    return Change(op, "*", "sources", detail="changed: " + ", ".join(groups) + files)
 
 
 def render_text(d: CertDiff) -> str:
     titles = {"new_failure": "NEW FAILURES", "fixed": "fixed", "error_growth": "error growth (worst err/tol)",
-              "error_shrink": "error shrink", "status": "status changes", "added": "added", "removed": "removed"}
+              "error_shrink": "error shrink", "status": "status changes", "added": "added", "removed": "removed",
+              "sources": "judged code changed"}
     lines = []
     for kind, title in titles.items():
         rows = d.of(kind)
         if rows:
             lines.append(f"{title} ({len(rows)}):")
             for c in rows:
+                if kind == "sources":                  # per op, not per candidate: no old -> new status
+                    lines.append(f"  {c.op}: {c.detail}")
+                    continue
                 lines.append(f"  {c.op} [{c.candidate}]: {c.old or '-'} -> {c.new or '-'}"
                              + (f"  {c.detail}" if c.detail else ""))
     return "\n".join(lines) if lines else "no changes in verdicts or worst err/tol"
