@@ -191,12 +191,12 @@ def _relative(p: Path) -> str:
         return str(p)
 
 
-def changed_files(entry: dict, op: OpDef) -> list[str] | None:
-    """The files that differ between a certificate entry and the tree, from the entry's own file
-    hashes (certificates since session 13); None for an entry without them (`changed_files_since`
-    asks git instead). '+' marks a file the verdict did not depend on, '-' one the tree no longer has."""
-    old = entry.get("source_files")
-    return None if old is None else file_changes(old, source_files(op))
+def source_change(old: dict, new: dict, old_files: dict | None = None, new_files: dict | None = None) -> str:
+    """'fused, harness (file, ...)': the source groups whose hashes differ between two `op_sources`
+    maps, and, where both per-file hash maps are given, the files behind them (`file_changes`)."""
+    groups = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    files = file_changes(old_files, new_files) if old_files is not None and new_files is not None else []
+    return ", ".join(groups) + (f" ({', '.join(files)})" if files else "")
 
 
 def file_changes(old: dict[str, str], new: dict[str, str]) -> list[str]:

@@ -83,18 +83,11 @@ def _sources_change(op: str, ea: dict, eb: dict) -> Change | None:
     """The source groups (reference, fused, spec, registry, harness) whose hashes differ between two
     entries of one op, with the files behind them where both entries keep per-file hashes ('+' a
     file only NEW depends on, '-' one only OLD did)."""
-    sa, sb = ea.get("sources") or {}, eb.get("sources") or {}
-    groups = sorted(k for k in set(sa) | set(sb) if sa.get(k) != sb.get(k))
-    if not groups:
-        return None
-    fa, fb = ea.get("source_files"), eb.get("source_files")
-    files = ""
-    if fa is not None and fb is not None:
-        from verify.certificate import file_changes
+    from verify.certificate import source_change
 
-        names = file_changes(fa, fb)
-        files = f" ({', '.join(names)})" if names else ""
-    return Change(op, "*", "sources", detail="changed: " + ", ".join(groups) + files)
+    text = source_change(ea.get("sources") or {}, eb.get("sources") or {}, ea.get("source_files"),
+                         eb.get("source_files"))
+    return Change(op, "*", "sources", detail="changed: " + text) if text else None
 
 
 def render_text(d: CertDiff) -> str:

@@ -63,23 +63,23 @@ def op_state(op, certs: list[tuple[str, dict]], candidate: str, profile: str | N
                 return _state(op.name, "not_certified", path, cert, f"skipped: {verdict.get('reason', '')}")
             return _state(op.name, "failed", path, cert, verdict.get("reason", ""))
     path, cert, entry, _ = found[0]
-    changed = sorted(k for k, v in now.items() if (entry.get("sources") or {}).get(k) != v)
     return _state(op.name, "stale", path, cert,
-                  "changed since its newest verdict: " + ", ".join(changed) + _which_files(op, cert, entry)
-                  + "; run it again")
+                  "changed since its newest verdict: " + _what_changed(op, cert, entry, now) + "; run it again")
 
 
-def _which_files(op, cert: dict, entry: dict) -> str:
-    """' (file, ...)': the files behind a stale verdict's changed sources, from the certificate's file
-    hashes, else from git since the commit it names ('' where neither tells)."""
-    from verify.certificate import changed_files, changed_files_since
+def _what_changed(op, cert: dict, entry: dict, now: dict) -> str:
+    """The source groups that changed since a stale verdict and the files behind them: from the
+    certificate's per-file hashes, else from git since the commit it names."""
+    from verify.certificate import changed_files_since, source_change, source_files
 
-    files = changed_files(entry, op)
-    if files is not None:
-        return f" ({', '.join(files)})" if files else ""
+    old_files = entry.get("source_files")
+    text = source_change(entry.get("sources") or {}, now, old_files,
+                         source_files(op) if old_files is not None else None)
+    if old_files is not None:
+        return text
     commit = (cert.get("environment") or {}).get("git_commit")
     files = changed_files_since(commit, op)
-    return f" (per git since {commit[:12]}: {', '.join(files)})" if files else ""
+    return text + (f" (per git since {commit[:12]}: {', '.join(files)})" if files else "")
 
 
 def _state(op: str, state: str, path: str, cert: dict, detail: str) -> OpState:
