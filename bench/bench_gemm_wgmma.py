@@ -49,8 +49,8 @@ def parse(argv=None):
     ap.add_argument("--ksplit-sweep", default="", help="extra split-K values tried on every wgmma variant, e.g. 1,2,4")
     ap.add_argument("--folds", default="last,vec,spread",
                     help="split-K folds of the wgmma variants to run (fused/skinny_gemm_wgmma.py FOLDS); "
-                         "e.g. vec,spread for the bench-only folds; 'cluster' adds the default's (and its "
-                         "tiling twins') cluster-fold twins: the same S and sums")
+                         "e.g. vec,spread for the bench-only folds; 'cluster' / 'cspread' add the default's (and "
+                         "its tiling twins') cluster-fold twins")
     ap.add_argument("--bk", default="", help="k per stage of the default's twins, e.g. 128 (bench-only)")
     ap.add_argument("--step", default="", help="output columns per CTA of the default's twins with "
                     "overlapping 64-row tiles, e.g. 56,48 (kept where they divide N in one wave; bench-only)")
@@ -95,7 +95,8 @@ def variants_for(N, K, M, sweep, folds=None, bks=(), steps=(), occs=(1,)):
         for s in sweep:
             if 1 <= s <= K // wg.BK:
                 keep(dataclasses.replace(c, ksplit=s))
-    if folds and set(wg.CLUSTER_FOLDS) & set(folds) and not isinstance(d, wg.SkinnyGemmWgmmaConfig):
+    cluster_folds = [f for f in wg.CLUSTER_FOLDS if f in (folds or ())]
+    if cluster_folds and not isinstance(d, wg.SkinnyGemmWgmmaConfig):
         dw = sg.default_wgmma(N, K, wg.m_pad_for(M))     # below the shape's min_M: its wgmma bucket too
         if dw is not None:
             keep(dw)
@@ -108,10 +109,9 @@ def variants_for(N, K, M, sweep, folds=None, bks=(), steps=(), occs=(1,)):
                 blocks = N // (step or d.rows)
                 if d.fold == "last" and (not step or blocks * d.ksplit <= wg.SMS):
                     keep(twin)
-                for fold in wg.CLUSTER_FOLDS if folds else ():    # the split CTAs as one cluster: at the
-                    if fold not in folds:                # default's S and at the most in one wave; with
-                        continue                         # `occs` 2, stages for 2 CTAs per SM and an S whose
-                    for occ in occs:                     # grid needs them (over one CTA per SM)
+                for fold in cluster_folds:               # the split CTAs as one cluster: at the default's S
+                    for occ in occs:                     # and at the most in one wave; with `occs` 2, stages
+                                                         # for 2 CTAs per SM and an S whose grid needs them
                         most = min(wg.MAX_CLUSTER, wg.SMS * occ // blocks, K // bk // 4)
                         staged = dataclasses.replace(twin, occupancy=occ,
                                                      stages=wg.stages_for(d.rows, d.m_pad, occ, bk))
