@@ -56,6 +56,8 @@ def parse(argv=None):
                     "overlapping 64-row tiles, e.g. 56,48 (kept where they divide N in one wave; bench-only)")
     ap.add_argument("--occ", default="1", help="CTAs per SM the cluster-fold twins' stages are sized for, e.g. "
                     "1,2 (2: an S whose grid needs 2 CTAs per SM; bench-only)")
+    ap.add_argument("--rows", default="", help="weight rows per CTA of extra cluster-fold twins, e.g. 128 (two "
+                    "64-row wgmma tiles sharing each token tile; with --step 112 a 128-row tile every 112 rows)")
     ap.add_argument("--hang-s", type=float, default=60.0, help="silence (s) after which a variant counts as hung")
     ap.add_argument("--compile-only", action="store_true", help="compile the variants (no GPU needed) and exit")
     ap.add_argument("--limit", type=int, default=0, help="with --compile-only: compile only this many variants")
@@ -71,7 +73,7 @@ def shapes_of(args):
     return [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
 
 
-def variants_for(N, K, M, sweep, folds=None, bks=(), steps=(), occs=(1,)):
+def variants_for(N, K, M, sweep, folds=None, bks=(), steps=(), occs=(1,), rows=()):
     """The wgmma variants of M's bucket with a fold in `folds` (all if None), plus the split-K sweep
     (dropped where a variant rejects it, e.g. a "spread" grid that would not be resident), and the
     current default."""
@@ -109,22 +111,38 @@ def variants_for(N, K, M, sweep, folds=None, bks=(), steps=(), occs=(1,)):
                 blocks = N // (step or d.rows)
                 if d.fold == "last" and (not step or blocks * d.ksplit <= wg.SMS):
                     keep(twin)
-                for fold in cluster_folds:               # the split CTAs as one cluster: at the default's S
-                    for occ in occs:                     # and at the most in one wave; with `occs` 2, stages
+        for r, bk, step in cluster_tilings(N, d.rows, rows, [wg.BK, *bks], steps):
+            blocks = N // (step or r)
+            for fold in cluster_folds:                   # the split CTAs as one cluster: at the default's S
+                for occ in occs:                         # and at the most in one wave; with `occs` 2, stages
                                                          # for 2 CTAs per SM and an S whose grid needs them
-                        most = min(wg.MAX_CLUSTER, wg.SMS * occ // blocks, K // bk // 4)
-                        staged = dataclasses.replace(twin, occupancy=occ,
-                                                     stages=wg.stages_for(d.rows, d.m_pad, occ, bk))
-                        for s in {d.ksplit, most}:
-                            if wg.SMS * (occ - 1) < blocks * s <= wg.SMS * occ:
-                                keep(dataclasses.replace(staged, fold=fold, ksplit=s))
+                    most = min(wg.MAX_CLUSTER, wg.SMS * occ // blocks, K // bk // 4)
+                    staged = dataclasses.replace(d, rows=r, bk=bk, step=step, occupancy=occ,
+                                                 stages=wg.stages_for(r, d.m_pad, occ, bk))
+                    for s in ({d.ksplit, most} if r == d.rows else {most}):   # other rows: the one-wave S
+                        if wg.SMS * (occ - 1) < blocks * s <= wg.SMS * occ:
+                            keep(dataclasses.replace(staged, fold=fold, ksplit=s))
     return base + extra + [d]
 
 
+def cluster_tilings(N, default_rows, rows, bks, steps):
+    """(rows, bk, step) of the cluster-fold twins: the default's rows and every `rows` (e.g. 128: two
+    wgmma row tiles sharing each token tile, half the token-tile reads per weight byte), each unstepped
+    and at every `step` that divides N and overlaps less than half a tile (56 for 64 rows, 112 for 128)."""
+    out = []
+    for r in dict.fromkeys([default_rows, *rows]):
+        for bk in bks:
+            for step in [0, *steps]:
+                if (step and (N % step or not r // 2 < step <= r)) or (not step and N % r):
+                    continue
+                out.append((r, bk, step))
+    return out
+
+
 def tilings_of(args):
-    """(bks, steps, occs): the --bk / --step twins of the default, the --occ of its cluster-fold twins."""
-    return ([int(b) for b in args.bk.split(",") if b], [int(n) for n in args.step.split(",") if n],
-            [int(o) for o in args.occ.split(",") if o])
+    """(bks, steps, occs, rows): the --bk / --step twins of the default, the --occ and --rows of its
+    cluster-fold twins."""
+    return tuple([int(v) for v in a.split(",") if v] for a in (args.bk, args.step, args.occ, args.rows))
 
 
 def folds_of(args):
