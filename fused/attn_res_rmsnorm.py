@@ -124,6 +124,18 @@ class AttnResRMSNorm:
                 v = x[None, i, j].load().to(Float32)
                 part[2 * j] += (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 part[2 * j + 1] += (v * q).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        # the state update needs only p: written now, so the writes overlap the reductions (each thread
+        # rewrites only the columns it has already read, so no source changes under another thread)
+        zero = cute.make_rmem_tensor(vec, dt)
+        zero.fill(0.0)
+        for i in cutlass.range_constexpr(V):
+            c = rank * self.n_vec + tidx + i * self.num_threads
+            if const_expr(self.even) or tidx + i * self.num_threads < self.n_vec:
+                if block_write >= 0:
+                    rows(mBlocks[row, block_write, None])[None, c].store(x[None, i, S - 1].load())
+                    gP[None, c].store(zero.load())
+                else:
+                    gP[None, c].store(x[None, i, S - 1].load())
         smem = cutlass.memory.SmemAllocator()
         red = smem.allocate_tensor(Float32, cute.make_layout((2 * S, self.num_threads)), 16)
         tot = smem.allocate_tensor(Float32, cute.make_layout(2 * S + 1), 16)  # read by the cluster
@@ -151,20 +163,13 @@ class AttnResRMSNorm:
             mix[None, i].store(acc.to(dt))
             mx = mix[None, i].load().to(Float32)
             ss[0] += (mx * mx).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        self.block_sum(ss, red, tot, fin, 2 * S, 1)
+        self.block_sum1(ss, red, tot, 2 * S)
         rstd = cute.math.rsqrt(ss[0] / self.D + norm_eps)
-        zero = cute.make_rmem_tensor(vec, dt)
-        zero.fill(0.0)
         for i in cutlass.range_constexpr(V):
             c = rank * self.n_vec + tidx + i * self.num_threads
             if const_expr(self.even) or tidx + i * self.num_threads < self.n_vec:
                 y = (mix[None, i].load().to(Float32) * rstd).to(dt).to(Float32)
                 gO[None, c].store((y * w[None, i, 2].load().to(Float32)).to(dt))
-                if block_write >= 0:
-                    rows(mBlocks[row, block_write, None])[None, c].store(x[None, i, S - 1].load())
-                    gP[None, c].store(zero.load())
-                else:
-                    gP[None, c].store(x[None, i, S - 1].load())
         if const_expr(self.cluster_n > 1):   # peers may still read this CTA's tot
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
@@ -209,6 +214,33 @@ class AttnResRMSNorm:
             out = fin
         for k in cutlass.range_constexpr(n):
             vals[k] = out[col0 + k]
+
+    @cute.jit
+    def block_sum1(self, vals: cute.Tensor, red: cute.Tensor, tot: cute.Tensor, col: cutlass.Constexpr[int]):
+        """vals[0] <- its sum over the CTA (and cluster) with one CTA barrier: a butterfly in each warp,
+        lane 0 stores the warp's sum in red[0, warp], every thread adds the warps' sums in warp order;
+        in a cluster, thread 0 publishes the CTA's sum in tot[col] and every thread adds the CTAs' in
+        rank order after one cluster barrier. The same bits in every thread of every CTA of the row.
+        (red is free: block_sum's reads of it precede its second barrier.)"""
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        t = cute.arch.warp_reduction(vals[0], operator.add)
+        if lane == 0:
+            red[0, warp] = t
+        cute.arch.sync_threads()
+        t = red[0, 0]
+        for j in cutlass.range_constexpr(1, self.num_warps):
+            t = t + red[0, j]
+        if const_expr(self.cluster_n > 1):
+            if cute.arch.thread_idx()[0] == 0:
+                tot[col] = t
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            for r in cutlass.range_constexpr(self.cluster_n):
+                peer = cute.arch.map_dsmem_ptr(tot.iterator + col, r)
+                v = cute.arch.inline_ptx("ld.shared::cluster.f32 {$w0}, [{$r0}];",
+                                         write_only_types=[Float32], read_only_args=[peer.toint()])
+                t = v if const_expr(r == 0) else t + v
+        vals[0] = t
 
 
 @runtime.compile_cache("attn_res_rmsnorm")
