@@ -7,7 +7,8 @@ KdaConfig (and bench-only trial config) at T = 1 (96 heads) and T = 8 (12 heads)
 (env KDA_BATCHES=1,8,12,... for others).
 attn_res_rmsnorm: prefix and blocks bitwise, out against the fp64 oracle (bench_wave1b's derived
 criterion) and its largest difference from the old version in ulps, for every AttnResConfig; then
-timings of both dispatchers and of every current config at D = 7168, B = 1..64.
+timings of both dispatchers and of every current config at D = 7168, B = 1..64 (env ATTN_BATCHES=1,8,..,
+ATTN_NBS=0,4,8 (n_blocks, no block write; default 8 without and 4 with a write), ATTN_CFGS=t224c4,...).
 router_topk (the old fused/router_topk.py with its fused/router_topk_select.py beside it): ids and
 weights bitwise for every top-k kernel with the same logits GEMM, the current default's ids and weights
 against the old default's; then timings of both defaults and of the current top-k with the old
@@ -164,8 +165,11 @@ def check_attn(new, old) -> None:
 def timing_attn(new, old) -> None:
     log("== attn_res_rmsnorm timing, current vs old dispatcher and every current config (D=7168, 9 slots)")
     D, NB, e = 7168, 9, 2
-    for B in (1, 8, 32, 64):
-        for nb, bwr in ((8, -1), (4, 4)):
+    batches = [int(b) for b in os.environ.get("ATTN_BATCHES", "1,8,32,64").split(",")]
+    cases = [(int(nb), -1) for nb in os.environ["ATTN_NBS"].split(",")] if os.environ.get("ATTN_NBS") else [(8, -1), (4, 4)]
+    only = set(os.environ.get("ATTN_CFGS", "").split(",")) - {""}      # e.g. t224c4,t448c2,t448c1
+    for B in batches:
+        for nb, bwr in cases:
             moved = attn_bytes(B, D, nb, bwr, e)
             # both dispatchers' picks as explicit variants: the launch path, no custom op (the old
             # module would register its op under the current one's name)
@@ -173,7 +177,8 @@ def timing_attn(new, old) -> None:
             fns = {f"current t{pick.num_threads}c{pick.cluster_n}": lambda s: new.attn_res_rmsnorm(**s, variant=pick),
                    f"old t{pick_old.num_threads}c{pick_old.cluster_n}": lambda s: old.attn_res_rmsnorm(**s, variant=pick_old)}
             for cfg in new.AttnResConfig.all_configs(D):
-                fns[f"t{cfg.num_threads}c{cfg.cluster_n}"] = (lambda c: lambda s: new.attn_res_rmsnorm(**s, variant=c))(cfg)
+                if not only or f"t{cfg.num_threads}c{cfg.cluster_n}" in only:
+                    fns[f"t{cfg.num_threads}c{cfg.cluster_n}"] = (lambda c: lambda s: new.attn_res_rmsnorm(**s, variant=c))(cfg)
             bench("attn_res_rmsnorm", f"B={B} nb={nb} bw={bwr}", fns,
                   lambda i: attn_inputs(B, D, NB, nb, bwr, "cuda", seed=i), B * (NB + 3) * D * e, moved, 4.24e12)
 
