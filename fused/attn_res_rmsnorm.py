@@ -139,7 +139,7 @@ class AttnResRMSNorm:
         smem = cutlass.memory.SmemAllocator()
         # red[k, t] at k * threads + t: a warp's 32 stores red[k, t] and reads red[k, lane + 32 j] hit 32
         # consecutive words. (The column-major (2S, threads) layout strode 2S words from lane to lane:
-        # 32 / gcd(2S, 32) lanes per bank, 16 at n_blocks = 7; H200: 1.1-2 us slower than n_blocks = 8.)
+        # gcd(2S, 32) lanes per bank, 16 at n_blocks = 7; H200: 1.1-2 us slower than n_blocks = 8.)
         red = smem.allocate_tensor(Float32, cute.make_layout((2 * S, self.num_threads),
                                                              stride=(self.num_threads, 1)), 16)
         tot = smem.allocate_tensor(Float32, cute.make_layout(2 * S + 1), 16)  # read by the cluster
