@@ -279,7 +279,7 @@ def timing_attn(bw, compile_ok=True):
             moved = attn_bytes(B, D, nb, bwr, e)
             fns = {"fused": lambda s: fused.attn_res_rmsnorm(**s), "eager": lambda s: ref(**s)}
             for cfg in fused.AttnResConfig.all_configs(D):
-                if cfg != fused.AttnResConfig.for_shape(D, 16, B):
+                if cfg != fused.AttnResConfig.for_shape(D, 16, B, nb):
                     fns[f"t{cfg.num_threads}c{cfg.cluster_n}"] = (lambda c: lambda s: fused.attn_res_rmsnorm(**s, variant=c))(cfg)
             if comp is not None:
                 fns["compile"] = lambda s: comp(**s)

@@ -33,13 +33,19 @@ class AttnResConfig:
     cluster_n: int = 1
 
     @staticmethod
-    def for_shape(D: int, elem_bits: int = 16, B: int = 64) -> "AttnResConfig":
-        """Picks measured best on the H200 at D=7168 with the shared-memory block sums (session 6,
-        results/gpu/s6-2026-11-30/call6_versions_attn_res_rmsnorm): 4 CTAs x 224 threads per row
-        up to B=32, 2 x 448 beyond (8.3 us at B=64 with 8 blocks, against 10.2 for one CTA of
-        256 threads, which spills). Rows under 512 vectors (small test D) keep one CTA beyond
-        B=32, as before."""
+    def for_shape(D: int, elem_bits: int = 16, B: int = 64, n_blocks: int = MAX_BLOCKS) -> "AttnResConfig":
+        """Picks measured best on the H200 at D=7168 (session 14, results/gpu/s14-2026-11-30/
+        call4_attn_nb: every n_blocks 0..8 at B = 1..64): one CTA of n_vec / 2 threads (two vectors
+        each, no cluster barrier) for n_blocks = 0, and for n_blocks <= 5 from B = 32 (B = 64,
+        n_blocks = 0..5: 3.6-6.0 us against 4.5-6.6 for 2 CTAs); otherwise 4 CTAs x 224 threads
+        per row up to B=32, 2 x 448 beyond (the one-CTA pick spills or starves at 6-8 sources:
+        10.8 us at B=64, n_blocks = 8, against 7.9). The one-CTA rule needs n_vec >= 512 and at most
+        512 threads (fp32 rows at D = 7168 would need 896). Rows under 512 vectors (small test D)
+        keep one CTA beyond B=32, as before."""
         n_vec = D // (128 // elem_bits)
+        half = -(-n_vec // 64) * 32                     # n_vec / 2 threads, a multiple of 32
+        if n_vec >= 512 and half <= 512 and (n_blocks == 0 or (B >= 32 and n_blocks <= 5)):
+            return AttnResConfig(half, 1)
         n = 4 if B <= 32 else 2 if n_vec >= 512 else 1
         while n > 1 and n_vec % n:
             n //= 2
@@ -51,7 +57,7 @@ class AttnResConfig:
     @staticmethod
     def all_configs(D: int, elem_bits: int = 16) -> list["AttnResConfig"]:
         """Every variant a launch may use at this D: the dispatcher's picks and the fixed sizes."""
-        picks = {AttnResConfig.for_shape(D, elem_bits, b) for b in (1, 32, 64)}
+        picks = {AttnResConfig.for_shape(D, elem_bits, b, nb) for b in (1, 32, 64) for nb in (0, 5, 8)}
         picks |= {AttnResConfig(t) for t in (128, 256, 448, 512)} | {AttnResConfig(128, 8)}
         return sorted(picks, key=lambda c: (c.cluster_n, c.num_threads))
 
@@ -284,7 +290,7 @@ def launch(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, out, n_blocks:
     if prefix.shape[0] == 0:
         return
     D = prefix.shape[1]
-    cfg = variant or AttnResConfig.for_shape(D, 8 * prefix.element_size(), prefix.shape[0])
+    cfg = variant or AttnResConfig.for_shape(D, 8 * prefix.element_size(), prefix.shape[0], n_blocks)
     fn = _compile(runtime.dtype_name(prefix.dtype), D, n_blocks, cfg)
     fn(prefix, delta.contiguous(), blocks, res_norm_w.contiguous(),
        res_proj_w.reshape(-1).contiguous(), norm_w.contiguous(), out, block_write, eps, norm_eps)

@@ -126,7 +126,7 @@ def test_configs_are_frozen_and_cover_the_dispatch():
     a, k = _attn(), _kda()
     for D in ATTN_D:        # every batch's pick is a certified variant
         for bits in (16, 32):
-            picks = {a.AttnResConfig.for_shape(D, bits, B) for B in range(1, 65)}
+            picks = {a.AttnResConfig.for_shape(D, bits, B, nb) for B in range(1, 65) for nb in range(9)}
             assert picks <= set(a.AttnResConfig.all_configs(D, bits)), (D, bits)
     for Dh in KDA_DH:
         for sms in (132, 114, 78):      # H200 / H100 PCIe / H20: the persistent range moves with the SMs
