@@ -4,7 +4,8 @@
 line selects. Workloads (`--list` prints their names; arguments pick some): the router's two
 kernels at B = 1, 8 and 64 (SIMT GEMV; wgmma split-K partials), skinny_gemm 7168->896 at M = 8 and 32
 and 7168->3584 at M = 8 and 64 (the "cspread" cluster fold), 1536->7168 (o_proj) at M = 8,
-mxfp4_dequant bf16 [7168, 2048], attn_res_rmsnorm at D = 7168 with 8 blocks at B = 1 and 64, and
+mxfp4_dequant bf16 [7168, 2048], attn_res_rmsnorm at D = 7168 with 8 blocks at B = 1 and 64 (and with 4
+blocks + a block write at B = 64: the one-CTA pick; 7 blocks + a write at B = 8), and
 kda_decode at T = 8 (12 heads) B = 1, 32 (the 4-warp early_conv pick) and 64 (the persistent launch)
 and T = 1 (96 heads) B = 1 and 8 (persistent)."""
 import sys
@@ -45,10 +46,10 @@ def dequant():
     return lambda: fq.mxfp4_dequant(q, sc, "bfloat16")
 
 
-def attn_res(B):
+def attn_res(B, nb=8, write=-1):
     from bench.bench_wave1b import attn_inputs
     from fused import attn_res_rmsnorm as fa
-    s = attn_inputs(B, 7168, 9, 8, -1, "cuda")
+    s = attn_inputs(B, 7168, 9, nb, write, "cuda")
     return lambda: fa.attn_res_rmsnorm(**s)
 
 
@@ -65,6 +66,7 @@ WORKLOADS = {
     "gemm_7168x3584_m8": lambda: gemm(7168, 3584, 8), "gemm_7168x3584_m64": lambda: gemm(7168, 3584, 64),
     "gemm_1536x7168_m8": lambda: gemm(1536, 7168, 8), "dequant": dequant,
     "attn_res_b1": lambda: attn_res(1), "attn_res_b64": lambda: attn_res(64),
+    "attn_res_b64_nb4w": lambda: attn_res(64, 4, 4), "attn_res_b8_nb7w": lambda: attn_res(8, 7, 2),
     "kda_t8_b1": lambda: kda(8, 1), "kda_t1_b1": lambda: kda(1, 1), "kda_t1_b8": lambda: kda(1, 8),
     "kda_t8_b32": lambda: kda(8, 32), "kda_t8_b64": lambda: kda(8, 64),
 }
