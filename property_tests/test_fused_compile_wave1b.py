@@ -122,6 +122,39 @@ def test_cache_key_has_no_batch_dimension():
     assert after.misses == before.misses and after.hits == before.hits + 1
 
 
+@pytest.mark.parametrize("threads,cluster,nb", [(448, 2, 7), (224, 4, 8), (448, 1, 5), (256, 1, 3)])
+def test_attn_res_rmsnorm_writes_the_state_first_and_sums_thread_minor(ptx_of, threads, cluster, nb):
+    """Session 14 (H200, results/gpu/targets.md): the state (prefix / block slot) is stored before the
+    first CTA barrier, so its writes overlap the reductions; and the block sums' buffer is thread-minor:
+    each thread's 2S partials go to red[k, tid] at byte offsets k * threads * 4 from its own word. The
+    column-major layout (offsets k * 4 from tid * 2S * 4) put gcd(2S, 32) lanes in one bank, 16 at
+    n_blocks = 7, and cost 1.1-2 us."""
+    ptx = ptx_of(f"from fused import attn_res_rmsnorm as m; m._compile('bfloat16', 7168, {nb}, "
+                 f"m.AttnResConfig({threads}, {cluster}))")
+    body = ptx[ptx.index(".entry"):]
+    first_bar = body.index("bar.sync")
+    head = body[:first_bar]
+    assert head.count("st.global") >= 2 and "st.global" in body[first_bar:]     # state first, out last
+    S2 = 2 * (nb + 1)
+    offsets = {int(o or 0) for o in re.findall(r"st\.shared\.b32\s+\[%r\d+(?:\+(\d+))?\]", head)}
+    assert offsets == {k * threads * 4 for k in range(S2)}, sorted(offsets)
+
+
+def test_attn_res_rmsnorm_dispatch_by_blocks():
+    """The measured rule (session 14, H200, D = 7168): one CTA of 448 threads for 0 blocks at every B and
+    for up to 5 blocks from B = 32; 4 x 224 up to B = 32 and 2 x 448 beyond otherwise; never a one-CTA
+    launch over 512 threads (fp32 rows)."""
+    A = _attn().AttnResConfig
+    one, c4, c2 = A(448, 1), A(224, 4), A(448, 2)
+    for B in (1, 8, 16, 31):
+        assert A.for_shape(7168, 16, B, 0) == one
+        assert all(A.for_shape(7168, 16, B, nb) == c4 for nb in range(1, 9))
+    for B in (32, 48, 64):
+        assert all(A.for_shape(7168, 16, B, nb) == one for nb in range(6))
+        assert all(A.for_shape(7168, 16, B, nb) == (c4 if B == 32 else c2) for nb in range(6, 9))
+    assert all(A.for_shape(7168, 32, B, nb).num_threads <= 512 for B in range(1, 65) for nb in range(9))
+
+
 def test_configs_are_frozen_and_cover_the_dispatch():
     a, k = _attn(), _kda()
     for D in ATTN_D:        # every batch's pick is a certified variant
