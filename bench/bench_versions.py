@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import inspect
 import os
 import sys
 
@@ -173,7 +174,9 @@ def timing_attn(new, old) -> None:
             moved = attn_bytes(B, D, nb, bwr, e)
             # both dispatchers' picks as explicit variants: the launch path, no custom op (the old
             # module would register its op under the current one's name)
-            pick, pick_old = new.AttnResConfig.for_shape(D, 16, B, nb), old.AttnResConfig.for_shape(D, 16, B)
+            pick = new.AttnResConfig.for_shape(D, 16, B, nb)
+            old_by_blocks = "n_blocks" in inspect.signature(old.AttnResConfig.for_shape).parameters
+            pick_old = old.AttnResConfig.for_shape(D, 16, B, *([nb] if old_by_blocks else []))   # before session 14: by B only
             fns = {f"current t{pick.num_threads}c{pick.cluster_n}": lambda s: new.attn_res_rmsnorm(**s, variant=pick),
                    f"old t{pick_old.num_threads}c{pick_old.cluster_n}": lambda s: old.attn_res_rmsnorm(**s, variant=pick_old)}
             for cfg in new.AttnResConfig.all_configs(D):
