@@ -88,6 +88,25 @@ def test_planted_bug_rejected(op_name, candidate, expected, description, request
     assert sub in v.reason, f"{description}: reason lacks {sub!r}: {v.reason}\n  {v.repro}"
 
 
+# Each helper the catalogue plants its bugs in, with the bug switched off: it must certify under the
+# most demanding settings its rows run with. A helper that a guard rejects on its own makes every row
+# built on it pass whether or not the bug is there (found for kda's: its whole-batch torch reductions
+# gave other bits on strided views and other batch positions, and a GAPS entry credited that to the
+# planted eps bug).
+CONTROLS = [("kda_decode", "kda:kda_decode_control", QUICK_ALL_DTYPES, 25),
+            ("attn_res_rmsnorm", "attn_res:attn_res_rmsnorm_control", PLANTED, 6),
+            ("mxfp4_dequant", "mxfp4:mxfp4_dequant_control", QUICK_ALL_DTYPES, 6),
+            ("mla_decode_attn", "mla:mla_decode_attn_control", PLANTED, 6)]
+
+
+@pytest.mark.parametrize("op_name,candidate,profile,examples", CONTROLS, ids=[c[1] for c in CONTROLS])
+def test_planted_helper_certifies_without_its_bug(op_name, candidate, profile, examples):
+    v = certify_op(get_op(op_name), Candidate(f"property_tests.planted.{candidate}"),
+                   RunOptions(device="cpu", profile=profile, examples=examples))
+    assert v.status != FAIL, f"{candidate}: the bug-free helper is rejected: {v.reason}\n  {v.repro}"
+    assert v.cases_run >= examples
+
+
 def test_catalogue_covers_every_op_and_guard():
     ops_hit = {row[0] for row in CATALOGUE}
     missing = sorted(set(all_ops()) - ops_hit)

@@ -37,6 +37,13 @@ def attn_res_rmsnorm_keys_unnormalised(prefix, delta, blocks, res_norm_w, res_pr
                    mix=_mix_unnormalised_keys)
 
 
+def attn_res_rmsnorm_control(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w,
+                             n_blocks: int, block_write: int, eps: float, norm_eps: float):
+    """No bug: the helper the attn_res rows plant theirs in (test_planted_bugs checks it certifies)."""
+    return _finish(prefix, prefix + delta, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, block_write, eps,
+                   norm_eps)
+
+
 def attn_res_rmsnorm_prefix_not_reset(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w,
                                       n_blocks: int, block_write: int, eps: float, norm_eps: float):
     """On a block write the snapshot is stored but the prefix keeps p instead of restarting at 0."""

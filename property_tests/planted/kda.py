@@ -11,8 +11,26 @@ TUNED_M = (1, 2, 4, 8, 16, 32, 64)
 
 
 def _decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w, state,
-            lower_bound, l2_eps, norm_eps, *, decay=True, use_beta=True, shift=True, bounded_gate=True,
-            eps_inside=True):
+            lower_bound, l2_eps, norm_eps, **bugs):
+    """The planted rows' decode, one dense batch row at a time: torch's CPU kernels sum strided views
+    and other batch sizes in other orders, and the spec's deterministic and batch-invariant claims hold
+    candidates to the same bits there; computed on the whole batch, the strided-view and batch-position
+    guards rejected this helper itself, so a planted bug was "caught" whether it was there or not
+    (kda_decode_control checks the helper certifies)."""
+    ys = []
+    for b in range(state.shape[0]):
+        row = lambda t: t[b:b + 1].contiguous()
+        cs, st = row(conv_state), row(state)
+        ys.append(_decode_rows(row(q_raw), row(k_raw), row(v_raw), row(g_raw), row(beta_raw), row(z), conv_w, cs,
+                               A_log, dt_bias, o_norm_w, st, lower_bound, l2_eps, norm_eps, **bugs))
+        conv_state[b:b + 1].copy_(cs)
+        state[b:b + 1].copy_(st)
+    return torch.cat(ys) if ys else torch.empty(0, state.shape[1] * state.shape[-1], dtype=q_raw.dtype)
+
+
+def _decode_rows(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w, state,
+                 lower_bound, l2_eps, norm_eps, *, decay=True, use_beta=True, shift=True, bounded_gate=True,
+                 eps_inside=True):
     B, H, Dh = state.shape[0], state.shape[1], state.shape[-1]
     acc, wd = torch.float32, q_raw.dtype
     new_conv = conv_state.clone()
@@ -45,6 +63,13 @@ def _decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, 
     conv_state.copy_(new_conv)
     state.copy_(new_state)
     return y
+
+
+def kda_decode_control(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
+                       state, lower_bound: float, l2_eps: float, norm_eps: float):
+    """No bug: the helper the kda_decode rows plant theirs in (test_planted_bugs checks it certifies)."""
+    return _decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
+                   state, lower_bound, l2_eps, norm_eps)
 
 
 def kda_decode_no_decay(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias,

@@ -85,6 +85,11 @@ def _attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, *, causal_sh
     return out.to(q_abs.dtype)
 
 
+def mla_decode_attn_control(q_abs, cache, block_table, seq_lens, scale: float, kv_lora_rank: int):
+    """No bug: the helper the causal row plants its bug in (test_planted_bugs checks it certifies)."""
+    return _attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank)
+
+
 def mla_decode_attn_causal_off_by_one(q_abs, cache, block_table, seq_lens, scale: float, kv_lora_rank: int):
     """Causal mask built with `<= last + 1`: each speculative query token also sees the next one."""
     return _attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, causal_shift=1)

@@ -11,11 +11,16 @@ def _dequant(packed, scale, out_dtype, *, high_nibble_first=False, bias=127, nan
     dtype = out_dtype_of(out_dtype)
     lo, hi = packed & 0xF, packed >> 4
     first, second = (hi, lo) if high_nibble_first else (lo, hi)
-    codes = torch.stack([first, second], dim=-1).reshape(packed.shape[0], -1)
+    codes = torch.stack([first, second], dim=-1).reshape(packed.shape[0], 2 * packed.shape[1])   # 0 rows too
     s = torch.exp2(scale.to(torch.float64) - bias)
     if nan_scale:
         s = torch.where(scale == 0xFF, torch.full_like(s, float("nan")), s)
     return (E2M1_LUT[codes.long()] * s.repeat_interleave(GROUP, dim=1)).to(dtype)
+
+
+def mxfp4_dequant_control(packed, scale, out_dtype: str = "bfloat16"):
+    """No bug: the helper the mxfp4 rows plant theirs in (test_planted_bugs checks it certifies)."""
+    return _dequant(packed, scale, out_dtype)
 
 
 def mxfp4_dequant_nibble_swap(packed, scale, out_dtype: str = "bfloat16"):
