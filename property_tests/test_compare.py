@@ -98,10 +98,15 @@ def test_exact_ties_follow_the_declared_lower_id_rule():
     assert not chk.ok and "lower-id" in chk.detail
 
 
-@pytest.mark.parametrize("dtype,bits", [(torch.bfloat16, 7), (torch.float16, 10), (torch.float32, 23)])
-def test_ulp_matches_nextafter(dtype, bits):
-    x = torch.tensor([1.0, 3.0, 1000.0], dtype=torch.float64)
-    assert torch.equal(ulp(x, dtype), torch.exp2(torch.floor(torch.log2(x)) - bits))
+@pytest.mark.parametrize("dtype,subnormal", [(torch.bfloat16, 2.0 ** -130), (torch.float16, 2.0 ** -20),
+                                              (torch.float32, 2.0 ** -140)])
+def test_ulp_matches_nextafter(dtype, subnormal):
+    """ulp(|x|) is the gap from x to the next value up in dtype (torch.nextafter, independent of the
+    formula), at normal magnitudes, a power of two, and a subnormal (the exponent clamp)."""
+    x = torch.tensor([1.0, 3.0, 1000.0, 2.0 ** -20, 0.75, subnormal], dtype=torch.float64).to(dtype)
+    gap = torch.nextafter(x, torch.full_like(x, float("inf"))).double() - x.double()
+    assert (gap > 0).all()
+    assert torch.equal(ulp(x.double(), dtype), gap)
 
 
 def test_tie_band_widens_with_the_scores_running_error_magnitude():

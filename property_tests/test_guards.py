@@ -147,7 +147,7 @@ def flushes_then_raises(x, w):
     (another_thread_count, "guard:process_state", "torch.get_num_threads()"),
     (no_grad_left_on, "guard:process_state", "torch.is_grad_enabled(): True -> False"),
     (flushes_then_raises, "candidate", "after setting FTZ"),
-    (mutates_input, "guard:inputs_unchanged", "x"),
+    (mutates_input, "guard:inputs_unchanged", "inputs modified in place: x"),
     (aliases_input, "guard:no_aliasing", "aliases input x"),
     (nondeterministic, "guard:deterministic", "differ bitwise"),
     (swapped_rows, "compare:y", "rows exceed"),

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import time
 
+from dataclasses import fields
+
 import pytest
 import torch
 
@@ -150,9 +152,15 @@ def test_tp_form_matches_unsplit_in_float64(kind, layer_idx, cfg):
         if T == 1:
             assert torch.equal(out, ref), f"{kind} T=1 must equal the unsplit layer bitwise"
         torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12, msg=lambda m: f"{kind} T={T}: {m}")
-        for name in ("recurrent_state", "conv_state", "cache"):
-            if getattr(state, name) is not None:
-                torch.testing.assert_close(getattr(state, name), getattr(ref_state, name), rtol=1e-12, atol=1e-12)
+        for f in fields(state):                       # every state tensor: AttnRes stream, KDA, MLA
+            got, want = getattr(state, f.name), getattr(ref_state, f.name)
+            assert (got is None) == (want is None), f"{kind} T={T}: {f.name}"
+            if got is None:
+                continue
+            if got.is_floating_point():
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m: f"{kind} T={T} {f.name}: {m}")
+            else:
+                assert torch.equal(got, want), f"{kind} T={T}: {f.name}"
 
 
 def test_tp_form_at_t1_is_bitwise_the_unsplit_layer_in_bf16():

@@ -102,3 +102,19 @@ def test_shared_experts_bad_input():
         shared_experts(torch.zeros(2, 8), torch.zeros(6, 8), torch.zeros(8, 4))
     with pytest.raises(ValueError, match="^shared_out"):
         latent_norm_up(torch.zeros(2, 4), torch.ones(4), torch.zeros(8, 4), torch.zeros(2, 7), 1e-5)
+
+
+def test_situ_and_mul_matches_the_k3_formula_on_scalars():
+    """SiTU(g, u) = 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25) (kimi-k3-math.md section 6), computed here with
+    Python's math on a few points (the saturating tails, a sign change, zero), not with the reference's
+    own torch expression; float64 in, so only the last bits may differ. Without linear_beta the up half
+    passes through."""
+    import math
+    pts = [(1.5, 2.0), (-3.0, 40.0), (12.0, -80.0), (0.0, 5.0), (0.25, -0.5)]
+    sig = lambda v: 1.0 / (1.0 + math.exp(-v))
+    x = torch.tensor([[g for g, _ in pts] + [u for _, u in pts]], dtype=torch.float64)
+    want = torch.tensor([[4 * math.tanh(g / 4) * sig(g) * 25 * math.tanh(u / 25) for g, u in pts]],
+                        dtype=torch.float64)
+    torch.testing.assert_close(situ_and_mul(x, 4.0, 25.0), want, rtol=1e-14, atol=1e-14)
+    plain = torch.tensor([[4 * math.tanh(g / 4) * sig(g) * u for g, u in pts]], dtype=torch.float64)
+    torch.testing.assert_close(situ_and_mul(x, 4.0, None), plain, rtol=1e-14, atol=1e-14)
