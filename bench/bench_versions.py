@@ -33,7 +33,7 @@ import torch
 
 from bench import bench_wave1b as w1b
 from bench.timing import save_outputs
-from bench.bench_wave1b import attn_bytes, attn_inputs, bench, bitwise, clone_all, derived, kda_bytes, kda_inputs, log, record
+from bench.bench_wave1b import attn_bytes, attn_inputs, attn_tag, bench, bitwise, clone_all, derived, kda_bytes, kda_inputs, log, record
 
 CASES = [  # (B, H, Dh, strided, wd)
     (1, 12, 128, False, torch.bfloat16), (3, 12, 128, True, torch.bfloat16),
@@ -159,7 +159,7 @@ def check_attn(new, old) -> None:
             checks = [derived("out", a[0], b_out, o_out, torch.bfloat16),
                       bitwise("prefix", a[1], b[1]), bitwise("blocks", a[2], b[2])]
             checks[0]["ulps_from_old"] = ulps_apart(a[0], b[0])
-            record("attn_res_rmsnorm", f"B={B} D={D} nb={nb} bw={bw} t{cfg.num_threads}c{cfg.cluster_n} "
+            record("attn_res_rmsnorm", f"B={B} D={D} nb={nb} bw={bw} {attn_tag(cfg)} "
                    f"(out {checks[0]['ulps_from_old']} ulp from old)", checks)
 
 
@@ -177,11 +177,11 @@ def timing_attn(new, old) -> None:
             pick = new.AttnResConfig.for_shape(D, 16, B, nb)
             old_by_blocks = "n_blocks" in inspect.signature(old.AttnResConfig.for_shape).parameters
             pick_old = old.AttnResConfig.for_shape(D, 16, B, *([nb] if old_by_blocks else []))   # before session 14: by B only
-            fns = {f"current t{pick.num_threads}c{pick.cluster_n}": lambda s: new.attn_res_rmsnorm(**s, variant=pick),
-                   f"old t{pick_old.num_threads}c{pick_old.cluster_n}": lambda s: old.attn_res_rmsnorm(**s, variant=pick_old)}
+            fns = {f"current {attn_tag(pick)}": lambda s: new.attn_res_rmsnorm(**s, variant=pick),
+                   f"old {attn_tag(pick_old)}": lambda s: old.attn_res_rmsnorm(**s, variant=pick_old)}
             for cfg in new.AttnResConfig.all_configs(D):
-                if not only or f"t{cfg.num_threads}c{cfg.cluster_n}" in only:
-                    fns[f"t{cfg.num_threads}c{cfg.cluster_n}"] = (lambda c: lambda s: new.attn_res_rmsnorm(**s, variant=c))(cfg)
+                if not only or attn_tag(cfg) in only:
+                    fns[attn_tag(cfg)] = (lambda c: lambda s: new.attn_res_rmsnorm(**s, variant=c))(cfg)
             bench("attn_res_rmsnorm", f"B={B} nb={nb} bw={bwr}", fns,
                   lambda i: attn_inputs(B, D, NB, nb, bwr, "cuda", seed=i), B * (NB + 3) * D * e, moved, 4.24e12)
 

@@ -268,6 +268,11 @@ def kda_bytes(B: int, H: int, Dh: int, e: int = 2) -> int:
             + C * 4 + H * 4 + Dh * 4)
 
 
+def attn_tag(cfg) -> str:
+    """An AttnResConfig's short name in the timing tables: t<threads>c<CTAs per row>."""
+    return f"t{cfg.num_threads}c{cfg.cluster_n}"
+
+
 def timing_attn(bw, compile_ok=True):
     from references.attn_res import attn_res_rmsnorm as ref
     from fused import attn_res_rmsnorm as fused
@@ -280,7 +285,7 @@ def timing_attn(bw, compile_ok=True):
             fns = {"fused": lambda s: fused.attn_res_rmsnorm(**s), "eager": lambda s: ref(**s)}
             for cfg in fused.AttnResConfig.all_configs(D):
                 if cfg != fused.AttnResConfig.for_shape(D, 16, B, nb):
-                    fns[f"t{cfg.num_threads}c{cfg.cluster_n}"] = (lambda c: lambda s: fused.attn_res_rmsnorm(**s, variant=c))(cfg)
+                    fns[attn_tag(cfg)] = (lambda c: lambda s: fused.attn_res_rmsnorm(**s, variant=c))(cfg)
             if comp is not None:
                 fns["compile"] = lambda s: comp(**s)
             bench("attn_res_rmsnorm", f"B={B} nb={nb} bw={bwr}", fns,
