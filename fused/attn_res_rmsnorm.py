@@ -212,17 +212,23 @@ class AttnResRMSNorm:
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
             if tidx < n:
-                t = Float32(0.0)
-                for r in cutlass.range_constexpr(self.cluster_n):
-                    peer = cute.arch.map_dsmem_ptr(tot.iterator + (col0 + tidx), r)
-                    v = cute.arch.inline_ptx("ld.shared::cluster.f32 {$w0}, [{$r0}];",
-                                             write_only_types=[Float32], read_only_args=[peer.toint()])
-                    t = v if const_expr(r == 0) else t + v
-                fin[col0 + tidx] = t
+                fin[col0 + tidx] = self.cluster_sum(tot, col0 + tidx)
             cute.arch.sync_threads()
             out = fin
         for k in cutlass.range_constexpr(n):
             vals[k] = out[col0 + k]
+
+    @cute.jit
+    def cluster_sum(self, tot: cute.Tensor, k) -> Float32:
+        """tot[k] added over the cluster's CTAs in rank order (distributed shared memory reads; CuTe
+        DSL 4.8 tensors cannot load through a peer's address, hence the inline PTX)."""
+        t = Float32(0.0)
+        for r in cutlass.range_constexpr(self.cluster_n):
+            peer = cute.arch.map_dsmem_ptr(tot.iterator + k, r)
+            v = cute.arch.inline_ptx("ld.shared::cluster.f32 {$w0}, [{$r0}];",
+                                     write_only_types=[Float32], read_only_args=[peer.toint()])
+            t = v if const_expr(r == 0) else t + v
+        return t
 
     @cute.jit
     def block_sum1(self, vals: cute.Tensor, red: cute.Tensor, tot: cute.Tensor, col: cutlass.Constexpr[int]):
@@ -246,11 +252,7 @@ class AttnResRMSNorm:
                 tot[col] = t
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
-            for r in cutlass.range_constexpr(self.cluster_n):
-                peer = cute.arch.map_dsmem_ptr(tot.iterator + col, r)
-                v = cute.arch.inline_ptx("ld.shared::cluster.f32 {$w0}, [{$r0}];",
-                                         write_only_types=[Float32], read_only_args=[peer.toint()])
-                t = v if const_expr(r == 0) else t + v
+            t = self.cluster_sum(tot, col)
             cute.arch.cluster_arrive()   # done reading peers; the kernel waits on this phase at its end
         vals[0] = t
 
