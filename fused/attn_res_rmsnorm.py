@@ -180,9 +180,8 @@ class AttnResRMSNorm:
             if const_expr(self.even) or tidx + i * self.num_threads < self.n_vec:
                 y = (mix[None, i].load().to(Float32) * rstd).to(dt).to(Float32)
                 gO[None, c].store((y * w[None, i, 2].load().to(Float32)).to(dt))
-        if const_expr(self.cluster_n > 1):   # peers may still read this CTA's tot
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
+        if const_expr(self.cluster_n > 1):   # every peer is past its last read of this CTA's tot
+            cute.arch.cluster_wait()         # (block_sum1 arrived after its reads)
 
     @cute.jit
     def block_sum(self, vals: cute.Tensor, red: cute.Tensor, tot: cute.Tensor, fin: cute.Tensor,
@@ -213,25 +212,33 @@ class AttnResRMSNorm:
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
             if tidx < n:
-                t = Float32(0.0)
-                for r in cutlass.range_constexpr(self.cluster_n):
-                    peer = cute.arch.map_dsmem_ptr(tot.iterator + (col0 + tidx), r)
-                    v = cute.arch.inline_ptx("ld.shared::cluster.f32 {$w0}, [{$r0}];",
-                                             write_only_types=[Float32], read_only_args=[peer.toint()])
-                    t = v if const_expr(r == 0) else t + v
-                fin[col0 + tidx] = t
+                fin[col0 + tidx] = self.cluster_sum(tot, col0 + tidx)
             cute.arch.sync_threads()
             out = fin
         for k in cutlass.range_constexpr(n):
             vals[k] = out[col0 + k]
 
     @cute.jit
+    def cluster_sum(self, tot: cute.Tensor, k) -> Float32:
+        """tot[k] added over the cluster's CTAs in rank order (distributed shared memory reads; CuTe
+        DSL 4.8 tensors cannot load through a peer's address, hence the inline PTX)."""
+        t = Float32(0.0)
+        for r in cutlass.range_constexpr(self.cluster_n):
+            peer = cute.arch.map_dsmem_ptr(tot.iterator + k, r)
+            v = cute.arch.inline_ptx("ld.shared::cluster.f32 {$w0}, [{$r0}];",
+                                     write_only_types=[Float32], read_only_args=[peer.toint()])
+            t = v if const_expr(r == 0) else t + v
+        return t
+
+    @cute.jit
     def block_sum1(self, vals: cute.Tensor, red: cute.Tensor, tot: cute.Tensor, col: cutlass.Constexpr[int]):
         """vals[0] <- its sum over the CTA (and cluster) with one CTA barrier: a butterfly in each warp,
         lane 0 stores the warp's sum in red[0, warp], every thread adds the warps' sums in warp order;
         in a cluster, thread 0 publishes the CTA's sum in tot[col] and every thread adds the CTAs' in
-        rank order after one cluster barrier. The same bits in every thread of every CTA of the row.
-        (red is free: block_sum's reads of it precede its second barrier.)"""
+        rank order after one cluster barrier, then arrives on the next phase, which the kernel waits on
+        only at its end (no CTA leaves while a peer may read its tot; the barrier's latency hides behind
+        the out stores). The same bits in every thread of every CTA of the row. (red is free:
+        block_sum's reads of it precede its second barrier.)"""
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         t = cute.arch.warp_reduction(vals[0], operator.add)
         if lane == 0:
@@ -245,11 +252,8 @@ class AttnResRMSNorm:
                 tot[col] = t
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
-            for r in cutlass.range_constexpr(self.cluster_n):
-                peer = cute.arch.map_dsmem_ptr(tot.iterator + col, r)
-                v = cute.arch.inline_ptx("ld.shared::cluster.f32 {$w0}, [{$r0}];",
-                                         write_only_types=[Float32], read_only_args=[peer.toint()])
-                t = v if const_expr(r == 0) else t + v
+            t = self.cluster_sum(tot, col)
+            cute.arch.cluster_arrive()   # done reading peers; the kernel waits on this phase at its end
         vals[0] = t
 
 

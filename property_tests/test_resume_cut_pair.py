@@ -18,7 +18,7 @@ if str(ROOT) not in sys.path:
 from verify import certificate, certify  # noqa: E402
 from verify.cli import EXIT_USAGE, main  # noqa: E402
 
-OP = "attn_res_rmsnorm"      # fast on a CPU, compared by tolerance (ratios), one vacuous draw at seed 3
+OP = "attn_res_rmsnorm"      # fast on a CPU, compared by tolerance (ratios), one vacuous draw at seed 4 (seed 3 had one before small_rows joined the dists)
 BUG = "property_tests.planted.attn_res:attn_res_rmsnorm_keys_unnormalised"     # fails the first drawn case
 LATE_BUG = "property_tests.test_resume_cut_pair:attn_res_rmsnorm_wrong_past_batch_4"   # fails later, shrinks
 
@@ -29,7 +29,7 @@ def attn_res_rmsnorm_wrong_past_batch_4(**kw):
 
     out = attn_res_rmsnorm(**kw)
     return out * 1.01 if out.shape[0] > 4 else out
-RUN = ["run", "--ops", OP, "--device", "cpu", "--profile", "ci", "--examples", "12", "--seed", "3", "--no-isolate"]
+RUN = ["run", "--ops", OP, "--device", "cpu", "--profile", "ci", "--examples", "12", "--seed", "4", "--no-isolate"]
 
 # The cut: the process dies right after the k-th case line, as when a device call's time limit kills it.
 CUT = """import os, sys
@@ -143,7 +143,7 @@ def test_a_failed_case_before_the_cut_fails_without_evaluating_again(tmp_path, m
 
 
 @pytest.mark.parametrize("flag, value, words", [
-    ("--seed", "4", "seed 3 -> 4"),
+    ("--seed", "5", "seed 4 -> 5"),
     ("--examples", "13", "examples 12 -> 13"),
     ("--profile", "release", "profile ci -> release"),
     ("--dtypes", "bfloat16", "dtypes default -> bfloat16"),

@@ -59,3 +59,16 @@ def test_bad_rank_count_names_T(T):
     op = BY_NAME["attn_res_rmsnorm"]
     with pytest.raises(ValueError, match="^T"):
         op.split.shard(op.make_inputs(Case(op.name, 1, 2, "tiny")), T)
+
+
+def test_a_combine_that_drops_a_state_tensor_is_a_mismatch():
+    """The split's combine must return the state as well as the outputs: one that hands back `out` and
+    drops the updated prefix would let a state bug through every split (it was skipped silently)."""
+    import dataclasses
+
+    op = BY_NAME["attn_res_rmsnorm"]
+    inputs = op.make_inputs(Case(op.name, 3, 3, "tiny", "float64", "normal", tp=2))
+    dropping = dataclasses.replace(op.split, combine=lambda per_rank, inp: {
+        n: t for n, t in op.split.combine(per_rank, inp).items() if n != "prefix"})
+    assert split_mismatches(op, inputs, 2) == []
+    assert split_mismatches(op, inputs, 2, split=dropping) == ["combine did not return 'prefix'"]

@@ -7,6 +7,7 @@ from typing import Any, Callable
 import torch
 
 from verify.case import Case
+from verify.values import GENERIC_DISTS
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class OpDef:
     fused: str | None = None                    # "fused.module:function" of our CuTe DSL candidate
     dtypes: tuple[str, ...] = ("bfloat16", "float16", "float32")
     configs: tuple[str, ...] = ("tiny", "small", "k3")
-    dists: tuple[str, ...] = ("normal", "heavy_tailed", "outliers", "zero_rows", "wide_range")
+    dists: tuple[str, ...] = GENERIC_DISTS
     max_batch: int = 64
     tie_scores: Callable[[OpInputs], torch.Tensor] | None = None   # fp64 selection scores, tie-aware ops
     reweigh: Callable[[OpInputs, torch.Tensor], dict[str, torch.Tensor]] | None = None  # ids -> reference outputs for them

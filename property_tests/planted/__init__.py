@@ -139,16 +139,8 @@ ALL_DTYPES: set[str] = {"skinny_gemm_fp16_accum", "kda_decode_l2_eps_outside_sqr
 # Harness gaps found by this catalogue: candidate -> (why the expected rejection does not happen,
 # the stage that rejects it instead, or None if nothing rejects it). See the test for how they run.
 GAPS: dict[str, tuple[str, str | None]] = {
-    # Fixed gaps: unwritten outputs on the CPU (torch.empty hands out poison while a candidate runs)
-    # and the router's declared lower-id tie-break (exact float64 ties are judged against it).
-    "kda_decode_l2_eps_outside_sqrt": (
-        "x / (sqrt(sum x^2) + eps) and x / sqrt(sum x^2 + eps) differ only where sum x^2 is near l2_eps "
-        "(1e-6): a q/k row whose norm is ~1e-3 after the conv. No value distribution draws such rows "
-        "(zero_rows are exactly 0, where both forms give 0; wide_range scales elements, not rows), so "
-        "nothing rejects this bug. Until session 14 this entry credited a strided-view rejection to it, "
-        "but that rejection was of the helper's own strided-order bits (the bug-free helper failed the "
-        "same way; test_planted_helper_certifies_without_its_bug now guards that). The fix is a "
-        "small-norm row distribution in verify/values.py: a harness change that re-certifies every op, "
-        "left for a session with device time",
-        None),
+    # Fixed gaps: unwritten outputs on the CPU (torch.empty hands out poison while a candidate runs),
+    # the router's declared lower-id tie-break (exact float64 ties are judged against it), and kda's
+    # eps outside the sqrt of the q/k L2 norm (x / (|x| + eps) vs x / sqrt(|x|^2 + eps) differ only
+    # where |x|^2 ~ l2_eps = 1e-6: the small_rows distribution of verify/values.py draws such q/k rows).
 }

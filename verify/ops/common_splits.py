@@ -127,7 +127,7 @@ def split_mismatches(op, inputs: OpInputs, T: int, split: SplitRule | None = Non
     Meant for float64 inputs, where a split run differs only by reassociated sums: floats must agree
     to rtol of the output's largest magnitude, integers exactly."""
     unsplit, combined = run_reference(op, inputs), run_split(op, inputs, T, split)
-    problems = [f"combine did not return {n!r}" for n in op.outputs if n not in combined]
+    problems = [f"combine did not return {n!r}" for n in unsplit if n not in combined]   # outputs and state
     for name, want in unsplit.items():
         got = combined.get(name)
         if got is None:

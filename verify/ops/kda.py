@@ -18,7 +18,7 @@ from references.kda_tp import (combine_kda_decode, combine_kda_in_proj, shard_kd
                                shard_kda_in_proj)
 from verify.case import Case
 from verify.opdef import OpDef, OpInputs, RankShard, SplitRule
-from verify.values import draw, generator
+from verify.values import draw, generator, row_scales
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float64": torch.float64}
@@ -73,16 +73,38 @@ def decode_weights(case: Case, n_heads: int, head_dim: int, conv_kernel: int) ->
     }
 
 
+def _conv_inputs(case: Case, B: int, H: int, Dh: int, W: int, wd: torch.dtype) -> dict[str, torch.Tensor]:
+    """q_raw, k_raw, v_raw [B, H*Dh] and their conv window conv_state [B, 3, H*Dh, W-1].
+
+    small_rows: the L2 norms of q and k (and the conv) work on one (batch, head) row of Dh channels
+    after the W-tap conv over [conv_state, x]; drawn per tensor, each tensor's rows would get other
+    scales and the O(1) window would swamp a small x. So one set of per-(b, h) scales
+    (values.row_scales) multiplies normal draws of all four, and a small row stays small into q/k."""
+    C = H * Dh
+    if case.dist != "small_rows":
+        t = {name: _activation(case, name, (B, C), wd) for name in ("q_raw", "k_raw", "v_raw")}
+        t["conv_state"] = _activation(case, "conv_state", (B, 3, C, W - 1), wd)    # past raw inputs
+        return t
+    s = row_scales(_gen(case, "row_scales"), B * H).view(B, H, 1).expand(B, H, Dh).reshape(B, C)
+    t = {name: (draw(_gen(case, name), (B, C), "normal", dtype=torch.float64) * s).to(wd)
+         for name in ("q_raw", "k_raw", "v_raw")}
+    cs = draw(_gen(case, "conv_state"), (B, 3, C, W - 1), "normal", dtype=torch.float64)
+    t["conv_state"] = (cs * s.view(B, 1, C, 1)).to(wd)
+    return t
+
+
 def make_kda_decode_inputs(case: Case) -> OpInputs:
     cfg = get_config(case.config)
     wd, B, H, Dh, W = _wd(case), case.batch, cfg.n_heads, cfg.head_dim, cfg.conv_kernel
     C = H * Dh
-    t = {name: _activation(case, name, (B, C), wd) for name in ("q_raw", "k_raw", "v_raw", "g_raw")}
+    conv = _conv_inputs(case, B, H, Dh, W, wd)
+    t = {name: conv[name] for name in ("q_raw", "k_raw", "v_raw")}
+    t["g_raw"] = _activation(case, "g_raw", (B, C), wd)
     t["beta_raw"] = _activation(case, "beta_raw", (B, H), wd)
     t["z"] = _activation(case, "z", (B, C), wd)
     w = decode_weights(case, H, Dh, W)
     t["conv_w"] = w["conv_w"]
-    t["conv_state"] = _activation(case, "conv_state", (B, 3, C, W - 1), wd)    # past raw inputs
+    t["conv_state"] = conv["conv_state"]
     t["A_log"], t["dt_bias"], t["o_norm_w"] = w["A_log"], w["dt_bias"], w["o_norm_w"]
     t["state"] = starting_state(case, B, H, Dh)
     params = {"lower_bound": cfg.gate_lower_bound, "l2_eps": cfg.l2_eps, "norm_eps": cfg.rms_eps}

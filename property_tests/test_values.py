@@ -1,0 +1,112 @@
+"""verify/values.py's distributions: small_rows (rows scaled by their own power of two into the regimes
+where a normalisation's eps matters) and the dist sweep that makes every certification draw each of
+an op's dists."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from verify.case import Case
+from verify.cases import PROFILES, Profile, dist_sweep_cases
+from verify.registry import get_op
+from verify.values import DISTS, GENERIC_DISTS, SMALL_ROW_K, draw, generator, row_scales
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _row_k(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per row of x, the k with x = ref * 2^-k (rows of a small_rows draw against the same normal draw)."""
+    ratio = (x.double().abs().sum(-1) / ref.double().abs().sum(-1))
+    return -torch.log2(ratio)
+
+
+def test_small_rows_is_generic():
+    assert "small_rows" in DISTS and "small_rows" in GENERIC_DISTS
+    assert get_op("kda_decode").dists == GENERIC_DISTS          # the OpDef default offers it
+    assert "small_rows" in get_op("mla_qkv_a").dists and "small_rows" in get_op("attn_res_rmsnorm").dists
+
+
+def test_small_rows_scales_whole_rows_by_powers_of_two():
+    shape = (64, 3, 40)
+    x = draw(generator(5, 1), shape, "small_rows", dtype=torch.float64)
+    ref = torch.randn(shape, generator=generator(5, 1), dtype=torch.float64)   # the normal draw beneath
+    k = _row_k(x.flatten(1), ref.flatten(1))
+    assert torch.equal(k, k.round()), "each row is the normal draw times an exact power of two"
+    for r in range(shape[0]):
+        assert torch.equal(x[r], ref[r] * 2.0 ** -float(k[r].round()))
+    lo, hi = SMALL_ROW_K
+    ks = set(int(v) for v in k.round())
+    assert ks <= {0} | set(range(lo, hi + 1))
+    assert sum(v == 0 for v in k.round().tolist()) == 1, "exactly one ordinary row beside the small ones"
+    assert min(ks - {0}) <= 5 and max(ks) >= 13, f"64 rows should span the range, got {sorted(ks)}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_small_rows_norms_span_the_eps_regimes(dtype):
+    """Row mean squares reach RMSNorm's eps (1e-5 / 1e-6) and below, and no row is zero (zero_rows'
+    job), in every working dtype: fp16 makes the smallest rows partly subnormal, never all zero."""
+    D = 256
+    x = draw(generator(11), (400, D), "small_rows", dtype=dtype).double()
+    ms = x.pow(2).mean(-1)
+    assert bool((ms > 0).all()), "small_rows must not produce zero rows"
+    assert bool(torch.isfinite(x).all())
+    for eps in (1e-5, 1e-6):
+        near = ((ms > eps / 10) & (ms < eps * 10)).sum()
+        assert int(near) >= 20, f"only {int(near)} of 400 rows have mean x^2 within 10x of {eps}"
+    assert float(ms.min()) < 1e-8 and float(ms.max()) > 1e-3
+    if dtype == torch.float16:
+        tiny = x[ms < 2.0 ** -26]                   # k = 13..14 rows
+        assert tiny.numel() and bool((tiny.abs() < 2.0 ** -14).any()), "fp16's smallest rows hold subnormals"
+
+
+def test_small_rows_reproducible_and_seeded():
+    a = draw(generator(3, 9), (16, 32), "small_rows", dtype=torch.bfloat16)
+    b = draw(generator(3, 9), (16, 32), "small_rows", dtype=torch.bfloat16)
+    c = draw(generator(4, 9), (16, 32), "small_rows", dtype=torch.bfloat16)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_small_rows_edge_shapes():
+    assert draw(generator(0), (0, 4), "small_rows").shape == (0, 4)
+    one = draw(generator(0), (1, 8), "small_rows", dtype=torch.float64)
+    k = _row_k(one, torch.randn((1, 8), generator=generator(0), dtype=torch.float64))
+    assert SMALL_ROW_K[0] <= float(k[0]) <= SMALL_ROW_K[1], "a single row is always a small one"
+    assert row_scales(generator(0), 0).numel() == 0
+
+
+@pytest.mark.parametrize("config", ["tiny", "small"])
+def test_kda_decode_small_rows_reach_l2_eps_after_the_conv(config):
+    """kda_decode's small_rows case scales q/k/v and their conv window by one scale per (batch, head),
+    so the L2 norm's sum k^2 after conv + SiLU lands near l2_eps = 1e-6 for some rows."""
+    from references.primitives import silu
+    op = get_op("kda_decode")
+    inputs = op.make_inputs(Case("kda_decode", 7, 4, config, "bfloat16", "small_rows"))
+    t = {n: v.double() for n, v in inputs.tensors.items()}
+    B, H, _, Dh = t["state"].shape
+    for i, name in ((0, "q_raw"), (1, "k_raw")):
+        window = torch.cat([t["conv_state"][:, i], t[name].unsqueeze(-1)], dim=-1)
+        x = silu((window * t["conv_w"][i]).sum(-1)).view(B, H, Dh)
+        ss = x.pow(2).sum(-1)
+        near = ((ss > 1e-7) & (ss < 1e-5)).sum()
+        assert int(near) >= 5, f"{name}: only {int(near)} of {B * H} (b, h) rows have sum x^2 near 1e-6"
+        assert float(ss.max()) > 1.0, "the ordinary row stays O(1)"
+    # the rows line up: raw input and its window share the (b, h) scale
+    per_bh = lambda v: v.abs().view(B, H, -1).amax(-1)
+    ratio = per_bh(t["conv_state"][:, 1].reshape(B, -1)) / per_bh(t["k_raw"])
+    assert float(ratio.log2().abs().max()) < 4, "conv window and raw input scaled together per (b, h)"
+    other = op.make_inputs(Case("kda_decode", 7, 4, config, "bfloat16", "normal"))
+    assert float(other.tensors["k_raw"].abs().amax()) > 0.5
+
+
+def test_dist_sweep_covers_the_dists_the_draw_missed():
+    op = get_op("kda_decode")
+    cases = dist_sweep_cases(op, PROFILES["ci"], 0, {"normal", "zero_rows"})
+    assert [c.dist for c in cases] == [d for d in op.dists if d not in ("normal", "zero_rows")]
+    assert all(c.tp == 1 and c.batch == 8 for c in cases) and len({c.seed for c in cases}) == len(cases)
+    assert dist_sweep_cases(op, PROFILES["ci"], 0, set(op.dists)) == []
+    assert dist_sweep_cases(op, PROFILES["quick"], 0, set()) == []        # quick stays within its budget
+    off = Profile("x", 4, ("tiny",), 16, False, False, True, dist_sweep=False)
+    assert dist_sweep_cases(op, off, 0, set()) == []
+    assert math.isclose(len(dist_sweep_cases(op, PROFILES["release"], 0, set())), len(op.dists))
