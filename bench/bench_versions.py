@@ -4,7 +4,8 @@ certified one, `git show REV:fused/OP.py > FILE`), on the GPU.
 kda_decode: bitwise y, state and conv_state for every KdaConfig on a set of shapes (bf16 and fp16,
 strided activations, Dh 16..128), then CUDA-graph timings of both dispatchers and of every current
 KdaConfig (and bench-only trial config) at T = 1 (96 heads) and T = 8 (12 heads), B = 1, 8, 32, 64
-(env KDA_BATCHES=1,8,12,... for others).
+(env KDA_BATCHES=1,8,12,... for others, KDA_TS=8 for T = 8 only; KDA_TRIALS: launches beyond the
+source's own configs, see _kda_configs).
 attn_res_rmsnorm: prefix and blocks bitwise, out against the fp64 oracle (bench_wave1b's derived
 criterion) and its largest difference from the old version in ulps, for every AttnResConfig; then
 timings of both dispatchers and of every current config at D = 7168, B = 1..64 (env ATTN_BATCHES=1,8,..,
@@ -77,10 +78,18 @@ def run(mod, inp: dict, cfg):
     return y, s["state"], s["conv_state"]
 
 
-def _kda_configs(mod) -> list:
-    """Every KdaConfig of `mod`, and its bench-only trial configs where it has them."""
+def _kda_configs(mod, extra: bool = False) -> list:
+    """Every KdaConfig of `mod`, and its bench-only trial configs where it has them; with `extra`, also
+    the launches named in env KDA_TRIALS ("warps,early,stages,ctas_per_sm[,max_ctas];...", e.g.
+    "4,1,1,2;4,1,2,1"): trial launches timed without editing the kernel's source (and so its hash)."""
     trial = getattr(mod.KdaConfig, "trial_configs", None)
-    return mod.KdaConfig.all_configs() + (trial() if trial else [])
+    cfgs = mod.KdaConfig.all_configs() + (trial() if trial else [])
+    for spec in os.environ.get("KDA_TRIALS", "").split(";") if extra else ():
+        if spec.strip():
+            w, early, *rest = (int(x) for x in spec.split(","))
+            cfg = mod.KdaConfig(w, bool(early), *rest)
+            cfgs += [] if cfg in cfgs else [cfg]
+    return cfgs
 
 
 def _kda_name(cfg) -> str:
@@ -104,7 +113,7 @@ def check_kda(new, old) -> None:
     log("== kda_decode: current source vs --old, bitwise, every KdaConfig against its old twin (_old_twin)")
     for B, H, Dh, strided, wd in CASES:
         inp = kda_inputs(B, H, Dh, "cuda", wd=wd, seed=B * 7 + H, strided=strided)
-        for cfg in _kda_configs(new):
+        for cfg in _kda_configs(new, extra=True):
             twin = _old_twin(old, cfg)
             a, b = run(new, inp, cfg), run(old, inp, twin)
             record("kda_decode", f"B={B} H={H} Dh={Dh} {str(wd)[6:]} strided={strided} {_kda_name(cfg)} "
@@ -116,12 +125,12 @@ def timing_kda(new, old) -> None:
     log("== kda_decode timing, current vs old dispatcher (Dh=128, W=4, H=96/T; us per call)")
     Dh, e = 128, 2
     batches = [int(b) for b in os.environ.get("KDA_BATCHES", "1,8,32,64").split(",")]
-    for T in (1, 8):
+    for T in [int(t) for t in os.environ.get("KDA_TS", "1,8").split(",")]:
         H = 96 // T
         for B in batches:
             moved = kda_bytes(B, H, Dh, e)
             fns = {"current": lambda s: new.kda_decode(**s), "old": lambda s: _kda_launch(old, s)}
-            for cfg in _kda_configs(new):                    # every current launch variant, by name
+            for cfg in _kda_configs(new, extra=True):        # every current launch variant, by name
                 fns[_kda_name(cfg)] = (lambda c: lambda s: new.kda_decode(**s, variant=c))(cfg)
             bench("kda_decode", f"T={T} H={H} B={B}", fns, lambda i: kda_inputs(B, H, Dh, "cuda", seed=i),
                   B * H * Dh * Dh * 4, moved, 4.24e12)

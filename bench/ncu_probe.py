@@ -68,7 +68,7 @@ WORKLOADS = {
     "attn_res_b1": lambda: attn_res(1), "attn_res_b64": lambda: attn_res(64),
     "attn_res_b64_nb4w": lambda: attn_res(64, 4, 4), "attn_res_b8_nb7w": lambda: attn_res(8, 7, 2),
     "kda_t8_b1": lambda: kda(8, 1), "kda_t1_b1": lambda: kda(1, 1), "kda_t1_b8": lambda: kda(1, 8),
-    "kda_t8_b32": lambda: kda(8, 32), "kda_t8_b64": lambda: kda(8, 64),
+    "kda_t8_b8": lambda: kda(8, 8), "kda_t8_b32": lambda: kda(8, 32), "kda_t8_b64": lambda: kda(8, 64),
 }
 
 
