@@ -59,13 +59,14 @@ class KdaConfig:
     stages: int = 0            # > 0: persistent CTAs, head states through a `stages`-deep smem ring
     ctas_per_sm: int = 1       # persistent grid: min(heads, SMs x ctas_per_sm, max_ctas)
     max_ctas: int = 0          # 0: no cap (a cap only serves certification, see all_configs)
+    row_chunk: int = 8         # state rows per transposed warp reduction (1: one butterfly per row)
 
     @property
     def name(self) -> str:
         name = f"w{self.num_warps}" + ("e" if self.early_conv else "")
         if self.stages:
             name += f"p{self.stages}c{self.ctas_per_sm}" + (f"g{self.max_ctas}" if self.max_ctas else "")
-        return name
+        return name + (f"r{self.row_chunk}" if self.row_chunk != 8 else "")
 
     @staticmethod
     def all_configs() -> list["KdaConfig"]:
@@ -123,6 +124,12 @@ class KdaDecode:
         self.even = Dh % rows_per_pass == 0
         self.scale = Dh ** -0.5
         self.n_y = -(-Dh // self.num_threads)             # y channels per thread
+        # transposed row reductions: only where a row spans the warp (Dh = 128) and the passes split
+        # into whole chunks; else one butterfly per row
+        C = min(config.row_chunk, self.n_pass)
+        if C & (C - 1) or not 1 <= C <= 32:
+            raise ValueError(f"KdaConfig {config.name}: row_chunk must be a power of two <= 32")
+        self.row_chunk = C if (self.lanes_per_row == 32 and self.even and self.n_pass % C == 0) else 1
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
@@ -304,6 +311,9 @@ class KdaDecode:
             kv[e] = sQKV[4 * cg + e, 1] * rk
             av[e] = sAlpha[4 * cg + e]
         q, k, a = qv.load(), kv.load(), av.load()
+        if const_expr(self.row_chunk > 1):
+            self.update_row_chunks(st, gS, sQKV, sO, beta, q, k, a, warp, lane)
+            return
         for s in cutlass.range_constexpr(self.n_pass):
             v = (s * self.num_warps + warp) * self.rows_per_warp + lane // L
             if const_expr(self.even) or v < self.Dh:
@@ -317,6 +327,54 @@ class KdaDecode:
                 o = cute.arch.warp_reduction(o, operator.add, threads_in_group=L)
                 if cg == 0:
                     sO[v] = o.to(self.dtype).to(Float32)
+
+    @cute.jit
+    def update_row_chunks(self, st, gS, sQKV, sO, beta, q, k, a, warp, lane):
+        """update_rows' loop at Dh = 128 (a state row spans the warp, 4 fp32 per lane), C = row_chunk
+        rows of this warp at a time: each dot product over the row (k.S, q.S_new) of the C rows goes
+        through one transposed reduction (transpose_sum: 2C - 1 + log2(32/C) shuffles for C rows,
+        against 5C with one butterfly per row), and u reaches the row's lanes by C indexed shuffles.
+        The additions pair lanes as the butterfly does (a + b and b + a are the same bits), so every
+        sum, u and o are bitwise those of the per-row loop."""
+        C = self.row_chunk
+        span = 32 // C                              # lanes holding each row's sum after transpose_sum
+        r = lane // span                            # the chunk row this lane holds
+        for c0 in cutlass.range_constexpr(0, self.n_pass, C):
+            sd = [st[None, c0 + i].load() * a for i in range(C)]
+            ks = self.transpose_sum([(sd[i] * k).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                                     for i in range(C)], lane)
+            v_r = (r + c0) * self.num_warps + warp
+            u_r = (sQKV[v_r, 2] - ks) * beta
+            part = []
+            for i in cutlass.range_constexpr(C):
+                u = cute.arch.shuffle_sync(u_r, offset=i * span)
+                sn = sd[i] + k * u
+                gS[None, ((c0 + i) * self.num_warps + warp, lane)].store(sn)
+                part.append((sn * q).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+            o = self.transpose_sum(part, lane)
+            if lane % span == 0:
+                sO[v_r] = o.to(self.dtype).to(Float32)
+
+    def transpose_sum(self, vals: list, lane):   # plain Python at trace time: its loops unroll
+        """vals[i]: this lane's part of row i's sum (len C, a power of two <= 32). Returns, in lane l,
+        the warp-wide sum for row l // (32 / C). At each of log2(C) steps (offsets 16, 8, ..) a lane
+        keeps half of its rows and trades the other half with its partner, which keeps the other half;
+        then a butterfly over the 32 / C lanes left. Own value + partner's, as warp_reduction adds."""
+        off = 16
+        while len(vals) > 1:
+            half = len(vals) // 2
+            upper = (lane & off) != 0
+            nxt = []
+            for i in range(half):
+                send = Float32(cutlass.select_(upper, vals[i], vals[i + half]))
+                keep = Float32(cutlass.select_(upper, vals[i + half], vals[i]))
+                nxt.append(keep + cute.arch.shuffle_sync_bfly(send, offset=off))
+            vals, off = nxt, off // 2
+        x = vals[0]
+        while off >= 1:
+            x = x + cute.arch.shuffle_sync_bfly(x, offset=off)
+            off //= 2
+        return x
 
     @cute.jit
     def conv_input(self, mQ, mK, mV, b, i, ch):
