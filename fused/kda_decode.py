@@ -59,27 +59,28 @@ class KdaConfig:
     stages: int = 0            # > 0: persistent CTAs, head states through a `stages`-deep smem ring
     ctas_per_sm: int = 1       # persistent grid: min(heads, SMs x ctas_per_sm, max_ctas)
     max_ctas: int = 0          # 0: no cap (a cap only serves certification, see all_configs)
-    row_chunk: int = 8         # state rows per transposed warp reduction (1: one butterfly per row)
+    row_chunk: int = 1         # > 1: state rows per transposed warp reduction (update_row_chunks)
 
     @property
     def name(self) -> str:
         name = f"w{self.num_warps}" + ("e" if self.early_conv else "")
         if self.stages:
             name += f"p{self.stages}c{self.ctas_per_sm}" + (f"g{self.max_ctas}" if self.max_ctas else "")
-        return name + (f"r{self.row_chunk}" if self.row_chunk != 8 else "")
+        return name + (f"r{self.row_chunk}" if self.row_chunk > 1 else "")
 
     @staticmethod
     def all_configs() -> list["KdaConfig"]:
         """Every launch the dispatcher can pick, and `w4ep1c3g16`: the persistent launch on a grid of
         16 CTAs, so that any shape of more than 16 heads certifies the ring's refills and phase
         flips (on the full grid only shapes of more than 3 x SMs heads reach them)."""
-        return [KdaConfig(4), KdaConfig(8), KdaConfig(16), KdaConfig(4, True),
+        return [KdaConfig(4), KdaConfig(8), KdaConfig(16), KdaConfig(4, True), KdaConfig(4, True, row_chunk=8),
                 KdaConfig(4, True, 1, 3), KdaConfig(4, True, 1, 3, 16)]
 
     @staticmethod
     def trial_configs() -> list["KdaConfig"]:
         """Launch variants the bench times beside all_configs (not dispatched, not certified)."""
-        return [KdaConfig(8, True), KdaConfig(16, True), KdaConfig(8, True, 1, 2)]
+        return [KdaConfig(8, True), KdaConfig(16, True), KdaConfig(8, True, 1, 2), KdaConfig(8, True, row_chunk=8),
+                KdaConfig(4, True, row_chunk=4), KdaConfig(4, True, 1, 3, row_chunk=16)]
 
     @staticmethod
     def for_shape(Dh: int, n_heads_total: int = 0, sms: int = 132) -> "KdaConfig":
@@ -91,7 +92,7 @@ class KdaConfig:
         if Dh < 128:
             return KdaConfig(4)
         if n_heads_total <= 264:
-            return KdaConfig(16)
+            return KdaConfig(4, True, row_chunk=8)
         if 3 * sms < n_heads_total <= 9 * sms:
             return KdaConfig(4, True, 1, 3)
         return KdaConfig(4, True)
