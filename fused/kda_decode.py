@@ -27,6 +27,15 @@ went from 77.7 to 82.7 % of copy bandwidth (T = 1, B = 8) and from 78.6 to 83.1 
 (results/gpu/s9-2026-11-30/call3_kda_versions).
 Per head it is the early_conv kernel's arithmetic in its order (bitwise equal at bf16).
 
+`row_chunk` > 1 (Dh = 128; `w4er8`, the pick up to 264 heads): a warp reduces the two dot products
+(k.S, q.S_new) of 8 of its state rows at a time through one transposed shuffle reduction instead of one
+5-step butterfly per row: 121 shuffles per thread at 4 warps instead of 337. Nsight Compute (session 15)
+had short-scoreboard waits on the shuffles and their adds at 20-25 % of the warps' stall samples.
+The additions pair lanes as the butterflies do, so the sums, u and o are bitwise the per-row loop's
+(H200, session 15: 160 bitwise checks against the certified source). It is 5-8 % faster where the
+chain is the time (T = 8, B = 1 / 8: 4.72 -> 4.38 us, 7.16 -> 6.74 us; results/gpu/s15-2026-11-30/), and
+slower at 384 heads (18.9 against 16.8 us: ptxas takes more registers, and 3 CTAs no longer fit an SM).
+
 Measured and dropped (code in git history): a head split over a 2..8-CTA cluster by state rows
 (session 4: no gain at T = 8, B = 1, up to 2.6x slower elsewhere); 8 or 16 lanes per state row
 instead of Dh/4 (fewer shuffles; session 6: within +-5 % at small B, up to 33 % slower at B = 32);
@@ -84,7 +93,8 @@ class KdaConfig:
 
     @staticmethod
     def for_shape(Dh: int, n_heads_total: int = 0, sms: int = 132) -> "KdaConfig":
-        """Few CTAs (B*H <= 2 waves): 16 warps put the most state loads in flight per SM. Up to one
+        """Few CTAs (B*H <= 2 waves of 132): 4 warps with 8-row transposed reductions (session 15: 1-8 %
+        faster than the 16-warp kernel that was the pick from 12 to 264 heads). Up to one
         wave of the 4-warp kernel (3 CTAs per SM): 4 warps with the conv operands loaded at entry
         (H200, session 8: 2-12 % faster than 8 warps). From one to three such waves: the persistent
         4-warp launch (session 9: 768 heads 30.2 vs 32.2 us, 1152 heads 44.2 vs 44.5 us; at 1536
@@ -127,9 +137,10 @@ class KdaDecode:
         self.n_y = -(-Dh // self.num_threads)             # y channels per thread
         # transposed row reductions: only where a row spans the warp (Dh = 128) and the passes split
         # into whole chunks; else one butterfly per row
-        C = min(config.row_chunk, self.n_pass)
+        C = config.row_chunk
         if C & (C - 1) or not 1 <= C <= 32:
             raise ValueError(f"KdaConfig {config.name}: row_chunk must be a power of two <= 32")
+        C = min(C, self.n_pass)
         self.row_chunk = C if (self.lanes_per_row == 32 and self.even and self.n_pass % C == 0) else 1
 
     @cute.jit

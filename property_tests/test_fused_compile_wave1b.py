@@ -55,7 +55,7 @@ def test_kda_decode_compiles_every_variant(Dh):
     assert runtime.compile_for_cpu_check("kda_decode", "float16", Dh, 4, m.KdaConfig.for_shape(Dh))
 
 
-@pytest.mark.parametrize("warps", [4, 8, 16, "4, True"])
+@pytest.mark.parametrize("warps", [4, 8, 16, "4, True", "4, True, row_chunk=8"])
 def test_kda_decode_issues_every_global_load_before_the_first_barrier(ptx_of, warps):
     """The kernel's small-batch speed rests on it: state rows, conv and gate operands, beta and
     the gated RMSNorm's z and o_norm_w all in flight before the first barrier, so no DRAM round
@@ -84,6 +84,29 @@ def test_kda_decode_early_conv_issues_every_load_before_the_first_division(ptx_o
         assert loads_after_first_division("4") > 0
 
 
+def test_kda_decode_row_chunks_cut_the_shuffles(ptx_of):
+    """row_chunk = 8 at Dh = 128: the two dot products of 8 rows per transposed reduction, 2 x 9
+    shuffles + 8 to hand u to the row's lanes, against 2 x 5 per row: 4 x 26 + the 17 of the l2 norms
+    and the RMSNorm at 4 warps (32 rows each) instead of 32 x 10 + 17. Without spills."""
+    count = lambda cfg: ptx_of(f"from fused import kda_decode as m; m._compile('bfloat16', 128, 4, "
+                               f"m.KdaConfig({cfg}))").count("shfl.sync")
+    chunked, per_row = count("4, True, row_chunk=8"), count("4, True")
+    assert per_row == 32 * 10 + 17 and chunked == 4 * 26 + 17
+    assert ".local" not in ptx_of("from fused import kda_decode as m; "
+                                  "m._compile('bfloat16', 128, 4, m.KdaConfig(4, True, row_chunk=8))")
+
+
+def test_kda_decode_row_chunk_is_checked_and_only_used_where_a_row_spans_the_warp():
+    k = _kda()
+    for bad in (3, 6, 64):
+        with pytest.raises(ValueError, match="row_chunk"):
+            k.KdaDecode(None, 128, 4, k.KdaConfig(4, True, row_chunk=bad))
+    assert k.KdaDecode(None, 128, 4, k.KdaConfig(4, True, row_chunk=8)).row_chunk == 8
+    assert k.KdaDecode(None, 128, 4, k.KdaConfig(16, row_chunk=32)).row_chunk == 8    # 8 passes at 16 warps
+    assert k.KdaDecode(None, 64, 4, k.KdaConfig(4, True, row_chunk=8)).row_chunk == 1  # 16 lanes per row
+    assert k.KdaConfig(4, True, row_chunk=8).name == "w4er8" and k.KdaConfig(4, True).name == "w4e"
+
+
 def test_kda_decode_persistent_launch_streams_state_through_the_ring(ptx_of):
     """The persistent launch: each head's state arrives by one bulk async copy completing on an
     mbarrier (not by the threads' own loads), the registers are fitted to 3 resident CTAs per SM,
@@ -105,7 +128,7 @@ def test_kda_decode_dispatch_takes_the_persistent_launch_between_one_and_three_w
     k = _kda()
     pick = lambda n, sms=132: k.KdaConfig.for_shape(128, n, sms).name
     assert [pick(n) for n in (96, 264, 384, 396, 397, 768, 1152, 1188, 1189, 1536, 6144)] == \
-        ["w16", "w16", "w4e", "w4e", "w4ep1c3", "w4ep1c3", "w4ep1c3", "w4ep1c3", "w4e", "w4e", "w4e"]
+        ["w4er8", "w4er8", "w4e", "w4e", "w4ep1c3", "w4ep1c3", "w4ep1c3", "w4ep1c3", "w4e", "w4e", "w4e"]
     assert pick(768, sms=78) == "w4e" and pick(300, sms=78) == "w4ep1c3"    # waves of the device's SMs
     with pytest.raises(ValueError, match="early_conv"):
         k.KdaDecode(None, 128, 4, k.KdaConfig(4, False, 1, 3))
@@ -262,6 +285,26 @@ def test_kda_decode_matches_oracle_on_gpu(B, H, Dh, variant):
     es = (f_in["state"].double() - o_in["state"]).abs().amax(-1)
     eb_state = (b_in["state"].double() - o_in["state"]).abs().amax(-1)
     assert bool((es <= 2 * eb_state + o_in["state"].abs().amax(-1) * 2.0 ** -23).all())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("wd", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,H", [(8, 96), (5, 12), (1, 1)])
+def test_kda_decode_row_chunks_are_bitwise_the_per_row_butterflies_on_gpu(B, H, wd):
+    """The transposed reductions add the same lane pairs in the same order as one butterfly per row
+    (update_row_chunks), so y, state and conv_state are the per-row kernel's bits, any chunk size."""
+    m = _kda()
+    inp = _kda_gpu_inputs(B, H, 128, seed=B + H)
+    inp = {k: (v.to(wd) if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v) for k, v in inp.items()}
+    runs = {}
+    for cfg in (m.KdaConfig(4, True), m.KdaConfig(4, True, row_chunk=8), m.KdaConfig(4, True, row_chunk=32),
+                m.KdaConfig(16, row_chunk=1), m.KdaConfig(16, row_chunk=8), m.KdaConfig(4, True, 1, 3, row_chunk=16)):
+        s = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
+        runs[cfg.name] = (m.kda_decode(**s, variant=cfg), s["state"], s["conv_state"])
+    for name, ref in (("w4er8", "w4e"), ("w4er32", "w4e"), ("w16r8", "w16"), ("w4ep1c3r16", "w4e")):
+        for a, b in zip(runs[name], runs[ref]):
+            assert torch.equal(a, b), (name, ref)
 
 
 @pytest.mark.gpu
