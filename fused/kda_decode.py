@@ -69,13 +69,14 @@ class KdaConfig:
     ctas_per_sm: int = 1       # persistent grid: min(heads, SMs x ctas_per_sm, max_ctas)
     max_ctas: int = 0          # 0: no cap (a cap only serves certification, see all_configs)
     row_chunk: int = 1         # > 1: state rows per transposed warp reduction (update_row_chunks)
+    operands_first: bool = False   # early_conv, one CTA per head: conv / gate / norm loads before the state's
 
     @property
     def name(self) -> str:
         name = f"w{self.num_warps}" + ("e" if self.early_conv else "")
         if self.stages:
             name += f"p{self.stages}c{self.ctas_per_sm}" + (f"g{self.max_ctas}" if self.max_ctas else "")
-        return name + (f"r{self.row_chunk}" if self.row_chunk > 1 else "")
+        return name + (f"r{self.row_chunk}" if self.row_chunk > 1 else "") + ("f" if self.operands_first else "")
 
     @staticmethod
     def all_configs() -> list["KdaConfig"]:
@@ -126,6 +127,9 @@ class KdaDecode:
         self.stages, self.ctas_per_sm = config.stages, config.ctas_per_sm
         if config.stages and not config.early_conv:
             raise ValueError(f"KdaConfig {config.name}: a persistent launch loads the conv operands at entry (early_conv)")
+        if config.operands_first and (config.stages or not config.early_conv):
+            raise ValueError(f"KdaConfig {config.name}: operands_first orders early_conv's loads in the one-CTA kernel")
+        self.operands_first = config.operands_first
         self.n_it = -(-4 * Dh // (32 * config.num_warps))    # conv/gate items per thread
         self.num_threads = 32 * config.num_warps
         self.lanes_per_row = Dh // 4                      # 4 fp32 (16 bytes) per lane
@@ -173,6 +177,9 @@ class KdaDecode:
         cg = lane % L                                    # this lane's 4 key columns: 4cg..4cg+3
         gS = cute.zipped_divide(mState[b, h, None, None], (1, 4))  # ((1,4), (V, Dh/4))
         beta_raw = mBeta[b, h]
+        if const_expr(self.operands_first):    # the chain's operands ahead of the state in the DRAM queue
+            zr, nw = self.norm_operands(mZ, mNormW, b, h, tidx)
+            xr, wr, orr, a_h = self.conv_operands(mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, b, h, tidx)
         # 1. state rows first: they are the bytes, everything below overlaps their latency
         st = cute.make_rmem_tensor((4, self.n_pass), Float32)
         st.fill(0.0)
@@ -181,14 +188,16 @@ class KdaDecode:
             if const_expr(self.even) or v < Dh:
                 st[None, s].store(gS[None, (v, cg)].load())
         # ... and the gated RMSNorm's operands
-        zr, nw = self.norm_operands(mZ, mNormW, b, h, tidx)
+        if const_expr(not self.operands_first):
+            zr, nw = self.norm_operands(mZ, mNormW, b, h, tidx)
         # 2. convs + SiLU -> sQKV (fp32 of the wd-rounded value), gate decay -> sAlpha
         smem = cutlass.memory.SmemAllocator()
         sQKV = smem.allocate_tensor(Float32, cute.make_layout((Dh, 3)), 16)
         sAlpha = smem.allocate_tensor(Float32, cute.make_layout(Dh), 16)
         sO = smem.allocate_tensor(Float32, cute.make_layout(Dh), 16)
         if const_expr(self.early_conv):
-            xr, wr, orr, a_h = self.conv_operands(mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, b, h, tidx)
+            if const_expr(not self.operands_first):
+                xr, wr, orr, a_h = self.conv_operands(mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, b, h, tidx)
             self.conv_from_registers(xr, wr, orr, a_h, mConvS, sQKV, sAlpha, lower_bound, b, h, tidx)
         else:
             self.conv_and_gate(mQ, mK, mV, mG, mConvW, mConvS, mALog, mDtBias, sQKV, sAlpha,
