@@ -55,7 +55,8 @@ def test_kda_decode_compiles_every_variant(Dh):
     assert runtime.compile_for_cpu_check("kda_decode", "float16", Dh, 4, m.KdaConfig.for_shape(Dh))
 
 
-@pytest.mark.parametrize("warps", [4, 8, 16, "4, True", "4, True, row_chunk=8"])
+@pytest.mark.parametrize("warps", [4, 8, 16, "4, True", "4, True, row_chunk=8",
+                                   "8, True, row_chunk=8, operands_first=True"])
 def test_kda_decode_issues_every_global_load_before_the_first_barrier(ptx_of, warps):
     """The kernel's small-batch speed rests on it: state rows, conv and gate operands, beta and
     the gated RMSNorm's z and o_norm_w all in flight before the first barrier, so no DRAM round
@@ -105,6 +106,24 @@ def test_kda_decode_row_chunk_is_checked_and_only_used_where_a_row_spans_the_war
     assert k.KdaDecode(None, 128, 4, k.KdaConfig(16, row_chunk=32)).row_chunk == 8    # 8 passes at 16 warps
     assert k.KdaDecode(None, 64, 4, k.KdaConfig(4, True, row_chunk=8)).row_chunk == 1  # 16 lanes per row
     assert k.KdaConfig(4, True, row_chunk=8).name == "w4er8" and k.KdaConfig(4, True).name == "w4e"
+    for bad in (k.KdaConfig(4, True, 1, 3, operands_first=True), k.KdaConfig(8, operands_first=True)):
+        with pytest.raises(ValueError, match="operands_first"):
+            k.KdaDecode(None, 128, 4, bad)
+
+
+def test_kda_decode_operands_first_puts_the_chain_loads_ahead_of_the_state(ptx_of):
+    """operands_first: every 2-byte load (conv inputs, conv state, gate, z) comes before the middle
+    16-byte load (the thread's 16 state rows at 8 warps are most of those; the conv weights are 16-byte
+    loads too); without it, the state rows come first and some 2-byte loads after that point."""
+    def b16_before_first_state_row(cfg):
+        ptx = ptx_of(f"from fused import kda_decode as m; m._compile('bfloat16', 128, 4, m.KdaConfig({cfg}))")
+        lds = [l.split()[0] for l in ptx[ptx.index(".entry"):].splitlines() if "ld.global" in l]
+        v4 = [i for i, op in enumerate(lds) if ".v4" in op]
+        return sum(".b16" in op for op in lds[:v4[len(v4) // 2]]), sum(".b16" in op for op in lds)
+    first, total = b16_before_first_state_row("8, True, row_chunk=8, operands_first=True")
+    assert first == total
+    first, total = b16_before_first_state_row("8, True, row_chunk=8")
+    assert first < total
 
 
 def test_kda_decode_persistent_launch_streams_state_through_the_ring(ptx_of):
@@ -127,8 +146,9 @@ def test_kda_decode_dispatch_takes_the_persistent_launch_between_one_and_three_w
     768 and 1152 heads, lost at 384 (one wave of the one-CTA kernel) and at 1536 and more."""
     k = _kda()
     pick = lambda n, sms=132: k.KdaConfig.for_shape(128, n, sms).name
+    assert [pick(n) for n in (1, 132, 133, 264)] == ["w8er8f", "w8er8f", "w4er8", "w4er8"]
     assert [pick(n) for n in (96, 264, 384, 396, 397, 768, 1152, 1188, 1189, 1536, 6144)] == \
-        ["w4er8", "w4er8", "w4e", "w4e", "w4ep1c3", "w4ep1c3", "w4ep1c3", "w4ep1c3", "w4e", "w4e", "w4e"]
+        ["w8er8f", "w4er8", "w4e", "w4e", "w4ep1c3", "w4ep1c3", "w4ep1c3", "w4ep1c3", "w4e", "w4e", "w4e"]
     assert pick(768, sms=78) == "w4e" and pick(300, sms=78) == "w4ep1c3"    # waves of the device's SMs
     with pytest.raises(ValueError, match="early_conv"):
         k.KdaDecode(None, 128, 4, k.KdaConfig(4, False, 1, 3))
@@ -299,10 +319,12 @@ def test_kda_decode_row_chunks_are_bitwise_the_per_row_butterflies_on_gpu(B, H, 
     inp = {k: (v.to(wd) if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v) for k, v in inp.items()}
     runs = {}
     for cfg in (m.KdaConfig(4, True), m.KdaConfig(4, True, row_chunk=8), m.KdaConfig(4, True, row_chunk=32),
-                m.KdaConfig(16, row_chunk=1), m.KdaConfig(16, row_chunk=8), m.KdaConfig(4, True, 1, 3, row_chunk=16)):
+                m.KdaConfig(16, row_chunk=1), m.KdaConfig(16, row_chunk=8), m.KdaConfig(4, True, 1, 3, row_chunk=16),
+                m.KdaConfig(8, True), m.KdaConfig(8, True, row_chunk=8, operands_first=True)):
         s = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
         runs[cfg.name] = (m.kda_decode(**s, variant=cfg), s["state"], s["conv_state"])
-    for name, ref in (("w4er8", "w4e"), ("w4er32", "w4e"), ("w16r8", "w16"), ("w4ep1c3r16", "w4e")):
+    for name, ref in (("w4er8", "w4e"), ("w4er32", "w4e"), ("w16r8", "w16"), ("w4ep1c3r16", "w4e"),
+                      ("w8er8f", "w8e")):
         for a, b in zip(runs[name], runs[ref]):
             assert torch.equal(a, b), (name, ref)
 
