@@ -28,11 +28,11 @@ went from 77.7 to 82.7 % of copy bandwidth (T = 1, B = 8) and from 78.6 to 83.1 
 Per head it is the early_conv kernel's arithmetic in its order (bitwise equal at bf16).
 
 `operands_first` (one CTA per head, early_conv): the conv, gate and norm operands are loaded before
-the state rows instead of after them. With 8 warps and row chunks (`w8er8f`, the pick up to one head
-per SM) that took T = 8, B = 8 from 6.79 to 6.39 us; with 4 warps it was no faster, and at 384 heads
+the state rows instead of after them. With 8 warps and row chunks (`w8er8f`, the pick up to 264
+heads) that took T = 8, B = 8 from 6.79 to 6.39 us; with 4 warps it was no faster, and at 384 heads
 slower (session 15). Bitwise the same as without it.
 
-`row_chunk` > 1 (Dh = 128; `w4er8`, the pick from one head per SM to 264 heads): a warp reduces the two dot products
+`row_chunk` > 1 (Dh = 128): a warp reduces the two dot products
 (k.S, q.S_new) of 8 of its state rows at a time through one transposed shuffle reduction instead of one
 5-step butterfly per row: 121 shuffles per thread at 4 warps instead of 337. Nsight Compute (session 15)
 had short-scoreboard waits on the shuffles and their adds at 20-25 % of the warps' stall samples.
@@ -88,7 +88,7 @@ class KdaConfig:
         """Every launch the dispatcher can pick, and `w4ep1c3g16`: the persistent launch on a grid of
         16 CTAs, so that any shape of more than 16 heads certifies the ring's refills and phase
         flips (on the full grid only shapes of more than 3 x SMs heads reach them)."""
-        return [KdaConfig(4), KdaConfig(8), KdaConfig(16), KdaConfig(4, True), KdaConfig(4, True, row_chunk=8),
+        return [KdaConfig(4), KdaConfig(8), KdaConfig(16), KdaConfig(4, True),
                 KdaConfig(8, True, row_chunk=8, operands_first=True),
                 KdaConfig(4, True, 1, 3), KdaConfig(4, True, 1, 3, 16)]
 
@@ -96,23 +96,22 @@ class KdaConfig:
     def trial_configs() -> list["KdaConfig"]:
         """Launch variants the bench times beside all_configs (not dispatched, not certified)."""
         return [KdaConfig(8, True), KdaConfig(16, True), KdaConfig(8, True, 1, 2), KdaConfig(8, True, row_chunk=8),
+                KdaConfig(4, True, row_chunk=8),
                 KdaConfig(4, True, row_chunk=4), KdaConfig(4, True, 1, 3, row_chunk=16)]
 
     @staticmethod
     def for_shape(Dh: int, n_heads_total: int = 0, sms: int = 132) -> "KdaConfig":
-        """Few CTAs: up to one per SM, 8 warps with 8-row transposed reductions and the chain's operands
-        loaded ahead of the state (session 15, 12 and 96 heads: 3-11 % faster than the 16-warp kernel
-        that was the pick); up to 264 heads, 4 warps with 8-row transposed reductions (1-8 %). Up to one
+        """Up to 264 heads: 8 warps with 8-row transposed reductions and the chain's operands loaded
+        ahead of the state (session 15, 12 to 192 heads: 8-13 % faster than the 16-warp kernel that
+        was the pick; at 384 heads 2 % slower than w4e). Up to one
         wave of the 4-warp kernel (3 CTAs per SM): 4 warps with the conv operands loaded at entry
         (H200, session 8: 2-12 % faster than 8 warps). From one to three such waves: the persistent
         4-warp launch (session 9: 768 heads 30.2 vs 32.2 us, 1152 heads 44.2 vs 44.5 us; at 1536
         heads and more the one-CTA-per-head kernel is 2-5 % faster again). `sms`: the device's."""
         if Dh < 128:
             return KdaConfig(4)
-        if n_heads_total <= sms:
-            return KdaConfig(8, True, row_chunk=8, operands_first=True)
         if n_heads_total <= 264:
-            return KdaConfig(4, True, row_chunk=8)
+            return KdaConfig(8, True, row_chunk=8, operands_first=True)
         if 3 * sms < n_heads_total <= 9 * sms:
             return KdaConfig(4, True, 1, 3)
         return KdaConfig(4, True)

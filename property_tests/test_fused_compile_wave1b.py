@@ -146,9 +146,9 @@ def test_kda_decode_dispatch_takes_the_persistent_launch_between_one_and_three_w
     768 and 1152 heads, lost at 384 (one wave of the one-CTA kernel) and at 1536 and more."""
     k = _kda()
     pick = lambda n, sms=132: k.KdaConfig.for_shape(128, n, sms).name
-    assert [pick(n) for n in (1, 132, 133, 264)] == ["w8er8f", "w8er8f", "w4er8", "w4er8"]
+    assert [pick(n) for n in (1, 132, 133, 264, 265)] == ["w8er8f", "w8er8f", "w8er8f", "w8er8f", "w4e"]
     assert [pick(n) for n in (96, 264, 384, 396, 397, 768, 1152, 1188, 1189, 1536, 6144)] == \
-        ["w8er8f", "w4er8", "w4e", "w4e", "w4ep1c3", "w4ep1c3", "w4ep1c3", "w4ep1c3", "w4e", "w4e", "w4e"]
+        ["w8er8f", "w8er8f", "w4e", "w4e", "w4ep1c3", "w4ep1c3", "w4ep1c3", "w4ep1c3", "w4e", "w4e", "w4e"]
     assert pick(768, sms=78) == "w4e" and pick(300, sms=78) == "w4ep1c3"    # waves of the device's SMs
     with pytest.raises(ValueError, match="early_conv"):
         k.KdaDecode(None, 128, 4, k.KdaConfig(4, False, 1, 3))
