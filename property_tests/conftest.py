@@ -27,7 +27,8 @@ def _dump_of(tmp_path, keep: str, pattern: str):
     def run(code: str) -> str:
         for old in tmp_path.glob(pattern):
             old.unlink()
-        env = dict(os.environ, CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_ARCH="sm_90a", **{f"CUTE_DSL_{keep}": "1"})
+        env = dict(os.environ, CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_ARCH="sm_90a",
+                   CUTE_DSL_DISABLE_FILE_CACHING="1", **{f"CUTE_DSL_{keep}": "1"})
         subprocess.run([sys.executable, "-c", code], check=True, env=env,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         return "".join(p.read_text() for p in tmp_path.glob(pattern))
@@ -46,3 +47,28 @@ def ir_of(tmp_path):
     """ir_of(code): the host MLIR that running `code` dumps (launch attributes such as a cooperative
     launch live there, not in the PTX)."""
     return _dump_of(tmp_path, "KEEP_IR", "*.mlir")
+
+
+@pytest.fixture
+def ptxas_regs(tmp_path):
+    """ptxas_regs(ptx) -> (registers per thread, spill store bytes) of the PTX's entry, assembled for
+    sm_90a by the CUDA toolkit's ptxas (the CPU machine has one; skipped, not passed, where it is missing)."""
+    import re
+    import shutil
+    import subprocess
+
+    exe = shutil.which("ptxas")
+    if exe is None:
+        pytest.skip("needs ptxas (CUDA toolkit) to read register counts")
+
+    def run(ptx: str) -> tuple[int, int]:
+        src = tmp_path / "k.ptx"
+        src.write_text(ptx)
+        out = subprocess.run([exe, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+        regs = re.findall(r"Used (\d+) registers", out)
+        spills = re.findall(r"(\d+) bytes spill stores", out)
+        assert len(regs) == 1, f"expected one kernel in the PTX, ptxas said: {out}"
+        return int(regs[0]), int(spills[0]) if spills else 0
+
+    return run

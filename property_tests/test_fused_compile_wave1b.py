@@ -97,6 +97,22 @@ def test_kda_decode_row_chunks_cut_the_shuffles(ptx_of):
                                   "m._compile('bfloat16', 128, 4, m.KdaConfig(4, True, row_chunk=8))")
 
 
+def test_kda_decode_picks_fit_the_ctas_per_sm_they_are_picked_for(ptx_of, ptxas_regs):
+    """From 265 to 3 x 132 heads the dispatcher counts on one wave of 3 CTAs per SM (4 warps): its pick
+    must fit 3 x 128 threads in the 64 K registers of an SM (<= 170 each). Session 15 found the row-chunked
+    4-warp kernel at 194 registers (2 CTAs per SM; 12 % slower at 384 heads), which is why it is not picked
+    there. Up to 264 heads (<= 2 per SM) the pick must fit 2 CTAs per SM; nothing may spill."""
+    k = _kda()
+    for heads, ctas in ((264, 2), (265, 3), (396, 3)):
+        cfg = k.KdaConfig.for_shape(128, heads)
+        fields = ", ".join(f"{f}={getattr(cfg, f)!r}" for f in cfg.__dataclass_fields__)
+        regs, spills = ptxas_regs(ptx_of(f"from fused import kda_decode as m; "
+                                         f"m._compile('bfloat16', 128, 4, m.KdaConfig({fields}))"))
+        assert regs * 32 * cfg.num_warps * ctas <= 65536 and spills == 0, (heads, cfg.name, regs, spills)
+    chunked = ptx_of("from fused import kda_decode as m; m._compile('bfloat16', 128, 4, m.KdaConfig(4, True, row_chunk=8))")
+    assert ptxas_regs(chunked)[0] * 128 * 3 > 65536        # the reason above, still true
+
+
 def test_kda_decode_row_chunk_is_checked_and_only_used_where_a_row_spans_the_warp():
     k = _kda()
     for bad in (3, 6, 64):
