@@ -24,7 +24,7 @@ MAX_CONTEXT_PAGES = 4    # MLA context already cached before the first step, per
 # layer indices worth drawing: first layer of a block (push), 1..8 blocks before the layer, the last layers
 KDA_LAYERS = (1, 2, 12, 13, 24, 50, 84, 85, 90)
 MLA_LAYERS = (3, 11, 15, 47, 83, 87, 91, 92)
-DISTS = ("normal", "heavy_tailed", "outliers", "zero_rows")
+DISTS = ("normal", "heavy_tailed", "outliers", "zero_rows", "small_rows")
 
 
 def _layer_idx(case: Case, kind: str) -> int:
