@@ -361,3 +361,31 @@ def test_kda_decode_persistent_launch_is_bitwise_the_one_cta_kernel_on_gpu(B, H,
     for name in ("w4ep1c3", "w4ep1c3g16"):
         for a, b in zip(runs[name], runs["w4e"]):
             assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("C", [1, 2, 4, 8, 16, 32])
+def test_kda_transpose_sum_is_bitwise_the_per_row_butterfly(monkeypatch, C):
+    """transpose_sum (plain Python at trace time) run on a simulated warp: each value is a float32
+    vector over the 32 lanes, shuffles index it by lane ^ offset, selects are np.where. Lane l's result
+    must be, bit for bit, what warp_reduction's butterfly (v + shfl_bfly(v, o), o = 16 .. 1) gives for
+    row l // (32 / C), on values spanning many magnitudes (where the addition order shows)."""
+    import types
+
+    import numpy as np
+    k = _kda()
+    lane = np.arange(32)
+    sim_cutlass = types.SimpleNamespace(select_=lambda c, a, b: np.where(c, a, b))
+    sim_cute = types.SimpleNamespace(arch=types.SimpleNamespace(
+        shuffle_sync_bfly=lambda v, offset: v[lane ^ offset]))
+    monkeypatch.setattr(k, "cutlass", sim_cutlass)
+    monkeypatch.setattr(k, "cute", sim_cute)
+    monkeypatch.setattr(k, "Float32", np.float32)
+    rng = np.random.default_rng(C)
+    for _ in range(20):
+        rows = [(rng.standard_normal(32) * np.exp2(rng.integers(-30, 30, 32))).astype(np.float32) for _ in range(C)]
+        got = k.KdaDecode.transpose_sum(None, list(rows), lane)
+        for l in range(32):
+            v = rows[l // (32 // C)].copy()
+            for o in (16, 8, 4, 2, 1):
+                v = v + v[lane ^ o]
+            assert got[l].view(np.int32) == v[l].view(np.int32), (C, l)
