@@ -9,7 +9,8 @@ source's own configs, see _kda_configs).
 attn_res_rmsnorm: prefix and blocks bitwise, out against the fp64 oracle (bench_wave1b's derived
 criterion) and its largest difference from the old version in ulps, for every AttnResConfig; then
 timings of both dispatchers and of every current config at D = 7168, B = 1..64 (env ATTN_BATCHES=1,8,..,
-ATTN_NBS=0,4,8 (n_blocks, no block write; default 8 without and 4 with a write), ATTN_CFGS=t224c4,...).
+ATTN_NBS=0,4,8 (n_blocks, no block write; default 8 without and 4 with a write), ATTN_CFGS=t224c4,...;
+ATTN_TRIALS=896x1,...: launches beyond all_configs).
 router_topk (the old fused/router_topk.py with its fused/router_topk_select.py beside it): ids and
 weights bitwise for every top-k kernel with the same logits GEMM, the current default's ids and weights
 against the old default's; then timings of both defaults and of the current top-k with the old
@@ -156,13 +157,25 @@ def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((ia - ib).abs().max())
 
 
+def _attn_configs(mod, D: int) -> list:
+    """Every AttnResConfig of `mod` at D, and the launches named in env ATTN_TRIALS ("threads x CTAs per
+    row", e.g. "896x1,768x1"), timed and checked without editing the kernel's source (and its hash)."""
+    cfgs = mod.AttnResConfig.all_configs(D)
+    for spec in os.environ.get("ATTN_TRIALS", "").split(","):
+        if spec.strip():
+            t, c = (int(x) for x in spec.split("x"))
+            cfg = mod.AttnResConfig(t, c)
+            cfgs += [] if cfg in cfgs or (D // 8) % c else [cfg]
+    return cfgs
+
+
 def check_attn(new, old) -> None:
     from references.attn_res import attn_res_rmsnorm as ref
     log("== attn_res_rmsnorm: current source vs --old, every AttnResConfig (oracle = reference on float64)")
     for B, D, NB, nb, bw in ATTN_CASES:
         inp = attn_inputs(B, D, NB, nb, bw, "cuda", seed=B * 31 + nb)
         o_out, b_out = ref(**clone_all(inp, torch.float64)), ref(**clone_all(inp))
-        for cfg in new.AttnResConfig.all_configs(D):
+        for cfg in _attn_configs(new, D):
             a = _attn_run(new, inp, cfg)
             b = _attn_run(old, inp, old.AttnResConfig(cfg.num_threads, cfg.cluster_n))
             checks = [derived("out", a[0], b_out, o_out, torch.bfloat16),
@@ -188,7 +201,7 @@ def timing_attn(new, old) -> None:
             pick_old = old.AttnResConfig.for_shape(D, 16, B, *([nb] if old_by_blocks else []))   # before session 14: by B only
             fns = {f"current {attn_tag(pick)}": lambda s: new.attn_res_rmsnorm(**s, variant=pick),
                    f"old {attn_tag(pick_old)}": lambda s: old.attn_res_rmsnorm(**s, variant=pick_old)}
-            for cfg in new.AttnResConfig.all_configs(D):
+            for cfg in _attn_configs(new, D):
                 if not only or attn_tag(cfg) in only:
                     fns[attn_tag(cfg)] = (lambda c: lambda s: new.attn_res_rmsnorm(**s, variant=c))(cfg)
             bench("attn_res_rmsnorm", f"B={B} nb={nb} bw={bwr}", fns,
