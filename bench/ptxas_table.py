@@ -38,9 +38,8 @@ def regs(code: str) -> tuple[int, int] | str:
 def kda_rows():
     from fused import kda_decode as m
     for cfg in m.KdaConfig.all_configs() + m.KdaConfig.trial_configs():
-        fields = ", ".join(f"{f}={getattr(cfg, f)!r}" for f in cfg.__dataclass_fields__)
         yield ("kda_decode", cfg.name, "bf16 Dh=128", 32 * cfg.num_warps,
-               f"from fused import kda_decode as m; m._compile('bfloat16', 128, 4, m.KdaConfig({fields}))")
+               f"from fused import kda_decode as m; m._compile('bfloat16', 128, 4, m.{cfg!r})")   # dataclass repr
 
 
 def attn_rows():

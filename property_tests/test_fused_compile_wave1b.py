@@ -105,9 +105,7 @@ def test_kda_decode_picks_fit_the_ctas_per_sm_they_are_picked_for(ptx_of, ptxas_
     k = _kda()
     for heads, ctas in ((264, 2), (265, 3), (396, 3)):
         cfg = k.KdaConfig.for_shape(128, heads)
-        fields = ", ".join(f"{f}={getattr(cfg, f)!r}" for f in cfg.__dataclass_fields__)
-        regs, spills = ptxas_regs(ptx_of(f"from fused import kda_decode as m; "
-                                         f"m._compile('bfloat16', 128, 4, m.KdaConfig({fields}))"))
+        regs, spills = ptxas_regs(ptx_of(f"from fused import kda_decode as m; m._compile('bfloat16', 128, 4, m.{cfg!r})"))
         assert regs * 32 * cfg.num_warps * ctas <= 65536 and spills == 0, (heads, cfg.name, regs, spills)
     chunked = ptx_of("from fused import kda_decode as m; m._compile('bfloat16', 128, 4, m.KdaConfig(4, True, row_chunk=8))")
     assert ptxas_regs(chunked)[0] * 128 * 3 > 65536        # the reason above, still true
@@ -131,14 +129,14 @@ def test_kda_decode_operands_first_puts_the_chain_loads_ahead_of_the_state(ptx_o
     """operands_first: every 2-byte load (conv inputs, conv state, gate, z) comes before the middle
     16-byte load (the thread's 16 state rows at 8 warps are most of those; the conv weights are 16-byte
     loads too); without it, the state rows come first and some 2-byte loads after that point."""
-    def b16_before_first_state_row(cfg):
+    def b16_before_middle_v4(cfg):
         ptx = ptx_of(f"from fused import kda_decode as m; m._compile('bfloat16', 128, 4, m.KdaConfig({cfg}))")
         lds = [l.split()[0] for l in ptx[ptx.index(".entry"):].splitlines() if "ld.global" in l]
         v4 = [i for i, op in enumerate(lds) if ".v4" in op]
         return sum(".b16" in op for op in lds[:v4[len(v4) // 2]]), sum(".b16" in op for op in lds)
-    first, total = b16_before_first_state_row("8, True, row_chunk=8, operands_first=True")
+    first, total = b16_before_middle_v4("8, True, row_chunk=8, operands_first=True")
     assert first == total
-    first, total = b16_before_first_state_row("8, True, row_chunk=8")
+    first, total = b16_before_middle_v4("8, True, row_chunk=8")
     assert first < total
 
 
