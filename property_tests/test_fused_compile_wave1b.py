@@ -196,6 +196,26 @@ def test_attn_res_rmsnorm_writes_the_state_first_and_sums_thread_minor(ptx_of, t
     assert offsets == {k * threads * 4 for k in range(S2)}, sorted(offsets)
 
 
+@pytest.mark.parametrize("threads,cluster,nb", [(224, 4, 8), (448, 2, 5), (128, 8, 3)])
+def test_attn_res_rmsnorm_cluster_pushes_its_partial_sums(ptx_of, threads, cluster, nb):
+    """A cluster's partial sums travel by DSMEM stores (each CTA pushes its 2S + 1 sums into every
+    CTA's shared memory, itself included) and are read locally after the barrier: no DSMEM load, three
+    cluster barriers (entry, each reduction's), the first arrive relaxed, two CTA barriers, and no
+    closing cluster barrier after the last reduction's."""
+    ptx = ptx_of(f"from fused import attn_res_rmsnorm as m; m._compile('bfloat16', 7168, {nb}, "
+                 f"m.AttnResConfig({threads}, {cluster}))")
+    body = ptx[ptx.index(".entry"):]
+    S2 = 2 * (nb + 1)
+    assert "ld.shared::cluster" not in body
+    assert body.count("st.shared::cluster") == cluster * (S2 + 1)
+    assert body.count("barrier.cluster.wait") == 3 and body.count("barrier.cluster.arrive") == 3
+    assert body.count("barrier.cluster.arrive.relaxed") == 1
+    assert body.index("barrier.cluster.arrive.relaxed") < body.index("bar.sync")   # arrives at entry
+    assert body.index("barrier.cluster.wait") < body.index("st.shared::cluster")   # waits before a push
+    assert body.count("bar.sync") == 2
+    assert "st.global" in body[body.rindex("barrier.cluster.wait"):]   # out written after the last one
+
+
 def test_attn_res_rmsnorm_dispatch_by_blocks():
     """The measured rule (session 14, H200, D = 7168): one CTA of 448 threads for 0 blocks at every B and
     for up to 5 blocks from B = 32; 4 x 224 up to B = 32 and 2 x 448 beyond otherwise; never a one-CTA
