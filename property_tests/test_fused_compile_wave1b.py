@@ -214,6 +214,35 @@ def test_attn_res_rmsnorm_cluster_pushes_its_partial_sums(ptx_of, threads, clust
     assert body.index("barrier.cluster.wait") < body.index("st.shared::cluster")   # waits before a push
     assert body.count("bar.sync") == 2
     assert "st.global" in body[body.rindex("barrier.cluster.wait"):]   # out written after the last one
+    first_reduction = body[body.index("barrier.cluster.wait", body.index("st.shared::cluster")):]
+    assert first_reduction.count("shfl.sync.idx") >= S2     # the rank sums shared by shuffles, not by smem
+
+
+def _ctas_per_sm_by_registers(regs: int, warps: int) -> int:
+    """CTAs an sm_90 SM holds by registers: each of its 4 sub-partitions has 16 K registers for the warps
+    dealt to it, registers go to a warp in units of 256 (8 per thread). Nsight Compute's "Block Limit
+    Registers" follows this rule (session 16: 1 block at 134 registers x 7 warps, where the SM's 64 K
+    alone would fit 2)."""
+    per_warp = -(-regs // 8) * 8 * 32
+    c = 0
+    while -(-(c + 1) * warps // 4) * per_warp <= 16384:
+        c += 1
+    return c
+
+
+def test_attn_res_rmsnorm_cluster_picks_fit_two_ctas_per_sm(ptx_of, ptxas_regs):
+    """Up to B = 32 the dispatcher spreads a row over a 4-CTA cluster: 128 CTAs at B = 32. With one CTA
+    per SM the H200 holds only 30 such clusters at once (Nsight Compute's "Max Active Clusters", session
+    16: the push kernel at 134 registers took 9.1 us at B = 32, 8 blocks, against 6.4 for the last
+    certified one), so the pick must fit 2 CTAs per SM, with no spills."""
+    assert _ctas_per_sm_by_registers(134, 7) == 1 and _ctas_per_sm_by_registers(115, 7) == 2
+    assert _ctas_per_sm_by_registers(168, 4) == 3 and _ctas_per_sm_by_registers(194, 4) == 2
+    for nb in (6, 8):
+        cfg = _attn().AttnResConfig.for_shape(7168, 16, 32, nb)
+        assert cfg.cluster_n == 4
+        regs, spills = ptxas_regs(ptx_of(f"from fused import attn_res_rmsnorm as m; m._compile('bfloat16', 7168, "
+                                         f"{nb}, m.{cfg!r})"))
+        assert _ctas_per_sm_by_registers(regs, cfg.num_threads // 32) >= 2 and spills == 0, (nb, regs, spills)
 
 
 def test_attn_res_rmsnorm_dispatch_by_blocks():
