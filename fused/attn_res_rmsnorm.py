@@ -35,16 +35,17 @@ class AttnResConfig:
     @staticmethod
     def for_shape(D: int, elem_bits: int = 16, B: int = 64, n_blocks: int = MAX_BLOCKS) -> "AttnResConfig":
         """Picks measured best on the H200 at D=7168 (session 14, results/gpu/s14-2026-11-30/
-        call4_attn_nb: every n_blocks 0..8 at B = 1..64): one CTA of n_vec / 2 threads (two vectors
-        each, no cluster barrier) for n_blocks = 0, and for n_blocks <= 5 from B = 32 (B = 64,
-        n_blocks = 0..5: 3.6-6.0 us against 4.5-6.6 for 2 CTAs); otherwise 4 CTAs x 224 threads
-        per row up to B=32, 2 x 448 beyond (the one-CTA pick spills or starves at 6-8 sources:
-        10.8 us at B=64, n_blocks = 8, against 7.9). The one-CTA rule needs n_vec >= 512 and at most
-        512 threads (fp32 rows at D = 7168 would need 896). Rows under 512 vectors (small test D)
-        keep one CTA beyond B=32, as before."""
+        call4_attn_nb: every n_blocks 0..8 at B = 1..64; session 16, call 4, with the pushed cluster
+        sums): one CTA of n_vec / 2 threads (two vectors each, no cluster barrier) for n_blocks = 0
+        (B = 64: 3.56 us against 3.81 for 2 CTAs); otherwise 4 CTAs x 224 threads per row up to
+        B=32, 2 x 448 beyond (from 1 to 5 blocks at B = 32..64 the cluster is 0.5-6 % faster than
+        one CTA since session 16; the one-CTA pick spills or starves at 6-8 sources: 10.8 us at B=64,
+        n_blocks = 8, against 7.9). The one-CTA rule needs n_vec >= 512 and at most 512 threads (fp32
+        rows at D = 7168 would need 896). Rows under 512 vectors (small test D) keep one CTA beyond
+        B=32, as before."""
         n_vec = D // (128 // elem_bits)
         half = -(-n_vec // 64) * 32                     # n_vec / 2 threads, a multiple of 32
-        if n_vec >= 512 and half <= 512 and (n_blocks == 0 or (B >= 32 and n_blocks <= 5)):
+        if n_vec >= 512 and half <= 512 and n_blocks == 0:
             return AttnResConfig(half, 1)
         n = 4 if B <= 32 else 2 if n_vec >= 512 else 1
         while n > 1 and n_vec % n:
