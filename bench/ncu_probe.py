@@ -66,6 +66,7 @@ WORKLOADS = {
     "gemm_7168x3584_m8": lambda: gemm(7168, 3584, 8), "gemm_7168x3584_m64": lambda: gemm(7168, 3584, 64),
     "gemm_1536x7168_m8": lambda: gemm(1536, 7168, 8), "dequant": dequant,
     "attn_res_b1": lambda: attn_res(1), "attn_res_b64": lambda: attn_res(64),
+    "attn_res_b16": lambda: attn_res(16), "attn_res_b32": lambda: attn_res(32),
     "attn_res_b64_nb4w": lambda: attn_res(64, 4, 4), "attn_res_b8_nb7w": lambda: attn_res(8, 7, 2),
     "kda_t8_b1": lambda: kda(8, 1), "kda_t1_b1": lambda: kda(1, 1), "kda_t1_b8": lambda: kda(1, 8),
     "kda_t8_b8": lambda: kda(8, 8), "kda_t8_b32": lambda: kda(8, 32), "kda_t8_b64": lambda: kda(8, 64),

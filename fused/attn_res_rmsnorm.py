@@ -35,16 +35,17 @@ class AttnResConfig:
     @staticmethod
     def for_shape(D: int, elem_bits: int = 16, B: int = 64, n_blocks: int = MAX_BLOCKS) -> "AttnResConfig":
         """Picks measured best on the H200 at D=7168 (session 14, results/gpu/s14-2026-11-30/
-        call4_attn_nb: every n_blocks 0..8 at B = 1..64): one CTA of n_vec / 2 threads (two vectors
-        each, no cluster barrier) for n_blocks = 0, and for n_blocks <= 5 from B = 32 (B = 64,
-        n_blocks = 0..5: 3.6-6.0 us against 4.5-6.6 for 2 CTAs); otherwise 4 CTAs x 224 threads
-        per row up to B=32, 2 x 448 beyond (the one-CTA pick spills or starves at 6-8 sources:
-        10.8 us at B=64, n_blocks = 8, against 7.9). The one-CTA rule needs n_vec >= 512 and at most
-        512 threads (fp32 rows at D = 7168 would need 896). Rows under 512 vectors (small test D)
-        keep one CTA beyond B=32, as before."""
+        call4_attn_nb: every n_blocks 0..8 at B = 1..64; session 16, call 4, with the pushed cluster
+        sums): one CTA of n_vec / 2 threads (two vectors each, no cluster barrier) for n_blocks = 0
+        (B = 64: 3.56 us against 3.81 for 2 CTAs); otherwise 4 CTAs x 224 threads per row up to
+        B=32, 2 x 448 beyond (from 1 to 5 blocks at B = 32..64 the cluster is 0.5-6 % faster than
+        one CTA since session 16; the one-CTA pick spills or starves at 6-8 sources: 10.8 us at B=64,
+        n_blocks = 8, against 7.9). The one-CTA rule needs n_vec >= 512 and at most 512 threads (fp32
+        rows at D = 7168 would need 896). Rows under 512 vectors (small test D) keep one CTA beyond
+        B=32, as before."""
         n_vec = D // (128 // elem_bits)
         half = -(-n_vec // 64) * 32                     # n_vec / 2 threads, a multiple of 32
-        if n_vec >= 512 and half <= 512 and (n_blocks == 0 or (B >= 32 and n_blocks <= 5)):
+        if n_vec >= 512 and half <= 512 and n_blocks == 0:
             return AttnResConfig(half, 1)
         n = 4 if B <= 32 else 2 if n_vec >= 512 else 1
         while n > 1 and n_vec % n:
@@ -97,6 +98,10 @@ class AttnResRMSNorm:
                mOut: cute.Tensor, block_write: Int32, eps: Float32, norm_eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         rank, row, _ = cute.arch.block_idx()             # rank = CTA's column slice of the row
+        if const_expr(self.cluster_n > 1):
+            # a peer's shared memory may be written only once the peer runs: this phase, waited on
+            # just before the first push (block_sum), says every CTA of the cluster has started
+            cute.arch.cluster_arrive_relaxed()
         vec, V, S, dt = self.vec, self.vpt, self.n_src, self.dtype
         rows = lambda t: cute.zipped_divide(t, (vec,))  # ((vec), n_vec)
         gP, gD, gO = rows(mPrefix[row, None]), rows(mDelta[row, None]), rows(mOut[row, None])
@@ -148,9 +153,11 @@ class AttnResRMSNorm:
         # gcd(2S, 32) lanes per bank, 16 at n_blocks = 7; H200: 1.1-2 us slower than n_blocks = 8.)
         red = smem.allocate_tensor(Float32, cute.make_layout((2 * S, self.num_threads),
                                                              stride=(self.num_threads, 1)), 16)
-        tot = smem.allocate_tensor(Float32, cute.make_layout(2 * S + 1), 16)  # read by the cluster
-        fin = smem.allocate_tensor(Float32, cute.make_layout(2 * S + 1), 16)
-        self.block_sum(part, red, tot, fin, 0, 2 * S)
+        # one CTA: tot[k] = the CTA's sum k. A cluster: tot[r, k] (r fastest) = CTA r's sum k, written
+        # by CTA r into every CTA's tot (block_sum's push), read locally, cluster_n sums per vector load
+        n_peer = self.cluster_n
+        tot = smem.allocate_tensor(Float32, cute.make_layout((n_peer, 2 * S + 1), stride=(1, n_peer)), 16)
+        self.block_sum(part, red, tot, 0, 2 * S)
         # softmax over sources of score_j = dot_j * rsqrt(mean x_j^2 + eps)
         score = cute.make_rmem_tensor(S, Float32)
         m = -Float32.inf
@@ -180,24 +187,26 @@ class AttnResRMSNorm:
             if const_expr(self.even) or tidx + i * self.num_threads < self.n_vec:
                 y = (mix[None, i].load().to(Float32) * rstd).to(dt).to(Float32)
                 gO[None, c].store((y * w[None, i, 2].load().to(Float32)).to(dt))
-        if const_expr(self.cluster_n > 1):   # every peer is past its last read of this CTA's tot
-            cute.arch.cluster_wait()         # (block_sum1 arrived after its reads)
 
     @cute.jit
-    def block_sum(self, vals: cute.Tensor, red: cute.Tensor, tot: cute.Tensor, fin: cute.Tensor,
+    def block_sum(self, vals: cute.Tensor, red: cute.Tensor, tot: cute.Tensor,
                   col0: cutlass.Constexpr[int], n: cutlass.Constexpr[int]):
         """vals[k] <- sum over the CTA (and its cluster) of vals[k], k < n, in a fixed order, so
         every thread of every CTA of the row gets the same bits. Through shared memory, one warp
         per value: thread t stores red[k, t]; warp k % warps adds red[k, lane + 32 j] over j, then
-        a butterfly over its lanes, into tot[col0 + k]; in a cluster, thread k adds the CTAs'
-        tot[col0 + k] in rank order into fin. (Three 5-step butterflies of all n values per warp,
-        the earlier form, cost ~270 shuffles per thread for n = 18: most of the kernel's issue
-        slots, Nsight Compute session 6.)"""
+        a butterfly over its lanes. One CTA: lane 0 stores it in tot[0, col0 + k]. A cluster: lane 0
+        pushes it into tot[rank, col0 + k] of every CTA of the cluster (DSMEM stores), one cluster
+        barrier, and every thread adds tot[r, col0 + k] in rank order from its own shared memory.
+        (Three 5-step butterflies of all n values per warp, the earlier form, cost ~270 shuffles per
+        thread for n = 18: most of the kernel's issue slots, Nsight Compute session 6. Pulling the
+        peers' sums after the barrier, session 14, cost a DSMEM round trip and a closing barrier.)"""
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         tidx = cute.arch.thread_idx()[0]
         for k in cutlass.range_constexpr(n):
             red[k, tidx] = vals[k]
         cute.arch.sync_threads()
+        if const_expr(self.cluster_n > 1):
+            cute.arch.cluster_wait()     # every peer has started (the kernel's entry arrive)
         for k in cutlass.range_constexpr(n):
             if warp == k % self.num_warps:
                 t = red[k, lane]
@@ -205,40 +214,52 @@ class AttnResRMSNorm:
                     t = t + red[k, lane + 32 * j]
                 t = cute.arch.warp_reduction(t, operator.add)
                 if lane == 0:
-                    tot[col0 + k] = t
-        cute.arch.sync_threads()
-        out = tot
+                    if const_expr(self.cluster_n > 1):
+                        self.push(tot, col0 + k, t)
+                    else:
+                        tot[0, col0 + k] = t
         if const_expr(self.cluster_n > 1):
-            cute.arch.cluster_arrive()
+            cute.arch.cluster_arrive()   # release: the pushes land before any peer passes the wait
             cute.arch.cluster_wait()
-            if tidx < n:
-                fin[col0 + tidx] = self.cluster_sum(tot, col0 + tidx)
+            # lane k adds sum k over the ranks, then every lane takes the n sums by shuffles: a rank
+            # sum per value in every thread held 4n loaded words at once (134 registers at n = 18 with
+            # 4 CTAs: one CTA per SM where 2 were wanted, H200 session 16)
+            t = self.rank_sum(tot, col0 + cutlass.min(lane, n - 1))
+            for k in cutlass.range_constexpr(n):
+                vals[k] = cute.arch.shuffle_sync(t, offset=k)
+        else:
             cute.arch.sync_threads()
-            out = fin
-        for k in cutlass.range_constexpr(n):
-            vals[k] = out[col0 + k]
+            for k in cutlass.range_constexpr(n):
+                vals[k] = self.rank_sum(tot, col0 + k)
 
     @cute.jit
-    def cluster_sum(self, tot: cute.Tensor, k) -> Float32:
-        """tot[k] added over the cluster's CTAs in rank order (distributed shared memory reads; CuTe
-        DSL 4.8 tensors cannot load through a peer's address, hence the inline PTX)."""
-        t = Float32(0.0)
+    def push(self, tot: cute.Tensor, k, t: Float32):
+        """t into tot[rank, k] of every CTA of the cluster, this one included (st.shared::cluster;
+        CuTe DSL 4.8 tensors cannot store through a peer's address, hence the inline PTX)."""
+        rank = cute.arch.block_idx()[0]
         for r in cutlass.range_constexpr(self.cluster_n):
-            peer = cute.arch.map_dsmem_ptr(tot.iterator + k, r)
-            v = cute.arch.inline_ptx("ld.shared::cluster.f32 {$w0}, [{$r0}];",
-                                     write_only_types=[Float32], read_only_args=[peer.toint()])
-            t = v if const_expr(r == 0) else t + v
+            peer = cute.arch.map_dsmem_ptr(tot.iterator + (k * self.cluster_n + rank), r)
+            cute.arch.inline_ptx("st.shared::cluster.f32 [{$r0}], {$r1};", read_only_args=[peer.toint(), t])
+
+    @cute.jit
+    def rank_sum(self, tot: cute.Tensor, k) -> Float32:
+        """tot[r, k] added over the cluster's ranks in rank order (tot[0, k] for one CTA)."""
+        v = cute.make_rmem_tensor(self.cluster_n, Float32)
+        v.store(tot[None, k].load())
+        t = v[0]
+        for r in cutlass.range_constexpr(1, self.cluster_n):
+            t = t + v[r]
         return t
 
     @cute.jit
     def block_sum1(self, vals: cute.Tensor, red: cute.Tensor, tot: cute.Tensor, col: cutlass.Constexpr[int]):
         """vals[0] <- its sum over the CTA (and cluster) with one CTA barrier: a butterfly in each warp,
         lane 0 stores the warp's sum in red[0, warp], every thread adds the warps' sums in warp order;
-        in a cluster, thread 0 publishes the CTA's sum in tot[col] and every thread adds the CTAs' in
-        rank order after one cluster barrier, then arrives on the next phase, which the kernel waits on
-        only at its end (no CTA leaves while a peer may read its tot; the barrier's latency hides behind
-        the out stores). The same bits in every thread of every CTA of the row. (red is free:
-        block_sum's reads of it precede its second barrier.)"""
+        in a cluster, thread 0 pushes the CTA's sum into tot[rank, col] of every CTA and every thread
+        adds the CTAs' in rank order after one cluster barrier. No closing barrier: this is the last
+        push, and no CTA passes the barrier before every peer has pushed into it, so no store can
+        reach a CTA that has exited. The same bits in every thread of every CTA of the row. (red is
+        free: block_sum's reads of it precede its barrier.)"""
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         t = cute.arch.warp_reduction(vals[0], operator.add)
         if lane == 0:
@@ -249,11 +270,10 @@ class AttnResRMSNorm:
             t = t + red[0, j]
         if const_expr(self.cluster_n > 1):
             if cute.arch.thread_idx()[0] == 0:
-                tot[col] = t
+                self.push(tot, col, t)
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
-            t = self.cluster_sum(tot, col)
-            cute.arch.cluster_arrive()   # done reading peers; the kernel waits on this phase at its end
+            t = self.rank_sum(tot, col)
         vals[0] = t
 
 

@@ -196,18 +196,67 @@ def test_attn_res_rmsnorm_writes_the_state_first_and_sums_thread_minor(ptx_of, t
     assert offsets == {k * threads * 4 for k in range(S2)}, sorted(offsets)
 
 
+@pytest.mark.parametrize("threads,cluster,nb", [(224, 4, 8), (448, 2, 5), (128, 8, 3)])
+def test_attn_res_rmsnorm_cluster_pushes_its_partial_sums(ptx_of, threads, cluster, nb):
+    """A cluster's partial sums travel by DSMEM stores (each CTA pushes its 2S + 1 sums into every
+    CTA's shared memory, itself included) and are read locally after the barrier: no DSMEM load, three
+    cluster barriers (entry, each reduction's), the first arrive relaxed, two CTA barriers, and no
+    closing cluster barrier after the last reduction's."""
+    ptx = ptx_of(f"from fused import attn_res_rmsnorm as m; m._compile('bfloat16', 7168, {nb}, "
+                 f"m.AttnResConfig({threads}, {cluster}))")
+    body = ptx[ptx.index(".entry"):]
+    S2 = 2 * (nb + 1)
+    assert "ld.shared::cluster" not in body
+    assert body.count("st.shared::cluster") == cluster * (S2 + 1)
+    assert body.count("barrier.cluster.wait") == 3 and body.count("barrier.cluster.arrive") == 3
+    assert body.count("barrier.cluster.arrive.relaxed") == 1
+    assert body.index("barrier.cluster.arrive.relaxed") < body.index("bar.sync")   # arrives at entry
+    assert body.index("barrier.cluster.wait") < body.index("st.shared::cluster")   # waits before a push
+    assert body.count("bar.sync") == 2
+    assert "st.global" in body[body.rindex("barrier.cluster.wait"):]   # out written after the last one
+    first_reduction = body[body.index("barrier.cluster.wait", body.index("st.shared::cluster")):]
+    assert first_reduction.count("shfl.sync.idx") >= S2     # the rank sums shared by shuffles, not by smem
+
+
+def _ctas_per_sm_by_registers(regs: int, warps: int) -> int:
+    """CTAs an sm_90 SM holds by registers: each of its 4 sub-partitions has 16 K registers for the warps
+    dealt to it, registers go to a warp in units of 256 (8 per thread). Nsight Compute's "Block Limit
+    Registers" follows this rule (session 16: 1 block at 134 registers x 7 warps, where the SM's 64 K
+    alone would fit 2)."""
+    per_warp = -(-regs // 8) * 8 * 32
+    c = 0
+    while -(-(c + 1) * warps // 4) * per_warp <= 16384:
+        c += 1
+    return c
+
+
+def test_attn_res_rmsnorm_cluster_picks_fit_two_ctas_per_sm(ptx_of, ptxas_regs):
+    """Up to B = 32 the dispatcher spreads a row over a 4-CTA cluster: 128 CTAs at B = 32. With one CTA
+    per SM the H200 holds only 30 such clusters at once (Nsight Compute's "Max Active Clusters", session
+    16: the push kernel at 134 registers took 9.1 us at B = 32, 8 blocks, against 6.4 for the last
+    certified one), so the pick must fit 2 CTAs per SM, with no spills."""
+    assert _ctas_per_sm_by_registers(134, 7) == 1 and _ctas_per_sm_by_registers(115, 7) == 2
+    assert _ctas_per_sm_by_registers(168, 4) == 3 and _ctas_per_sm_by_registers(194, 4) == 2
+    for nb in (6, 8):
+        cfg = _attn().AttnResConfig.for_shape(7168, 16, 32, nb)
+        assert cfg.cluster_n == 4
+        regs, spills = ptxas_regs(ptx_of(f"from fused import attn_res_rmsnorm as m; m._compile('bfloat16', 7168, "
+                                         f"{nb}, m.{cfg!r})"))
+        assert _ctas_per_sm_by_registers(regs, cfg.num_threads // 32) >= 2 and spills == 0, (nb, regs, spills)
+
+
 def test_attn_res_rmsnorm_dispatch_by_blocks():
-    """The measured rule (session 14, H200, D = 7168): one CTA of 448 threads for 0 blocks at every B and
-    for up to 5 blocks from B = 32; 4 x 224 up to B = 32 and 2 x 448 beyond otherwise; never a one-CTA
-    launch over 512 threads (fp32 rows)."""
+    """The measured rule (H200, D = 7168; session 16 with the pushed cluster sums): one CTA of 448 threads
+    for 0 blocks at every B; 4 x 224 up to B = 32 and 2 x 448 beyond otherwise; never a one-CTA launch
+    over 512 threads (fp32 rows)."""
     A = _attn().AttnResConfig
     one, c4, c2 = A(448, 1), A(224, 4), A(448, 2)
     for B in (1, 8, 16, 31):
         assert A.for_shape(7168, 16, B, 0) == one
         assert all(A.for_shape(7168, 16, B, nb) == c4 for nb in range(1, 9))
     for B in (32, 48, 64):
-        assert all(A.for_shape(7168, 16, B, nb) == one for nb in range(6))
-        assert all(A.for_shape(7168, 16, B, nb) == (c4 if B == 32 else c2) for nb in range(6, 9))
+        assert A.for_shape(7168, 16, B, 0) == one
+        assert all(A.for_shape(7168, 16, B, nb) == (c4 if B == 32 else c2) for nb in range(1, 9))
     assert all(A.for_shape(7168, 32, B, nb).num_threads <= 512 for B in range(1, 65) for nb in range(9))
 
 
