@@ -35,6 +35,17 @@ def regs(code: str) -> tuple[int, int] | str:
         return (int(used[0]), int(spill[0]) if spill else 0) if used else out.strip()
 
 
+def ctas_per_sm(regs: int, warps: int) -> int:
+    """CTAs of `warps` warps an sm_90 SM holds by registers: registers go to a warp in units of 256,
+    and each of the 4 sub-partitions has 16 K for the warps dealt to it (Nsight Compute's "Block Limit
+    Registers"; session 16: 1 CTA at 134 registers x 7 warps, where the SM's 64 K alone would fit 2)."""
+    per_warp = -(-regs // 8) * 8 * 32
+    c = 0
+    while -(-(c + 1) * warps // 4) * per_warp <= 16384 and c < 32:
+        c += 1
+    return c
+
+
 def kda_rows():
     from fused import kda_decode as m
     for cfg in m.KdaConfig.all_configs() + m.KdaConfig.trial_configs():
@@ -66,9 +77,7 @@ def main() -> int:
         if isinstance(g, str):
             print(f"{op:<18} {name:<14} {static:<22} error: {g[:80]}")
             continue
-        # the occupancy calculator's rule on sm_90: registers go to warps in units of 256
-        per_cta = -(-threads // 32) * -(-g[0] * 32 // 256) * 256
-        print(f"{op:<18} {name:<14} {static:<22} {g[0]:>5} {g[1]:>8} {65536 // max(per_cta, 1):>16}")
+        print(f"{op:<18} {name:<14} {static:<22} {g[0]:>5} {g[1]:>8} {ctas_per_sm(g[0], -(-threads // 32)):>16}")
     return 0
 
 
