@@ -31,6 +31,18 @@ def _kda():
     return kda_decode
 
 
+def _kda_code(cfg) -> str:
+    """Code that compiles kda_decode at the K3 statics (bf16, Dh = 128, W = 4) for `cfg`: a KdaConfig, or
+    its constructor call as text ("KdaConfig(4, True)")."""
+    expr = cfg if isinstance(cfg, str) else repr(cfg)
+    return f"from fused import kda_decode as m; m._compile('bfloat16', 128, 4, m.{expr})"
+
+
+def _attn_code(nb: int, cfg) -> str:
+    """Code that compiles attn_res_rmsnorm at D = 7168, bf16, `nb` blocks for an AttnResConfig."""
+    return f"from fused import attn_res_rmsnorm as m; m._compile('bfloat16', 7168, {nb}, m.{cfg!r})"
+
+
 @pytest.mark.parametrize("D", ATTN_D)
 def test_attn_res_rmsnorm_compiles_every_variant(D):
     m = _attn()
@@ -61,8 +73,7 @@ def test_kda_decode_issues_every_global_load_before_the_first_barrier(ptx_of, wa
     """The kernel's small-batch speed rests on it: state rows, conv and gate operands, beta and
     the gated RMSNorm's z and o_norm_w all in flight before the first barrier, so no DRAM round
     trip sits between the barriers or after them (session 6 moved z / o_norm_w / beta there)."""
-    ptx = ptx_of("from fused import kda_decode as m; "
-                 f"m._compile('bfloat16', 128, 4, m.KdaConfig({warps}))")
+    ptx = ptx_of(_kda_code(f"KdaConfig({warps})"))
     body = ptx[ptx.index(".entry"):]
     first_barrier = body.index("bar.sync") if "bar.sync" in body else body.index("barrier.sync")
     assert body.count("ld.global") >= 8 + 2                 # 8 state rows per thread at 16 warps, z, w
@@ -76,7 +87,7 @@ def test_kda_decode_early_conv_issues_every_load_before_the_first_division(ptx_o
     branch would keep later items' loads behind it); the plain 4-warp kernel, which the early
     4-warp variant replaced in the dispatcher, does not (the measured difference, session 8)."""
     def loads_after_first_division(cfg):
-        ptx = ptx_of(f"from fused import kda_decode as m; m._compile('bfloat16', 128, 4, m.KdaConfig({cfg}))")
+        ptx = ptx_of(_kda_code(f"KdaConfig({cfg})"))
         body = ptx[ptx.index(".entry"):]
         first = min(body.index(op) for op in ("rcp.rn.f32", "div.rn.f32", "ex2.approx") if op in body)
         return body[first:].count("ld.global")
@@ -89,12 +100,10 @@ def test_kda_decode_row_chunks_cut_the_shuffles(ptx_of):
     """row_chunk = 8 at Dh = 128: the two dot products of 8 rows per transposed reduction, 2 x 9
     shuffles + 8 to hand u to the row's lanes, against 2 x 5 per row: 4 x 26 + the 17 of the l2 norms
     and the RMSNorm at 4 warps (32 rows each) instead of 32 x 10 + 17. Without spills."""
-    count = lambda cfg: ptx_of(f"from fused import kda_decode as m; m._compile('bfloat16', 128, 4, "
-                               f"m.KdaConfig({cfg}))").count("shfl.sync")
+    count = lambda cfg: ptx_of(_kda_code(f"KdaConfig({cfg})")).count("shfl.sync")
     chunked, per_row = count("4, True, row_chunk=8"), count("4, True")
     assert per_row == 32 * 10 + 17 and chunked == 4 * 26 + 17
-    assert ".local" not in ptx_of("from fused import kda_decode as m; "
-                                  "m._compile('bfloat16', 128, 4, m.KdaConfig(4, True, row_chunk=8))")
+    assert ".local" not in ptx_of(_kda_code("KdaConfig(4, True, row_chunk=8)"))
 
 
 def _ctas_per_sm_by_registers(regs: int, warps: int) -> int:
@@ -117,9 +126,9 @@ def test_kda_decode_picks_fit_the_ctas_per_sm_they_are_picked_for(ptx_of, ptxas_
     k = _kda()
     for heads, ctas in ((264, 2), (265, 3), (396, 3)):
         cfg = k.KdaConfig.for_shape(128, heads)
-        regs, spills = ptxas_regs(ptx_of(f"from fused import kda_decode as m; m._compile('bfloat16', 128, 4, m.{cfg!r})"))
+        regs, spills = ptxas_regs(ptx_of(_kda_code(cfg)))
         assert _ctas_per_sm_by_registers(regs, cfg.num_warps) >= ctas and spills == 0, (heads, cfg.name, regs, spills)
-    chunked = ptx_of("from fused import kda_decode as m; m._compile('bfloat16', 128, 4, m.KdaConfig(4, True, row_chunk=8))")
+    chunked = ptx_of(_kda_code("KdaConfig(4, True, row_chunk=8)"))
     assert _ctas_per_sm_by_registers(ptxas_regs(chunked)[0], 4) < 3        # the reason above, still true
 
 
@@ -142,7 +151,7 @@ def test_kda_decode_operands_first_puts_the_chain_loads_ahead_of_the_state(ptx_o
     16-byte load (the thread's 16 state rows at 8 warps are most of those; the conv weights are 16-byte
     loads too); without it, the state rows come first and some 2-byte loads after that point."""
     def b16_before_middle_v4(cfg):
-        ptx = ptx_of(f"from fused import kda_decode as m; m._compile('bfloat16', 128, 4, m.KdaConfig({cfg}))")
+        ptx = ptx_of(_kda_code(f"KdaConfig({cfg})"))
         lds = [l.split()[0] for l in ptx[ptx.index(".entry"):].splitlines() if "ld.global" in l]
         v4 = [i for i, op in enumerate(lds) if ".v4" in op]
         return sum(".b16" in op for op in lds[:v4[len(v4) // 2]]), sum(".b16" in op for op in lds)
@@ -156,7 +165,7 @@ def test_kda_decode_persistent_launch_streams_state_through_the_ring(ptx_of):
     """The persistent launch: each head's state arrives by one bulk async copy completing on an
     mbarrier (not by the threads' own loads), the registers are fitted to 3 resident CTAs per SM,
     and every operand load of a head is issued before its state wait (session 9, f1 order)."""
-    ptx = ptx_of("from fused import kda_decode as m; m._compile('bfloat16', 128, 4, m.KdaConfig(4, True, 1, 3))")
+    ptx = ptx_of(_kda_code("KdaConfig(4, True, 1, 3)"))
     body = ptx[ptx.index(".entry"):]
     assert re.search(r"cp\.async\.bulk\.shared::(cta|cluster)\.global\.mbarrier::complete_tx::bytes", body)
     assert ".minnctapersm 3" in ptx
@@ -197,8 +206,7 @@ def test_attn_res_rmsnorm_writes_the_state_first_and_sums_thread_minor(ptx_of, t
     each thread's 2S partials go to red[k, tid] at byte offsets k * threads * 4 from its own word. The
     column-major layout (offsets k * 4 from tid * 2S * 4) put gcd(2S, 32) lanes in one bank, 16 at
     n_blocks = 7, and cost 1.1-2 us."""
-    ptx = ptx_of(f"from fused import attn_res_rmsnorm as m; m._compile('bfloat16', 7168, {nb}, "
-                 f"m.AttnResConfig({threads}, {cluster}))")
+    ptx = ptx_of(_attn_code(nb, _attn().AttnResConfig(threads, cluster)))
     body = ptx[ptx.index(".entry"):]
     first_bar = body.index("bar.sync")
     head = body[:first_bar]
@@ -214,8 +222,7 @@ def test_attn_res_rmsnorm_cluster_pushes_its_partial_sums(ptx_of, threads, clust
     CTA's shared memory, itself included) and are read locally after the barrier: no DSMEM load, three
     cluster barriers (entry, each reduction's), the first arrive relaxed, two CTA barriers, and no
     closing cluster barrier after the last reduction's."""
-    ptx = ptx_of(f"from fused import attn_res_rmsnorm as m; m._compile('bfloat16', 7168, {nb}, "
-                 f"m.AttnResConfig({threads}, {cluster}))")
+    ptx = ptx_of(_attn_code(nb, _attn().AttnResConfig(threads, cluster)))
     body = ptx[ptx.index(".entry"):]
     S2 = 2 * (nb + 1)
     assert "ld.shared::cluster" not in body
@@ -240,8 +247,7 @@ def test_attn_res_rmsnorm_cluster_picks_fit_two_ctas_per_sm(ptx_of, ptxas_regs):
     for nb in (6, 8):
         cfg = _attn().AttnResConfig.for_shape(7168, 16, 32, nb)
         assert cfg.cluster_n == 4
-        regs, spills = ptxas_regs(ptx_of(f"from fused import attn_res_rmsnorm as m; m._compile('bfloat16', 7168, "
-                                         f"{nb}, m.{cfg!r})"))
+        regs, spills = ptxas_regs(ptx_of(_attn_code(nb, cfg)))
         assert _ctas_per_sm_by_registers(regs, cfg.num_threads // 32) >= 2 and spills == 0, (nb, regs, spills)
 
 
