@@ -98,9 +98,29 @@ class AttnResRMSNorm:
                mOut: cute.Tensor, block_write: Int32, eps: Float32, norm_eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         rank, row, _ = cute.arch.block_idx()             # rank = CTA's column slice of the row
+        S = self.n_src
+        smem = cutlass.memory.SmemAllocator()
+        # red[k, t] at k * threads + t: a warp's 32 stores red[k, t] and reads red[k, lane + 32 j] hit 32
+        # consecutive words. (The column-major (2S, threads) layout strode 2S words from lane to lane:
+        # gcd(2S, 32) lanes per bank, 16 at n_blocks = 7; H200: 1.1-2 us slower than n_blocks = 8.)
+        red = smem.allocate_tensor(Float32, cute.make_layout((2 * S, self.num_threads),
+                                                             stride=(self.num_threads, 1)), 16)
+        # one CTA: tot[k] = the CTA's sum k. A cluster: tot[r, k] (r fastest) = CTA r's sum k, written
+        # by CTA r into every CTA's tot (block_sum's push), read locally, cluster_n sums per vector load
+        n_peer = self.cluster_n
+        tot = smem.allocate_tensor(Float32, cute.make_layout((n_peer, 2 * S + 1), stride=(1, n_peer)), 16)
+        # a cluster's two reductions each end on an mbarrier of their own (phase 0 only): it completes
+        # when all cluster_n CTAs' pushed bytes have landed (st.async ... complete_tx)
+        mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout(2), 8)
         if const_expr(self.cluster_n > 1):
-            # a peer's shared memory may be written only once the peer runs: this phase, waited on
-            # just before the first push (block_sum), says every CTA of the cluster has started
+            if tidx == 0:
+                cute.arch.mbarrier_init(mbar.iterator, 1)
+                cute.arch.mbarrier_init(mbar.iterator + 1, 1)
+                cute.arch.mbarrier_init_fence()
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator, 2 * S * self.cluster_n * 4)
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator + 1, self.cluster_n * 4)
+            # a peer's shared memory (and mbarriers) may be written only once the peer runs and has
+            # initialised them: this phase, waited on just before the first push (block_sum)
             cute.arch.cluster_arrive_relaxed()
         vec, V, S, dt = self.vec, self.vpt, self.n_src, self.dtype
         rows = lambda t: cute.zipped_divide(t, (vec,))  # ((vec), n_vec)
@@ -147,17 +167,7 @@ class AttnResRMSNorm:
                     gP[None, c].store(zero.load())
                 else:
                     gP[None, c].store(x[None, i, S - 1].load())
-        smem = cutlass.memory.SmemAllocator()
-        # red[k, t] at k * threads + t: a warp's 32 stores red[k, t] and reads red[k, lane + 32 j] hit 32
-        # consecutive words. (The column-major (2S, threads) layout strode 2S words from lane to lane:
-        # gcd(2S, 32) lanes per bank, 16 at n_blocks = 7; H200: 1.1-2 us slower than n_blocks = 8.)
-        red = smem.allocate_tensor(Float32, cute.make_layout((2 * S, self.num_threads),
-                                                             stride=(self.num_threads, 1)), 16)
-        # one CTA: tot[k] = the CTA's sum k. A cluster: tot[r, k] (r fastest) = CTA r's sum k, written
-        # by CTA r into every CTA's tot (block_sum's push), read locally, cluster_n sums per vector load
-        n_peer = self.cluster_n
-        tot = smem.allocate_tensor(Float32, cute.make_layout((n_peer, 2 * S + 1), stride=(1, n_peer)), 16)
-        self.block_sum(part, red, tot, 0, 2 * S)
+        self.block_sum(part, red, tot, mbar, 0, 2 * S)
         # softmax over sources of score_j = dot_j * rsqrt(mean x_j^2 + eps)
         score = cute.make_rmem_tensor(S, Float32)
         m = -Float32.inf
@@ -180,7 +190,7 @@ class AttnResRMSNorm:
             mix[None, i].store(acc.to(dt))
             mx = mix[None, i].load().to(Float32)
             ss[0] += (mx * mx).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        self.block_sum1(ss, red, tot, 2 * S)
+        self.block_sum1(ss, red, tot, mbar, 2 * S)
         rstd = cute.math.rsqrt(ss[0] / self.D + norm_eps)
         for i in cutlass.range_constexpr(V):
             c = rank * self.n_vec + tidx + i * self.num_threads
@@ -189,14 +199,15 @@ class AttnResRMSNorm:
                 gO[None, c].store((y * w[None, i, 2].load().to(Float32)).to(dt))
 
     @cute.jit
-    def block_sum(self, vals: cute.Tensor, red: cute.Tensor, tot: cute.Tensor,
+    def block_sum(self, vals: cute.Tensor, red: cute.Tensor, tot: cute.Tensor, mbar: cute.Tensor,
                   col0: cutlass.Constexpr[int], n: cutlass.Constexpr[int]):
         """vals[k] <- sum over the CTA (and its cluster) of vals[k], k < n, in a fixed order, so
         every thread of every CTA of the row gets the same bits. Through shared memory, one warp
         per value: thread t stores red[k, t]; warp k % warps adds red[k, lane + 32 j] over j, then
         a butterfly over its lanes. One CTA: lane 0 stores it in tot[0, col0 + k]. A cluster: lane 0
-        pushes it into tot[rank, col0 + k] of every CTA of the cluster (DSMEM stores), one cluster
-        barrier, and every thread adds tot[r, col0 + k] in rank order from its own shared memory.
+        pushes it into tot[rank, col0 + k] of every CTA of the cluster (st.async, each completing bytes
+        on the receiver's mbarrier 0), every thread waits on its own CTA's mbarrier 0 (no cluster
+        barrier), and lane k adds tot[r, col0 + k] in rank order from its own shared memory.
         (Three 5-step butterflies of all n values per warp, the earlier form, cost ~270 shuffles per
         thread for n = 18: most of the kernel's issue slots, Nsight Compute session 6. Pulling the
         peers' sums after the barrier, session 14, cost a DSMEM round trip and a closing barrier.)"""
@@ -215,12 +226,11 @@ class AttnResRMSNorm:
                 t = cute.arch.warp_reduction(t, operator.add)
                 if lane == 0:
                     if const_expr(self.cluster_n > 1):
-                        self.push(tot, col0 + k, t)
+                        self.push(tot, mbar, 0, col0 + k, t)
                     else:
                         tot[0, col0 + k] = t
         if const_expr(self.cluster_n > 1):
-            cute.arch.cluster_arrive()   # release: the pushes land before any peer passes the wait
-            cute.arch.cluster_wait()
+            self.wait_pushes(mbar, 0)   # every CTA's n sums are in this CTA's tot
             # lane k adds sum k over the ranks, then every lane takes the n sums by shuffles: a rank
             # sum per value in every thread held 4n loaded words at once (134 registers at n = 18 with
             # 4 CTAs: one CTA per SM where 2 were wanted, H200 session 16)
@@ -233,13 +243,25 @@ class AttnResRMSNorm:
                 vals[k] = self.rank_sum(tot, col0 + k)
 
     @cute.jit
-    def push(self, tot: cute.Tensor, k, t: Float32):
-        """t into tot[rank, k] of every CTA of the cluster, this one included (st.shared::cluster;
-        CuTe DSL 4.8 tensors cannot store through a peer's address, hence the inline PTX)."""
+    def push(self, tot: cute.Tensor, mbar: cute.Tensor, b: cutlass.Constexpr[int], k, t: Float32):
+        """t into tot[rank, k] of every CTA of the cluster, this one included, each store completing its
+        4 bytes on that CTA's mbarrier b (st.async: no fence, no cluster barrier; CuTe DSL 4.8 tensors
+        cannot store through a peer's address, hence the inline PTX)."""
         rank = cute.arch.block_idx()[0]
         for r in cutlass.range_constexpr(self.cluster_n):
             peer = cute.arch.map_dsmem_ptr(tot.iterator + (k * self.cluster_n + rank), r)
-            cute.arch.inline_ptx("st.shared::cluster.f32 [{$r0}], {$r1};", read_only_args=[peer.toint(), t])
+            peer_bar = cute.arch.map_dsmem_ptr(mbar.iterator + b, r)
+            cute.arch.inline_ptx("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [{$r0}], {$r1}, [{$r2}];",
+                                 read_only_args=[peer.toint(), t, peer_bar.toint()])
+
+    @cute.jit
+    def wait_pushes(self, mbar: cute.Tensor, b: cutlass.Constexpr[int]):
+        """Until phase 0 of this CTA's mbarrier b completes, with acquire at cluster scope: the pushes'
+        complete_tx releases at cluster scope (the DSL's mbarrier_wait acquires at CTA scope)."""
+        cute.arch.inline_ptx("{\n.reg .pred P1;\nWAIT:\n"
+                             "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [{$r0}], 0;\n"
+                             "@P1 bra.uni DONE;\nbra.uni WAIT;\nDONE:\n}",
+                             read_only_args=[(mbar.iterator + b).toint()])
 
     @cute.jit
     def rank_sum(self, tot: cute.Tensor, k) -> Float32:
@@ -252,14 +274,15 @@ class AttnResRMSNorm:
         return t
 
     @cute.jit
-    def block_sum1(self, vals: cute.Tensor, red: cute.Tensor, tot: cute.Tensor, col: cutlass.Constexpr[int]):
+    def block_sum1(self, vals: cute.Tensor, red: cute.Tensor, tot: cute.Tensor, mbar: cute.Tensor,
+                   col: cutlass.Constexpr[int]):
         """vals[0] <- its sum over the CTA (and cluster) with one CTA barrier: a butterfly in each warp,
         lane 0 stores the warp's sum in red[0, warp], every thread adds the warps' sums in warp order;
-        in a cluster, thread 0 pushes the CTA's sum into tot[rank, col] of every CTA and every thread
-        adds the CTAs' in rank order after one cluster barrier. No closing barrier: this is the last
-        push, and no CTA passes the barrier before every peer has pushed into it, so no store can
-        reach a CTA that has exited. The same bits in every thread of every CTA of the row. (red is
-        free: block_sum's reads of it precede its barrier.)"""
+        in a cluster, thread 0 pushes the CTA's sum into tot[rank, col] of every CTA (mbarrier 1) and
+        every thread adds the CTAs' in rank order once its own CTA's mbarrier 1 completes. No closing
+        barrier: a CTA exits only after every peer's store into it has landed, and its own stores go
+        to peers that wait for them. The same bits in every thread of every CTA of the row. (red is
+        free: every warp's reads of it in block_sum precede its pushes, which mbarrier 0 waited for.)"""
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         t = cute.arch.warp_reduction(vals[0], operator.add)
         if lane == 0:
@@ -270,9 +293,8 @@ class AttnResRMSNorm:
             t = t + red[0, j]
         if const_expr(self.cluster_n > 1):
             if cute.arch.thread_idx()[0] == 0:
-                self.push(tot, col, t)
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
+                self.push(tot, mbar, 1, col, t)
+            self.wait_pushes(mbar, 1)
             t = self.rank_sum(tot, col)
         vals[0] = t
 

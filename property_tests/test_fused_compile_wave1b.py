@@ -218,22 +218,26 @@ def test_attn_res_rmsnorm_writes_the_state_first_and_sums_thread_minor(ptx_of, t
 
 @pytest.mark.parametrize("threads,cluster,nb", [(224, 4, 8), (448, 2, 5), (128, 8, 3)])
 def test_attn_res_rmsnorm_cluster_pushes_its_partial_sums(ptx_of, threads, cluster, nb):
-    """A cluster's partial sums travel by DSMEM stores (each CTA pushes its 2S + 1 sums into every
-    CTA's shared memory, itself included) and are read locally after the barrier: no DSMEM load, three
-    cluster barriers (entry, each reduction's), the first arrive relaxed, two CTA barriers, and no
-    closing cluster barrier after the last reduction's."""
+    """A cluster's partial sums travel by st.async (each CTA pushes its 2S + 1 sums into every CTA's
+    shared memory, itself included, each store completing its bytes on the receiver's mbarrier) and
+    are read locally once the CTA's own mbarrier completes: no DSMEM load, one cluster barrier (at
+    entry, arrived relaxed after the mbarriers' init and its fence, waited before the first push), two
+    mbarrier waits with cluster-scope acquire, two CTA barriers, and no closing barrier."""
     ptx = ptx_of(_attn_code(nb, _attn().AttnResConfig(threads, cluster)))
     body = ptx[ptx.index(".entry"):]
     S2 = 2 * (nb + 1)
-    assert "ld.shared::cluster" not in body
-    assert body.count("st.shared::cluster") == cluster * (S2 + 1)
-    assert body.count("barrier.cluster.wait") == 3 and body.count("barrier.cluster.arrive") == 3
-    assert body.count("barrier.cluster.arrive.relaxed") == 1
-    assert body.index("barrier.cluster.arrive.relaxed") < body.index("bar.sync")   # arrives at entry
-    assert body.index("barrier.cluster.wait") < body.index("st.shared::cluster")   # waits before a push
+    assert "ld.shared::cluster" not in body and "st.shared::cluster" not in body
+    assert body.count("st.async.shared::cluster.mbarrier::complete_tx::bytes") == cluster * (S2 + 1)
+    assert body.count("barrier.cluster.wait") == 1 and body.count("barrier.cluster.arrive.relaxed") == 1
+    assert body.count("barrier.cluster.arrive") == 1
+    assert body.index("fence.mbarrier_init") < body.index("barrier.cluster.arrive.relaxed") < body.index("bar.sync")
+    assert body.count("mbarrier.arrive.expect_tx") == 2 and body.count("mbarrier.init") == 2
+    assert body.index("barrier.cluster.wait") < body.index("st.async")        # waits before a push
+    waits = [m.start() for m in re.finditer(r"mbarrier\.try_wait\.parity\.acquire\.cluster", body)]
+    assert len(waits) == 2 and body.count("mbarrier.try_wait") == 2
     assert body.count("bar.sync") == 2
-    assert "st.global" in body[body.rindex("barrier.cluster.wait"):]   # out written after the last one
-    first_reduction = body[body.index("barrier.cluster.wait", body.index("st.shared::cluster")):]
+    assert "st.global" in body[waits[-1]:]                                    # out written after the last
+    first_reduction = body[waits[0]:]
     assert first_reduction.count("shfl.sync.idx") >= S2     # the rank sums shared by shuffles, not by smem
 
 
