@@ -117,8 +117,6 @@ class AttnResRMSNorm:
                 cute.arch.mbarrier_init(mbar.iterator, 1)
                 cute.arch.mbarrier_init(mbar.iterator + 1, 1)
                 cute.arch.mbarrier_init_fence()
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator, 2 * S * self.cluster_n * 4)
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator + 1, self.cluster_n * 4)
             # a peer's shared memory (and mbarriers) may be written only once the peer runs and has
             # initialised them: this phase, waited on just before the first push (block_sum)
             cute.arch.cluster_arrive_relaxed()
@@ -217,7 +215,13 @@ class AttnResRMSNorm:
             red[k, tidx] = vals[k]
         cute.arch.sync_threads()
         if const_expr(self.cluster_n > 1):
-            cute.arch.cluster_wait()     # every peer has started (the kernel's entry arrive)
+            cute.arch.cluster_wait()     # every peer has started and initialised its mbarriers
+            if tidx == 0:
+                # the one arrival of each mbarrier's phase 0, and the bytes it waits for; after the
+                # entry barrier, as CUTLASS's pipelines first arrive (a peer's complete_tx may come
+                # first: the phase cannot complete while this arrival is pending)
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator, n * self.cluster_n * 4)
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator + 1, self.cluster_n * 4)
         for k in cutlass.range_constexpr(n):
             if warp == k % self.num_warps:
                 t = red[k, lane]

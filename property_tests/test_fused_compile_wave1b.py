@@ -231,6 +231,7 @@ def test_attn_res_rmsnorm_cluster_pushes_its_partial_sums(ptx_of, threads, clust
     assert body.count("barrier.cluster.wait") == 1 and body.count("barrier.cluster.arrive.relaxed") == 1
     assert body.count("barrier.cluster.arrive") == 1
     assert body.index("fence.mbarrier_init") < body.index("barrier.cluster.arrive.relaxed") < body.index("bar.sync")
+    assert body.index("barrier.cluster.wait") < body.index("mbarrier.arrive.expect_tx")   # arrives after it
     assert body.count("mbarrier.arrive.expect_tx") == 2 and body.count("mbarrier.init") == 2
     assert body.index("barrier.cluster.wait") < body.index("st.async")        # waits before a push
     waits = [m.start() for m in re.finditer(r"mbarrier\.try_wait\.parity\.acquire\.cluster", body)]
