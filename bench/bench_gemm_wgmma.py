@@ -121,7 +121,7 @@ def variants_for(N, K, M, sweep, folds=None, bks=(), steps=(), occs=(1,), rows=(
                                                  stages=wg.stages_for(r, d.m_pad, occ, bk))
                     for s in ({d.ksplit, most} if r == d.rows else {most}):   # other rows: the one-wave S
                         if wg.SMS * (occ - 1) < blocks * s <= wg.SMS * occ:
-                            keep(dataclasses.replace(staged, fold=fold, ksplit=s))
+                            keep(wg.with_fold(staged, fold, s))
     return base + extra + [d]
 
 

@@ -3,7 +3,7 @@
 (compiled, weights resident), then once inside an NVTX range named after it, which the ncu command
 line selects. Workloads (`--list` prints their names; arguments pick some): the router's two
 kernels at B = 1, 8 and 64 (SIMT GEMV; wgmma split-K partials), skinny_gemm 7168->896 at M = 8 and 32
-and 7168->3584 at M = 8 and 64 (the "cspread" cluster fold), 1536->7168 (o_proj) at M = 8,
+and 7168->3584 at M = 8 and 64 (the "cspread" cluster fold; `_cpush`: the "cpush" twin), 1536->7168 (o_proj) at M = 8,
 mxfp4_dequant bf16 [7168, 2048], attn_res_rmsnorm at D = 7168 with 8 blocks at B = 1 and 64 (and with 4
 blocks + a block write at B = 64: the one-CTA pick; 7 blocks + a write at B = 8), and
 kda_decode at T = 8 (12 heads) B = 1, 32 (the 4-warp early_conv pick) and 64 (the persistent launch)
@@ -32,11 +32,17 @@ def router(B):
     return lambda: fr.router_topk(x, w, bias, 16, 2.5)
 
 
-def gemm(K, N, M):
+def gemm(K, N, M, fold=None):
+    """The default launch, or (fold) the default's twin with this split-K fold at the same S."""
     from fused import skinny_gemm as sg
+    from fused import skinny_gemm_wgmma as wg
     w = torch.randn(N, K, device="cuda").to(torch.bfloat16)
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-    return lambda: sg.skinny_gemm(x, w)
+    if fold is None:
+        return lambda: sg.skinny_gemm(x, w)
+    d = sg.default_config(M, N, K)
+    cfg = wg.with_fold(d, fold, d.ksplit)
+    return lambda: sg.skinny_gemm(x, w, variant=cfg)
 
 
 def dequant():
@@ -65,6 +71,9 @@ WORKLOADS = {
     "gemm_7168x896_m8": lambda: gemm(7168, 896, 8), "gemm_7168x896_m32": lambda: gemm(7168, 896, 32),
     "gemm_7168x3584_m8": lambda: gemm(7168, 3584, 8), "gemm_7168x3584_m64": lambda: gemm(7168, 3584, 64),
     "gemm_1536x7168_m8": lambda: gemm(1536, 7168, 8), "dequant": dequant,
+    "gemm_7168x896_m8_cpush": lambda: gemm(7168, 896, 8, "cpush"),
+    "gemm_7168x896_m64_cpush": lambda: gemm(7168, 896, 64, "cpush"),
+    "gemm_7168x3584_m64_cpush": lambda: gemm(7168, 3584, 64, "cpush"),
     "attn_res_b1": lambda: attn_res(1), "attn_res_b64": lambda: attn_res(64),
     "attn_res_b16": lambda: attn_res(16), "attn_res_b32": lambda: attn_res(32),
     "attn_res_b64_nb4w": lambda: attn_res(64, 4, 4), "attn_res_b8_nb7w": lambda: attn_res(8, 7, 2),

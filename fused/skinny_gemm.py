@@ -120,7 +120,7 @@ def default_wgmma(N: int, K: int, m_pad: int) -> SkinnyGemmWgmmaConfig | None:
                 bk, step = WGMMA_TILES[(N, K)]
                 c = dataclasses.replace(c, bk=bk, step=step, stages=wgmma.stages_for(rows, m_pad, occ, bk))
             if fold:
-                c = dataclasses.replace(c, fold=fold[0], ksplit=fold[1] if len(fold) > 1 else c.ksplit)
+                c = wgmma.with_fold(c, fold[0], fold[1] if len(fold) > 1 else c.ksplit)
             return c
     return None
 

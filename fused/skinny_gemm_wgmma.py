@@ -96,8 +96,10 @@ M_PADS = (8, 16, 32, 64)
 # [S, M, N]) for the caller to fold in ks order (router_topk's top-k kernel does), as the mma.sync
 # kernel's split-K does: no counter, no wait, nothing to keep resident. "cluster" / "cspread": the S
 # split CTAs of a column block are one thread-block cluster and fold through distributed shared
-# memory, gathered in CTA 0 / dealt over the S CTAs (module docstring, "Cluster folds").
-CLUSTER_FOLDS = ("cluster", "cspread")
+# memory, gathered in CTA 0 / dealt over the S CTAs (module docstring, "Cluster folds"). "cpush": cspread's
+# dealing, pushed by st.async into a buffer of its own in each owner, whose mbarrier counts the bytes in
+# (no cluster barrier after the kernel's entry).
+CLUSTER_FOLDS = ("cluster", "cspread", "cpush")
 FOLDS = ("last", "vec", "spread", "partials", *CLUSTER_FOLDS)
 MAX_CLUSTER = 8              # portable thread-block cluster size
 
@@ -140,8 +142,9 @@ def stage_bytes(rows: int, m_pad: int, bk: int = BK) -> int:
     return (rows + m_pad) * bk * 2
 
 
-def stages_for(rows: int, m_pad: int, occupancy: int, bk: int = BK) -> int:
-    budget = SMEM_PER_SM // occupancy - 1024 - 2048       # reserved + barriers/flag/alignment
+def stages_for(rows: int, m_pad: int, occupancy: int, bk: int = BK, reserve: int = 0) -> int:
+    """Stages that fit one CTA's share of the SM, `reserve` bytes (a fold's own buffer) set aside."""
+    budget = SMEM_PER_SM // occupancy - 1024 - 2048 - reserve   # reserved + barriers/flag/alignment
     return min(MAX_STAGES, budget // stage_bytes(rows, m_pad, bk))
 
 
@@ -205,11 +208,29 @@ def m_pad_for(M: int) -> int:
 
 
 def cluster_buffer_bytes(cfg: SkinnyGemmWgmmaConfig) -> int:
-    """Folds "cluster" / "cspread": the fp32 partials (all S, its own included) of the fragment
-    elements one CTA adds, staged in its weight stages."""
+    """Cluster folds: the fp32 partials (all S, its own included) of the fragment elements one CTA
+    adds (at most; "cpush" sizes its buffer by it), staged in its weight stages ("cluster", "cspread")
+    or in a buffer of its own ("cpush")."""
     frag = cfg.rows * cfg.m_pad // CONSUMER_THREADS
     owned = frag if cfg.fold == "cluster" else -(-frag // cfg.ksplit)
     return owned * cfg.ksplit * CONSUMER_THREADS * 4
+
+
+def own_buffer_bytes(cfg: SkinnyGemmWgmmaConfig) -> int:
+    """Shared memory a fold needs beside the stages: "cpush"'s receive buffer."""
+    return cluster_buffer_bytes(cfg) if cfg.fold == "cpush" and cfg.ksplit > 1 else 0
+
+
+def with_fold(cfg: SkinnyGemmWgmmaConfig, fold: str, ksplit: int) -> SkinnyGemmWgmmaConfig:
+    """cfg with this split-K fold and S, its stages refitted where the fold takes shared memory of
+    its own ("cpush"); the same k order, so the same sums as the "last" fold at that S."""
+    import dataclasses
+
+    out = dataclasses.replace(cfg, fold=fold, ksplit=ksplit)
+    if own_buffer_bytes(out):
+        out = dataclasses.replace(out, stages=min(cfg.stages, stages_for(
+            cfg.rows, cfg.m_pad, cfg.occupancy, cfg.bk, own_buffer_bytes(out))))
+    return out
 
 
 def workspace_shapes(N: int, cfg: SkinnyGemmWgmmaConfig) -> tuple[tuple[int], tuple[int]]:
@@ -238,17 +259,17 @@ def validate(N: int, K: int, cfg: SkinnyGemmWgmmaConfig) -> None:
                          f"N={N}, with the 'last' or a cluster fold ({cfg.name})")
     if not 1 <= cfg.ksplit <= K // cfg.bk:
         raise ValueError(f"variant: ksplit={cfg.ksplit} must be in 1..K/{cfg.bk}={K // cfg.bk} ({cfg.name})")
-    smem = cfg.stages * stage_bytes(cfg.rows, cfg.m_pad, cfg.bk) + 2048
+    smem = cfg.stages * stage_bytes(cfg.rows, cfg.m_pad, cfg.bk) + 2048 + own_buffer_bytes(cfg)
     if cfg.stages < 2 or smem > SMEM_PER_SM - 1024:
         raise ValueError(f"variant: {cfg.stages} stages need {smem} bytes of shared memory ({cfg.name})")
     if cfg.fold not in FOLDS:
         raise ValueError(f"variant: fold={cfg.fold!r} must be one of {FOLDS} ({cfg.name})")
     if cfg.fold in CLUSTER_FOLDS:
         need = cluster_buffer_bytes(cfg)
-        if not 2 <= cfg.ksplit <= MAX_CLUSTER or need > cfg.stages * cfg.rows * cfg.bk * 2:
+        if not 2 <= cfg.ksplit <= MAX_CLUSTER or (cfg.fold != "cpush" and need > cfg.stages * cfg.rows * cfg.bk * 2):
             raise ValueError(f"variant: fold={cfg.fold!r} makes the ksplit={cfg.ksplit} CTAs of a column block one "
                              f"cluster: ksplit must be 2..{MAX_CLUSTER} and the {need} bytes of partials a CTA "
-                             f"adds must fit its weight stages ({cfg.name})")
+                             f"adds must fit its weight stages (\"cpush\": a buffer beside them) ({cfg.name})")
     if cfg.fold == "spread":
         # every CTA spins until all S of its column block arrived: only safe if the grid is resident
         if cfg.occupancy not in (1, 2) or smem > SMEM_PER_SM // cfg.occupancy - 1024:
@@ -278,6 +299,7 @@ class SkinnyGemmWgmma:
 
         cfg = self
         kernel = self.device_kernel()
+        recv_words = max(4, own_buffer_bytes(self.cfg) // 4)   # "cpush": S partials of its owned elements
 
         @cute.jit
         def host(mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor, mCnt: cute.Tensor,
@@ -299,7 +321,9 @@ class SkinnyGemmWgmma:
             @cute.struct
             class Storage:
                 bars: cute.struct.MemRange[cutlass.Int64, 2 * c.stages]
+                fbar: cute.struct.MemRange[cutlass.Int64, 2]          # "cpush": the fold's mbarrier
                 ticket: cute.struct.MemRange[cutlass.Int32, 4]
+                recv: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, recv_words], 16]
                 sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(w_sl)], 1024]
                 sX: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(x_sl)], 1024]
 
@@ -333,8 +357,13 @@ class SkinnyGemmWgmma:
         E = rows * self.cfg.m_pad                              # floats per split partial
         wait_at_least = spin_wait_op() if spread else None
         st_cluster = st_cluster_op() if fold in CLUSTER_FOLDS else None
+        push = fold == "cpush" and S > 1
+        own_max = -(-frag // S)                                # "cpush": fragment elements a CTA adds, at most
+        # st.async vector width: a run of owned elements goes out as one .v2 / .v4 store where every CTA
+        # owns the same count (frag % S == 0)
+        vw = next(v for v in (4, 2, 1) if own_max % v == 0) if frag % S == 0 else 1
 
-        def owner(i: int) -> int:                              # fold "cluster" / "cspread": who adds element i
+        def owner(i: int) -> int:                              # cluster folds: who adds element i
             return 0 if fold == "cluster" else (i * S) // frag
 
         def first_owned(j: int) -> int:
@@ -423,6 +452,58 @@ class SkinnyGemmWgmma:
                         mY[t, n0 + r] = tot.to(mY.element_type)
 
         @cute.jit
+        def fold_push(acc: cute.Tensor, tCc: cute.Tensor, mY: cute.Tensor, recv: cute.Pointer,
+                      fbar: cute.Pointer, n0: Int32, ks: Int32, tidx: Int32, M: Int32):
+            """fold "cpush": cspread's dealing without its two cluster barriers. Every CTA pushes fragment
+            element i of its partial into the receive buffer of the CTA that owns i (CTA i*S//frag), at
+            word ((ks * 128 + tidx) * own_max + e), e = i - first owned (st.async, vw floats per store,
+            each completing its bytes on the owner's fold mbarrier); each owner waits on its own mbarrier
+            (acquire at cluster scope) for the owned x S x 128 floats, then adds its elements' S partials
+            in ks order and stores them: cspread's adds. The buffer is its own, not the stages, so no
+            peer has to finish its main loop first; a peer has to have started and initialised its
+            mbarrier (the entry arrive, waited here). No closing barrier: an owner exits only once every
+            store into it has landed."""
+            cute.arch.cluster_wait()
+            if tidx == 0:
+                owned = ((ks + 1) * frag + S - 1) // S - (ks * frag + S - 1) // S
+                cute.arch.mbarrier_arrive_and_expect_tx(fbar, owned * (S * CONSUMER_THREADS * 4))
+            for j in cutlass.range_constexpr(S):
+                lo, hi = first_owned(j), first_owned(j + 1)
+                peer_bar = cute.arch.map_dsmem_ptr(fbar, j)
+                for e in cutlass.range_constexpr(0, hi - lo, vw):
+                    dst = cute.arch.map_dsmem_ptr(recv + ((ks * CONSUMER_THREADS + tidx) * own_max + e), j)
+                    if cutlass.const_expr(vw == 4):
+                        cute.arch.inline_ptx(
+                            "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 "
+                            "[{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}}, [{$r5}];",
+                            read_only_args=[dst.toint(), acc[lo + e], acc[lo + e + 1], acc[lo + e + 2],
+                                            acc[lo + e + 3], peer_bar.toint()])
+                    elif cutlass.const_expr(vw == 2):
+                        cute.arch.inline_ptx(
+                            "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 "
+                            "[{$r0}], {{$r1}, {$r2}}, [{$r3}];",
+                            read_only_args=[dst.toint(), acc[lo + e], acc[lo + e + 1], peer_bar.toint()])
+                    else:
+                        cute.arch.inline_ptx(
+                            "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [{$r0}], {$r1}, [{$r2}];",
+                            read_only_args=[dst.toint(), acc[lo + e], peer_bar.toint()])
+            cute.arch.inline_ptx("{\n.reg .pred P1;\nWAIT:\n"
+                                 "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [{$r0}], 0;\n"
+                                 "@P1 bra.uni DONE;\nbra.uni WAIT;\nDONE:\n}",
+                                 read_only_args=[fbar.toint()])
+            for i in cutlass.range_constexpr(frag):
+                j = owner(i)
+                if ks == j:
+                    parts = cute.make_tensor(recv + (tidx * own_max + i - first_owned(j)),
+                                             cute.make_layout(S, stride=CONSUMER_THREADS * own_max))
+                    tot = parts[0]
+                    for p in cutlass.range_constexpr(1, S):              # ((p0 + p1) + p2) + ...
+                        tot = tot + parts[p]
+                    r, t = tCc[i]
+                    if t < M and r < cols:
+                        mY[t, n0 + r] = tot.to(mY.element_type)
+
+        @cute.jit
         def store(acc: cute.Tensor, tCc: cute.Tensor, mY: cute.Tensor, n0: Int32, M: Int32):
             """y[t, n0 + r] for the real tokens and, with overlapping tiles, the CTA's own columns."""
             for i in cutlass.range_constexpr(frag):
@@ -436,8 +517,8 @@ class SkinnyGemmWgmma:
 
         @cute.jit
         def epilogue(acc: cute.Tensor, tCc: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor,
-                     mCnt: cute.Tensor, ticket: cute.Tensor, peer_buf: cute.Pointer, bn: Int32, ks: Int32,
-                     tidx: Int32, M: Int32):
+                     mCnt: cute.Tensor, ticket: cute.Tensor, peer_buf: cute.Pointer, recv: cute.Pointer,
+                     fbar: cute.Pointer, bn: Int32, ks: Int32, tidx: Int32, M: Int32):
             """Consumer threads: store y, or fold the split-K partials (by the caller, inside the cluster,
             or through the workspace)."""
             n0 = bn * cols
@@ -448,6 +529,8 @@ class SkinnyGemmWgmma:
                     r, t = tCc[i]
                     if t < M:
                         mY[ks, t, n0 + r] = acc[i]
+            elif cutlass.const_expr(push):
+                fold_push(acc, tCc, mY, recv, fbar, n0, ks, tidx, M)
             elif cutlass.const_expr(fold in CLUSTER_FOLDS):
                 fold_cluster(acc, tCc, mY, peer_buf, n0, ks, tidx, M)
             elif cutlass.const_expr(fold != "last"):
@@ -488,6 +571,13 @@ class SkinnyGemmWgmma:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
             storage = cutlass.memory.SmemAllocator().allocate(cfg.storage)
+            if cutlass.const_expr(push):
+                # the fold's mbarrier, initialised before any peer may push into this CTA: the cluster
+                # arrive below (all threads, relaxed) is waited on just before the first push (fold_push)
+                if tidx == 0:
+                    cute.arch.mbarrier_init(storage.fbar.data_ptr(), 1)
+                    cute.arch.mbarrier_init_fence()
+                cute.arch.cluster_arrive_relaxed()
             sW = storage.sW.get_tensor(w_sl.outer, swizzle=w_sl.inner)
             sX = storage.sX.get_tensor(x_sl.outer, swizzle=x_sl.inner)
             pipe = pipeline.PipelineTmaAsync.create(
@@ -516,7 +606,9 @@ class SkinnyGemmWgmma:
                     cute.copy(tma_x, tXg[(None, kt0 + i)], tXs[(None, prod.index)], tma_bar_ptr=bar)
                     pipe.producer_commit(prod)
                     prod.advance()
-                if cutlass.const_expr(fold in CLUSTER_FOLDS):      # the consumers' two cluster barriers
+                if cutlass.const_expr(push):                       # pairs the entry arrive
+                    cute.arch.cluster_wait()
+                elif cutlass.const_expr(fold in CLUSTER_FOLDS):    # the consumers' two cluster barriers
                     cute.arch.cluster_arrive()
                     cute.arch.cluster_wait()
                     cute.arch.cluster_arrive()
@@ -560,7 +652,7 @@ class SkinnyGemmWgmma:
                 warpgroup.wait_group(0)
                 peer_buf = cute.recast_ptr(storage.sW.data_ptr(), dtype=Float32)
                 epilogue(acc, tCc, mY, mWs, mCnt, storage.ticket.get_tensor(cute.make_layout(4)), peer_buf,
-                         bn, ks, tidx, M)
+                         storage.recv.data_ptr(), storage.fbar.data_ptr(), bn, ks, tidx, M)
 
         return kernel
 

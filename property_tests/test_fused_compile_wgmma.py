@@ -343,15 +343,13 @@ def test_wgmma_same_bits_across_m_pad():
 
 
 def _fold_variants(N, K, m_pad):
-    """The bench-only "vec" / "spread" folds, and both cluster folds at every split shipped variant's S
+    """The bench-only "vec" / "spread" folds, and every cluster fold at every split shipped variant's S
     that a cluster holds (and at S = 8 where the shipped S is above it)."""
-    import dataclasses
-
-    from fused.skinny_gemm_wgmma import CLUSTER_FOLDS, MAX_CLUSTER, configs_for, validate
+    from fused.skinny_gemm_wgmma import CLUSTER_FOLDS, MAX_CLUSTER, configs_for, validate, with_fold
     out = [c for c in configs_for(N, K, m_pad, sweep=True) if c.fold != "last"]
     for c in configs_for(N, K, m_pad):
         for fold in CLUSTER_FOLDS if c.ksplit > 1 else ():
-            cand = dataclasses.replace(c, fold=fold, ksplit=min(c.ksplit, MAX_CLUSTER))
+            cand = with_fold(c, fold, min(c.ksplit, MAX_CLUSTER))
             try:
                 validate(N, K, cand)
             except ValueError:
