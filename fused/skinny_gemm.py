@@ -13,10 +13,10 @@ Both are SIMT (CUDA-core FMA): past M ~ 16 the FMA rate, not HBM, is the limit.
 `wgmma_*` (fused/skinny_gemm_wgmma.py): Hopper warpgroup MMA, swap-AB, 64 or 128 weight rows per
 CTA, weight and token tiles through a TMA pipeline in shared memory, fixed-order split-K over CTAs,
 for 1 <= M <= 64; its order depends on (K, its split-K S) only, so it is batch invariant within a
-variant but not bitwise equal to the SIMT kernel. At the 3584-, 6144- and 7168-column K3 shapes the
+variant but not bitwise equal to the SIMT kernel. At the 6144- and 7168-column K3 shapes the
 default adds skinny_gemm_wgmma's bk / step tiling (WGMMA_TILES): the plain variant's bits on 128
-CTAs. The two split-K defaults (7168 -> 3584 and the router shape 7168 -> 896) fold their partials
-inside a thread-block cluster (fold "cspread", WGMMA_DEFAULTS). `default_config` picks SIMT for small M and the wgmma variant of M's bucket above a per-shape
+CTAs; the two split-K shapes take its 128 k per stage alone. The two split-K defaults (7168 -> 3584 and the router shape 7168 -> 896) fold their partials
+inside a thread-block cluster (fold "cpush", WGMMA_DEFAULTS). `default_config` picks SIMT for small M and the wgmma variant of M's bucket above a per-shape
 threshold, from the H200 measurements in results/gpu/skinny_gemm_wgmma.md: a dispatcher that switches
 kernels with M is batch invariant within each M (the harness's permuted-batch check), not across M.
 (The mma.sync kernel of fused/skinny_gemm_mma.py, slower than wgmma everywhere measured, serves router_topk only.)
@@ -87,23 +87,32 @@ def simt_config(M: int, N: int, K: int) -> SkinnyGemmConfig:
 # 6.12 / 6.26 / 6.45 / 6.97 us at M = 8 / 16 / 32 / 64 against 7.34 / 8.26 / 8.12 / 8.22 and cuBLAS
 # 8.58 / 8.79 / 8.88 / 9.68 in the same run, and from M = 3 (6.28 us against the SIMT GEMV's 6.76;
 # at M = 2 the GEMV's 6.02 against 6.41). One S per shape, so every M bucket gives the same bits.
+# Session 17 (results/gpu/s17-2026-12-01/call3_cpush): both now fold by "cpush" (cspread's dealing
+# by st.async into a receive buffer of each owner, no cluster barrier after the entry), with 128 k
+# per stage and no overlapping tiles; us against the cspread default's: router shape M = 3 / 8 / 16
+# / 32 / 64 5.56 / 5.50 / 5.71 / 5.94 / 6.44 against 6.10 / 6.05 / 6.20 / 6.44 / 7.04; 7168 -> 3584
+# M = 8 / 16 / 32 / 64 14.68 / 15.06 / 15.43 / 16.04 against 15.1 / 15.2 / 16.0 / 17.1 (k128 n56).
+# The same S and k order: the bits of the "last" fold at that S.
 WGMMA_DEFAULTS: dict[tuple[int, int], tuple[int, dict[int, tuple]]] = {
     (49152, 7168): (3, {8: (64, 1), 16: (64, 2), 32: (64, 2), 64: (128, 1)}),
     (6144, 7168): (3, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
     (7168, 12288): (2, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
     (7168, 1536): (2, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
-    (3584, 7168): (3, {p: (64, 1, "cspread") for p in wgmma.M_PADS}),
-    (896, 7168): (3, {p: (64, 1, "cspread", 8) for p in wgmma.M_PADS}),
+    (3584, 7168): (3, {p: (64, 1, "cpush") for p in wgmma.M_PADS}),
+    (896, 7168): (3, {p: (64, 1, "cpush", 8) for p in wgmma.M_PADS}),
 }
 
 
-# Shapes whose default runs its "last"-fold variant with 128 k per stage and a 64-row tile every
-# `step` rows (skinny_gemm_wgmma's bk / step), so the 3584, 6144 and 7168 columns fill 128 CTAs (64 x 2,
-# 128, 128) where 64-row blocks gave 112 or 96: (N, K) -> (bk, step). Same S, same k order, so the
-# same bits as the plain variant (H200 session 12, results/gpu/targets.md: 80 of 80 bitwise; at M = 64
-# 4-7 % faster, at M = 8 within +-1 %).
+# Shapes whose default runs with 128 k per stage and (step > 0) a 64-row tile every `step` rows
+# (skinny_gemm_wgmma's bk / step), so the 6144 and 7168 columns fill 128 CTAs where 64-row blocks gave
+# 96 or 112: (N, K) -> (bk, step). Same S, same k order, so the same bits as the plain variant (H200
+# session 12, results/gpu/targets.md: 80 of 80 bitwise; at M = 64 4-7 % faster, at M = 8 within +-1 %).
+# The two cluster-fold shapes take 128 k per stage without the overlap (session 17, with "cpush":
+# 7168 -> 3584 at 112 CTAs 0.2-0.5 us faster than with step 56, the router shape 0-0.1 us faster
+# than 64 k per stage).
 WGMMA_TILES: dict[tuple[int, int], tuple[int, int]] = {
-    (3584, 7168): (128, 56), (6144, 7168): (128, 48), (7168, 1536): (128, 56), (7168, 12288): (128, 56),
+    (3584, 7168): (128, 0), (896, 7168): (128, 0), (6144, 7168): (128, 48), (7168, 1536): (128, 56),
+    (7168, 12288): (128, 56),
 }
 
 

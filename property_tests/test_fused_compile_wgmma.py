@@ -138,10 +138,10 @@ def test_wgmma_folds_reach_the_dispatcher_only_where_measured():
         assert len(splits) <= 1, (K, N, splits)
     assert {n for n, _, _ in folded} == {896, 3584}, folded
     assert {name for _, _, name in folded} == {
-        "wgmma_m8_r64_st12_s8_o1_cspread", "wgmma_m16_r64_st12_s8_o1_cspread",
-        "wgmma_m32_r64_st12_s8_o1_cspread", "wgmma_m64_r64_st12_s8_o1_cspread",
-        "wgmma_m8_r64_st12_s2_o1_cspread_k128_n56", "wgmma_m16_r64_st11_s2_o1_cspread_k128_n56",
-        "wgmma_m32_r64_st9_s2_o1_cspread_k128_n56", "wgmma_m64_r64_st7_s2_o1_cspread_k128_n56"}
+        "wgmma_m8_r64_st12_s8_o1_cpush_k128", "wgmma_m16_r64_st11_s8_o1_cpush_k128",
+        "wgmma_m32_r64_st9_s8_o1_cpush_k128", "wgmma_m64_r64_st6_s8_o1_cpush_k128",
+        "wgmma_m8_r64_st12_s2_o1_cpush_k128", "wgmma_m16_r64_st11_s2_o1_cpush_k128",
+        "wgmma_m32_r64_st9_s2_o1_cpush_k128", "wgmma_m64_r64_st6_s2_o1_cpush_k128"}
     new = [c for c in configs_for(896, 7168, 64, sweep=True) if c.fold != "last"]
     names = {c.name for c in new}
     assert len(names) == len(new)
@@ -150,28 +150,47 @@ def test_wgmma_folds_reach_the_dispatcher_only_where_measured():
 
 def test_wgmma_cluster_folds_validate_and_ptx(ptx_of, ir_of):
     """The cluster folds launch the S split CTAs of a column block as one (1, S, 1) cluster, stage
-    the partials in distributed shared memory (st.shared::cluster through mapa, two cluster
-    barriers) and never touch a global workspace or counter; S above 8, or partials that do not fit
-    the weight stages, are refused by name."""
+    the partials in distributed shared memory and never touch a global workspace or counter.
+    "cspread": st.shared::cluster through mapa, two cluster barriers. "cpush" (the default): one
+    relaxed cluster arrive at entry, waited on once per thread, then st.async stores (.v4 where every
+    CTA owns a multiple of 4 elements), each completing on the owner's mbarrier, and one wait on its
+    own mbarrier at cluster scope; its receive buffer comes out of the stages. S above 8, partials
+    that do not fit the weight stages, or stages that leave no room for cpush's buffer, are refused
+    by name."""
     import dataclasses
 
     from fused import skinny_gemm as sg
     from fused import skinny_gemm_wgmma as wg
     d = sg.default_wgmma(896, 7168, 64)
-    assert (d.fold, d.ksplit) == ("cspread", 8) and wg.workspace_shapes(896, d) == ((1,), (1,))
+    assert (d.fold, d.ksplit, d.bk) == ("cpush", 8, 128) and wg.workspace_shapes(896, d) == ((1,), (1,))
+    assert wg.own_buffer_bytes(d) == 64 * 64 * 4 and d.stages == 6    # 7 stages of 32 KB leave no room
     for bad, words in ((dict(ksplit=9), "ksplit must be 2..8"), (dict(ksplit=1), "ksplit must be 2..8"),
-                       (dict(fold="cluster", bk=128, stages=7), "must fit its weight stages")):
+                       (dict(fold="cluster", stages=7), "must fit its weight stages"),
+                       (dict(stages=7), "7 stages need 247808 bytes")):
         with pytest.raises(ValueError, match=words):
             wg.validate(896, 7168, dataclasses.replace(d, **bad))
-    code = ("from fused import skinny_gemm as sg, skinny_gemm_wgmma as wg; "
-            "wg.compile_variant('bfloat16', 'bfloat16', 896, 7168, sg.default_wgmma(896, 7168, 64))")
-    body = ptx_of(code)
-    body = body[body.index(".entry"):]
     frag = 64 * 64 // wg.CONSUMER_THREADS
-    assert body.count("st.shared::cluster.f32") == frag            # every element to its owner CTA
-    assert "mapa.shared::cluster" in body and body.count("barrier.cluster.wait") == 4   # 2 consumer + 2 producer
-    assert "atom.global" not in body and "ld.global" not in body and ".local" not in body
-    assert "cluster_dim = array<i64: 1, 8, 1>" in ir_of(code)
+    for fold in ("cspread", "cpush"):
+        code = ("from fused import skinny_gemm as sg, skinny_gemm_wgmma as wg; "
+                "wg.compile_variant('bfloat16', 'bfloat16', 896, 7168, "
+                f"wg.with_fold(sg.default_wgmma(896, 7168, 64), {fold!r}, 8))")
+        body = ptx_of(code)
+        body = body[body.index(".entry"):]
+        assert "mapa.shared::cluster" in body
+        assert "atom.global" not in body and "ld.global" not in body and ".local" not in body
+        assert "cluster_dim = array<i64: 1, 8, 1>" in ir_of(code)
+        if fold == "cspread":
+            assert body.count("st.shared::cluster.f32") == frag          # every element to its owner CTA
+            assert body.count("barrier.cluster.wait") == 4               # 2 consumer + 2 producer
+            assert "st.async" not in body
+        else:
+            stores = [ln for ln in body.splitlines() if "st.async" in ln]
+            assert len(stores) == 8 and all("complete_tx::bytes.v4.f32" in ln for ln in stores)   # 4 per owner
+            assert body.count("barrier.cluster.arrive.relaxed") == 1 == body.count("barrier.cluster.arrive")
+            assert body.count("barrier.cluster.wait") == 2               # 1 consumer + 1 producer
+            assert body.count("mbarrier.try_wait.parity.acquire.cluster") == 1
+            assert "fence.mbarrier_init.release.cluster" in body
+            assert body.count("ld.shared.v4") == 8 * 8 and "st.shared::cluster" not in body   # S parts x S owners
 
 
 def test_spread_fold_runs_as_vec_where_the_grid_cannot_be_resident(monkeypatch):
