@@ -449,10 +449,11 @@ def test_wgmma_partials_folded_in_ks_order_give_the_spread_bits(M):
 
 
 def test_tiled_defaults_keep_the_plain_variants_sums_and_fill_one_wave():
-    """WGMMA_TILES' defaults (bk 128, a 64-row tile every `step` rows) differ from the shipped plain
-    variant of their bucket only in bk, step and stages: same rows, occupancy and S, so the same k
-    ranges in the same order; their grid is one wave of more CTAs than the plain one's; bad bk / step
-    are refused by name."""
+    """WGMMA_TILES' defaults (bk 128, and where step > 0 a 64-row tile every `step` rows) differ from
+    the shipped plain variant of their bucket only in bk, step, stages and the split-K fold: same rows,
+    occupancy and S (the router shape's cluster fold: 8, the most a cluster holds), so the same k
+    ranges in the same order; a stepped grid is one wave of more CTAs than the plain one's, and every
+    grid is one wave; bad bk / step are refused by name."""
     import dataclasses
 
     from fused import skinny_gemm as sg
@@ -462,8 +463,12 @@ def test_tiled_defaults_keep_the_plain_variants_sums_and_fill_one_wave():
             d = sg.default_wgmma(N, K, p)
             plain = next(c for c in wg.configs_for(N, K, p) if (c.rows, c.occupancy) == (d.rows, d.occupancy))
             assert (d.bk, d.step) == (bk, step)
-            assert dataclasses.replace(d, bk=wg.BK, step=0, stages=plain.stages, fold="last") == plain
-            assert wg.num_ctas(N, plain) < wg.num_ctas(N, d) <= wg.SMS, (N, K, p)
+            assert dataclasses.replace(d, bk=wg.BK, step=0, stages=plain.stages, fold="last",
+                                       ksplit=plain.ksplit) == plain
+            assert d.ksplit == plain.ksplit or ((N, K), d.ksplit) == ((896, 7168), wg.MAX_CLUSTER)
+            if step:
+                assert wg.num_ctas(N, plain) < wg.num_ctas(N, d) <= wg.SMS, (N, K, p)
+            assert wg.num_ctas(N, d) <= wg.SMS, (N, K, p)
             assert d in sg.all_configs(N, K)
     N, K = 3584, 7168
     base = wg.configs_for(N, K, 8)[0]
