@@ -154,7 +154,7 @@ def test_wgmma_cluster_folds_validate_and_ptx(ptx_of, ir_of):
     "cspread": st.shared::cluster through mapa, two cluster barriers. "cpush" (the default): one
     relaxed cluster arrive at entry, waited on once per thread, then st.async stores (.v4 where every
     CTA owns a multiple of 4 elements), each completing on the owner's mbarrier, and one wait on its
-    own mbarrier at cluster scope; its receive buffer comes out of the stages. S above 8, partials
+    own mbarrier at cluster scope; its receive buffer takes its bytes from the stages. S above 8, partials
     that do not fit the weight stages, or stages that leave no room for cpush's buffer, are refused
     by name."""
     import dataclasses
