@@ -51,10 +51,11 @@ cmd_for() { case $1 in        # job name -> "limit command..."
 esac; }
 JOBS=${JOBS:-"cert_skinny_gemm cert_kda_decode cert_attn_res_rmsnorm cert_router_topk cert_mxfp4_dequant cert_mla_cache_write wave1a wave1b gpu_tests"}
 declare -A lane
-if [ -n "${LANES:-}" ]; then            # explicit: LANES="0:jobA jobB;1:jobC"
+if [ -n "${LANES:-}" ]; then            # explicit: LANES="0:jobA jobB;1:jobC"; "0b:jobD": a second lane on GPU 0
   IFS=';' read -ra spec <<< "$LANES"; for l in "${spec[@]}"; do lane[${l%%:*}]="${l#*:}"; done
 else i=0; for j in $JOBS; do g=$(( i % NG )); lane[$g]="${lane[$g]:-} $j"; i=$((i + 1)); done; fi
 for g in "${!lane[@]}"; do (
+  dev=${g%%[!0-9]*}                      # lane "0b" runs on GPU 0 beside lane "0" (correctness jobs, not timing ones)
   for j in ${lane[$g]}; do
     set -- $(cmd_for "${j%@*}"); limit=$1; shift; [ "${j#*@}" != "$j" ] && limit=${j#*@}; t0=$(date +%s)
     n=${j%@*}; if [ -f "${RESUME_DIR:-results/gpu/resume}/$n/run.jsonl" ] && [ "${n#cert_}" != "$n" ]; then
@@ -63,10 +64,10 @@ for g in "${!lane[@]}"; do (
     if [ "$n" = certall ] && [ -d "$jobs_from" ]; then     # its per-op/shard logs (xz-compressed ones unpacked)
       mkdir -p "$R/certall"; cp -r "$jobs_from" "$R/certall/"; find "$R/certall/jobs" -name '*.xz' -exec xz -df {} +
       set -- "$@" --resume; fi
-    if [ "$n" = certall ]; then gpus=${CERTALL_GPUS:-$(seq -s, 0 $((NG - 1)))}; else gpus=$g; fi   # certall: every GPU (or CERTALL_GPUS)
+    if [ "$n" = certall ]; then gpus=${CERTALL_GPUS:-$(seq -s, 0 $((NG - 1)))}; else gpus=$dev; fi   # certall: every GPU (or CERTALL_GPUS)
     [ "$n" = nccl ] && gpus=$(seq -s, 0 $((NG - 1)))                                               # nccl: one rank per GPU
     CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" "$@" > "$R/${j%@*}.log" 2>&1
-    echo "$j gpu=$g rc=$? $(( $(date +%s) - t0 ))s" >> "$R/env.txt"
+    echo "$j gpu=$dev lane=$g rc=$? $(( $(date +%s) - t0 ))s" >> "$R/env.txt"
   done ) & done
 wait $(jobs -p | grep -v "^$PACKER$")
 kill $PACKER 2>/dev/null; pack
