@@ -7,8 +7,11 @@ choice = sigmoid(logit) + bias (by rank above a bound; by k rounds of argmax in 
 
 The logits GEMM (`logits_config`), by token count M:
 - M <= SIMT_MAX: the SIMT GEMV (S = 1, IEEE FMA chains).
-- above: the wgmma kernel (`wgmma_logits_config`: 64 weight rows per CTA, 14 x 9 CTAs at E = 896,
-  each writing its split-K partial for the top-k kernel to fold) with `fresh_acc`: each k-tile's 4
+- above: the wgmma kernel (`wgmma_logits_config`: 64 weight rows per CTA, 14 x 8 CTAs at E = 896,
+  each column block's 8 split-K CTAs one cluster folding their partials by skinny_gemm's "cpush",
+  so the top-k kernel reads fp32 logits; session 17: "cpush" took 0.5-0.6 us off the bf16 GEMM at
+  this shape against in-cluster folds with barriers. The session-8 form, 14 x 9 CTAs each writing
+  its split-K partial for the top-k kernel to fold, stays a certified variant) with `fresh_acc`: each k-tile's 4
   wgmma chain from zero, added to the fp32 accumulator with IEEE adds. Where it does not apply (E
   not a multiple of 64): the mma.sync kernel with split-K over S CTAs (`split_for`, so 56 x S CTAs
   fill the 132 SMs at E = 896) and `fresh_acc` (each mma.sync sums its 16 products into zeroed
@@ -69,15 +72,22 @@ def mma_logits_config(M: int, E: int, D: int) -> SkinnyGemmMmaConfig | None:
     return SkinnyGemmMmaConfig(pad, rows, w, mma._unroll(D // S, w, pad), True, S, True)
 
 
-def wgmma_logits_config(M: int, E: int, D: int):
-    """The wgmma logits for M tokens: 64 weight rows, one CTA per SM, the split-K partials written
-    for the top-k kernel to fold (fold "partials"), fresh accumulators per k-tile; None where it
-    does not apply (M over 64, E not a multiple of 64)."""
+def wgmma_logits_config(M: int, E: int, D: int, fold: str = "cpush"):
+    """The wgmma logits for M tokens: 64 weight rows, one CTA per SM, fresh accumulators per k-tile;
+    the split-K partials folded inside each column block's cluster by skinny_gemm's "cpush" (at S =
+    min(S, 8), the most a cluster holds; fp32 logits out, nothing for the top-k kernel to fold), or
+    (fold "partials") written for the top-k kernel to fold; None where it does not apply (M over 64,
+    E not a multiple of 64)."""
     if not (1 <= M <= 64 and wgmma.supports(D) and E % 64 == 0):
         return None
     for c in wgmma.configs_for(E, D, wgmma.m_pad_for(M)):
         if (c.rows, c.occupancy) == (64, 1):
-            return dataclasses.replace(c, fold="partials" if c.ksplit > 1 else c.fold, fresh_acc=True)
+            c = dataclasses.replace(c, fresh_acc=True)
+            if c.ksplit == 1:
+                return c
+            if fold == "cpush":
+                return wgmma.with_fold(c, "cpush", min(c.ksplit, wgmma.MAX_CLUSTER))
+            return dataclasses.replace(c, fold="partials")
     return None
 
 
@@ -128,7 +138,8 @@ def variants(tensors: dict, params: dict) -> list:
     M, D = tensors["x"].shape
     E = tensors["w_gate"].shape[0]
     default = logits_config(M, E, D)
-    paths = [sg.simt_config(max(M, 1), E, D), mma_logits_config(M, E, D), wgmma_logits_config(M, E, D)]
+    paths = [sg.simt_config(max(M, 1), E, D), mma_logits_config(M, E, D), wgmma_logits_config(M, E, D),
+             wgmma_logits_config(M, E, D, "partials")]
     return all_configs() + [RouterTopkConfig(1, g, 4) for g in paths if g is not None and g != default]
 
 
@@ -191,7 +202,7 @@ def compile_all_for(dtype: str, E: int, D: int, top_k: int, cfg: RouterTopkConfi
     tk = (cfg.tokens_per_cta, cfg.warps_per_token, cfg.select)
     out = [sg._compile(dtype, "float32", E, D, sg.simt_config(1, E, D)), _compile(E, top_k, tk[0], 1, *tk[1:])]
     for M in (8, 16, 32, 64):
-        gs = [mma_logits_config(M, E, D), wgmma_logits_config(M, E, D)]
+        gs = [mma_logits_config(M, E, D), wgmma_logits_config(M, E, D), wgmma_logits_config(M, E, D, "partials")]
         for g in (g for g in gs if g is not None):
             out += [sg._compile(dtype, "float32", E, D, g), _compile(E, top_k, tk[0], partials(g), *tk[1:])]
     return out

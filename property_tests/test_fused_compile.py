@@ -133,14 +133,15 @@ def test_router_topk_compiles_every_variant(E, k, D):
     wg = E % 64 == 0                    # the wgmma logits (every token bucket) need 64-row blocks
     for cfg in fr.all_configs():
         fns = fr.compile_all_for("bfloat16", E, D, k, cfg)
-        # SIMT + mma.sync in 4 token buckets (+ wgmma in 4), each with its top-k kernel
-        assert len(fns) == (18 if wg else 10) and all(f is not None for f in fns)
+        # SIMT + mma.sync in 4 token buckets (+ wgmma cpush and partials in 4), each with its top-k kernel
+        assert len(fns) == (26 if wg else 10) and all(f is not None for f in fns)
     mid, big = fr.logits_config(16, E, D), fr.logits_config(64, E, D)
     assert mid.fresh_acc and mid.ksplit > 1 and type(mid) is type(big)
-    if wg:      # wgmma from 17 tokens: its split-K partials folded by the top-k kernel, fresh
-        # accumulators per k-tile; no fold that spins on split peers (two streams could deadlock)
-        assert isinstance(big, SkinnyGemmWgmmaConfig) and fr.partials(big) == big.ksplit > 1
-        assert big.fold == "partials" and big.fresh_acc
+    if wg:      # wgmma: its split-K partials folded in each column block's cluster (cpush, S = 8),
+        # fresh accumulators per k-tile; no fold that spins on split peers across the grid (two
+        # streams could deadlock); the top-k kernel reads fp32 logits
+        assert isinstance(big, SkinnyGemmWgmmaConfig) and fr.partials(big) == 1
+        assert (big.fold, big.ksplit) == ("cpush", 8) and big.fresh_acc
     else:
         assert big.fresh_acc and fr.partials(big) == big.ksplit > 1
 
@@ -165,11 +166,12 @@ def test_router_topk_variants_cover_every_logits_path():
     x = lambda M: torch.empty(M, 7168, dtype=torch.bfloat16)
     w = torch.empty(896, 7168, dtype=torch.bfloat16)
     kinds = lambda M: sorted(type(v.gemm).__name__ for v in fr.variants({"x": x(M), "w_gate": w}, {}) if v.gemm)
-    assert kinds(1) == ["SkinnyGemmWgmmaConfig"]                         # SIMT default, wgmma certified too
-    assert all(kinds(M) == ["SkinnyGemmConfig", "SkinnyGemmMmaConfig"] for M in (2, 8, 9, 16, 17, 64))  # wgmma default
+    wg = ["SkinnyGemmWgmmaConfig"]
+    assert kinds(1) == wg + wg                                           # SIMT default; both wgmma folds certified
+    assert all(kinds(M) == ["SkinnyGemmConfig", "SkinnyGemmMmaConfig"] + wg for M in (2, 8, 9, 16, 17, 64))  # cpush default, partials too
     assert kinds(65) == []                                               # over 64 tokens: the SIMT GEMV only
     parts = {M: fr.partials(fr.logits_config(M, 896, 7168)) for M in range(1, 65)}
-    assert parts[1] == 1 and all(parts[M] > 1 for M in range(2, 65))    # every split-K folded by the top-k
+    assert all(p == 1 for p in parts.values())                          # no split-K left for the top-k to fold
 
 
 def test_router_topk_rejects_k_over_warp():
