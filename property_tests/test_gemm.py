@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 from references.gemm import skinny_gemm
 from verify.case import Case
-from verify.ops.gemm import OPS, PROJECTIONS, projection_shape
+from verify.cases import PROFILES, Profile, knob_sweep_cases
+from verify.ops.gemm import KNOB_PROJECTIONS, OPS, off_tile, projection_shape
 
 GEMM = OPS[0]
 
@@ -25,12 +26,41 @@ def test_is_the_fp32_product_rounded_once(seed, M, dtype):
     assert bool(((y.double() - exact).abs() <= exact.abs() * 2.0 ** -7 + 1e-6).all())
 
 
-@pytest.mark.parametrize("proj", PROJECTIONS)
+@pytest.mark.parametrize("proj", KNOB_PROJECTIONS)
 def test_each_projection_shape(proj):
     case = Case("skinny_gemm", 0, 2, "small", "bfloat16", extra=(("proj", proj),))
     N, K = projection_shape(case)
     inputs = GEMM.make_inputs(case)
     assert inputs.tensors["w"].shape == (N, K) and inputs.tensors["x"].shape == (2, K)
+
+
+@pytest.mark.parametrize("config", ["tiny", "small", "k3"])
+def test_off_tile_shape_is_off_every_power_of_two_tile_but_splits(config):
+    """The off-tile projection: N and K odd multiples of 16 (no 32 / 64 / 128 tile divides them, 16-byte
+    rows still do), every T of the column split divides N, and it is o_proj's shape rounded up."""
+    N, K = projection_shape(Case("skinny_gemm", 0, 1, config, extra=(("proj", "off_tile"),)))
+    o_N, o_K = projection_shape(Case("skinny_gemm", 0, 1, config, extra=(("proj", "o_proj"),)))
+    for d, o in ((N, o_N), (K, o_K)):
+        assert d % 16 == 0 and (d // 16) % 2 == 1 and o <= d < o + 32
+    assert all(N % t == 0 for t in GEMM.split.tp_values)
+    assert [off_tile(d) for d in (1, 16, 32, 64, 80, 7168)] == [16, 16, 48, 80, 80, 7184]
+
+
+def test_knob_sweep_runs_the_off_tile_shape_in_every_profile():
+    """skinny_gemm's knob sweep: an unsplit off-tile case per profile config, and one split at the
+    profile's largest T; seeds apart from the T and dist sweeps'; none where the profile turns it off
+    or the op has no knob sweep."""
+    for name, profile in PROFILES.items():
+        cases = knob_sweep_cases(GEMM, profile, 0, None)
+        assert all(c.extra == (("proj", "off_tile"),) for c in cases)
+        assert [c.config for c in cases if c.tp == 1] == list(profile.configs), name
+        split = [c for c in cases if c.tp > 1]
+        assert len(split) == 1 and split[0].tp == max(profile.sweep_tps or GEMM.split.tp_values), name
+        assert all(200 <= c.seed < 300 for c in cases) and len({c.seed for c in cases}) == len(cases)
+    off = Profile("x", 4, ("tiny",), 16, False, False, True, knob_sweep=False)
+    assert knob_sweep_cases(GEMM, off, 0, None) == []
+    from verify.registry import get_op
+    assert knob_sweep_cases(get_op("mxfp4_dequant"), PROFILES["release"], 0, None) == []
 
 
 def test_bad_input_names_the_argument():

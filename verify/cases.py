@@ -46,6 +46,7 @@ class Profile:
     compile_heavy: bool = True               # also run torch.compile on ops marked compile_heavy
     strided_run: bool = True                 # the strided/offset-views guard run (a recompile for inductor)
     dist_sweep: bool = True                  # one explicit case per op dist the hypothesis draw missed
+    knob_sweep: bool = True                  # the op's knob_sweep cases (knob_sweep_cases)
 
 
 PROFILES = {
@@ -118,6 +119,27 @@ def tp_sweep_cases(op: OpDef, profile: Profile, seed: int, tps: list[int] | None
 
 
 DIST_SWEEP_SEED = 100       # dist sweep seeds: seed + 100 + index in op.dists (the T sweep takes seed + T)
+KNOB_SWEEP_SEED = 200       # knob sweep seeds: seed + 200 + 10 x knob set + case index
+
+
+def knob_sweep_cases(op: OpDef, profile: Profile, seed: int, tps: list[int] | None) -> list[Case]:
+    """Explicit cases for each of the op's `knob_sweep` knob sets (shapes the hypothesis draw does not
+    reach, e.g. skinny_gemm's off-tile projection, whose N and K are odd multiples of 16): one unsplit
+    case per config of the profile, B = min(5, max_batch) (an odd batch), the working dtype, the op's
+    first dist, and one case split at the op's largest T in the profile (its shards off-tile too)."""
+    if not op.knob_sweep or not profile.knob_sweep:
+        return []
+    configs = [c for c in CONFIG_ORDER if c in op.configs and c in profile.configs] or [op.configs[0]]
+    batch = min(5, op.max_batch)
+    dtype = drawn_dtypes(op, profile)[0]
+    split = [t for t in op_tps(op, tps) if t > 1 and (profile.sweep_tps is None or t in profile.sweep_tps)]
+    out = []
+    for i, knobs in enumerate(op.knob_sweep):
+        extra = tuple(sorted(knobs.items()))
+        runs = [(config, 1) for config in configs] + ([(configs[0], max(split))] if split else [])
+        out += [Case(op.name, seed + KNOB_SWEEP_SEED + 10 * i + j, batch, config, dtype, op.dists[0], t, extra)
+                for j, (config, t) in enumerate(runs)]
+    return out
 
 
 def dist_sweep_cases(op: OpDef, profile: Profile, seed: int, drawn: set[str]) -> list[Case]:

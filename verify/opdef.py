@@ -63,6 +63,9 @@ class OpDef:
     # its sums add up): a derived floor's scale where larger than the row's max |oracle| (cancelling
     # rows err by ulps of their terms); gets the candidate's outputs for ops judged on its ids
     magnitudes: Callable[[OpInputs, dict], dict[str, torch.Tensor]] | None = None
+    # knob sets the draw never reaches by itself, each run as explicit cases in every profile (cases.
+    # knob_sweep_cases), e.g. skinny_gemm's off-tile projection: {"proj": "off_tile"}
+    knob_sweep: tuple[dict, ...] = ()
     compile_heavy: bool = False                 # torch.compile of the reference takes minutes on a CPU
     cpu_ok: bool = True                         # reference practical on CPU at the k3 config
     notes: str = ""

@@ -16,6 +16,10 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
     # ---- skinny_gemm
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_unwritten_tail", "guard:outputs_written|unwritten",
      "unwritten tail: y from torch.empty, last column tile never stored"),
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_drops_k_tail", "compare:y|exceed",
+     "K loop over whole 64-wide tiles: the K % 64 tail dropped (off-tile shapes only)"),
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_partial_column_block_zero", "compare:y|exceed",
+     "last partial 64-column block masked off: its columns zero (off-tile shapes only)"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_fp16_accum", "compare:y|exceed",
      "fp16 accumulation in the GEMM"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_pow2_batch_only", "compare:y|exceed",

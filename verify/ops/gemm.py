@@ -1,7 +1,10 @@
 """Registry entry for skinny_gemm (references/gemm.py), with its column and row TP splits.
 
 The [N, K] shape is one of the K3 projections the skinny GEMM serves, picked by the seed (knob
-'proj' overrides). Column split: w rows over ranks, outputs concatenated (each output element is
+'proj' overrides), or (knob 'proj': 'off_tile', run as explicit cases in every certification) an
+o_proj-like shape whose N and K are odd multiples of 16: no multiple of 32, 64 or 128, so a kernel
+that special-cases its tile (drops a K tail, leaves a last partial column block unwritten) fails,
+while 16-byte rows and every T up to 16 still divide them. Column split: w rows over ranks, outputs concatenated (each output element is
 the same dot product, so per rank it is the same computation). Row split: K over ranks, partial
 outputs rounded to wd on each rank and all-reduced by the declared fold.
 """
@@ -17,6 +20,13 @@ from verify.ops.common_splits import (FOLD_ORDER, activation, check_divides, sum
 from verify.values import GENERIC_DISTS
 
 PROJECTIONS = ("o_proj", "g_proj", "latent_down", "latent_up")
+KNOB_PROJECTIONS = PROJECTIONS + ("off_tile",)     # off_tile: by knob only (the explicit knob sweep)
+
+
+def off_tile(d: int) -> int:
+    """The smallest odd multiple of 16 at or above d: 64 -> 80, 7168 -> 7184, 12288 -> 12304."""
+    q = -(-d // 16)
+    return 16 * (q if q % 2 else q + 1)
 
 
 def projection_shape(case: Case) -> tuple[int, int]:
@@ -25,9 +35,10 @@ def projection_shape(case: Case) -> tuple[int, int]:
     heads = cfg.n_heads * cfg.head_dim
     name = case.knob("proj", PROJECTIONS[case.seed % len(PROJECTIONS)])
     shapes = {"o_proj": (cfg.hidden, heads), "g_proj": (heads, cfg.hidden),
-              "latent_down": (cfg.latent, cfg.hidden), "latent_up": (cfg.hidden, cfg.latent)}
+              "latent_down": (cfg.latent, cfg.hidden), "latent_up": (cfg.hidden, cfg.latent),
+              "off_tile": (off_tile(cfg.hidden), off_tile(heads))}
     if name not in shapes:
-        raise ValueError(f"proj: {name!r} is unknown; choose one of {PROJECTIONS}")
+        raise ValueError(f"proj: {name!r} is unknown; choose one of {KNOB_PROJECTIONS}")
     return shapes[name]
 
 
@@ -70,7 +81,7 @@ OPS = [
         signature="x[M,K] wd, w[N,K] wd -> y[M,N] wd (fp32 accumulate, one rounding)",
         batch_dims={"x": 0, "y": 0},
         split=SKINNY_GEMM_COLUMN_SPLIT, fused="fused.skinny_gemm:skinny_gemm",
-        dists=GENERIC_DISTS,
+        dists=GENERIC_DISTS, knob_sweep=({"proj": "off_tile"},),
         notes="Registry split is the column split (o_proj/g_proj/latent as column-parallel); the row "
               "split (RowParallel partial sums) is SKINNY_GEMM_ROW_SPLIT, tested in "
               "property_tests/test_tp_split_gemm.py. k3 weights are up to 12288 x 7168 (drawn in fp32).",
