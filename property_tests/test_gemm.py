@@ -60,7 +60,7 @@ def test_knob_sweep_runs_the_off_tile_shape_in_every_profile():
     off = Profile("x", 4, ("tiny",), 16, False, False, True, knob_sweep=False)
     assert knob_sweep_cases(GEMM, off, 0, None) == []
     from verify.registry import get_op
-    assert knob_sweep_cases(get_op("mxfp4_dequant"), PROFILES["release"], 0, None) == []
+    assert knob_sweep_cases(get_op("attn_res_rmsnorm"), PROFILES["release"], 0, None) == []
 
 
 def test_bad_input_names_the_argument():

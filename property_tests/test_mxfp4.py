@@ -151,3 +151,22 @@ def test_zero_and_nan_groups():
 def test_bad_input_names_the_argument(call, error, arg):
     with pytest.raises(error, match=f"^{arg}"):
         call()
+
+
+@pytest.mark.parametrize("config,want", [("tiny", 96), ("small", 160), ("k3", 3616)])
+def test_off_tile_in_dim_is_an_odd_number_of_groups(config, want):
+    """mxfp4_dequant's knob-sweep shape: I an odd multiple of the 32-wide group (no 64-column tile
+    divides it) at or above the config's latent; an int knob still sets I; the sweep runs it."""
+    from verify.case import Case
+    from verify.cases import PROFILES, knob_sweep_cases
+    from verify.ops.mxfp4 import in_dim
+    from verify.registry import get_op
+    case = Case("mxfp4_dequant", 0, 3, config, "bfloat16", extra=(("in_dim", "off_tile"),))
+    I = in_dim(case)
+    assert I == want and I % GROUP == 0 and (I // GROUP) % 2 == 1
+    op = get_op("mxfp4_dequant")
+    assert op.make_inputs(case).tensors["packed"].shape == (3, I // 2)
+    assert in_dim(Case("mxfp4_dequant", 0, 3, config, extra=(("in_dim", 64),))) == 64
+    cases = knob_sweep_cases(op, PROFILES["release"], 0, None)
+    assert {c.config for c in cases} == {"tiny", "small", "k3"}
+    assert all(c.extra == (("in_dim", "off_tile"),) for c in cases)

@@ -39,6 +39,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
     # ---- mxfp4_dequant
     ("mxfp4_dequant", f"{P}.mxfp4:mxfp4_dequant_memo_output", "guard:refreshed_inputs|new values",
      "dequantizes each packed tensor once and returns copies of that result afterwards"),
+    ("mxfp4_dequant", f"{P}.mxfp4:mxfp4_dequant_drops_column_tail", "compare:w|differ from the reference bits",
+     "64-column tiles, the grid rounded down: an odd last group zero (off-tile I only)"),
     ("mxfp4_dequant", f"{P}.mxfp4:mxfp4_dequant_nibble_swap", "compare:w|differ from the reference bits",
      "MXFP4 nibble order swapped"),
     ("mxfp4_dequant", f"{P}.mxfp4:mxfp4_dequant_bias_126", "compare:w|differ from the reference bits",

@@ -23,6 +23,15 @@ def mxfp4_dequant_control(packed, scale, out_dtype: str = "bfloat16"):
     return _dequant(packed, scale, out_dtype)
 
 
+def mxfp4_dequant_drops_column_tail(packed, scale, out_dtype: str = "bfloat16"):
+    """Column tiles of 64 (two groups) per thread block, the grid rounded down: a last lone group
+    of each row comes back zero (right at every config's I, all multiples of 64)."""
+    w = _dequant(packed, scale, out_dtype)
+    I = w.shape[1]
+    w[:, I // 64 * 64 or I:] = 0
+    return w
+
+
 def mxfp4_dequant_nibble_swap(packed, scale, out_dtype: str = "bfloat16"):
     """Unpacks the HIGH nibble as the even column (the other common packing convention)."""
     return _dequant(packed, scale, out_dtype, high_nibble_first=True)

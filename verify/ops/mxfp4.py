@@ -49,8 +49,19 @@ def mxfp4_weight(case: Case, name: str, shape_oi, fan_in: int, dist: str = "norm
     return (quantize_mxfp4_ocp if rule == "ocp" else quantize_mxfp4_ct)(w)
 
 
+def in_dim(case: Case) -> int:
+    """The input dim I: the config's latent (w1/w3's, 3584 at k3), knob 'in_dim' (an int), or
+    'off_tile' (explicit knob-sweep cases): the smallest odd multiple of the 32-wide group at or above
+    the latent (64 -> 96, 3584 -> 3616), which no 64-, 128- or 256-column tile divides."""
+    I = case.knob("in_dim", get_config(case.config).latent)
+    if I == "off_tile":
+        q = -(-get_config(case.config).latent // GROUP)
+        return GROUP * (q if q % 2 else q + 1)
+    return int(I)
+
+
 def make_mxfp4_dequant_inputs(case: Case) -> OpInputs:
-    I = int(case.knob("in_dim", get_config(case.config).latent))   # w1/w3 input dim (3584 at k3)
+    I = in_dim(case)
     packed, scale = mxfp4_weight(case, "w", (case.batch, I), I, case.dist)
     return OpInputs({"packed": packed, "scale": scale}, {"out_dtype": case.dtype})
 
@@ -81,8 +92,9 @@ OPS = [
         split=SplitRule(kind="column", shard=_shard_rows, combine=_concat_rows,
                         reduction_order="none: output rows split over ranks (ceil ranges), concatenated"),
         fused="fused.mxfp4_dequant:mxfp4_dequant",
-        dists=GENERIC_DISTS + ("mxfp4_grid",),
+        dists=GENERIC_DISTS + ("mxfp4_grid",), knob_sweep=({"in_dim": "off_tile"},),
         notes="dtypes are the output dtype (inputs are uint8). O = case.batch rows, I = config latent "
-              "(knob 'in_dim'). wide_range draws every scale byte 0..255, so NaN and overflow are covered.",
+              "(knob 'in_dim'; 'off_tile': an odd multiple of the 32-wide group, in every run). wide_range "
+              "draws every scale byte 0..255, so NaN and overflow are covered.",
     ),
 ]
