@@ -255,17 +255,13 @@ class AttnResRMSNorm:
         for r in cutlass.range_constexpr(self.cluster_n):
             peer = cute.arch.map_dsmem_ptr(tot.iterator + (k * self.cluster_n + rank), r)
             peer_bar = cute.arch.map_dsmem_ptr(mbar.iterator + b, r)
-            cute.arch.inline_ptx("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [{$r0}], {$r1}, [{$r2}];",
-                                 read_only_args=[peer.toint(), t, peer_bar.toint()])
+            runtime.st_async_cluster(peer, [t], peer_bar)
 
     @cute.jit
     def wait_pushes(self, mbar: cute.Tensor, b: cutlass.Constexpr[int]):
         """Until phase 0 of this CTA's mbarrier b completes, with acquire at cluster scope: the pushes'
         complete_tx releases at cluster scope (the DSL's mbarrier_wait acquires at CTA scope)."""
-        cute.arch.inline_ptx("{\n.reg .pred P1;\nWAIT:\n"
-                             "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [{$r0}], 0;\n"
-                             "@P1 bra.uni DONE;\nbra.uni WAIT;\nDONE:\n}",
-                             read_only_args=[(mbar.iterator + b).toint()])
+        runtime.wait_cluster_phase0(mbar.iterator + b)
 
     @cute.jit
     def rank_sum(self, tot: cute.Tensor, k) -> Float32:

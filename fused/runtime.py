@@ -7,6 +7,9 @@
   misses and entries so a test can prove a new batch size does not recompile.
 - `compile_for_cpu_check(op, *static)` compiles a registered builder without a GPU (CI).
 - `sm_count(device)`: the device's SM count, cached.
+- `st_async_cluster(dst, values, mbar)` / `wait_cluster_phase0(mbar)`: the inline PTX of a push into a
+  peer CTA's shared memory that completes its bytes on the peer's mbarrier, and the wait that acquires
+  those pushes at cluster scope (CuTe DSL 4.8 has neither).
 - `register_op(name, mutates_args)` makes a destination-passing `verify_kernels::<name>` custom op
   with a no-op fake impl, so torch.compile and CUDA graphs can hold the launch.
 - Kernels are compiled with TVM-FFI and an env stream: a launch runs on the caller's current
@@ -174,3 +177,31 @@ def require_cuda(name: str, t) -> None:
     if not t.is_cuda:
         raise ValueError(f"{name}: the fused kernel needs a CUDA tensor, got device {t.device}; "
                          "use the reference on the CPU")
+
+
+def st_async_cluster(dst, values, mbar) -> None:
+    """Inside a kernel: `values` (1, 2 or 4 fp32 registers) stored at `dst`, an address in a cluster
+    peer's shared memory (cute.arch.map_dsmem_ptr), by one st.async that completes its 4 x len(values)
+    bytes on the peer's mbarrier at `mbar` (also mapped to the peer). No fence and no cluster barrier:
+    the peer learns of the bytes from its mbarrier's transaction count."""
+    _, cute = cutlass_modules()
+    n = len(values)
+    if n not in (1, 2, 4):
+        raise ValueError(f"st_async_cluster: 1, 2 or 4 values, got {n}")
+    regs = ", ".join("{$r%d}" % (i + 1) for i in range(n))
+    src = regs if n == 1 else "{" + regs + "}"
+    vec = "" if n == 1 else f".v{n}"
+    cute.arch.inline_ptx(f"st.async.shared::cluster.mbarrier::complete_tx::bytes{vec}.f32 "
+                         f"[{{$r0}}], {src}, [{{$r{n + 1}}}];",
+                         read_only_args=[dst.toint(), *values, mbar.toint()])
+
+
+def wait_cluster_phase0(mbar) -> None:
+    """Inside a kernel: spin until phase 0 of this CTA's mbarrier at `mbar` completes, with acquire at
+    cluster scope, so the peers' st.async bytes it counted are visible (the DSL's mbarrier_wait acquires
+    at CTA scope only)."""
+    _, cute = cutlass_modules()
+    cute.arch.inline_ptx("{\n.reg .pred P1;\nWAIT:\n"
+                         "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [{$r0}], 0;\n"
+                         "@P1 bra.uni DONE;\nbra.uni WAIT;\nDONE:\n}",
+                         read_only_args=[mbar.toint()])

@@ -91,10 +91,10 @@ def simt_config(M: int, N: int, K: int) -> SkinnyGemmConfig:
 # by st.async into a receive buffer of each owner, no cluster barrier after the entry), with 128 k
 # per stage and no overlapping tiles; us against the cspread default's: router shape M = 3 / 8 / 16
 # / 32 / 64 5.56 / 5.50 / 5.71 / 5.94 / 6.44 against 6.10 / 6.05 / 6.20 / 6.44 / 7.04; 7168 -> 3584
-# M = 8 / 16 / 32 / 64 14.68 / 15.06 / 15.43 / 16.04 against 15.1 / 15.2 / 16.0 / 17.1 (k128 n56).
+# M = 8 / 16 / 32 / 64 14.68 / 15.06 / 15.43 / 16.04 against 15.36 / 15.56 / 16.03 / 17.06 (k128 n56).
 # The same S and k order: the bits of the "last" fold at that S. The router shape's wgmma bucket now
 # starts at M = 2 (floor bench, call 5: the GEMV 5.97 us at M = 2 against 5.57 for cpush at M = 3 and
-# 8; the m8 variant costs the same for every M <= 8).
+# 8; session 18 call 1: cpush 5.52 us at M = 2 against cuBLAS 8.61; at M = 1 the GEMV's 5.38 against 5.58).
 WGMMA_DEFAULTS: dict[tuple[int, int], tuple[int, dict[int, tuple]]] = {
     (49152, 7168): (3, {8: (64, 1), 16: (64, 2), 32: (64, 2), 64: (128, 1)}),
     (6144, 7168): (3, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),

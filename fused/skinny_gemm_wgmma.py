@@ -483,25 +483,8 @@ class SkinnyGemmWgmma:
                 peer_bar = cute.arch.map_dsmem_ptr(fbar, j)
                 for e in cutlass.range_constexpr(0, hi - lo, vw):
                     dst = cute.arch.map_dsmem_ptr(recv + ((ks * n_chunks + e // vw) * CONSUMER_THREADS + tidx) * vw, j)
-                    if cutlass.const_expr(vw == 4):
-                        cute.arch.inline_ptx(
-                            "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 "
-                            "[{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}}, [{$r5}];",
-                            read_only_args=[dst.toint(), acc[lo + e], acc[lo + e + 1], acc[lo + e + 2],
-                                            acc[lo + e + 3], peer_bar.toint()])
-                    elif cutlass.const_expr(vw == 2):
-                        cute.arch.inline_ptx(
-                            "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 "
-                            "[{$r0}], {{$r1}, {$r2}}, [{$r3}];",
-                            read_only_args=[dst.toint(), acc[lo + e], acc[lo + e + 1], peer_bar.toint()])
-                    else:
-                        cute.arch.inline_ptx(
-                            "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [{$r0}], {$r1}, [{$r2}];",
-                            read_only_args=[dst.toint(), acc[lo + e], peer_bar.toint()])
-            cute.arch.inline_ptx("{\n.reg .pred P1;\nWAIT:\n"
-                                 "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [{$r0}], 0;\n"
-                                 "@P1 bra.uni DONE;\nbra.uni WAIT;\nDONE:\n}",
-                                 read_only_args=[fbar.toint()])
+                    runtime.st_async_cluster(dst, [acc[lo + e + u] for u in range(vw)], peer_bar)
+            runtime.wait_cluster_phase0(fbar)
             vec = cute.make_layout(vw)
             sums = cute.make_rmem_tensor(vec, Float32)
             for j in cutlass.range_constexpr(S):
