@@ -184,8 +184,17 @@ def check_kda(dev):
 
 # ------------------------------------------------------------------------------------------ timing
 
-def time_graph(fn, sets, reps=5) -> float:
-    """us per call: a graph calls fn once on each input set; median over reps batches of replays."""
+MIN_NODES = 20   # calls per captured graph, at least (bench/timing.py's graph_time_us: 20)
+
+
+def time_graph(fn, sets, reps=5, min_nodes=None) -> float:
+    """us per call: a graph calls fn on each input set in turn, the whole rotation repeated until the
+    graph holds >= min_nodes calls (MIN_NODES); median over reps batches of replays. A replay costs a
+    few us of launch gap on top of its nodes: with a graph of only the 2-5 sets that rotate a large
+    weight out of L2, that gap was charged to every call (0.6-0.8 us per call at skinny_gemm 7168->3584,
+    session 18), which a decode layer's graph of hundreds of nodes does not pay."""
+    min_nodes = MIN_NODES if min_nodes is None else min_nodes
+    rounds = max(1, math.ceil(min_nodes / len(sets)))
     for s in sets[:2]:
         fn(s)
         fn(s)
@@ -195,8 +204,9 @@ def time_graph(fn, sets, reps=5) -> float:
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         with torch.cuda.graph(g, stream=stream):
-            for s in sets:
-                fn(s)
+            for _ in range(rounds):
+                for s in sets:
+                    fn(s)
     torch.cuda.synchronize()
     g.replay()
     torch.cuda.synchronize()
@@ -213,7 +223,7 @@ def time_graph(fn, sets, reps=5) -> float:
             g.replay()
         b.record()
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / n / len(sets))
+        times.append(a.elapsed_time(b) * 1e3 / n / (rounds * len(sets)))
     return statistics.median(times)
 
 
