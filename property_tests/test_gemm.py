@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from references.gemm import skinny_gemm
 from verify.case import Case
-from verify.cases import PROFILES, Profile, knob_sweep_cases
+from verify.cases import PROFILES, Profile, drawn_dtypes, knob_sweep_cases
 from verify.ops.gemm import KNOB_PROJECTIONS, OPS, off_tile, projection_shape
 
 GEMM = OPS[0]
@@ -52,15 +52,19 @@ def test_knob_sweep_runs_the_off_tile_shape_in_every_profile():
     or the op has no knob sweep."""
     for name, profile in PROFILES.items():
         cases = knob_sweep_cases(GEMM, profile, 0, None)
+        dtypes = drawn_dtypes(GEMM, profile)
         assert all(c.extra == (("proj", "off_tile"),) for c in cases)
-        assert [c.config for c in cases if c.tp == 1] == list(profile.configs), name
+        assert [c.config for c in cases if c.tp == 1 and c.dtype == dtypes[0]] == list(profile.configs), name
+        others = [c for c in cases if c.dtype != dtypes[0]]          # each other dtype once, first config
+        assert sorted(c.dtype for c in others) == sorted(dtypes[1:]), name
+        assert all(c.config == profile.configs[0] and c.tp == 1 for c in others), name
         split = [c for c in cases if c.tp > 1]
         assert len(split) == 1 and split[0].tp == max(profile.sweep_tps or GEMM.split.tp_values), name
         assert all(200 <= c.seed < 300 for c in cases) and len({c.seed for c in cases}) == len(cases)
     off = Profile("x", 4, ("tiny",), 16, False, False, True, knob_sweep=False)
     assert knob_sweep_cases(GEMM, off, 0, None) == []
     from verify.registry import get_op
-    assert knob_sweep_cases(get_op("attn_res_rmsnorm"), PROFILES["release"], 0, None) == []
+    assert knob_sweep_cases(get_op("mla_qkv_a"), PROFILES["release"], 0, None) == []
 
 
 def test_bad_input_names_the_argument():

@@ -167,6 +167,24 @@ def test_off_tile_in_dim_is_an_odd_number_of_groups(config, want):
     op = get_op("mxfp4_dequant")
     assert op.make_inputs(case).tensors["packed"].shape == (3, I // 2)
     assert in_dim(Case("mxfp4_dequant", 0, 3, config, extra=(("in_dim", 64),))) == 64
-    cases = knob_sweep_cases(op, PROFILES["release"], 0, None)
+    cases = [c for c in knob_sweep_cases(op, PROFILES["release"], 0, None) if c.extra == (("in_dim", "off_tile"),)]
     assert {c.config for c in cases} == {"tiny", "small", "k3"}
-    assert all(c.extra == (("in_dim", "off_tile"),) for c in cases)
+
+
+def test_exhaustive_codes_pair_every_scale_byte_with_every_code():
+    """The knob-sweep case codes='exhaustive': each row holds all 256 scale bytes, each group the 16
+    codes twice, so fp16 output reaches subnormals, overflow and NaN; it runs in every output dtype."""
+    from verify.case import Case
+    from verify.cases import PROFILES, drawn_dtypes, knob_sweep_cases
+    from verify.registry import get_op
+    from references.mxfp4 import mxfp4_dequant
+    op = get_op("mxfp4_dequant")
+    t = op.make_inputs(Case("mxfp4_dequant", 4, 3, "tiny", "float16", extra=(("codes", "exhaustive"),))).tensors
+    assert t["scale"].shape == (3, 256) and all(sorted(r.tolist()) == list(range(256)) for r in t["scale"])
+    codes = torch.stack([t["packed"] & 0xF, t["packed"] >> 4], -1).reshape(3, -1, GROUP)
+    assert (torch.stack([(codes == c).sum(-1) for c in range(16)]) == 2).all()
+    w = mxfp4_dequant(t["packed"], t["scale"], "float16")
+    sub = (w != 0) & (w.abs() < 2.0 ** -14)
+    assert sub.any() and torch.isinf(w).any() and torch.isnan(w).any()
+    cases = [c for c in knob_sweep_cases(op, PROFILES["ci"], 0, None) if c.extra == (("codes", "exhaustive"),)]
+    assert {c.dtype for c in cases} == set(drawn_dtypes(op, PROFILES["ci"]))

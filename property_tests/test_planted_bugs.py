@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from property_tests.planted import ALL_DTYPES, CATALOGUE, EXAMPLES, GAPS  # noqa: E402
+from property_tests.planted import ALL_DTYPES, CATALOGUE, EXAMPLES, FULL_BATCH, GAPS  # noqa: E402
 from verify.candidates import Candidate  # noqa: E402
 from verify.cases import Profile  # noqa: E402
 from verify.certify import RunOptions, certify_op  # noqa: E402
@@ -36,6 +36,7 @@ _TABLE: list[tuple[str, str, str, str]] = []
 # guard run on, every T of the split swept, 6 drawn cases, no shrinking.
 PLANTED = Profile("planted", 6, ("tiny", "small"), 16, False, False, True)
 QUICK_ALL_DTYPES = Profile("quick_all_dtypes", 6, ("tiny", "small"), 16, True, False, True)
+FULL_BATCHES = Profile("planted_b64", 6, ("tiny", "small"), 64, False, False, True)   # ci's batches
 
 
 def _expected(exp: str) -> tuple[str, str]:
@@ -71,7 +72,7 @@ def test_planted_bug_rejected(op_name, candidate, expected, description, request
     except SpecError as e:
         pytest.skip(f"op {op_name} has no tolerance spec yet: {e}")
     stage, sub = _expected(expected)
-    profile = QUICK_ALL_DTYPES if attr in ALL_DTYPES else PLANTED
+    profile = QUICK_ALL_DTYPES if attr in ALL_DTYPES else FULL_BATCHES if attr in FULL_BATCH else PLANTED
     opts = RunOptions(device="cpu", profile=profile, examples=EXAMPLES.get(attr, 6))
     v = certify_op(get_op(op_name), Candidate(candidate), opts)
     got = (v.failure.stage if v.failure else v.reason.split(":", 1)[0]) if v.status == FAIL else f"({v.status})"

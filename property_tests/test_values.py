@@ -110,3 +110,52 @@ def test_dist_sweep_covers_the_dists_the_draw_missed():
     off = Profile("x", 4, ("tiny",), 16, False, False, True, dist_sweep=False)
     assert dist_sweep_cases(op, off, 0, set()) == []
     assert math.isclose(len(dist_sweep_cases(op, PROFILES["release"], 0, set())), len(op.dists))
+
+
+def test_zero_rows_hold_both_signed_zeros():
+    """zero_rows' rows are +0.0 and -0.0 (a bitwise copy that canonicalises -0.0 must show), in every
+    float dtype, and the other rows are untouched draws."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = draw(generator(3), (6, 64), "zero_rows", dtype=dtype)
+        zero = (x == 0).all(1)
+        assert zero.any() and not zero.all()
+        z = x[zero]
+        assert torch.signbit(z).any() and (~torch.signbit(z)).any(), dtype
+
+
+def test_batch_sweep_hits_the_dispatch_boundaries():
+    """Every profile but quick runs M = 1, 2, 3, each power of two and the one above, and the largest
+    two, unsplit, at the profile's largest config; seeds apart from the other sweeps'."""
+    from verify.cases import batch_sweep_cases, sweep_batches
+    assert sweep_batches(64) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 63, 64]
+    assert sweep_batches(16) == [1, 2, 3, 4, 5, 8, 9, 15, 16] and sweep_batches(1) == [1]
+    gemm = get_op("skinny_gemm")
+    cases = batch_sweep_cases(gemm, PROFILES["release"], 0)
+    assert [c.batch for c in cases] == sweep_batches(64)
+    assert {(c.config, c.tp, c.dtype) for c in cases} == {("k3", 1, gemm.dtypes[0])}
+    assert all(400 <= c.seed < 500 for c in cases)
+    assert {c.config for c in batch_sweep_cases(gemm, PROFILES["ci"], 0)} == {"small"}
+    assert batch_sweep_cases(gemm, PROFILES["quick"], 0) == []
+    kda = get_op("kda_decode")                                  # capped by the op's own max batch
+    assert max(c.batch for c in batch_sweep_cases(kda, PROFILES["release"], 0)) == min(kda.max_batch, 64)
+
+
+@pytest.mark.parametrize("op_name,names", [
+    ("router_topk", ("routed_scale",)), ("attn_res_rmsnorm", ("eps", "norm_eps")),
+    ("kda_decode", ("lower_bound", "l2_eps", "norm_eps")), ("latent_norm_up", ("eps",))])
+def test_scalar_params_vary_over_seeds(op_name, names):
+    """An op's scalar parameters are drawn per case (the config's value among others), each on its own,
+    so a kernel that bakes one in or swaps two is wrong on some case; a knob pins one."""
+    op = get_op(op_name)
+    seen = {n: set() for n in names}
+    pairs = set()
+    for seed in range(40):
+        p = op.make_inputs(Case(op_name, seed, 2, "tiny", op.dtypes[0], "normal")).params
+        for n in names:
+            seen[n].add(p[n])
+        pairs.add(tuple(p[n] for n in names))
+    assert all(len(v) >= 2 for v in seen.values()), seen
+    if len(names) > 1:
+        assert any(len(set(pr)) > 1 for pr in pairs)               # the two eps differ on some cases
+    pinned = op.make_inputs(Case(op_name, 5, 2, "tiny", op.dtypes[0], "normal", 1, ((names[0], 0.25),))).params
+    assert pinned[names[0]] == 0.25

@@ -47,12 +47,13 @@ class Profile:
     strided_run: bool = True                 # the strided/offset-views guard run (a recompile for inductor)
     dist_sweep: bool = True                  # one explicit case per op dist the hypothesis draw missed
     knob_sweep: bool = True                  # the op's knob_sweep cases (knob_sweep_cases)
+    batch_sweep: bool = True                 # the dispatch-boundary batch sizes (batch_sweep_cases)
 
 
 PROFILES = {
     # quick: the default job; must finish in minutes on a 2-core CPU with the compiled candidate.
     "quick": Profile("quick", 4, ("tiny", "small"), 16, False, False, True, sweep_tps=(4,), compile_heavy=False,
-                     strided_run=False, dist_sweep=False),
+                     strided_run=False, dist_sweep=False, batch_sweep=False),
     "ci": Profile("ci", 25, ("tiny", "small"), 64, True, True, True),
     "release": Profile("release", 200, ("tiny", "small", "k3"), 64, True, True, True),
 }
@@ -120,25 +121,55 @@ def tp_sweep_cases(op: OpDef, profile: Profile, seed: int, tps: list[int] | None
 
 DIST_SWEEP_SEED = 100       # dist sweep seeds: seed + 100 + index in op.dists (the T sweep takes seed + T)
 KNOB_SWEEP_SEED = 200       # knob sweep seeds: seed + 200 + 10 x knob set + case index
+BATCH_SWEEP_SEED = 400      # batch sweep seeds: seed + 400 + batch
+
+
+def sweep_batches(max_batch: int) -> list[int]:
+    """The batch sizes where a kernel's dispatch on M most often changes: 1, 2, 3, every power of two
+    and the one above it, and the largest two (max_batch - 1, max_batch), up to max_batch."""
+    out = {1, 2, 3, max_batch - 1, max_batch}
+    p = 4
+    while p <= max_batch:
+        out |= {p, p + 1}
+        p *= 2
+    return sorted(b for b in out if 1 <= b <= max_batch)
+
+
+def batch_sweep_cases(op: OpDef, profile: Profile, seed: int) -> list[Case]:
+    """One explicit unsplit case per batch of `sweep_batches` (in every profile but quick): a kernel with
+    a variant per M range (a tile of 32 rows for M in 17..32, a fast path at M = 64) is wrong only at
+    the M it mishandles, and a run's drawn batches are few and random (a 25-example ci draw reached
+    no M in 25..32 and no M = 64 for skinny_gemm at seed 0: an M-tile bug there was certified). The
+    profile's largest config (at release: the K3 shapes, where the dispatch sits), its working dtype,
+    the op's first dist."""
+    if not profile.batch_sweep:
+        return []
+    configs = [c for c in CONFIG_ORDER if c in op.configs and c in profile.configs] or [op.configs[0]]
+    dtype = drawn_dtypes(op, profile)[0]
+    return [Case(op.name, seed + BATCH_SWEEP_SEED + b, b, configs[-1], dtype, op.dists[0], 1)
+            for b in sweep_batches(max(1, min(op.max_batch, profile.max_batch)))]
 
 
 def knob_sweep_cases(op: OpDef, profile: Profile, seed: int, tps: list[int] | None) -> list[Case]:
     """Explicit cases for each of the op's `knob_sweep` knob sets (shapes the hypothesis draw does not
     reach, e.g. skinny_gemm's off-tile projection, whose N and K are odd multiples of 16): one unsplit
     case per config of the profile, B = min(5, max_batch) (an odd batch), the working dtype, the op's
-    first dist, and one case split at the op's largest T in the profile (its shards off-tile too)."""
+    first dist, and one case split at the op's largest T in the profile (its shards off-tile too); then
+    one unsplit case per other drawn dtype at the first config (a range edge, such as fp16's
+    subnormals and overflow, lives in one dtype)."""
     if not op.knob_sweep or not profile.knob_sweep:
         return []
     configs = [c for c in CONFIG_ORDER if c in op.configs and c in profile.configs] or [op.configs[0]]
     batch = min(5, op.max_batch)
-    dtype = drawn_dtypes(op, profile)[0]
+    dtypes = drawn_dtypes(op, profile)
     split = [t for t in op_tps(op, tps) if t > 1 and (profile.sweep_tps is None or t in profile.sweep_tps)]
     out = []
     for i, knobs in enumerate(op.knob_sweep):
         extra = tuple(sorted(knobs.items()))
-        runs = [(config, 1) for config in configs] + ([(configs[0], max(split))] if split else [])
+        runs = ([(config, dtypes[0], 1) for config in configs] + ([(configs[0], dtypes[0], max(split))] if split else [])
+                + [(configs[0], d, 1) for d in dtypes[1:]])
         out += [Case(op.name, seed + KNOB_SWEEP_SEED + 10 * i + j, batch, config, dtype, op.dists[0], t, extra)
-                for j, (config, t) in enumerate(runs)]
+                for j, (config, dtype, t) in enumerate(runs)]
     return out
 
 

@@ -16,7 +16,8 @@ from hypothesis.errors import Unsatisfiable
 
 from verify.candidates import Candidate, CandidateImportError, CandidateUnavailable
 from verify.case import Case
-from verify.cases import Profile, case_strategy, dist_sweep_cases, drawn_dtypes, knob_sweep_cases, tp_sweep_cases
+from verify.cases import (Profile, batch_sweep_cases, case_strategy, dist_sweep_cases, drawn_dtypes, knob_sweep_cases,
+                          tp_sweep_cases)
 from verify.evaluate import evaluate_case
 from verify.opdef import OpDef
 from verify.specs import SpecError, load_spec
@@ -168,7 +169,8 @@ def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions, judged: Sequen
         drawn = {Case.from_json(v.case).dist for v in seen if v.case and v.status != VACUOUS}
         for case in (tp_sweep_cases(op, profile, opts.seed, opts.tps)
                      + dist_sweep_cases(op, profile, opts.seed, drawn)
-                     + knob_sweep_cases(op, profile, opts.seed, opts.tps)):
+                     + knob_sweep_cases(op, profile, opts.seed, opts.tps)
+                     + batch_sweep_cases(op, profile, opts.seed)):
             v = run_one(case)
             if v.status == XPASS or (v.status == FAIL and v not in waived_fail):
                 failure = v

@@ -46,7 +46,8 @@ def draw(gen: torch.Generator, shape, dist: str = "normal", *, scale: float = 1.
     elif dist == "zero_rows" and len(shape) >= 1 and shape[0] > 0:
         rows = torch.rand(shape[0], generator=gen) < 0.3
         rows[torch.randint(0, shape[0], (1,), generator=gen)] = True
-        x[rows] = 0.0
+        neg = torch.rand(shape, generator=gen) < 0.5          # -0.0 and +0.0: a bitwise copy keeps the sign
+        x[rows] = torch.where(neg[rows], -0.0, 0.0).to(torch.float64)
     elif dist == "small_rows" and len(shape) >= 1 and shape[0] > 0:
         x = x * row_scales(gen, shape[0]).view((shape[0],) + (1,) * (len(shape) - 1))
     elif dist == "wide_range":

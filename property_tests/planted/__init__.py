@@ -24,6 +24,10 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "fp16 accumulation in the GEMM"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_pow2_batch_only", "compare:y|exceed",
      "shape special-casing: right only for power-of-two M (caught via the drawn batch sizes)"),
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_m32_tile_row_offset", "compare:y|exceed",
+     "a 32-row M tile's last warp reads x 8 rows back: wrong only at M = 25..32 (the batch sweep)"),
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_m64_drops_k_chunk", "compare:y|exceed",
+     "M = 64 fast path drops its last 32-wide K chunk (the batch sweep's largest batch)"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_fp32_out", "guard:output_type|dtype torch.float32",
      "wrong output dtype: fp32 accumulator returned"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_subclass", "guard:output_type|expected exactly torch.Tensor",
@@ -41,6 +45,10 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "dequantizes each packed tensor once and returns copies of that result afterwards"),
     ("mxfp4_dequant", f"{P}.mxfp4:mxfp4_dequant_drops_column_tail", "compare:w|differ from the reference bits",
      "64-column tiles, the grid rounded down: an odd last group zero (off-tile I only)"),
+    ("mxfp4_dequant", f"{P}.mxfp4:mxfp4_dequant_fp16_flushes_subnormals", "compare:w|differ from the reference bits",
+     "fp16 out with flush-to-zero: subnormal results come back zero (the exhaustive codes case)"),
+    ("mxfp4_dequant", f"{P}.mxfp4:mxfp4_dequant_fp16_saturates", "compare:w|differ from the reference bits",
+     "fp16 out saturating at 65504 instead of inf (the exhaustive codes case)"),
     ("mxfp4_dequant", f"{P}.mxfp4:mxfp4_dequant_nibble_swap", "compare:w|differ from the reference bits",
      "MXFP4 nibble order swapped"),
     ("mxfp4_dequant", f"{P}.mxfp4:mxfp4_dequant_bias_126", "compare:w|differ from the reference bits",
@@ -54,6 +62,10 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "cache write touches the neighbouring slot of its pair (bitwise)"),
     ("mla_cache_write", f"{P}.mla:mla_cache_write_assumes_contiguous", "guard:canaries|writes outside the tensors",
      "cache write ignores strides: writes into row padding (canary)"),
+    ("mla_cache_write", f"{P}.mla:mla_cache_write_slot_u16", "compare:cache|differ from the reference bits",
+     "slots kept in 16 bits: a slot past 2^16 wraps onto a low one (the large-cache case)"),
+    ("mla_cache_write", f"{P}.mla:mla_cache_write_loses_negative_zero", "compare:cache|differ from the reference bits",
+     "copy through x * 1 + 0: -0.0 lands as +0.0 (zero_rows draws signed zeros)"),
     ("mla_cache_write", f"{P}.mla:mla_cache_write_flushes_denormals", "guard:process_state|flush denormals",
      "leaves flush-to-zero on for the thread"),
     ("mla_decode_attn", f"{P}.mla:mla_decode_attn_scale_128", "compare:o_latent|exceed",
@@ -75,6 +87,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "keeps a private copy of the conv window and never reads the caller's conv_state again"),
     ("kda_decode", f"{P}.kda:kda_decode_no_decay", "compare:y|exceed", "KDA state not decayed"),
     ("kda_decode", f"{P}.kda:kda_decode_no_beta", "compare:y|exceed", "beta not applied"),
+    ("kda_decode", f"{P}.kda:kda_decode_fixed_params", "compare:",
+     "gate lower bound, l2_eps and norm_eps baked in at the config's values (drawn per case)"),
     ("kda_decode", f"{P}.kda:kda_decode_conv_state_not_shifted", "compare:conv_state",
      "conv state not shifted"),
     ("kda_decode", f"{P}.kda:kda_decode_gate_unbounded", "compare:y|exceed",
@@ -86,6 +100,10 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
     ("kda_in_proj", f"{P}.kda:kda_in_proj_beta_before_fa", "compare:g_raw|exceed",
      "merged projection sliced in the wrong row order"),
     # ---- attn_res
+    ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_swapped_eps", "compare:out|exceed",
+     "key-norm eps and output RMSNorm eps swapped (equal in every config; drawn per case)"),
+    ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_softmax_without_max", "guard:outputs_written|NaN",
+     "softmax without its running max: NaN once scores pass exp's fp32 range (the score_scale case)"),
     ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_keys_unnormalised", "compare:out|exceed",
      "AttnRes keys not RMS-normalised"),
     ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_prefix_not_reset", "compare:prefix",
@@ -105,6 +123,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "wrong top-k renormalisation (sum over all experts)"),
     ("router_topk", f"{P}.moe:router_topk_not_renormalised", "compare:weights|exceed",
      "expert weights not renormalised"),
+    ("router_topk", f"{P}.moe:router_topk_ignores_routed_scale", "compare:weights|exceed",
+     "routed_scale never applied (the config's is 1.0; drawn per case)"),
     ("router_topk", f"{P}.moe:router_topk_weights_in_wd", "guard:output_type|dtype",
      "wrong output dtype for the weights"),
     ("router_topk", f"{P}.moe:router_topk_bf16_logits", "compare:",
@@ -140,7 +160,12 @@ EXAMPLES: dict[str, int] = {
 
 # candidates drawn over every dtype of the op (quick draws only the working dtype, bf16): bugs
 # that a bf16 output rounding hides (fp16 accumulation, an eps of 1e-6 in the wrong place)
-ALL_DTYPES: set[str] = {"skinny_gemm_fp16_accum", "kda_decode_l2_eps_outside_sqrt"}
+ALL_DTYPES: set[str] = {"skinny_gemm_fp16_accum", "kda_decode_l2_eps_outside_sqrt",
+                        "mxfp4_dequant_fp16_flushes_subnormals", "mxfp4_dequant_fp16_saturates"}
+
+# candidates run with the ci profile's batches (up to 64; the planted profile stops at 16): bugs in a
+# variant for large M that only the batch sweep's M = 31 / 32 / 64 reach
+FULL_BATCH: set[str] = {"skinny_gemm_m32_tile_row_offset", "skinny_gemm_m64_drops_k_chunk"}
 
 # Harness gaps found by this catalogue: candidate -> (why the expected rejection does not happen,
 # the stage that rejects it instead, or None if nothing rejects it). See the test for how they run.

@@ -94,3 +94,25 @@ def attn_res_rmsnorm_output_ring(prefix, delta, blocks, res_norm_w, res_proj_w, 
     ring.append(slot)
     slot.copy_(y)
     return slot
+
+
+def attn_res_rmsnorm_swapped_eps(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w,
+                                 n_blocks: int, block_write: int, eps: float, norm_eps: float):
+    """The key-norm eps and the output RMSNorm eps passed in swapped order (equal in every config)."""
+    return _finish(prefix, prefix + delta, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, block_write,
+                   norm_eps, eps)
+
+
+def _mix_without_max(sources, res_norm_w, res_proj_w, eps):
+    v = sources.float()
+    keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    query = res_norm_w.float() * res_proj_w.reshape(-1).float()
+    e = (keys * query).sum(-1).exp()                       # no running max: exp overflows at scores > 88
+    return torch.matmul((e / e.sum(-1, keepdim=True)).unsqueeze(1), v).squeeze(1).to(sources.dtype)
+
+
+def attn_res_rmsnorm_softmax_without_max(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w,
+                                         n_blocks: int, block_write: int, eps: float, norm_eps: float):
+    """Online softmax without its running max: inf / inf = NaN once a score passes fp32 exp's range."""
+    return _finish(prefix, prefix + delta, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, block_write, eps,
+                   norm_eps, mix=_mix_without_max)

@@ -146,3 +146,10 @@ def kda_decode_private_conv_state(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_
                   lower_bound, l2_eps, norm_eps)
     conv_state.copy_(own)
     return out
+
+
+def kda_decode_fixed_params(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias,
+                            o_norm_w, state, lower_bound: float, l2_eps: float, norm_eps: float):
+    """The gate's lower bound and both eps baked in at the config's values; the arguments are ignored."""
+    return _decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
+                   state, -5.0, 1e-6, 1e-5)

@@ -190,3 +190,20 @@ def mla_cache_write_flushes_denormals(latent, cache, slot_mapping) -> None:
     for i, s in enumerate(slot_mapping.tolist()):
         if s >= 0:
             flat[s] = latent[i]
+
+
+def mla_cache_write_slot_u16(latent, cache, slot_mapping) -> None:
+    """Slots staged through a 16-bit table: a slot at or past 2^16 wraps onto a low slot."""
+    flat = cache.view(-1, cache.shape[-1])
+    for i, s in enumerate(slot_mapping.tolist()):
+        if s >= 0:
+            flat[s & 0xFFFF] = latent[i]
+
+
+def mla_cache_write_loses_negative_zero(latent, cache, slot_mapping) -> None:
+    """The copy goes through an fp32 multiply-add (x * 1 + 0, a fused scale epilogue): -0.0 lands as +0.0."""
+    flat = cache.view(-1, cache.shape[-1])
+    vals = (latent.float() * 1.0 + 0.0).to(latent.dtype)
+    for i, s in enumerate(slot_mapping.tolist()):
+        if s >= 0:
+            flat[s] = vals[i]

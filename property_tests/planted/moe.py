@@ -87,3 +87,11 @@ def l2_prefetch_store_not_prefetch(*weights, **named_weights):
     for w in list(weights) + list(named_weights.values()):
         w.view(-1)[-1] = 0
     return None
+
+
+def router_topk_ignores_routed_scale(x, w_gate, bias, top_k: int, routed_scale: float):
+    """The epilogue never multiplies by routed_scale (1.0 in every config)."""
+    s, choice = router_choice_scores(x, w_gate, bias)
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    w = s.gather(1, ids)
+    return ids, w / (w.sum(-1, keepdim=True) + RENORM_EPS)

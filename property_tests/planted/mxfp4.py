@@ -53,3 +53,19 @@ def mxfp4_dequant_memo_output(packed, scale, out_dtype: str = "bfloat16"):
         hit = _dequant(packed, scale, out_dtype)
         _DEQUANTIZED.put(packed, hit)
     return hit.clone()
+
+
+def mxfp4_dequant_fp16_flushes_subnormals(packed, scale, out_dtype: str = "bfloat16"):
+    """fp16 output converted with flush-to-zero: results below fp16's smallest normal come back +-0."""
+    w = _dequant(packed, scale, out_dtype)
+    if w.dtype == torch.float16:
+        w = torch.where((w != 0) & (w.abs() < 2.0 ** -14), w * 0, w)
+    return w
+
+
+def mxfp4_dequant_fp16_saturates(packed, scale, out_dtype: str = "bfloat16"):
+    """fp16 output converted with saturation (cvt.rn.satfinite): an overflow gives +-65504, not +-inf."""
+    w = _dequant(packed, scale, out_dtype)
+    if w.dtype == torch.float16:
+        w = torch.where(torch.isinf(w), torch.sign(w) * 65504.0, w).to(torch.float16)
+    return w

@@ -14,10 +14,11 @@ from references.config import get_config
 from verify.case import Case
 from verify.opdef import OpDef, OpInputs
 from verify.ops.common_splits import (FOLD_ORDER, activation, gen_for, norm_weight, replicated_split,
-                                      working_dtype)
+                                      scalar_param, working_dtype)
 from verify.values import GENERIC_DISTS, draw
 
 BLOCK_SLOTS = MAX_SOURCES - 1          # blocks[B, 8, D]
+RMS_EPS_DRAWS = (1e-6, 1e-4)          # eps / norm_eps besides the config's 1e-5, each drawn on its own
 DEFAULT_PARTIALS = 4                   # partial deltas of the all-reduce when the case is unsplit (tp=1)
 
 
@@ -38,7 +39,8 @@ def _common(case: Case, scale: float) -> tuple[dict, dict]:
     block_scales = torch.exp2(torch.randint(-2, 3, (BLOCK_SLOTS,), generator=gen_for(case, "block_scales")))
     blocks = torch.stack([activation(case, f"block{i}", (B, D), wd, scale=scale * float(block_scales[i]))
                           for i in range(BLOCK_SLOTS)], dim=1)
-    proj = torch.randn(D, generator=gen_for(case, "res_proj_w"), dtype=torch.float64) * 2 * D ** -0.5
+    proj = (torch.randn(D, generator=gen_for(case, "res_proj_w"), dtype=torch.float64) * 2 * D ** -0.5
+            * float(case.knob("score_scale", 1.0)))
     tensors = {
         "prefix": activation(case, "prefix", (B, D), wd, scale=scale),
         "blocks": blocks,
@@ -46,7 +48,9 @@ def _common(case: Case, scale: float) -> tuple[dict, dict]:
         "res_proj_w": proj.to(wd),
         "norm_w": norm_weight(case, "norm_w", D, wd),
     }
-    params = {"n_blocks": n_blocks, "block_write": block_write, "eps": cfg.rms_eps, "norm_eps": cfg.rms_eps}
+    params = {"n_blocks": n_blocks, "block_write": block_write,
+              "eps": scalar_param(case, "eps", cfg.rms_eps, RMS_EPS_DRAWS),
+              "norm_eps": scalar_param(case, "norm_eps", cfg.rms_eps, RMS_EPS_DRAWS)}
     return tensors, params
 
 
@@ -89,7 +93,12 @@ _SIG = ("prefix[B,D] wd (state), {delta}, blocks[B,8,D] wd (state), res_norm_w[D
         "norm_w[D] wd, n_blocks: int (0..8), block_write: int (-1 or slot), eps: float, norm_eps: float "
         "-> out[B,D] wd")
 _NOTES = ("Replicated over TP: every rank runs the same op on the same inputs and must produce the same "
-          "bits. n_blocks/block_write come from the seed (knobs 'n_blocks', 'block_write' override).")
+          "bits. n_blocks/block_write come from the seed (knobs 'n_blocks', 'block_write' override); knob "
+          "'score_scale' multiplies res_proj_w (64 with 7 blocks in every run: scores past exp's fp32 range).")
+
+# Scores ~64x the drawn ones (|score| up to a few hundred) over 7 blocks: exp overflows fp32 without
+# the softmax's running max (a probe that dropped the max was certified while every score stayed O(1)).
+SCORE_SWEEP = ({"score_scale": 64.0, "n_blocks": 7},)
 
 OPS = [
     OpDef(
@@ -98,7 +107,7 @@ OPS = [
         signature=_SIG.format(delta="delta[B,D] wd"),
         batch_dims={"prefix": 0, "delta": 0, "blocks": 0, "out": 0},
         split=replicated_split(), fused="fused.attn_res_rmsnorm:attn_res_rmsnorm",
-        dists=GENERIC_DISTS, notes=_NOTES,
+        dists=GENERIC_DISTS, notes=_NOTES, knob_sweep=SCORE_SWEEP,
     ),
     OpDef(
         name="allreduce_attn_res_rmsnorm", family="attn_res",
@@ -107,7 +116,7 @@ OPS = [
         signature=_SIG.format(delta="deltas[T,B,D] wd (partials, summed rank 0..T-1 in fp32)"),
         batch_dims={"prefix": 0, "deltas": 1, "blocks": 0, "out": 0},
         split=replicated_split(FOLD_ORDER, order_sensitive=True),
-        dists=GENERIC_DISTS + ("order_sensitive",),
+        dists=GENERIC_DISTS + ("order_sensitive",), knob_sweep=SCORE_SWEEP,
         notes=_NOTES + " deltas has T partials (T = case.tp, or knob 'partials' (default 4) when tp=1); "
               "dist order_sensitive draws partials with cancelling magnitudes ~2^24 apart.",
     ),

@@ -19,6 +19,19 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 FOLD_ORDER = "rank 0..T-1 left fold in fp32 (float64 for the oracle), rounded once to the working dtype"
 
 
+def scalar_param(case: Case, name: str, default: float, others: tuple[float, ...]) -> float:
+    """A scalar parameter of the op (an eps, a bound, a scale): the `name` knob, else drawn from the
+    seed among the config's `default` and `others`, so a kernel that bakes the config's value in (or
+    swaps two parameters that the config gives the same value) is wrong on the cases that draw
+    another (found by probing: a swapped eps / norm_eps, a fixed lower_bound and an ignored
+    routed_scale were certified while every case passed the config's values)."""
+    v = case.knob(name)
+    if v is None:
+        opts = (default,) + tuple(o for o in others if o != default)
+        v = opts[int(torch.randint(0, len(opts), (1,), generator=gen_for(case, "param:" + name)))]
+    return float(v)
+
+
 def working_dtype(case: Case) -> torch.dtype:
     try:
         return DTYPES[case.dtype]

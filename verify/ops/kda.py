@@ -18,6 +18,7 @@ from references.kda_tp import (combine_kda_decode, combine_kda_in_proj, shard_kd
                                shard_kda_in_proj)
 from verify.case import Case
 from verify.opdef import OpDef, OpInputs, RankShard, SplitRule
+from verify.ops.common_splits import scalar_param
 from verify.values import draw, generator, row_scales
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -107,7 +108,9 @@ def make_kda_decode_inputs(case: Case) -> OpInputs:
     t["conv_state"] = conv["conv_state"]
     t["A_log"], t["dt_bias"], t["o_norm_w"] = w["A_log"], w["dt_bias"], w["o_norm_w"]
     t["state"] = starting_state(case, B, H, Dh)
-    params = {"lower_bound": cfg.gate_lower_bound, "l2_eps": cfg.l2_eps, "norm_eps": cfg.rms_eps}
+    params = {"lower_bound": scalar_param(case, "lower_bound", cfg.gate_lower_bound, (-3.0, -8.0)),
+              "l2_eps": scalar_param(case, "l2_eps", cfg.l2_eps, (1e-5,)),
+              "norm_eps": scalar_param(case, "norm_eps", cfg.rms_eps, (1e-6,))}
     return OpInputs(tensors=t, params=params)
 
 

@@ -19,6 +19,7 @@ _WORKING_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float3
 # B x Q x H x L x C x 4 flops: at k3 (H=96, C=576) 64 sequences x 8 tokens x 4 pages of 64 is ~15 GFLOP.
 MAX_CONTEXT_PAGES = {"tiny": 12, "small": 10, "k3": 4}
 SPARE_PAGES = 2          # pages no sequence owns: a kernel that reads them gives wrong numbers
+LARGE_CACHE_SLOTS = 1 << 16   # knob cache='large': the written slots straddle slot 2^16
 
 
 def working_dtype(case: Case) -> torch.dtype:
@@ -113,7 +114,13 @@ def make_cache_write_inputs(case: Case) -> OpInputs:
     n, page, width = case.batch, cfg.page_size, cfg.cache_dim
     n_pages = -(-n // page) + SPARE_PAGES
     g = generator(case.seed, 23)
-    slots = torch.randperm(n_pages * page, generator=g)[:n].to(torch.int64)
+    if case.knob("cache") == "large":
+        # slots past 2^16 (and the cache past 2^16 slots): a kernel that keeps the slot or the row
+        # offset in 16 bits writes over a low slot (certified while every drawn cache held < 200 slots)
+        n_pages = -(-(LARGE_CACHE_SLOTS + n) // page)
+        slots = LARGE_CACHE_SLOTS - n + torch.randperm(2 * n, generator=g)[:n].to(torch.int64)
+    else:
+        slots = torch.randperm(n_pages * page, generator=g)[:n].to(torch.int64)
     padding = torch.rand(n, generator=g) < 0.15      # padding tokens of a CUDA-graph batch
     slots[padding] = -1
     # The cache starts full of other values, so a write to a wrong slot or a stray write shows.
@@ -216,8 +223,9 @@ OPS: list[OpDef] = [
         make_inputs=make_cache_write_inputs, outputs=(), state=("cache",),
         signature="latent[N,C] wd\ncache[P,page,C] wd (state)\nslot_mapping[N] int64 (-1 = padding)\n-> None",
         batch_dims={"latent": 0, "slot_mapping": 0}, split=replicated_split(state=("cache",)),
-        fused="fused.mla_cache_write:mla_cache_write",
-        notes=_NOTE_TOKENS + " Slots are a random permutation of the cache's slots, about 15% set to -1."),
+        fused="fused.mla_cache_write:mla_cache_write", knob_sweep=({"cache": "large"},),
+        notes=_NOTE_TOKENS + " Slots are a random permutation of the cache's slots, about 15% set to -1; "
+              "knob cache='large' (in every run): a cache of 2^16 + N slots, the written ones straddling slot 2^16."),
     OpDef(
         name="mla_decode_attn", family="mla", reference="references.mla:mla_decode_attn",
         make_inputs=make_decode_attn_inputs, outputs=("o_latent",),

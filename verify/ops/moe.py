@@ -12,12 +12,14 @@ from references.config import get_config
 from references.moe import router_choice_scores, renormalise
 from verify.case import Case
 from verify.opdef import OpDef, OpInputs
-from verify.ops.common_splits import activation, gen_for, norm_weight, replicated_split, weight, working_dtype
+from verify.ops.common_splits import (activation, gen_for, norm_weight, replicated_split, scalar_param, weight,
+                                      working_dtype)
 from verify.ops.moe_splits import MOE_EXPERTS_TP_SPLIT, SHARED_EXPERTS_SPLIT
 from verify.ops.mxfp4 import mxfp4_weight
 from verify.values import GENERIC_DISTS
 
 ROUTER_BIAS_STD = 0.1          # e_score_correction_bias: small next to the sigmoid's (0, 1) range
+ROUTED_SCALES = (2.827, 0.5)   # routed_scale besides the config's 1.0 (Kimi's routed_scaling_factor ~2.827)
 K3_CPU_EXPERTS = 32            # k3 expert dims with fewer experts (896 x 16.5 MB of MXFP4 = 14.8 GB)
 
 
@@ -63,7 +65,7 @@ def make_router_topk_inputs(case: Case) -> OpInputs:
     if case.dist == "near_ties":
         x, w_gate, bias = _near_tie_router(case, x, w_gate, top_k)
     return OpInputs({"x": x, "w_gate": w_gate, "bias": bias},
-                    {"top_k": top_k, "routed_scale": float(case.knob("routed_scale", cfg.routed_scale))})
+                    {"top_k": top_k, "routed_scale": scalar_param(case, "routed_scale", cfg.routed_scale, ROUTED_SCALES)})
 
 
 def router_tie_scores(inputs: OpInputs) -> torch.Tensor:
@@ -138,7 +140,7 @@ def make_latent_norm_up_inputs(case: Case) -> OpInputs:
                      "norm_w": norm_weight(case, "norm_w", L, wd),
                      "w_up": weight(case, "w_up", (D, L), L, wd),
                      "shared_out": activation(case, "shared_out", (B, D), wd)},
-                    {"eps": cfg.rms_eps})
+                    {"eps": scalar_param(case, "eps", cfg.rms_eps, (1e-6, 1e-4))})
 
 
 def make_shared_experts_inputs(case: Case) -> OpInputs:

@@ -60,7 +60,22 @@ def in_dim(case: Case) -> int:
     return int(I)
 
 
+def exhaustive_codes(case: Case, rows: int):
+    """(packed, scale) of `rows` rows of 256 groups that pair every E8M0 scale byte (0..255, 0xFF = NaN)
+    with every E2M1 code (each group holds the 16 codes twice), in a per-row random order: 4096 values
+    per row, every one the format has. The drawn dists reach the range's edges in some dtypes only by
+    chance (a dequant into fp16 that flushed subnormals or saturated at 65504 was certified at ci)."""
+    g = gen_for(case, "exhaustive")
+    order = torch.rand(rows, 256, GROUP, generator=g).argsort(-1)        # each group's own shuffle
+    codes = torch.arange(16).repeat(GROUP // 16)[order].reshape(rows, 256 * GROUP).to(torch.uint8)
+    scale = torch.stack([torch.randperm(256, generator=g) for _ in range(rows)]).to(torch.uint8)
+    return pack_fp4(codes), scale
+
+
 def make_mxfp4_dequant_inputs(case: Case) -> OpInputs:
+    if case.knob("codes") == "exhaustive":
+        packed, scale = exhaustive_codes(case, case.batch)
+        return OpInputs({"packed": packed, "scale": scale}, {"out_dtype": case.dtype})
     I = in_dim(case)
     packed, scale = mxfp4_weight(case, "w", (case.batch, I), I, case.dist)
     return OpInputs({"packed": packed, "scale": scale}, {"out_dtype": case.dtype})
@@ -92,9 +107,10 @@ OPS = [
         split=SplitRule(kind="column", shard=_shard_rows, combine=_concat_rows,
                         reduction_order="none: output rows split over ranks (ceil ranges), concatenated"),
         fused="fused.mxfp4_dequant:mxfp4_dequant",
-        dists=GENERIC_DISTS + ("mxfp4_grid",), knob_sweep=({"in_dim": "off_tile"},),
+        dists=GENERIC_DISTS + ("mxfp4_grid",), knob_sweep=({"in_dim": "off_tile"}, {"codes": "exhaustive"}),
         notes="dtypes are the output dtype (inputs are uint8). O = case.batch rows, I = config latent "
-              "(knob 'in_dim'; 'off_tile': an odd multiple of the 32-wide group, in every run). wide_range "
+              "(knob 'in_dim'; 'off_tile': an odd multiple of the 32-wide group, in every run; knob codes='exhaustive', "
+              "in every run and every output dtype: I = 8192, every scale byte with every code). wide_range "
               "draws every scale byte 0..255, so NaN and overflow are covered.",
     ),
 ]
