@@ -48,6 +48,21 @@ def test_help_is_pinned(command):
     (["repro", '{"op": "attn_res_rmsnorm", "seed": 1, "batch": 2, "extra": [["n_blokcs", 3]]}'],
      "CASE extra: ['n_blokcs'] not read"),
     (["repro", '{"op": "mla_cache_write", "seed": 1}'], "CASE is not a case record"),
+    # session 18's probe: each of these gave a traceback
+    (["run", "--case-timeout", "nan"], "--case-timeout nan"),
+    (["run", "--case-timeout", "inf"], "--case-timeout inf"),
+    (["run", "--tp", "x"], "--tp 'x': not an integer"),
+    (["run", "--ops", ","], "--ops ',': names nothing"),
+    (["run", "--candidate", ","], "--candidate ',': names nothing"),
+    (["run", "--configs", ","], "--configs ',': names nothing"),
+    (["run", "--seed", "99999999999999999999999"], "--seed 99999999999999999999999: must be in"),
+    (["run", "--out", "README.md"], "--out README.md: exists and is not a directory"),
+    (["run", "--junit", "property_tests"], "--junit property_tests: is a directory"),
+    (["repro", "[]"], "CASE is not a case record"),
+    (["repro", '{"op": 5, "seed": 1, "batch": 2}'], "CASE op: 5 is not an op name"),
+    (["repro", '{"op": "mla_cache_write", "seed": 99999999999999999999999, "batch": 2}'], "CASE seed"),
+    (["check", "property_tests/planted_release/help/run.txt"], "cannot read it"),
+    (["check", "pyproject.toml"], "cannot read it"),
 ])
 def test_bad_usage_exits_2_with_one_line(args, words):
     got = _cli(*args)

@@ -173,3 +173,23 @@ def test_carried_entries_gain_the_file_hashes_of_their_unchanged_sources():
     old["ops"]["skinny_gemm"]["source_files"] = {"fused/skinny_gemm.py": "kept"}
     carried, _ = carry_forward(old, {"skinny_gemm": OPS[0]}, ["fused"])
     assert carried["skinny_gemm"]["source_files"] == {"fused/skinny_gemm.py": "kept"}
+
+
+@pytest.mark.parametrize("body, words", [
+    ("[]", "a JSON object is expected"),
+    ('{"format": "verify-kernels/certificate/v1", "created": 5, "ops": {}}', "'created' must be"),
+    ('{"format": "verify-kernels/certificate/v1", "created": "x", "ops": 3}', "'ops' must be"),
+    ('{"format": "verify-kernels/certificate/v1", "created": "x", "ops": {"a": 1}}', "ops.a must be"),
+    ('{"format": "verify-kernels/certificate/v1", "created": "x", "ops": {"a": {"verdicts": []}}}',
+     "ops.a.verdicts must be"),
+    ('{"format": "verify-kernels/certificate/v1", "created": "x", "options": [], "ops": {}}', "'options' must be"),
+])
+def test_a_malformed_certificate_is_named_not_a_traceback(tmp_path, body, words):
+    """`load` (behind check, report, diff and --changed-since) checks the fields they read (session 18's
+    probe: valid JSON of the wrong shape gave AttributeError / TypeError from inside the gate)."""
+    from verify import certificate
+    p = tmp_path / "c.json"
+    p.write_text(body)
+    with pytest.raises(ValueError, match=words.replace("(", r"\(")) as e:
+        certificate.load(p)
+    assert str(p) in str(e.value)

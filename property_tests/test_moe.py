@@ -51,7 +51,7 @@ def test_one_expert_by_hand():
     only = {**t, "ids": t["ids"][:, :1], "weights": torch.ones(1, 1)}
     w13 = mxfp4_dequant(t["w13_packed"][e], t["w13_scale"][e], "float64")
     w2 = mxfp4_dequant(t["w2_packed"][e], t["w2_scale"][e], "float64")
-    want = situ_and_mul(t["z"] @ w13.T, 4.0, 25.0) @ w2.T
+    want = situ_and_mul(t["z"] @ w13.T, i.params["situ_beta"], i.params["situ_linear_beta"]) @ w2.T
     torch.testing.assert_close(moe_experts_mxfp4(**only, **i.params), want, rtol=1e-13, atol=1e-13)
 
 

@@ -142,7 +142,9 @@ def test_batch_sweep_hits_the_dispatch_boundaries():
 
 @pytest.mark.parametrize("op_name,names", [
     ("router_topk", ("routed_scale",)), ("attn_res_rmsnorm", ("eps", "norm_eps")),
-    ("kda_decode", ("lower_bound", "l2_eps", "norm_eps")), ("latent_norm_up", ("eps",))])
+    ("kda_decode", ("lower_bound", "l2_eps", "norm_eps")), ("latent_norm_up", ("eps",)),
+    ("mla_decode_attn", ("scale",)), ("shared_experts", ("situ_beta", "situ_linear_beta")),
+    ("moe_experts_mxfp4", ("situ_beta", "situ_linear_beta"))])
 def test_scalar_params_vary_over_seeds(op_name, names):
     """An op's scalar parameters are drawn per case (the config's value among others), each on its own,
     so a kernel that bakes one in or swaps two is wrong on some case; a knob pins one."""
@@ -159,3 +161,20 @@ def test_scalar_params_vary_over_seeds(op_name, names):
         assert any(len(set(pr)) > 1 for pr in pairs)               # the two eps differ on some cases
     pinned = op.make_inputs(Case(op_name, 5, 2, "tiny", op.dtypes[0], "normal", 1, ((names[0], 0.25),))).params
     assert pinned[names[0]] == 0.25
+
+
+def test_legal_edge_inputs_are_drawn():
+    """Inputs a kernel may mishandle though they are legal: expert ids of -1 (padding; never a whole
+    row) with weights summing to a drawn routed_scale; cache-write padding slots below -1; a layer's
+    decode steps other than 3."""
+    moe = get_op("moe_experts_mxfp4")
+    cases = [moe.make_inputs(Case("moe_experts_mxfp4", s, 8, "tiny", "bfloat16", "normal")).tensors for s in range(12)]
+    assert any((t["ids"] == -1).any() for t in cases) and all((t["ids"][:, 0] >= 0).all() for t in cases)
+    sums = {round(float(t["weights"][0].sum()), 3) for t in cases}
+    assert len(sums) >= 2 and 1.0 in sums
+    cw = get_op("mla_cache_write")
+    slots = torch.cat([cw.make_inputs(Case("mla_cache_write", s, 16, "tiny", "bfloat16", "normal")).tensors["slot_mapping"]
+                       for s in range(8)])
+    assert (slots == -1).any() and (slots < -1).any()
+    from verify.ops.layers import _steps
+    assert len({_steps(Case("kda_layer", s, 1, "tiny", "bfloat16", "normal")) for s in range(20)}) >= 3

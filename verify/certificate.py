@@ -273,8 +273,32 @@ def load(path: str | Path) -> dict:
     p = Path(path)
     try:
         cert = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"certificate {p}: cannot read it: {e}") from None
+    if not isinstance(cert, dict):
+        raise ValueError(f"certificate {p}: a JSON object is expected, not {type(cert).__name__}")
     if cert.get("format") != FORMAT:
         raise ValueError(f"certificate {p}: format {cert.get('format')!r} is not {FORMAT!r}")
+    _check_shape(p, cert)
     return cert
+
+
+def _check_shape(p: Path, cert: dict) -> None:
+    """The fields `check`, `report`, `diff` and `--changed-since` read, of the types `build` writes: a
+    hand-edited or truncated certificate is named, not a traceback from deep inside the gate."""
+    def need(ok: bool, where: str, what: str) -> None:
+        if not ok:
+            raise ValueError(f"certificate {p}: {where} must be {what}")
+    need(isinstance(cert.get("created"), str), "'created'", "a timestamp string")
+    for key in ("environment", "options"):
+        need(isinstance(cert.get(key, {}), dict), f"'{key}'", "an object")
+    ops = cert.get("ops")
+    need(isinstance(ops, dict), "'ops'", "an object of op entries")
+    for name, entry in ops.items():
+        need(isinstance(entry, dict), f"ops.{name}", "an object")
+        for key in ("sources", "source_files", "verdicts", "cases", "waivers"):
+            if key in entry:
+                need(isinstance(entry[key], dict if key != "waivers" else (dict, list)), f"ops.{name}.{key}",
+                     "an object" if key != "waivers" else "an object or a list")
+        for label, v in entry.get("verdicts", {}).items():
+            need(isinstance(v, dict), f"ops.{name}.verdicts.{label}", "an object")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -223,6 +225,38 @@ def restrict_profile(profile, configs: str | None, dtypes: str | None):
     return profile
 
 
+MAX_SEED = 2**63 - 1          # torch.Generator.manual_seed's range
+MAX_CASE_TIMEOUT_S = 86400.0
+
+
+def _int_flag(flag: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: not an integer") from None
+
+
+def _check_out_paths(args) -> None:
+    """--out must be a directory this process can create or write, --junit a file path whose folder
+    exists or can be made: said before the run, not after it."""
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot create it ({e.strerror or e})") from None
+    if not os.access(out, os.W_OK):
+        raise UsageError(f"--out {out}: not writable")
+    junit = getattr(args, "junit", None)
+    if junit:
+        j = Path(junit)
+        if j.is_dir():
+            raise UsageError(f"--junit {j}: is a directory; give a file path")
+        if j.parent.exists() and not j.parent.is_dir():
+            raise UsageError(f"--junit {j}: its folder {j.parent} is not a directory")
+
+
 def _run_setup(args):
     from verify.cases import get_profile, validate_tp
     from verify.registry import UnknownOpError, select_ops
@@ -231,11 +265,19 @@ def _run_setup(args):
         ops = select_ops(args.ops)
         profile = restrict_profile(get_profile(args.profile), getattr(args, "configs", None),
                                    getattr(args, "dtypes", None))
-        tps = validate_tp([int(t) for t in args.tp.split(",")]) if args.tp else None
+        tps = validate_tp([_int_flag("--tp", t) for t in args.tp.split(",")]) if args.tp else None
     except (UnknownOpError, ValueError) as e:
         raise UsageError(str(e)) from None
-    if args.case_timeout <= 0:
-        raise UsageError(f"--case-timeout {args.case_timeout:g}: must be a positive number of seconds")
+    for flag, value in (("--ops", args.ops), ("--candidate", getattr(args, "candidate", None)),
+                        ("--configs", getattr(args, "configs", None)), ("--dtypes", getattr(args, "dtypes", None)),
+                        ("--tp", args.tp)):
+        if value is not None and not [v for v in value.split(",") if v.strip()]:
+            raise UsageError(f"{flag} {value!r}: names nothing (an empty run would certify nothing)")
+    if not 0 <= args.seed < MAX_SEED:
+        raise UsageError(f"--seed {args.seed}: must be in 0..{MAX_SEED - 1}")
+    if not (math.isfinite(args.case_timeout) and 0 < args.case_timeout <= MAX_CASE_TIMEOUT_S):
+        raise UsageError(f"--case-timeout {args.case_timeout:g}: must be a number of seconds in (0, {MAX_CASE_TIMEOUT_S}]")
+    _check_out_paths(args)
     if args.examples is not None and args.examples < 1:
         raise UsageError(f"--examples {args.examples}: must be 1 or more (cases drawn per op and candidate)")
     modes = [m for m in ("resume", "changed_since", "distributed", "sanitize") if getattr(args, m)]
@@ -438,8 +480,8 @@ def _check_case(case, op) -> None:
         v = getattr(case, field)
         if not isinstance(v, int) or isinstance(v, bool):
             bad(field, f"{v!r} is not an integer")
-    if case.seed < 0:
-        bad("seed", f"{case.seed} is negative")
+    if not 0 <= case.seed < MAX_SEED:
+        bad("seed", f"{case.seed}: must be in 0..{MAX_SEED - 1}")
     if case.batch < 1:
         bad("batch", f"{case.batch}: must be 1 or more")
     for field, known in (("config", sorted(CONFIGS)), ("dtype", list(op.dtypes)), ("dist", list(DISTS))):
@@ -477,9 +519,13 @@ def cmd_repro(args) -> int:
     from verify.verdict import PASS
 
     try:
+        if not isinstance(json.loads(args.case), dict):
+            raise ValueError("a JSON object is expected")
         case = Case.from_json(args.case)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, AttributeError) as e:
         raise UsageError(f"CASE is not a case record: {e}") from None
+    if not isinstance(case.op, str):
+        raise UsageError(f"CASE op: {case.op!r} is not an op name")
     op = _op_or_usage(case.op)
     _check_case(case, op)
     device = _resolve_device(args.device)

@@ -207,3 +207,17 @@ def mla_cache_write_loses_negative_zero(latent, cache, slot_mapping) -> None:
     for i, s in enumerate(slot_mapping.tolist()):
         if s >= 0:
             flat[s] = vals[i]
+
+
+def mla_decode_attn_scale_from_shape(q_abs, cache, block_table, seq_lens, scale: float, kv_lora_rank: int):
+    """Softmax scale recomputed from the cache width (the rope part x 3)^-0.5, the scale argument ignored."""
+    return mla_decode_attn(q_abs, cache, block_table, seq_lens, (3 * (cache.shape[-1] - kv_lora_rank)) ** -0.5,
+                           kv_lora_rank)
+
+
+def mla_cache_write_skips_only_minus1(latent, cache, slot_mapping) -> None:
+    """Skips slot -1 only; another negative slot wraps like a Python index and lands in the cache."""
+    flat = cache.view(-1, cache.shape[-1])
+    for i, s in enumerate(slot_mapping.tolist()):
+        if s != -1:
+            flat[s % flat.shape[0]] = latent[i]

@@ -95,3 +95,24 @@ def router_topk_ignores_routed_scale(x, w_gate, bias, top_k: int, routed_scale: 
     ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
     w = s.gather(1, ids)
     return ids, w / (w.sum(-1, keepdim=True) + RENORM_EPS)
+
+
+def moe_experts_mxfp4_minus1_is_last_expert(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                                            situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+    """Indexes the experts with the raw id: a padding slot (-1) runs the last expert instead of nothing."""
+    ids = torch.where(ids < 0, ids + w13_packed.shape[0], ids)
+    return moe_experts_mxfp4(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_beta,
+                             situ_linear_beta)
+
+
+def moe_experts_mxfp4_renormalises_weights(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                                           situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+    """Divides the routing weights by their row sum again (they already carry routed_scale)."""
+    weights = weights / weights.sum(-1, keepdim=True)
+    return moe_experts_mxfp4(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_beta,
+                             situ_linear_beta)
+
+
+def shared_experts_fixed_situ(x, w_gate_up, w_down, situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+    """SiTU's betas baked in at K3's 4 and 25; the arguments are ignored."""
+    return shared_experts(x, w_gate_up, w_down, 4.0, 25.0)

@@ -2,7 +2,7 @@
 
 A case is one K3 layer (index from the seed or the `layer_idx` knob) with seeded synthetic weights
 (references.weights, seed = case.seed), B sequences with warm state, stepped N decode steps (knob
-`steps`, default 3). x_steps follows the case's distribution; weights stay as references.weights
+`steps`, else drawn in 2..5). x_steps follows the case's distribution; weights stay as references.weights
 draws them. The block snapshots fill all 8 slots (those past n_blocks must be ignored; a push layer
 overwrites slot n_blocks) at per-block scales 2^-2..2^2, as block sums differ in size.
 """
@@ -18,7 +18,7 @@ from verify.opdef import OpDef, OpInputs
 from verify.ops.common_splits import activation, gen_for, working_dtype
 from verify.ops.kda import starting_state
 
-DEFAULT_STEPS = 3
+STEP_RANGE = (2, 5)      # decode steps per case, drawn
 MAX_BATCH = 4            # the reference loops over (token, expert) pairs in Python: keep a case ~1 s
 MAX_CONTEXT_PAGES = 4    # MLA context already cached before the first step, per sequence
 # layer indices worth drawing: first layer of a block (push), 1..8 blocks before the layer, the last layers
@@ -36,7 +36,10 @@ def _layer_idx(case: Case, kind: str) -> int:
 
 
 def _steps(case: Case) -> int:
-    n = int(case.knob("steps", DEFAULT_STEPS))
+    """Decode steps: the `steps` knob, else drawn in STEP_RANGE from the seed (a layer that resets its
+    state every 3 steps, or stops advancing seq_lens after step 3, was certified while every case ran 3)."""
+    drawn = int(torch.randint(STEP_RANGE[0], STEP_RANGE[1] + 1, (1,), generator=gen_for(case, "steps")))
+    n = int(case.knob("steps", drawn))
     if n < 1:
         raise ValueError(f"steps={n}: a layer case needs at least one decode step")
     return n

@@ -11,6 +11,7 @@ import torch
 from references.config import get_config
 from verify.case import Case
 from verify.opdef import OpDef, OpInputs, RankShard, SplitRule
+from verify.ops.common_splits import scalar_param
 from verify.values import draw, generator
 
 _WORKING_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -122,7 +123,10 @@ def make_cache_write_inputs(case: Case) -> OpInputs:
     else:
         slots = torch.randperm(n_pages * page, generator=g)[:n].to(torch.int64)
     padding = torch.rand(n, generator=g) < 0.15      # padding tokens of a CUDA-graph batch
-    slots[padding] = -1
+    # any negative slot is padding (OPS.md), -1 the usual one: half the padded slots take another
+    # (a kernel that skips only -1 was certified while every padded slot held -1)
+    other = torch.rand(n, generator=g) < 0.5
+    slots[padding] = torch.where(other, -torch.randint(2, 2**31, (n,), generator=g), torch.full((n,), -1))[padding]
     # The cache starts full of other values, so a write to a wrong slot or a stray write shows.
     return OpInputs(tensors={"latent": _activation(case, 21, (n, width)),
                              "cache": draw(generator(case.seed, 22), (n_pages, page, width), "normal",
@@ -139,7 +143,8 @@ def make_decode_attn_inputs(case: Case) -> OpInputs:
         tensors={"q_abs": _activation(case, 31, (case.batch, n_q, cfg.n_heads, cfg.cache_dim)),
                  "cache": _activation(case, 32, (n_pages, page, cfg.cache_dim)),
                  "block_table": block_table, "seq_lens": seq_lens},
-        params={"scale": cfg.mla_scale, "kv_lora_rank": cfg.kv_lora_rank})
+        params={"scale": scalar_param(case, "scale", cfg.mla_scale, (1.5 * cfg.mla_scale, 0.125)),
+                "kv_lora_rank": cfg.kv_lora_rank})
 
 
 def make_out_gate_inputs(case: Case) -> OpInputs:
@@ -225,7 +230,8 @@ OPS: list[OpDef] = [
         batch_dims={"latent": 0, "slot_mapping": 0}, split=replicated_split(state=("cache",)),
         fused="fused.mla_cache_write:mla_cache_write", knob_sweep=({"cache": "large"},),
         notes=_NOTE_TOKENS + " Slots are a random permutation of the cache's slots, about 15% set to -1; "
-              "knob cache='large' (in every run): a cache of 2^16 + N slots, the written ones straddling slot 2^16."),
+              "knob cache='large' (in every run): a cache of 2^16 + N slots, the written ones straddling slot 2^16. "
+              "Half the padded slots hold a negative other than -1."),
     OpDef(
         name="mla_decode_attn", family="mla", reference="references.mla:mla_decode_attn",
         make_inputs=make_decode_attn_inputs, outputs=("o_latent",),

@@ -20,6 +20,7 @@ from verify.values import GENERIC_DISTS
 
 ROUTER_BIAS_STD = 0.1          # e_score_correction_bias: small next to the sigmoid's (0, 1) range
 ROUTED_SCALES = (2.827, 0.5)   # routed_scale besides the config's 1.0 (Kimi's routed_scaling_factor ~2.827)
+PAD_SLOTS = 0.125              # moe_experts_mxfp4: share of id -1 (padding) slots, slot 0 always real
 K3_CPU_EXPERTS = 32            # k3 expert dims with fewer experts (896 x 16.5 MB of MXFP4 = 14.8 GB)
 
 
@@ -120,7 +121,15 @@ def make_moe_experts_inputs(case: Case) -> OpInputs:
     g = gen_for(case, "routing")
     ids = torch.argsort(torch.rand((B, E), generator=g), dim=1)[:, :k].contiguous()   # k distinct per token
     w = torch.rand((B, k), generator=g, dtype=torch.float64) + 0.05
-    weights = (w / w.sum(-1, keepdim=True)).to(torch.float32)
+    # the router's weights: rows sum to routed_scale (drawn: 1.0 or another), not always to 1, so a
+    # kernel that renormalises them again is wrong; about 1 in 8 slots padding (id -1, an expert
+    # parallel rank's foreign experts, skipped), never a whole row, so a kernel that reads -1 as
+    # the last expert is wrong (both certified by probing while every row held k real ids summing to 1)
+    scale = scalar_param(case, "routed_scale", cfg.routed_scale, ROUTED_SCALES)
+    weights = (w / w.sum(-1, keepdim=True) * scale).to(torch.float32)
+    pad = torch.rand((B, k), generator=g) < PAD_SLOTS
+    pad[:, 0] = False
+    ids[pad] = -1
     wdist = "mxfp4_grid" if case.dist == "mxfp4_grid" else "normal"
     # all experts in one [E*O, I] draw + quantisation (MXFP4 groups never cross a row)
     w13_p, w13_s = mxfp4_weight(case, "w13", (E * 2 * I, L), L, wdist)
@@ -129,7 +138,14 @@ def make_moe_experts_inputs(case: Case) -> OpInputs:
         {"z": activation(case, "z", (B, L), wd), "ids": ids, "weights": weights,
          "w13_packed": w13_p.reshape(E, 2 * I, L // 2), "w13_scale": w13_s.reshape(E, 2 * I, -1),
          "w2_packed": w2_p.reshape(E, L, I // 2), "w2_scale": w2_s.reshape(E, L, -1)},
-        {"situ_beta": cfg.situ_beta, "situ_linear_beta": cfg.situ_linear_beta})
+        situ_params(case, cfg))
+
+
+def situ_params(case: Case, cfg) -> dict[str, float]:
+    """SiTU's betas: the config's (4, 25) or others, drawn per case (a kernel that bakes them in was
+    certified while every case passed the config's)."""
+    return {"situ_beta": scalar_param(case, "situ_beta", cfg.situ_beta, (2.0, 8.0)),
+            "situ_linear_beta": scalar_param(case, "situ_linear_beta", cfg.situ_linear_beta, (10.0, 50.0))}
 
 
 # ---------------------------------------------------------------------------------------------- dense
@@ -149,7 +165,7 @@ def make_shared_experts_inputs(case: Case) -> OpInputs:
     return OpInputs({"x": activation(case, "x", (B, D), wd),
                      "w_gate_up": weight(case, "w_gate_up", (2 * SI, D), D, wd),
                      "w_down": weight(case, "w_down", (D, SI), SI, wd)},
-                    {"situ_beta": cfg.situ_beta, "situ_linear_beta": cfg.situ_linear_beta})
+                    situ_params(case, cfg))
 
 
 def make_l2_prefetch_inputs(case: Case) -> OpInputs:
