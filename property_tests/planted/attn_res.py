@@ -116,3 +116,15 @@ def attn_res_rmsnorm_softmax_without_max(prefix, delta, blocks, res_norm_w, res_
     """Online softmax without its running max: inf / inf = NaN once a score passes fp32 exp's range."""
     return _finish(prefix, prefix + delta, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, block_write, eps,
                    norm_eps, mix=_mix_without_max)
+
+
+def attn_res_rmsnorm_row_fixed_point_out(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w,
+                                         n_blocks: int, block_write: int, eps: float, norm_eps: float):
+    """out stored as fixed point with one scale per row (the dtype's mantissa bits of the row maximum):
+    small elements lose all relative precision. Open gap: the per-row tolerance admits it."""
+    out = _finish(prefix, prefix + delta, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, block_write, eps,
+                  norm_eps)
+    levels = 2.0 ** {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[out.dtype] - 1
+    y = out.float()
+    step = (y.abs().amax(-1, keepdim=True) / levels).clamp_min(1e-30)
+    return (torch.round(y / step) * step).to(out.dtype)

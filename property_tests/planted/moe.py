@@ -116,3 +116,14 @@ def moe_experts_mxfp4_renormalises_weights(z, ids, weights, w13_packed, w13_scal
 def shared_experts_fixed_situ(x, w_gate_up, w_down, situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
     """SiTU's betas baked in at K3's 4 and 25; the arguments are ignored."""
     return shared_experts(x, w_gate_up, w_down, 4.0, 25.0)
+
+
+def moe_experts_mxfp4_nan_scale_as_one(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                                       situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+    """E8M0 decode that ignores the NaN encoding: scale byte 0xFF read as 2^0. Open gap: the moe
+    weight draws never hold a 0xFF (or any extreme) scale byte, and a NaN oracle row makes the whole
+    case vacuous."""
+    w13_scale = torch.where(w13_scale == 0xFF, torch.full_like(w13_scale, 127), w13_scale)
+    w2_scale = torch.where(w2_scale == 0xFF, torch.full_like(w2_scale, 127), w2_scale)
+    return moe_experts_mxfp4(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_beta,
+                             situ_linear_beta)
