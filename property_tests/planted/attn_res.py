@@ -124,7 +124,7 @@ def attn_res_rmsnorm_row_fixed_point_out(prefix, delta, blocks, res_norm_w, res_
     small elements lose all relative precision. Open gap: the per-row tolerance admits it."""
     out = _finish(prefix, prefix + delta, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, block_write, eps,
                   norm_eps)
-    levels = 2.0 ** {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[out.dtype] - 1
+    levels = 1 / torch.finfo(out.dtype).eps - 1                      # 2^mantissa bits - 1
     y = out.float()
     step = (y.abs().amax(-1, keepdim=True) / levels).clamp_min(1e-30)
     return (torch.round(y / step) * step).to(out.dtype)

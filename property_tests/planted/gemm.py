@@ -134,9 +134,5 @@ def skinny_gemm_negates_small_outputs(x, w):
     epilogue that keeps one exponent per row). Open gap: the per-row tolerance is ~2 ulps of the row
     maximum for every element of the row."""
     y = linear(x, w).float()
-    small = y.abs() < y.abs().amax(-1, keepdim=True) * _unit_roundoff(x.dtype)
+    small = y.abs() < y.abs().amax(-1, keepdim=True) * torch.finfo(x.dtype).eps / 2     # the unit roundoff
     return torch.where(small, -y, y).to(x.dtype)
-
-
-def _unit_roundoff(dtype) -> float:
-    return {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}[dtype]
