@@ -283,6 +283,10 @@ def load(path: str | Path) -> dict:
     return cert
 
 
+_ENTRY_FIELDS = {key: (dict, "an object") for key in ("sources", "source_files", "verdicts", "cases")}
+_ENTRY_FIELDS["waivers"] = ((dict, list), "an object or a list")
+
+
 def _check_shape(p: Path, cert: dict) -> None:
     """The fields `check`, `report`, `diff` and `--changed-since` read, of the types `build` writes: a
     hand-edited or truncated certificate is named, not a traceback from deep inside the gate."""
@@ -296,9 +300,8 @@ def _check_shape(p: Path, cert: dict) -> None:
     need(isinstance(ops, dict), "'ops'", "an object of op entries")
     for name, entry in ops.items():
         need(isinstance(entry, dict), f"ops.{name}", "an object")
-        for key in ("sources", "source_files", "verdicts", "cases", "waivers"):
+        for key, (types, what) in _ENTRY_FIELDS.items():
             if key in entry:
-                need(isinstance(entry[key], dict if key != "waivers" else (dict, list)), f"ops.{name}.{key}",
-                     "an object" if key != "waivers" else "an object or a list")
+                need(isinstance(entry[key], types), f"ops.{name}.{key}", what)
         for label, v in entry.get("verdicts", {}).items():
             need(isinstance(v, dict), f"ops.{name}.verdicts.{label}", "an object")

@@ -37,29 +37,31 @@ def mla_q_absorb_rot_first(q_c, w_q_b, w_uk):
 # ---------------------------------------------------------------------------------- mla_cache_write
 
 
+def _write_slots(flat, rows, slot_mapping, target=lambda s: s if s >= 0 else None) -> None:
+    """flat[target(slot_mapping[i])] = rows[i], skipping a None target: the cache write the
+    mla_cache_write rows plant their bugs in (by default the reference's: negative slots are padding)."""
+    for i, s in enumerate(slot_mapping.tolist()):
+        t = target(s)
+        if t is not None:
+            flat[t] = rows[i]
+
+
 def mla_cache_write_pair_store(latent, cache, slot_mapping) -> None:
     """A 2-row vector store: writes latent[i] into its slot and zero-fills the other slot of the
     aligned pair (slot ^ 1), clobbering a neighbouring slot nobody asked to write."""
-    C = cache.shape[-1]
-    flat = cache.view(-1, C)
-    for i, s in enumerate(slot_mapping.tolist()):
-        if s < 0:
-            continue
-        flat[s ^ 1] = 0
-    for i, s in enumerate(slot_mapping.tolist()):
+    flat = cache.view(-1, cache.shape[-1])
+    for s in slot_mapping.tolist():
         if s >= 0:
-            flat[s] = latent[i]
+            flat[s ^ 1] = 0
+    _write_slots(flat, latent, slot_mapping)
 
 
 def mla_cache_write_assumes_contiguous(latent, cache, slot_mapping) -> None:
     """Computes slot addresses as slot * C from the base pointer (ignores cache/latent strides):
     with padded rows it writes into the padding between rows."""
     P, page, C = cache.shape
-    flat = cache.as_strided((P * page, C), (C, 1), cache.storage_offset())
-    lat = latent.as_strided(latent.shape, (C, 1), latent.storage_offset())
-    for i, s in enumerate(slot_mapping.tolist()):
-        if s >= 0:
-            flat[s] = lat[i]
+    _write_slots(cache.as_strided((P * page, C), (C, 1), cache.storage_offset()),
+                 latent.as_strided(latent.shape, (C, 1), latent.storage_offset()), slot_mapping)
 
 
 # ---------------------------------------------------------------------------------- mla_decode_attn
@@ -185,28 +187,17 @@ def mla_cache_write_flushes_denormals(latent, cache, slot_mapping) -> None:
     """Sets flush-to-zero for speed (torch.set_flush_denormal) and leaves it on: the copy is still
     bitwise right, but every later float32 op of this thread reads denormals as zero."""
     torch.set_flush_denormal(True)
-    C = cache.shape[-1]
-    flat = cache.view(-1, C)
-    for i, s in enumerate(slot_mapping.tolist()):
-        if s >= 0:
-            flat[s] = latent[i]
+    _write_slots(cache.view(-1, cache.shape[-1]), latent, slot_mapping)
 
 
 def mla_cache_write_slot_u16(latent, cache, slot_mapping) -> None:
     """Slots staged through a 16-bit table: a slot at or past 2^16 wraps onto a low slot."""
-    flat = cache.view(-1, cache.shape[-1])
-    for i, s in enumerate(slot_mapping.tolist()):
-        if s >= 0:
-            flat[s & 0xFFFF] = latent[i]
+    _write_slots(cache.view(-1, cache.shape[-1]), latent, slot_mapping, lambda s: s & 0xFFFF if s >= 0 else None)
 
 
 def mla_cache_write_loses_negative_zero(latent, cache, slot_mapping) -> None:
     """The copy goes through an fp32 multiply-add (x * 1 + 0, a fused scale epilogue): -0.0 lands as +0.0."""
-    flat = cache.view(-1, cache.shape[-1])
-    vals = (latent.float() * 1.0 + 0.0).to(latent.dtype)
-    for i, s in enumerate(slot_mapping.tolist()):
-        if s >= 0:
-            flat[s] = vals[i]
+    _write_slots(cache.view(-1, cache.shape[-1]), (latent.float() * 1.0 + 0.0).to(latent.dtype), slot_mapping)
 
 
 def mla_decode_attn_scale_from_shape(q_abs, cache, block_table, seq_lens, scale: float, kv_lora_rank: int):
@@ -218,6 +209,4 @@ def mla_decode_attn_scale_from_shape(q_abs, cache, block_table, seq_lens, scale:
 def mla_cache_write_skips_only_minus1(latent, cache, slot_mapping) -> None:
     """Skips slot -1 only; another negative slot wraps like a Python index and lands in the cache."""
     flat = cache.view(-1, cache.shape[-1])
-    for i, s in enumerate(slot_mapping.tolist()):
-        if s != -1:
-            flat[s % flat.shape[0]] = latent[i]
+    _write_slots(flat, latent, slot_mapping, lambda s: s % flat.shape[0] if s != -1 else None)
