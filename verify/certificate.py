@@ -81,7 +81,8 @@ def sha256_file(path: Path | None) -> str | None:
 
 
 def _project_imports(path: Path, packages: tuple[str, ...] = ("fused", "references")) -> set[str]:
-    """Module names this file imports from `packages` (by default the kernel and reference ones)."""
+    """Module names this file imports from `packages` (by default the kernel and reference ones; a
+    dotted entry such as "verify.ops" names a subpackage)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_bytes())):
         if isinstance(node, ast.Import):
@@ -89,12 +90,13 @@ def _project_imports(path: Path, packages: tuple[str, ...] = ("fused", "referenc
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
             names |= {f"{node.module}.{a.name}" for a in node.names}       # `from fused import runtime`
-    return {n for n in names if n.split(".")[0] in packages}
+    return {n for n in names if any(n == p or n.startswith(p + ".") for p in packages)}
 
 
-def closure_files(path: Path | None, root: Path = ROOT) -> dict[Path, bytes]:
-    """A module and every project module it imports, transitively (at module level or inside
-    functions), with their bytes; {} for a missing module."""
+def closure_files(path: Path | None, root: Path = ROOT,
+                  packages: tuple[str, ...] = ("fused", "references")) -> dict[Path, bytes]:
+    """A module and every project module of `packages` it imports, transitively (at module level or
+    inside functions), with their bytes; {} for a missing module."""
     seen: dict[Path, bytes] = {}
     todo = [path] if path is not None and path.exists() else []
     while todo:
@@ -102,7 +104,7 @@ def closure_files(path: Path | None, root: Path = ROOT) -> dict[Path, bytes]:
         if p in seen:
             continue
         seen[p] = p.read_bytes()
-        for name in _project_imports(p):
+        for name in _project_imports(p, packages):
             base = root.joinpath(*name.split("."))
             for f in (base.with_suffix(".py"), base / "__init__.py"):
                 if f.is_file():
@@ -110,11 +112,12 @@ def closure_files(path: Path | None, root: Path = ROOT) -> dict[Path, bytes]:
     return seen
 
 
-def sha256_closure(path: Path | None, root: Path = ROOT) -> str | None:
-    """Hash of a module and every project module it imports (`closure_files`): a kernel whose code
-    lives in a helper module (skinny_gemm -> skinny_gemm_wgmma, runtime) is a new kernel when the
-    helper changes, and its verdict is not carried forward."""
-    seen = closure_files(path, root)
+def sha256_closure(path: Path | None, root: Path = ROOT,
+                   packages: tuple[str, ...] = ("fused", "references")) -> str | None:
+    """Hash of a module and every project module of `packages` it imports (`closure_files`): a kernel
+    whose code lives in a helper module (skinny_gemm -> skinny_gemm_wgmma, runtime) is a new kernel
+    when the helper changes, and its verdict is not carried forward."""
+    seen = closure_files(path, root, packages)
     if not seen:
         return None
     h = hashlib.sha256()
@@ -158,6 +161,17 @@ def harness_hash() -> str:
     return h.hexdigest()
 
 
+# An op's registry entry is its family module and the verify/ops helpers it imports (common_splits,
+# moe_splits, mxfp4's weight draws): they draw the op's inputs and shard its splits. Until session 18
+# only the family module was hashed, so a change to common_splits.py (the inputs of attn_res, moe,
+# gemm and mxfp4) left their verdicts standing.
+REGISTRY_PACKAGES = ("verify.ops",)
+
+
+def _registry_file(op: OpDef) -> Path | None:
+    return _module_file(f"verify.ops.{op.family}") if op.family else None
+
+
 def op_sources(op: OpDef) -> dict[str, str | None]:
     """The sources a verdict depends on: reference, fused kernel, spec, the registry entry, and the
     harness that judged it."""
@@ -165,7 +179,7 @@ def op_sources(op: OpDef) -> dict[str, str | None]:
         "reference": sha256_closure(_module_file(op.reference)),
         "fused": sha256_closure(_module_file(op.fused)),
         "spec": sha256_file(SPEC_DIR / f"{op.name}.toml"),
-        "registry": sha256_file(_module_file(f"verify.ops.{op.family}") if op.family else None),
+        "registry": sha256_closure(_registry_file(op), packages=REGISTRY_PACKAGES),
         "harness": harness_hash(),
     }
 
@@ -177,8 +191,8 @@ def source_files(op: OpDef) -> dict[str, str]:
     files: dict[Path, bytes] = {}
     for mod in (op.reference, op.fused):
         files.update(closure_files(_module_file(mod)))
-    for p in (SPEC_DIR / f"{op.name}.toml", _module_file(f"verify.ops.{op.family}") if op.family else None,
-              *harness_files()):
+    files.update(closure_files(_registry_file(op), packages=REGISTRY_PACKAGES))
+    for p in (SPEC_DIR / f"{op.name}.toml", *harness_files()):
         if p is not None and p.exists():
             files[p] = p.read_bytes()
     return {_relative(p): hashlib.sha256(b).hexdigest() for p, b in sorted(files.items())}
