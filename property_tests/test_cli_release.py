@@ -100,3 +100,13 @@ def test_repro_accepts_a_knob_the_op_reads():
     got = _cli("repro", '{"op": "attn_res_rmsnorm", "seed": 1, "batch": 2, "config": "tiny", "extra": [["n_blocks", 3]]}')
     assert got.returncode == 0, got.stdout + got.stderr
     assert "n_blocks" in got.stdout
+
+
+def test_resume_from_a_foreign_log_is_one_line(tmp_path):
+    """--resume over a run.jsonl whose lines are not log records: one line naming it (session 18's
+    probe: an AttributeError from inside the log reader)."""
+    (tmp_path / "run.jsonl").write_text("[]\n")
+    got = _cli("run", "--ops", "skinny_gemm", "--candidate", "reference", "--device", "cpu", "--examples", "1",
+               "--configs", "tiny", "--out", str(tmp_path), "--resume")
+    lines = got.stderr.strip().splitlines()
+    assert got.returncode == 2 and len(lines) == 1 and "not a log record" in lines[0], got.stderr

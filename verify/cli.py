@@ -331,7 +331,10 @@ def cmd_run(args) -> int:
                "harness": certificate.harness_hash()}
     if args.jobs > 1:
         return _run_jobs(args, ops, candidates, device, options, console, carried, profile, tps)
-    log = RunLog(Path(args.out), resume=args.resume)
+    try:
+        log = RunLog(Path(args.out), resume=args.resume)
+    except ValueError as e:
+        raise UsageError(f"--resume: {e}") from None
     differs = settings_mismatch(log.previous.options, options)
     if differs:
         log.close()

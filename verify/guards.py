@@ -138,7 +138,8 @@ def _poisoning(fn):
             t.fill_(poison_value(t.dtype))
         return t
 
-    alloc.__wrapped__ = fn
+    # no __wrapped__ (functools' mark of a wrapper): a candidate could test torch.empty for it and
+    # behave only while judged (session 18's probe); the allocator stays a plain function
     return alloc
 
 
@@ -261,11 +262,44 @@ def _torch_flag(path: str) -> tuple[str, object, object]:
 # every later computation in the process: the reference's own runs in the working dtype (which the
 # tolerances are measured against: TF32 matmuls or flushed denormals loosen them), the next cases'
 # candidate calls, or where work is queued (the current stream).
+def _has_flag(path: str) -> bool:
+    owner, _, attr = path.rpartition(".")
+    try:
+        return hasattr(attrgetter(owner)(torch), attr)
+    except AttributeError:
+        return False
+
+
+# The per-backend fp32 precision settings (torch 2.9+: "ieee", "tf32", "bf16", "none"). Setting one
+# (e.g. torch.backends.mkldnn.matmul.fp32_precision = "bf16": every later fp32 matmul on an AMX CPU runs
+# in bf16) makes the legacy getter raise, which session 18's probe turned into a harness error that
+# failed every later pair in the process, correct ones included. Read and restored before the legacy
+# entry, so once they are back the legacy value reads as before.
+_FP32_PRECISION = [_torch_flag(p) for p in (
+    "backends.fp32_precision", "backends.cuda.matmul.fp32_precision", "backends.cudnn.fp32_precision",
+    "backends.cudnn.conv.fp32_precision", "backends.cudnn.rnn.fp32_precision", "backends.mkldnn.fp32_precision",
+    "backends.mkldnn.matmul.fp32_precision", "backends.mkldnn.conv.fp32_precision",
+    "backends.mkldnn.rnn.fp32_precision") if _has_flag(p)]
+_MIXED = "<unreadable: legacy and per-backend precision APIs mixed>"
+
+
+def _legacy_matmul_precision() -> str:
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return _MIXED
+
+
+def _set_legacy_matmul_precision(v: str) -> None:
+    if v != _MIXED:
+        torch.set_float32_matmul_precision(v)
+
+
 _PROCESS_STATE = [
     ("torch.get_default_dtype()", torch.get_default_dtype, torch.set_default_dtype),
     ("torch.is_grad_enabled()", torch.is_grad_enabled, torch.set_grad_enabled),
-    ("torch.get_float32_matmul_precision()", torch.get_float32_matmul_precision,
-     torch.set_float32_matmul_precision),
+    *_FP32_PRECISION,
+    ("torch.get_float32_matmul_precision()", _legacy_matmul_precision, _set_legacy_matmul_precision),
     *[_torch_flag(path) for path in (
         "backends.cuda.matmul.allow_tf32", "backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
         "backends.cuda.matmul.allow_bf16_reduced_precision_reduction", "backends.cudnn.allow_tf32",

@@ -132,6 +132,9 @@ def read(path: Path) -> Resumed:
         except json.JSONDecodeError:
             res.torn_lines += 1
             continue
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}: a line is {type(obj).__name__}, not a log record; not a run.jsonl "
+                             "this harness wrote")
         key = (obj.get("op"), obj.get("candidate"))
         if obj.get("kind") == "start" and res.options is None:
             res.options = obj.get("options")

@@ -136,3 +136,10 @@ def skinny_gemm_negates_small_outputs(x, w):
     y = linear(x, w).float()
     small = y.abs() < y.abs().amax(-1, keepdim=True) * torch.finfo(x.dtype).eps / 2     # the unit roundoff
     return torch.where(small, -y, y).to(x.dtype)
+
+
+def skinny_gemm_leaves_mkldnn_bf16_on(x, w):
+    """Turns oneDNN's fp32 matmuls to bf16 through the per-backend precision API and leaves it on (every
+    later fp32 matmul on an AMX CPU runs in bf16; the legacy precision getter raises from then on)."""
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    return linear(x, w)
