@@ -40,6 +40,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "weights prepacked once per tensor: values written into the same weight tensor are never seen"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_static_output", "guard:outputs_kept|storage the first call returned",
      "one preallocated output per shape, returned by every call"),
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_calls_sys_exit", "candidate|sys.exit(5)",
+     "calls sys.exit(5): judged, not the end of an in-process run"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_leaves_mkldnn_bf16_on", "guard:process_state|mkldnn.matmul.fp32_precision",
      "sets oneDNN's per-backend fp32 precision to bf16 and leaves it on"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_leaves_tf32_on", "guard:process_state|float32_matmul_precision",

@@ -143,3 +143,9 @@ def skinny_gemm_leaves_mkldnn_bf16_on(x, w):
     later fp32 matmul on an AMX CPU runs in bf16; the legacy precision getter raises from then on)."""
     torch.backends.mkldnn.matmul.fp32_precision = "bf16"
     return linear(x, w)
+
+
+def skinny_gemm_calls_sys_exit(x, w):
+    """Calls sys.exit(5) (a C extension's abort path turned into SystemExit)."""
+    import sys
+    sys.exit(5)
