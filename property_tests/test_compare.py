@@ -62,8 +62,79 @@ def test_bitwise_nan_payloads_and_signed_zero():
 
 def test_vacuous_oracles():
     assert vacuous_reason(torch.zeros(3, 3, dtype=torch.float64)) == "oracle output is all zeros"
-    assert "non-finite" in vacuous_reason(torch.tensor([1.0, float("inf")], dtype=torch.float64))
+    assert "no finite" in vacuous_reason(torch.full((2, 2), float("nan"), dtype=torch.float64))
+    assert "zero wherever" in vacuous_reason(torch.tensor([0.0, float("inf")], dtype=torch.float64))
+    assert vacuous_reason(torch.tensor([1.0, float("inf")], dtype=torch.float64)) is None   # judged where finite
     assert vacuous_reason(torch.ones(2, dtype=torch.float64)) is None
+
+
+def test_non_finite_oracle_values_must_be_reproduced():
+    """A NaN (or infinite) oracle element, e.g. an MXFP4 block under scale byte 0xFF, is judged, not a
+    reason to skip the case: the candidate gives the same NaN / infinity there, and the finite rest
+    of the row is judged as usual."""
+    o, b = _draw(5, (3, 8), torch.bfloat16)
+    o[1, 2], o[2, 5] = float("nan"), float("-inf")
+    b = b.clone()
+    b[1, 2], b[2, 5] = float("nan"), float("-inf")
+    assert compare_derived("y", b, o, b, k=2.0, floor_ulps=1.0).ok
+    for bad in (1.0, float("inf")):                  # a number, or another non-finite, where the oracle is NaN
+        c = b.clone()
+        c[1, 2] = bad
+        chk = compare_derived("y", c, o, b, k=2.0, floor_ulps=1.0)
+        assert not chk.ok and "oracle is NaN or infinite" in chk.detail
+    c = b.clone()
+    c[2, 5] = float("inf")                           # the wrong infinity
+    assert not compare_derived("y", c, o, b, k=2.0, floor_ulps=1.0).ok
+    c = b.clone()
+    c[1, 3] = c[1, 3] + 1.0                          # a finite element of the NaN row is still judged
+    assert not compare_derived("y", c, o, b, k=2.0, floor_ulps=1.0).ok
+
+
+def test_overflowing_baseline_gives_no_infinite_tolerance():
+    """The reference overflowing the working dtype where the oracle is finite (fp16 past 65504) is no
+    witness of its rounding noise: its row is judged with the median rule, so a wrong element of that
+    row still fails; the fp16 infinity the oracle rounds to is accepted."""
+    o = torch.tensor([[70000.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]], dtype=torch.float64)
+    b = o.to(torch.float16)                          # 70000 -> inf
+    assert torch.isinf(b[0, 0])
+    assert compare_derived("y", b, o, b, k=2.0, floor_ulps=1.0).ok
+    c = b.clone()
+    c[0, 1] = 100.0
+    chk = compare_derived("y", c, o, b, k=2.0, floor_ulps=1.0)
+    assert not chk.ok and chk.worst[0][0] == (0, 1)
+    c = b.clone()
+    c[0, 0] = float("-inf")
+    assert not compare_derived("y", c, o, b, k=2.0, floor_ulps=1.0).ok
+
+
+@given(st.integers(0, 10**6), st.sampled_from([torch.bfloat16, torch.float16]))
+def test_element_floor_catches_what_the_row_rule_admits(seed, dtype):
+    """An element an eighth of an ulp of its row's maximum, negated or zeroed, is within the row rule
+    (2 ulps of the row maximum) but not within the element rule; the baseline itself passes both."""
+    o, b = _draw(seed, (4, 64), dtype)
+    o[:, 0] = o.abs().amax(-1) * torch.finfo(dtype).eps / 8
+    b = o.to(dtype)
+    for c in (torch.where(torch.arange(64) == 0, -b, b), torch.where(torch.arange(64) == 0, 0 * b, b)):
+        assert compare_derived("y", c, o, b, k=2.0, floor_ulps=2.0).ok
+        chk = compare_derived("y", c, o, b, k=2.0, floor_ulps=2.0, element_floor=2.0 ** -9)
+        assert not chk.ok and "per element" in chk.detail and chk.worst[0][0][1] == 0
+    assert compare_derived("y", b, o, b, k=2.0, floor_ulps=1.0, element_floor=2.0 ** -9).ok
+
+
+def test_element_floor_and_magnitude_set_an_elements_scale():
+    """Below element_floor x the row's scale, or below the element's running-error magnitude, an
+    element errs on that scale: 2 ulps of its own value fail at its own scale and pass at 2^-9 x the
+    row's (1 ulp there is 8 of its own); 4 ulps at 2^-9 fail there."""
+    o = torch.tensor([[1.0, 2.0 ** -12, 0.5]], dtype=torch.float64)
+    b = o.to(torch.bfloat16)
+    c = b.clone()
+    c[0, 1] = c[0, 1] + 2.0 ** -18                    # 2 bf16 ulps of 2^-12 (ulp 2^-19)
+    assert not compare_derived("y", c, o, b, k=2.0, floor_ulps=1.0, element_floor=2.0 ** -20).ok
+    assert compare_derived("y", c, o, b, k=2.0, floor_ulps=1.0, element_floor=2.0 ** -9).ok
+    mag = torch.tensor([[1.0, 2.0 ** -9, 0.5]], dtype=torch.float64)
+    assert compare_derived("y", c, o, b, k=2.0, floor_ulps=1.0, element_floor=2.0 ** -20, magnitude=mag).ok
+    c[0, 1] = b[0, 1] + 2.0 ** -14                    # 4 ulps at 2^-9 (ulp 2^-16)
+    assert not compare_derived("y", c, o, b, k=2.0, floor_ulps=1.0, element_floor=2.0 ** -9).ok
 
 
 def _scores(seed, B=6, E=40):
@@ -130,11 +201,12 @@ def test_judging_on_the_gpu_gives_the_cpu_verdict(dtype):
     bad = b.clone()
     bad[5, 17] = (o[5, 17] + 64 * (b - o).abs().max() + 1e-3).to(dtype)
     for c in (b, bad):
-        cpu = compare_derived("y", c, o, b, k=2.0, floor_ulps=1.0, magnitude=o.abs() * 1.5)
-        gpu = compare_derived("y", c.cuda(), o.cuda(), b.cuda(), k=2.0, floor_ulps=1.0,
-                              magnitude=(o.abs() * 1.5).cuda())
-        assert (cpu.ok, cpu.worst) == (gpu.ok, gpu.worst)
-        assert cpu.metrics["ratio"] == pytest.approx(gpu.metrics["ratio"], rel=1e-12)
+        for rho in (None, 2.0 ** -9):
+            cpu = compare_derived("y", c, o, b, k=2.0, floor_ulps=1.0, magnitude=o.abs() * 1.5, element_floor=rho)
+            gpu = compare_derived("y", c.cuda(), o.cuda(), b.cuda(), k=2.0, floor_ulps=1.0,
+                                  magnitude=(o.abs() * 1.5).cuda(), element_floor=rho)
+            assert (cpu.ok, cpu.worst) == (gpu.ok, gpu.worst)
+            assert cpu.metrics["ratio"] == pytest.approx(gpu.metrics["ratio"], rel=1e-12)
         cb, gb = compare_bitwise("y", c, b), compare_bitwise("y", c.cuda(), b.cuda())
         assert (cb.ok, cb.metrics, cb.worst) == (gb.ok, gb.metrics, gb.worst)
 

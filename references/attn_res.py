@@ -24,13 +24,20 @@ def attn_res_mix(sources: torch.Tensor, res_norm_w: torch.Tensor, res_proj_w: to
     check_tensor("res_norm_w", res_norm_w, shape=(D,), dtypes=FLOAT_DTYPES)
     check_tensor("res_proj_w", res_proj_w.reshape(-1) if res_proj_w.dim() == 2 else res_proj_w,
                  shape=(D,), dtypes=FLOAT_DTYPES)
+    probs = attn_res_probs(sources, res_norm_w, res_proj_w, eps)
+    return torch.matmul(probs.unsqueeze(1), sources.to(probs.dtype)).squeeze(1).to(sources.dtype)
+
+
+def attn_res_probs(sources: torch.Tensor, res_norm_w: torch.Tensor, res_proj_w: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """The mix's softmax weights [B, S] (acc): keys are the RMS-normalised sources, the query is
+    res_norm_w * res_proj_w, scores have no temperature."""
     acc = acc_dtype(sources)
     v = sources.to(acc)
     keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
     query = res_norm_w.to(acc) * res_proj_w.reshape(-1).to(acc)
     scores = (keys * query).sum(-1)                                   # [B, S]
-    probs = scores.softmax(-1)
-    return torch.matmul(probs.unsqueeze(1), v).squeeze(1).to(sources.dtype)
+    return scores.softmax(-1)
 
 
 def attn_res_mix_online(sources: torch.Tensor, res_norm_w: torch.Tensor, res_proj_w: torch.Tensor,

@@ -225,7 +225,6 @@ def restrict_profile(profile, configs: str | None, dtypes: str | None):
     return profile
 
 
-MAX_SEED = 2**63 - 1          # torch.Generator.manual_seed's range
 MAX_CASE_TIMEOUT_S = 86400.0
 
 
@@ -273,8 +272,9 @@ def _run_setup(args):
                         ("--tp", args.tp)):
         if value is not None and not [v for v in value.split(",") if v.strip()]:
             raise UsageError(f"{flag} {value!r}: names nothing (an empty run would certify nothing)")
-    if not 0 <= args.seed < MAX_SEED:
-        raise UsageError(f"--seed {args.seed}: must be in 0..{MAX_SEED - 1}")
+    from verify.values import SEED_MODULUS
+    if not 0 <= args.seed < SEED_MODULUS:
+        raise UsageError(f"--seed {args.seed}: must be in 0..{SEED_MODULUS - 1}")
     if not (math.isfinite(args.case_timeout) and 0 < args.case_timeout <= MAX_CASE_TIMEOUT_S):
         raise UsageError(f"--case-timeout {args.case_timeout:g}: must be a number of seconds in (0, {MAX_CASE_TIMEOUT_S}]")
     _check_out_paths(args)
@@ -474,7 +474,7 @@ def _check_case(case, op) -> None:
 
     from references.config import CONFIGS
     from verify.case import Case
-    from verify.values import DISTS
+    from verify.values import DISTS, SEED_MODULUS
 
     def bad(field, why):
         raise UsageError(f"CASE {field}: {why} (op {op.name})")
@@ -483,8 +483,8 @@ def _check_case(case, op) -> None:
         v = getattr(case, field)
         if not isinstance(v, int) or isinstance(v, bool):
             bad(field, f"{v!r} is not an integer")
-    if not 0 <= case.seed < MAX_SEED:
-        bad("seed", f"{case.seed}: must be in 0..{MAX_SEED - 1}")
+    if not 0 <= case.seed < SEED_MODULUS:
+        bad("seed", f"{case.seed}: must be in 0..{SEED_MODULUS - 1}")
     if case.batch < 1:
         bad("batch", f"{case.batch}: must be 1 or more")
     for field, known in (("config", sorted(CONFIGS)), ("dtype", list(op.dtypes)), ("dist", list(DISTS))):

@@ -149,7 +149,7 @@ def judge(op: OpDef, spec: ToleranceSpec, cand: dict, oracle: dict, base: dict, 
             k, floor = out_spec.bounds(base[name].dtype)
             checks.append(compare.compare_derived(name, c, oracle[name], base[name], k, floor,
                                                   (baseline_err or {}).get(name), op.row_ndims.get(name, 1),
-                                                  magnitudes.get(name)))
+                                                  magnitudes.get(name), out_spec.element_floor_for(base[name].dtype)))
     return checks
 
 

@@ -25,6 +25,7 @@ class DtypeBounds(BaseModel):
     model_config = ConfigDict(extra="forbid")
     k: float = Field(ge=1.0, le=64.0)
     floor_ulps: float = Field(ge=0.0, le=64.0)
+    element_floor: float | None = Field(default=None, gt=0.0, le=1.0)
 
 
 class OutputSpec(BaseModel):
@@ -33,13 +34,17 @@ class OutputSpec(BaseModel):
     k: float | None = Field(default=None, ge=1.0, le=64.0)
     floor_ulps: float | None = Field(default=None, ge=0.0, le=64.0)
     by_dtype: dict[Literal["bfloat16", "float16", "float32"], DtypeBounds] = Field(default_factory=dict)
+    # every element also judged on its own scale, down to element_floor x its row's (compare.
+    # compare_derived); the derivation must bound a correct kernel's error at an element by that scale
+    element_floor: float | None = Field(default=None, gt=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _derived_needs_bounds(self):
         if self.klass == "derived" and (self.k is None or self.floor_ulps is None):
             raise ValueError("class 'derived' needs both k and floor_ulps")
-        if self.klass != "derived" and (self.k is not None or self.floor_ulps is not None or self.by_dtype):
-            raise ValueError(f"class {self.klass!r} takes no k, floor_ulps or by_dtype")
+        if self.klass != "derived" and (self.k is not None or self.floor_ulps is not None or self.by_dtype
+                                        or self.element_floor is not None):
+            raise ValueError(f"class {self.klass!r} takes no k, floor_ulps, by_dtype or element_floor")
         return self
 
     def bounds(self, dtype) -> tuple[float, float]:
@@ -47,6 +52,11 @@ class OutputSpec(BaseModel):
         name = str(dtype).removeprefix("torch.")
         b = self.by_dtype.get(name)
         return (b.k, b.floor_ulps) if b else (self.k, self.floor_ulps)
+
+    def element_floor_for(self, dtype) -> float | None:
+        """element_floor for this working dtype: by_dtype's where it names the dtype (None there: row only)."""
+        b = self.by_dtype.get(str(dtype).removeprefix("torch."))
+        return b.element_floor if b else self.element_floor
 
 
 class Claims(BaseModel):

@@ -70,7 +70,10 @@ def row_scales(gen: torch.Generator, n_rows: int) -> torch.Tensor:
     return torch.exp2(-k.to(torch.float64))
 
 
+SEED_MODULUS = 2**63 - 1          # torch.Generator.manual_seed's range; a case seed is below it
+
+
 def generator(seed: int, salt: int = 0) -> torch.Generator:
     g = torch.Generator()
-    g.manual_seed((int(seed) * 1_000_003 + salt) % (2**63 - 1))
+    g.manual_seed((int(seed) * 1_000_003 + salt) % SEED_MODULUS)
     return g

@@ -29,7 +29,7 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_m64_drops_k_chunk", "compare:y|exceed",
      "M = 64 fast path drops its last 32-wide K chunk (the batch sweep's largest batch)"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_negates_small_outputs", "compare:y|exceed",
-     "elements below one unit roundoff of the row maximum with the wrong sign (open gap: per-row tolerance)"),
+     "elements below one unit roundoff of the row maximum with the wrong sign (the element rule)"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_fp32_out", "guard:output_type|dtype torch.float32",
      "wrong output dtype: fp32 accumulator returned"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_subclass", "guard:output_type|expected exactly torch.Tensor",
@@ -115,7 +115,7 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
     ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_softmax_without_max", "guard:outputs_written|NaN",
      "softmax without its running max: NaN once scores pass exp's fp32 range (the score_scale case)"),
     ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_row_fixed_point_out", "compare:out|exceed",
-     "out stored as per-row fixed point (open gap: per-row tolerance)"),
+     "out stored as per-row fixed point (the element rule)"),
     ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_keys_unnormalised", "compare:out|exceed",
      "AttnRes keys not RMS-normalised"),
     ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_prefix_not_reset", "compare:prefix",
@@ -148,7 +148,7 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
     ("moe_experts_mxfp4", f"{P}.moe:moe_experts_mxfp4_renormalises_weights", "compare:y|exceed",
      "routing weights renormalised again (their rows sum to a drawn routed_scale)"),
     ("moe_experts_mxfp4", f"{P}.moe:moe_experts_mxfp4_nan_scale_as_one", "compare:y",
-     "E8M0 scale 0xFF decoded as 1.0 (open gap: never drawn; a NaN row makes the case vacuous)"),
+     "E8M0 scale 0xFF decoded as 1.0 (the scales='extreme' case; NaN oracle elements judged)"),
     ("moe_experts_mxfp4", f"{P}.moe:moe_experts_mxfp4_no_linear_beta", "compare:y|exceed",
      "SiTU linear_beta dropped"),
     ("shared_experts", f"{P}.moe:shared_experts_fixed_situ", "compare:y|exceed",
@@ -192,16 +192,10 @@ FULL_BATCH: set[str] = {"skinny_gemm_m32_tile_row_offset", "skinny_gemm_m64_drop
 # Harness gaps found by this catalogue: candidate -> (why the expected rejection does not happen,
 # the stage that rejects it instead, or None if nothing rejects it). See the test for how they run.
 GAPS: dict[str, tuple[str, str | None]] = {
-    # Open (session 18's third probe; results/gpu/targets.md "Next"): compare_derived's tolerance is
-    # per row, k x the baseline's worst error in the row + floor ulps of the row maximum, for every
-    # element of the row, so an element below ~u x the row maximum may be zeroed or negated; a
-    # per-element bound needs each op's running-error magnitudes (OpDef.magnitudes, kda and router have
-    # them). The moe weight draws hold no 0xFF / extreme scale byte, and a NaN oracle row makes the whole
-    # case vacuous, so a NaN-blind E8M0 decode inside the experts is never judged.
-    "skinny_gemm_negates_small_outputs": ("per-row tolerance admits wrong small elements", None),
-    "attn_res_rmsnorm_row_fixed_point_out": ("per-row tolerance admits wrong small elements", None),
-    "moe_experts_mxfp4_nan_scale_as_one": ("no extreme scale bytes drawn for the experts; NaN rows vacuous", None),
-    # Fixed gaps: unwritten outputs on the CPU (torch.empty hands out poison while a candidate runs),
+    # Fixed gaps: session 18's third probe (elements far below their row's maximum zeroed, negated or
+    # stored as fixed point: the element rule of compare_derived; a NaN-blind E8M0 decode in the
+    # experts: the scales='extreme' case and NaN oracle elements judged, not vacuous); unwritten
+    # outputs on the CPU (torch.empty hands out poison while a candidate runs),
     # the router's declared lower-id tie-break (exact float64 ties are judged against it), and kda's
     # eps outside the sqrt of the q/k L2 norm (x / (|x| + eps) vs x / sqrt(|x|^2 + eps) differ only
     # where |x|^2 ~ l2_eps = 1e-6: the small_rows distribution of verify/values.py draws such q/k rows).

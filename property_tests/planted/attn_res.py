@@ -121,7 +121,7 @@ def attn_res_rmsnorm_softmax_without_max(prefix, delta, blocks, res_norm_w, res_
 def attn_res_rmsnorm_row_fixed_point_out(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w,
                                          n_blocks: int, block_write: int, eps: float, norm_eps: float):
     """out stored as fixed point with one scale per row (the dtype's mantissa bits of the row maximum):
-    small elements lose all relative precision. Open gap: the per-row tolerance admits it."""
+    small elements lose all relative precision. The row rule admitted it; the element rule does not."""
     out = _finish(prefix, prefix + delta, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, block_write, eps,
                   norm_eps)
     levels = 1 / torch.finfo(out.dtype).eps - 1                      # 2^mantissa bits - 1

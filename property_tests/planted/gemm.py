@@ -131,8 +131,8 @@ def skinny_gemm_m64_drops_k_chunk(x, w):
 
 def skinny_gemm_negates_small_outputs(x, w):
     """Outputs below one unit roundoff of their row's largest come back with the wrong sign (an
-    epilogue that keeps one exponent per row). Open gap: the per-row tolerance is ~2 ulps of the row
-    maximum for every element of the row."""
+    epilogue that keeps one exponent per row). The row rule (~2 ulps of the row maximum for every
+    element) admitted it; the element rule does not."""
     y = linear(x, w).float()
     small = y.abs() < y.abs().amax(-1, keepdim=True) * torch.finfo(x.dtype).eps / 2     # the unit roundoff
     return torch.where(small, -y, y).to(x.dtype)

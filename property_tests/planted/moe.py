@@ -120,9 +120,9 @@ def shared_experts_fixed_situ(x, w_gate_up, w_down, situ_beta: float = 4.0, situ
 
 def moe_experts_mxfp4_nan_scale_as_one(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale,
                                        situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
-    """E8M0 decode that ignores the NaN encoding: scale byte 0xFF read as 2^0. Open gap: the moe
-    weight draws never hold a 0xFF (or any extreme) scale byte, and a NaN oracle row makes the whole
-    case vacuous."""
+    """E8M0 decode that ignores the NaN encoding: scale byte 0xFF read as 2^0. Certified while
+    the expert draws held no 0xFF byte and a NaN oracle row made the whole case vacuous; the
+    scales='extreme' case now holds them, and NaN oracle elements are judged."""
     w13_scale = torch.where(w13_scale == 0xFF, torch.full_like(w13_scale, 127), w13_scale)
     w2_scale = torch.where(w2_scale == 0xFF, torch.full_like(w2_scale, 127), w2_scale)
     return moe_experts_mxfp4(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_beta,

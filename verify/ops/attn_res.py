@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from references.attn_res import MAX_SOURCES
+from references.attn_res import MAX_SOURCES, attn_res_probs
 from references.config import get_config
 from verify.case import Case
 from verify.opdef import OpDef, OpInputs
-from verify.ops.common_splits import (FOLD_ORDER, activation, gen_for, norm_weight, replicated_split,
-                                      scalar_param, working_dtype)
+from verify.ops.common_splits import (FOLD_ORDER, RMS_EPS_DRAWS, activation, gen_for, norm_weight,
+                                      replicated_split, scalar_param, working_dtype)
 from verify.values import GENERIC_DISTS, draw
 
 BLOCK_SLOTS = MAX_SOURCES - 1          # blocks[B, 8, D]
-RMS_EPS_DRAWS = (1e-6, 1e-4)          # eps / norm_eps besides the config's 1e-5, each drawn on its own
 DEFAULT_PARTIALS = 4                   # partial deltas of the all-reduce when the case is unsplit (tp=1)
 
 
@@ -52,6 +51,34 @@ def _common(case: Case, scale: float) -> tuple[dict, dict]:
               "eps": scalar_param(case, "eps", cfg.rms_eps, RMS_EPS_DRAWS),
               "norm_eps": scalar_param(case, "norm_eps", cfg.rms_eps, RMS_EPS_DRAWS)}
     return tensors, params
+
+
+def attn_res_out_magnitude(inputs: OpInputs, cand: dict | None = None) -> dict[str, torch.Tensor]:
+    """Running-error magnitude of out (fp64), in units of the working dtype (cand's: fp32 if none):
+    out_i = norm_w_i r mix_i, mix_i = sum_s a_s v_si, so
+      m(out_i) = |norm_w_i| r (sum_s a_s |v_si| + f sum_s a_s A_s |v_si - mix_i|),
+      A_s = |key_s * q|_2,  f = u_fp32 / u_wd
+    (a = the softmax weights, r = the RMSNorm scale, A_s the l2 norm of the score's terms: any order of
+    a length-D fp32 sum errs by about sqrt(D) u A_s, and the floor's ulps carry the sqrt(D)). Where the
+    sources cancel at i (|mix_i| << sum_s a_s |v_si|), the rounding of p = prefix + delta to the working
+    dtype, which every implementation shares and the fp64 oracle does not, moves out_i by ulps of the
+    terms, not of out_i. A score error ds_s (fp32: ~sqrt(D) u_fp32 A_s, ~2^-15 relative at |score| ~ 300,
+    the score_scale case) moves mix_i by sum_s a_s ds_s (v_si - mix_i) (the softmax's first order), far more
+    than ulps of out in fp32; f puts that fp32 term in the working dtype's ulps."""
+    t, p = inputs.tensors, inputs.params
+    wd = next(iter(cand.values())).dtype if cand else torch.float32
+    f = torch.finfo(torch.float32).eps / torch.finfo(wd).eps
+    d = {n: v.to(torch.float64) for n, v in t.items()}
+    delta = d["delta"] if "delta" in d else d["deltas"].sum(0)
+    src = torch.cat([d["blocks"][:, :p["n_blocks"]], (d["prefix"] + delta).unsqueeze(1)], dim=1)
+    probs = attn_res_probs(src, d["res_norm_w"], d["res_proj_w"], p["eps"])
+    keys = src * torch.rsqrt(src.pow(2).mean(-1, keepdim=True) + p["eps"])
+    score_mag = (keys * (d["res_norm_w"] * d["res_proj_w"].reshape(-1))).norm(dim=-1)      # A_s [B, S]
+    mix = torch.matmul(probs.unsqueeze(1), src).squeeze(1)
+    r = torch.rsqrt(mix.pow(2).mean(-1, keepdim=True) + p["norm_eps"])
+    spread = torch.matmul((probs * score_mag).unsqueeze(1), (src - mix.unsqueeze(1)).abs()).squeeze(1)
+    terms = torch.matmul(probs.unsqueeze(1), src.abs()).squeeze(1) + f * spread
+    return {"out": terms * r * d["norm_w"].abs()}
 
 
 def make_attn_res_rmsnorm_inputs(case: Case) -> OpInputs:
@@ -107,7 +134,7 @@ OPS = [
         signature=_SIG.format(delta="delta[B,D] wd"),
         batch_dims={"prefix": 0, "delta": 0, "blocks": 0, "out": 0},
         split=replicated_split(), fused="fused.attn_res_rmsnorm:attn_res_rmsnorm",
-        dists=GENERIC_DISTS, notes=_NOTES, knob_sweep=SCORE_SWEEP,
+        dists=GENERIC_DISTS, notes=_NOTES, knob_sweep=SCORE_SWEEP, magnitudes=attn_res_out_magnitude,
     ),
     OpDef(
         name="allreduce_attn_res_rmsnorm", family="attn_res",
@@ -116,7 +143,7 @@ OPS = [
         signature=_SIG.format(delta="deltas[T,B,D] wd (partials, summed rank 0..T-1 in fp32)"),
         batch_dims={"prefix": 0, "deltas": 1, "blocks": 0, "out": 0},
         split=replicated_split(FOLD_ORDER, order_sensitive=True),
-        dists=GENERIC_DISTS + ("order_sensitive",), knob_sweep=SCORE_SWEEP,
+        dists=GENERIC_DISTS + ("order_sensitive",), knob_sweep=SCORE_SWEEP, magnitudes=attn_res_out_magnitude,
         notes=_NOTES + " deltas has T partials (T = case.tp, or knob 'partials' (default 4) when tp=1); "
               "dist order_sensitive draws partials with cancelling magnitudes ~2^24 apart.",
     ),

@@ -19,6 +19,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 FOLD_ORDER = "rank 0..T-1 left fold in fp32 (float64 for the oracle), rounded once to the working dtype"
 
 
+RMS_EPS_DRAWS = (1e-6, 1e-4)          # RMSNorm eps draws besides the config's 1e-5 (attn_res, latent_norm_up)
+
+
 def scalar_param(case: Case, name: str, default: float, others: tuple[float, ...]) -> float:
     """A scalar parameter of the op (an eps, a bound, a scale): the `name` knob, else drawn from the
     seed among the config's `default` and `others`, so a kernel that bakes the config's value in (or

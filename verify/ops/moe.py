@@ -12,8 +12,8 @@ from references.config import get_config
 from references.moe import router_choice_scores, renormalise
 from verify.case import Case
 from verify.opdef import OpDef, OpInputs
-from verify.ops.common_splits import (activation, gen_for, norm_weight, replicated_split, scalar_param, weight,
-                                      working_dtype)
+from verify.ops.common_splits import (RMS_EPS_DRAWS, activation, gen_for, norm_weight, replicated_split,
+                                      scalar_param, weight, working_dtype)
 from verify.ops.moe_splits import MOE_EXPERTS_TP_SPLIT, SHARED_EXPERTS_SPLIT
 from verify.ops.mxfp4 import mxfp4_weight
 from verify.values import GENERIC_DISTS
@@ -134,11 +134,32 @@ def make_moe_experts_inputs(case: Case) -> OpInputs:
     # all experts in one [E*O, I] draw + quantisation (MXFP4 groups never cross a row)
     w13_p, w13_s = mxfp4_weight(case, "w13", (E * 2 * I, L), L, wdist)
     w2_p, w2_s = mxfp4_weight(case, "w2", (E * L, I), I, wdist)
+    if case.knob("scales") == "extreme":
+        w13_s, w2_s = extreme_scales(case, ids, w13_s.reshape(E, 2 * I, -1), w2_s.reshape(E, L, -1))
     return OpInputs(
         {"z": activation(case, "z", (B, L), wd), "ids": ids, "weights": weights,
          "w13_packed": w13_p.reshape(E, 2 * I, L // 2), "w13_scale": w13_s.reshape(E, 2 * I, -1),
          "w2_packed": w2_p.reshape(E, L, I // 2), "w2_scale": w2_s.reshape(E, L, -1)},
         situ_params(case, cfg))
+
+
+def extreme_scales(case: Case, ids: torch.Tensor, w13_s: torch.Tensor, w2_s: torch.Tensor):
+    """Knob scales='extreme' (run as an explicit case in every profile): E8M0 bytes the quantised
+    draws never hold. In an expert every token routes to (token 0's slot 0, always real): one w2 byte
+    0xFF (NaN: one output column of its tokens must come out NaN) and a quarter of the other w2 bytes
+    0x00 (2^-127: subnormal products in fp32); in token B-1's first expert, when it is another one, one
+    w13 byte 0xFF (its tokens' rows NaN). A decode that reads 0xFF as a number, or flushes 2^-127,
+    was certified while no draw held them (session 18's third probe)."""
+    g = gen_for(case, "extreme_scales")
+    w13_s, w2_s = w13_s.clone(), w2_s.clone()
+    e0, e1 = int(ids[0, 0]), int(ids[-1, 0])
+    L, G2 = w2_s.shape[1:]
+    w2_s[e0][torch.rand((L, G2), generator=g) < 0.25] = 0
+    w2_s[e0, int(torch.randint(0, L, (1,), generator=g)), int(torch.randint(0, G2, (1,), generator=g))] = 0xFF
+    if e1 != e0:
+        O, G13 = w13_s.shape[1:]
+        w13_s[e1, int(torch.randint(0, O, (1,), generator=g)), int(torch.randint(0, G13, (1,), generator=g))] = 0xFF
+    return w13_s, w2_s
 
 
 def situ_params(case: Case, cfg) -> dict[str, float]:
@@ -156,7 +177,7 @@ def make_latent_norm_up_inputs(case: Case) -> OpInputs:
                      "norm_w": norm_weight(case, "norm_w", L, wd),
                      "w_up": weight(case, "w_up", (D, L), L, wd),
                      "shared_out": activation(case, "shared_out", (B, D), wd)},
-                    {"eps": scalar_param(case, "eps", cfg.rms_eps, (1e-6, 1e-4))})
+                    {"eps": scalar_param(case, "eps", cfg.rms_eps, RMS_EPS_DRAWS)})
 
 
 def make_shared_experts_inputs(case: Case) -> OpInputs:
@@ -199,11 +220,12 @@ OPS = [
                    "situ_beta: float, situ_linear_beta: float -> y[B,L] wd"),
         batch_dims={"z": 0, "ids": 0, "weights": 0, "y": 0},
         split=MOE_EXPERTS_TP_SPLIT, configs=("tiny", "small"), compile_heavy=True, cpu_ok=False, max_batch=32,
-        dists=GENERIC_DISTS + ("mxfp4_grid",),
+        dists=GENERIC_DISTS + ("mxfp4_grid",), knob_sweep=({"scales": "extreme"},),
         notes="k3 is not in configs: 896 experts hold 14.8 GB of MXFP4 and the float64 oracle costs "
               "~0.2 s per (token, expert) at k3 dims, so a case exceeds the ~2 s CPU budget; "
               "make_inputs serves k3 dims with 32 experts (knob 'n_experts') for device runs; "
               "max_batch 32 keeps a small-config case (256 (token, expert) pairs) near 1 s. "
+              "Knob scales='extreme' (every run): 0xFF and 0x00 scale bytes in routed experts. "
               "Split: TP over the intermediate dim (zero-padded, moe_tp_shard_width); EP is "
               "verify.ops.moe_splits.MOE_EXPERTS_EP_SPLIT, tested in test_tp_split_moe.py.",
     ),

@@ -1,0 +1,140 @@
+"""Legitimate evaluations of an op: other summation orders and rounding points a correct kernel may
+use, run on the case's working-dtype inputs. They are what a derived tolerance must accept, and what
+the element floors of tolerance_specs/*.toml are measured against (test_element_floor.py;
+`python3 -m property_tests.legit` prints the floor each op needed over many draws)."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from references.primitives import acc_dtype
+
+# ----------------------------------------------------------------------------------------- skinny_gemm
+
+
+def _gemm_orders(x: torch.Tensor, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """fp32 accumulations of x @ w.T, each rounded once to x.dtype: CPU BLAS on strided operands
+    (another blocking), the K axis reversed, a 4-way split-K folded in fp32, the fp64 product."""
+    wd = x.dtype
+    xf, wf = x.float(), w.float()
+    xs, ws = xf.repeat_interleave(2, dim=1)[:, ::2], wf.repeat_interleave(2, dim=1)[:, ::2]
+    return {"strided": (xs @ ws.T).to(wd), "reversed_k": (xf.flip(1) @ wf.flip(1).T).to(wd),
+            "split4": sum(xf[:, i::4] @ wf[:, i::4].T for i in range(4)).to(wd),
+            "fp64_round": (x.double() @ w.double().T).to(wd)}
+
+
+def skinny_gemm(t: dict, p: dict) -> dict[str, dict[str, torch.Tensor]]:
+    return {name: {"y": y} for name, y in _gemm_orders(t["x"], t["w"]).items()}
+
+
+# ------------------------------------------------------------------------------------ attn_res_rmsnorm
+
+
+def _mix_fp32(sources: torch.Tensor, res_norm_w, res_proj_w, eps: float, flip: bool) -> torch.Tensor:
+    """The AttnRes mix kept in fp32 (no rounding to wd): a fused kernel's mix, optionally with every
+    D-length reduction in reversed order."""
+    v = sources.to(acc_dtype(sources))
+    q = res_norm_w.to(v.dtype) * res_proj_w.reshape(-1).to(v.dtype)
+    if flip:
+        v, q = v.flip(-1), q.flip(-1)
+    ms = (v * v).sum(-1, keepdim=True) / v.shape[-1]
+    scores = (v * q).sum(-1) * torch.rsqrt(ms + eps).squeeze(-1)       # norm applied after the dot
+    probs = scores.softmax(-1)
+    mix = (probs.unsqueeze(-1) * v).sum(1)
+    return mix.flip(-1) if flip else mix
+
+
+def _norm_fp32(mix: torch.Tensor, norm_w, norm_eps: float, wd) -> torch.Tensor:
+    """RMSNorm of an fp32 mix with the weight applied in fp32 and one rounding to wd."""
+    r = torch.rsqrt(mix.pow(2).mean(-1, keepdim=True) + norm_eps)
+    return (mix * r * norm_w.to(mix.dtype)).to(wd)
+
+
+def attn_res_rmsnorm(t: dict, p: dict) -> dict[str, dict[str, torch.Tensor]]:
+    from references.attn_res import attn_res_mix_online, fold_partials
+    from references.primitives import rms_norm
+    wd = t["prefix"].dtype
+    pref = t["prefix"] + (t["delta"] if "delta" in t else fold_partials(t["deltas"]))   # bitwise: the declared fold
+    src = torch.cat([t["blocks"][:, :p["n_blocks"]], pref.unsqueeze(1)], dim=1)
+    args = (t["res_norm_w"], t["res_proj_w"], p["eps"])
+    out = {"online": rms_norm(attn_res_mix_online(src, *args), t["norm_w"], p["norm_eps"])}
+    for flip in (False, True):
+        out["fp32_mix" + ("_reversed" if flip else "")] = _norm_fp32(_mix_fp32(src, *args, flip), t["norm_w"],
+                                                                    p["norm_eps"], wd)
+    return {name: {"out": y} for name, y in out.items()}
+
+
+LEGIT = {"skinny_gemm": skinny_gemm, "attn_res_rmsnorm": attn_res_rmsnorm,
+         "allreduce_attn_res_rmsnorm": attn_res_rmsnorm}
+
+
+SPEC = "spec"
+
+
+def judge_legit(op_name: str, case, element_floor: float | None | str = SPEC) -> dict[str, float]:
+    """Worst ratio (error / tolerance) of every legitimate evaluation of the case under the op's spec
+    bounds and magnitudes, with the spec's element floor or `element_floor`; > 1 would reject it."""
+    from verify.candidates import reference_fn
+    from verify.compare import compare_derived
+    from verify.evaluate import run_plain, to_oracle
+    from verify.registry import get_op
+    from verify.specs import load_spec
+    op, spec = get_op(op_name), load_spec(op_name)
+    inputs = op.make_inputs(case)
+    inputs64 = to_oracle(inputs)
+    oracle = run_plain(reference_fn(op), op, inputs64, "cpu")
+    base = run_plain(reference_fn(op), op, inputs, "cpu")
+    mags = op.magnitudes(inputs64, base) if op.magnitudes is not None else {}      # base: the wd
+    worst = {}
+    for name, outs in LEGIT[op_name]({k: v.clone() for k, v in inputs.tensors.items()}, inputs.params).items():
+        for out, y in outs.items():
+            out_spec = spec.output(out)
+            k, floor = out_spec.bounds(base[out].dtype)
+            rho = out_spec.element_floor_for(base[out].dtype) if element_floor == SPEC else element_floor
+            chk = compare_derived(out, y, oracle[out], base[out], k, floor, row_ndim=op.row_ndims.get(out, 1),
+                                  magnitude=mags.get(out), element_floor=rho)
+            worst[f"{name}:{out}"] = chk.metrics["ratio"]
+    return worst
+
+
+def main() -> None:
+    from verify.case import Case
+    from verify.registry import get_op
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("op", choices=sorted(LEGIT))
+    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--configs", default="tiny,small")
+    ap.add_argument("--dtypes", default="bfloat16,float16")
+    ap.add_argument("--floors", default="spec,0.000244140625,0.001953125,0.015625,0.0625,1")
+    ap.add_argument("--knobs", default="", help="k=v,k=v added to every case (e.g. score_scale=64)")
+    a = ap.parse_args()
+    op = get_op(a.op)
+    def value(v: str):
+        try:
+            return int(v)
+        except ValueError:
+            try:
+                return float(v)
+            except ValueError:
+                return v
+    extra = tuple(sorted((kv.split("=", 1)[0], value(kv.split("=", 1)[1])) for kv in a.knobs.split(",") if kv))
+    floors = [f if f == SPEC else float(f) for f in a.floors.split(",")]
+    need = {f: 0.0 for f in floors}
+    for config in a.configs.split(","):
+        for dtype in a.dtypes.split(","):
+            for dist in op.dists:
+                for seed in range(a.seeds):
+                    case = Case(a.op, seed, 1 + (seed * 13) % op.max_batch, config, dtype, dist, extra=extra)
+                    for f in floors:
+                        r = max(judge_legit(a.op, case, f).values())
+                        need[f] = max(need[f], r)
+                        if r > 1:
+                            print(f"floor {f}: {case.to_json()} ratio {r:.3g}", flush=True)
+    for f in floors:
+        print(f"element_floor {f}: worst ratio {need[f]:.3g} over {a.seeds} seeds x {len(op.dists)} dists "
+              f"x configs {a.configs} x dtypes {a.dtypes}")
+
+
+if __name__ == "__main__":
+    main()
