@@ -64,7 +64,7 @@ def test_sharded_worst_ratio_is_the_worst_launch_variants(tmp_path):
                   "ci", "--examples", "8", "--no-isolate", "--out", "ex"], tmp_path)
     assert exact.returncode == 0, exact.stdout + exact.stderr
     ve = json.loads((tmp_path / "ex" / "certificate.json").read_text())["ops"]["skinny_gemm"]["verdicts"]
-    assert vb["worst_ratio"]["y"] > next(iter(ve.values()))["worst_ratio"]["y"]    # the "halves" variant's
+    assert vb["worst_ratio"]["y"] > next(iter(ve.values()))["worst_ratio"]["y"]    # the "toward_zero" variant's
 
 
 def test_sharded_run_finds_shrinks_and_reports_a_planted_bug(tmp_path):
