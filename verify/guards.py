@@ -7,11 +7,15 @@ compared bit-for-bit afterwards; outputs must be fresh memory of the exact type,
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
+import pickle
+import random
 from dataclasses import dataclass, field
 from operator import attrgetter
 
 import torch
+import torch.utils.deterministic  # fill_uninitialized_memory below
 
 from verify.verdict import Check
 
@@ -295,6 +299,47 @@ def _set_legacy_matmul_precision(v: str) -> None:
         torch.set_float32_matmul_precision(v)
 
 
+class _Opaque:
+    """A state compared by value and shown by a digest (a generator's state is kilobytes)."""
+
+    def __init__(self, value, key: bytes):
+        self.value, self.key = value, key
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Opaque) and self.key == other.key
+
+    def __repr__(self) -> str:
+        return f"<state {hashlib.sha1(self.key).hexdigest()[:8]}>"
+
+
+def _torch_rng(get, set_) -> tuple:
+    return lambda: _Opaque(s := get(), s.cpu().numpy().tobytes()), lambda v: set_(v.value)
+
+
+def _pickled_rng(get, set_) -> tuple:
+    return lambda: _Opaque(s := get(), pickle.dumps(s)), lambda v: set_(v.value)
+
+
+def _numpy_rng() -> list:
+    try:
+        import numpy as np
+    except ImportError:
+        return []
+    return [("numpy.random global state (numpy.random.seed / draws)", *_pickled_rng(np.random.get_state, np.random.set_state))]
+
+
+def _deterministic() -> tuple[bool, bool]:
+    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+# Random generators: a decode kernel draws nothing, and one that reseeds or draws from a global generator
+# moves the serving process's sampling (torch.manual_seed in a kernel makes every later sample repeat).
+_RNG_STATE = [
+    ("torch CPU RNG state (torch.manual_seed / draws)", *_torch_rng(torch.get_rng_state, torch.set_rng_state)),
+    ("python random state (random.seed / draws)", *_pickled_rng(random.getstate, random.setstate)),
+    *_numpy_rng(),
+]
+
 _PROCESS_STATE = [
     ("torch.get_default_dtype()", torch.get_default_dtype, torch.set_default_dtype),
     ("torch.is_grad_enabled()", torch.is_grad_enabled, torch.set_grad_enabled),
@@ -304,18 +349,24 @@ _PROCESS_STATE = [
         "backends.cuda.matmul.allow_tf32", "backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
         "backends.cuda.matmul.allow_bf16_reduced_precision_reduction", "backends.cudnn.allow_tf32",
         "backends.cudnn.deterministic", "backends.cudnn.benchmark")],
-    ("torch.are_deterministic_algorithms_enabled()", torch.are_deterministic_algorithms_enabled,
-     torch.use_deterministic_algorithms),
+    ("torch deterministic algorithms (enabled, warn_only)", _deterministic,
+     lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1])),
+    ("torch.utils.deterministic.fill_uninitialized_memory", lambda: torch.utils.deterministic.fill_uninitialized_memory,
+     lambda v: setattr(torch.utils.deterministic, "fill_uninitialized_memory", v)),
+    ("autograd anomaly mode (enabled, check_nan)", lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+     lambda v: torch.set_anomaly_enabled(*v)),
     ("torch.get_num_threads()", torch.get_num_threads, torch.set_num_threads),
     ("flush denormals (torch.set_flush_denormal)", _flushes_denormals, torch.set_flush_denormal),
     ("torch.is_autocast_enabled('cpu')", lambda: torch.is_autocast_enabled("cpu"),
      lambda v: torch.set_autocast_enabled("cpu", v)),
+    *_RNG_STATE,
 ]
 _CUDA_STATE = [
     ("torch.is_autocast_enabled('cuda')", lambda: torch.is_autocast_enabled("cuda"),
      lambda v: torch.set_autocast_enabled("cuda", v)),
     ("torch.cuda.current_device()", torch.cuda.current_device, torch.cuda.set_device),
     ("torch.cuda.current_stream()", torch.cuda.current_stream, torch.cuda.set_stream),
+    ("torch CUDA RNG state of the current device", *_torch_rng(torch.cuda.get_rng_state, torch.cuda.set_rng_state)),
 ]
 
 
@@ -324,7 +375,7 @@ def _state_table(device) -> list:
 
 
 def process_state(device) -> dict[str, object]:
-    """The process-wide torch settings of _PROCESS_STATE (and the CUDA ones on a CUDA device), now."""
+    """The process-wide settings and generator states of _PROCESS_STATE (and the CUDA ones on a CUDA device), now."""
     return {name: read() for name, read, _ in _state_table(device)}
 
 
@@ -341,7 +392,7 @@ def restore_process_state(before: dict[str, object], device) -> list[str]:
 
 def process_state_check(changed: list[str]) -> Check:
     return Check("guard:process_state", not changed,
-                 "the call left process-wide torch settings changed (restored for the rest of the run): "
+                 "the call left process-wide settings or random generators changed (restored for the rest of the run): "
                  + "; ".join(changed) if changed else "no process-wide torch setting changed")
 
 

@@ -46,6 +46,12 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "sets oneDNN's per-backend fp32 precision to bf16 and leaves it on"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_leaves_tf32_on", "guard:process_state|float32_matmul_precision",
      "turns TF32 matmuls on for the whole process and leaves them on"),
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_reseeds_rng", "guard:process_state|torch CPU RNG state",
+     "calls torch.manual_seed(0): every later sample of the process repeats"),
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_draws_python_random", "guard:process_state|python random state",
+     "draws from python's global random generator"),
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_leaves_anomaly_mode_on", "guard:process_state|anomaly mode",
+     "turns autograd anomaly detection on and leaves it on"),
     # ---- mxfp4_dequant
     ("mxfp4_dequant", f"{P}.mxfp4:mxfp4_dequant_memo_output", "guard:refreshed_inputs|new values",
      "dequantizes each packed tensor once and returns copies of that result afterwards"),

@@ -149,3 +149,24 @@ def skinny_gemm_calls_sys_exit(x, w):
     """Calls sys.exit(5) (a C extension's abort path turned into SystemExit)."""
     import sys
     sys.exit(5)
+
+
+def skinny_gemm_reseeds_rng(x, w):
+    """Calls torch.manual_seed(0) (a tiling heuristic seeded for reproducibility): the serving process's
+    every later sample repeats; the output is correct."""
+    torch.manual_seed(0)
+    return linear(x, w)
+
+
+def skinny_gemm_draws_python_random(x, w):
+    """Picks a split-K factor with random.choice among equally correct ones: the output is the same,
+    the process's python random stream has moved."""
+    import random
+    random.choice([1, 2, 4])
+    return linear(x, w)
+
+
+def skinny_gemm_leaves_anomaly_mode_on(x, w):
+    """Turns autograd's anomaly detection on (a debugging leftover) and leaves it on."""
+    torch.set_anomaly_enabled(True)
+    return linear(x, w)
