@@ -36,13 +36,54 @@ class Candidate:
                 raise CandidateUnavailable("needs a CUDA device (fused CuTe DSL kernels run on sm_90); "
                                            "CI compiles them for sm_90a instead")
             try:
-                return import_callable(op.fused)
+                return import_checked(op.fused, device)
             except ImportError as e:
                 raise CandidateUnavailable(f"fused kernel unavailable: {e}") from None
-        try:
-            return import_callable(self.label)
-        except ImportError as e:
-            raise CandidateImportError(str(e)) from None
+        return import_checked(self.label, device)
+
+
+# What importing a candidate's module changed of this process, by module: every later resolve of it
+# fails the same way (the import ran once; the reference would be judged on the candidate's torch).
+_IMPORT_TAINT: dict[str, str] = {}
+# Settings a library may legitimately set while it loads (CuTe DSL pins its arch in os.environ) or
+# that do not reach the reference's numbers; a change to them during a call is still judged.
+_IMPORT_IGNORED = ("os.environ", "warnings filters", "working directory", "_inductor.config", "_dynamo.config",
+                   "RNG", "random")
+
+
+def _judged_at_import(change: str) -> bool:
+    name = change.split(":", 1)[0]
+    return not any(tag in name for tag in _IMPORT_IGNORED)
+
+
+def is_tainted(path: str) -> bool:
+    return path.split(":", 1)[0] in _IMPORT_TAINT
+
+
+def import_checked(path: str, device: str):
+    """import_callable, refusing a module whose import changed the torch the reference runs on:
+    a kernel registered over one of torch's own (aten::mm's CPU kernel, as vendor packages install
+    theirs), a torch function or Tensor method replaced, a mode left entered, a default changed."""
+    import sys
+
+    from verify import process_state as ps
+
+    mod = path.split(":", 1)[0]
+    if mod in _IMPORT_TAINT:
+        raise CandidateImportError(_IMPORT_TAINT[mod])
+    if mod in sys.modules:
+        return import_callable(path)
+    before, overrides = ps.process_state(device), ps.dispatcher_overrides()
+    try:
+        fn = import_callable(path)
+    except ImportError as e:
+        raise CandidateImportError(str(e)) from None
+    changed = [c for c in ps.import_changes(before, overrides, device) if _judged_at_import(c)]
+    if changed:
+        _IMPORT_TAINT[mod] = (f"importing {mod!r} changed the process the reference runs in, so no verdict "
+                              f"on it can be trusted: {'; '.join(changed)}")
+        raise CandidateImportError(_IMPORT_TAINT[mod])
+    return fn
 
 
 def parse_candidate(text: str) -> Candidate:

@@ -188,8 +188,7 @@ def _resolve_device(requested: str | None) -> str:
 
 
 def _candidates(text: str | None, device: str) -> list:
-    from verify.candidates import CandidateImportError, parse_candidate
-    from verify.registry import import_callable
+    from verify.candidates import CandidateImportError, import_checked, is_tainted, parse_candidate
 
     labels = (text or "fused,compiled").split(",")
     out = []
@@ -197,9 +196,10 @@ def _candidates(text: str | None, device: str) -> list:
         try:
             cand = parse_candidate(label)
             if ":" in label:
-                import_callable(label)
-        except (CandidateImportError, ImportError) as e:
-            raise UsageError(f"--candidate: {e}") from None
+                import_checked(label, device)
+        except CandidateImportError as e:
+            if not is_tainted(label):       # a module that imports but changes torch: its verdicts say so
+                raise UsageError(f"--candidate: {e}") from None
         out.append(cand)
     return out
 

@@ -116,9 +116,11 @@ def guarded_call(fn, op: OpDef, inputs: OpInputs, expected: dict[str, torch.Tens
         return guards.CallResult(error=_one_line(e))
     changed = guards.restore_process_state(before, device)
     results, checks = placed.outputs(returned)
-    checks += guards.check_inputs_and_canaries(op, placed.inputs, inputs.tensors, placed.outs)
+    def inputs_and_canaries() -> list[Check]:
+        return guards.check_inputs_and_canaries(op, placed.inputs, inputs.tensors, placed.outs)
+    checks += inputs_and_canaries()
     checks.append(guards.process_state_check(changed))
-    return guards.CallResult(results=results, checks=checks + placed.unwritten(results))
+    return guards.CallResult(results=results, checks=checks + placed.unwritten(results), recheck=inputs_and_canaries)
 
 
 def judge(op: OpDef, spec: ToleranceSpec, cand: dict, oracle: dict, base: dict, inputs: OpInputs,
@@ -175,8 +177,8 @@ def unpermute(op: OpDef, results: dict, perm: torch.Tensor) -> dict:
 
 
 def _keep(op: OpDef, label: str, results: dict) -> tuple[str, dict, dict]:
-    """(label, a call's returned outputs, a copy of them) for outputs_kept."""
-    live = {n: results[n] for n in op.outputs if n in results}
+    """(label, a call's returned outputs and state, a copy of them) for outputs_kept."""
+    live = {n: results[n] for n in (*op.outputs, *op.state) if n in results}
     return label, live, {n: t.clone() for n, t in live.items()}
 
 
@@ -194,6 +196,14 @@ def outputs_kept(kept: list[tuple[str, dict, dict]], later: str) -> Check:
                          f"{', '.join(changed)} returned by a first call changed during {later}: the "
                          "candidate hands out storage it writes again (a preallocated output buffer?)")
     return Check(name, True, f"returned outputs unchanged by {later}")
+
+
+def written_after_return(call: guards.CallResult, later: str) -> list[Check]:
+    """The call's inputs and canaries checked again once later calls have run: a write that lands
+    after the call returned (a thread, a kernel on a stream the call did not wait for) passes the
+    checks made at its return and corrupts the caller's tensors afterwards."""
+    return [c if c.ok else Check(c.name, False, f"after {later} (a write landing after the call returned): {c.detail}")
+            for c in call.recheck()]
 
 
 def _bitwise_same(tag: str, a: dict, b: dict) -> Check:
@@ -238,10 +248,11 @@ def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu"
             kept.append(_keep(op, label, first.results))
             run += _extra_runs(op, spec, case, fn_v, inputs, base, first.results, oracle, inputs64, device,
                                   binds_claims(candidate), strided_run, refresh=not label, dinputs=dinputs,
-                                  kept=kept[-1])
+                                  kept=kept[-1], candidate=candidate)
             held = outputs_kept(kept, "the later calls of this case")
             # a reused output buffer also garbles the later comparisons: it is the reason to report
             run = [held] + run if not held.ok else run + [held]
+            run += written_after_return(first, "the later calls of this case")
         checks += [c if not label else Check(c.name, c.ok, label + c.detail, c.metrics, c.worst) for c in run]
         bad = [c for c in checks if not c.ok]
         if bad:
@@ -273,7 +284,7 @@ def binds_claims(candidate: str) -> bool:
 
 def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, device, strict: bool = True,
                 strided_run: bool = True, refresh: bool = True, dinputs: OpInputs | None = None,
-                kept: tuple[str, dict, dict] | None = None) -> list[Check]:
+                kept: tuple[str, dict, dict] | None = None, candidate: str = "") -> list[Check]:
     """Second run (determinism), permuted batch (position independence), new values in the same
     buffers (no state kept across calls), strided/offset views. `kept`: _keep of `first`."""
     from verify.candidates import reference_fn
@@ -313,6 +324,9 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
     other = refreshed_inputs(op, case, inputs) if refresh else None
     if refresh:
         checks.append(refreshed_inputs_check(op, spec, fn, inputs, other, device))
+        if (op.name, candidate) not in _WARMED and other is not None:
+            _WARMED.add((op.name, candidate))
+            checks.append(warmed_up_check(op, spec, fn, dinputs, other[1], device))
     if str(device).startswith("cuda") and spec.claims.deterministic:
         from verify.gpu_guards import concurrent_check, cuda_graph_check, side_stream_check, stream_order_check
 
@@ -340,6 +354,39 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
 
 
 REFRESH_SEEDS = 2        # other seeds tried for a case with the same shapes and static params
+WARMUP_CALLS = 100       # calls of one shape before guard:warmed_up judges the next
+_WARMED: set[tuple[str, str]] = set()     # (op, candidate) pairs this process has warmed up once
+
+
+def warmed_up_check(op: OpDef, spec: ToleranceSpec, fn, dinputs: OpInputs, inputs2: OpInputs, device) -> Check:
+    """guard:warmed_up: WARMUP_CALLS calls of one shape, then a call on other values in fresh buffers,
+    judged. A case calls the candidate a dozen times, but a serving process calls it millions: a
+    wrapper that captures a CUDA graph, swaps in an autotuned variant or caches a plan after N calls
+    of a shape is judged only if N is reached. Once per op and candidate in a process (a cost of
+    WARMUP_CALLS calls); a counter above WARMUP_CALLS still goes unseen."""
+    from verify.candidates import reference_fn
+
+    name = "guard:warmed_up"
+    inputs64_2 = to_oracle(inputs2)
+    oracle2 = run_plain(reference_fn(op), op, inputs64_2, device)
+    base2 = run_plain(reference_fn(op), op, inputs2, device)
+    if derived_vacuity(op, spec, oracle2):
+        return Check(name, True, "not run: the other values' case is vacuous")
+    placed = _Placed(fn, op, dinputs, base2, device)      # the same shapes as this case's: one set of buffers
+    try:
+        for _ in range(WARMUP_CALLS):
+            placed.call(fn, dinputs.params)
+    except Exception as e:  # the candidate's own failure is a verdict
+        return Check(name, False, f"one of {WARMUP_CALLS} calls of the same shape raised {_one_line(e)}")
+    after = guarded_call(fn, op, inputs2, base2, device)
+    if after.error:
+        return Check(name, False, f"after {WARMUP_CALLS} calls of the same shape, a call raised {after.error}")
+    bad = [c for c in after.checks if not c.ok]
+    bad = bad or [c for c in judge(op, spec, after.results, oracle2, base2, inputs2, inputs64_2) if not c.ok]
+    if bad:
+        return Check(name, False, f"after {WARMUP_CALLS} calls of the same shape, a call on new values in fresh "
+                     f"buffers: {bad[0].name}: {bad[0].detail}", bad[0].metrics, bad[0].worst)
+    return Check(name, True, f"judged like a first call after {WARMUP_CALLS} calls of the same shape")
 
 
 def refreshed_inputs(op: OpDef, case: Case, first: OpInputs) -> tuple[int | None, OpInputs] | None:

@@ -7,16 +7,13 @@ compared bit-for-bit afterwards; outputs must be fresh memory of the exact type,
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
-import pickle
-import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from operator import attrgetter
 
 import torch
-import torch.utils.deterministic  # fill_uninitialized_memory below
 
+from verify.process_state import process_state, process_state_check, restore_process_state  # noqa: F401
 from verify.verdict import Check
 
 CANARY_PAD = 64          # elements of canary on each side of every tensor
@@ -174,6 +171,7 @@ class CallResult:
     results: dict[str, torch.Tensor] = field(default_factory=dict)   # outputs and state after the call
     checks: list[Check] = field(default_factory=list)
     error: str | None = None
+    recheck: Callable[[], list[Check]] | None = None     # the call's input and canary checks, run again
 
 
 def check_outputs(op, returned, expected: dict[str, torch.Tensor], inputs_guarded: dict[str, Guarded],
@@ -205,14 +203,17 @@ def check_outputs(op, returned, expected: dict[str, torch.Tensor], inputs_guarde
             problems.append(f"dtype {t.dtype} != {want.dtype}")
         if tuple(t.shape) != tuple(want.shape):
             problems.append(f"shape {tuple(t.shape)} != {tuple(want.shape)}")
-        if t.device.type != want.device.type:
+        if t.device != want.device:
             problems.append(f"device {t.device} != {want.device}")
+        if t.requires_grad and not want.requires_grad:
+            problems.append("requires_grad=True (every later op on it records an autograd graph)")
         if problems:
             checks.append(Check("guard:output_type", False, f"output {name}: " + "; ".join(problems)))
             continue
         results[name] = t
     if len(results) == len(names):
         checks.append(Check("guard:output_type", True, "exact type, dtype, shape and device"))
+        checks.append(_layout_check(results, expected))
     alias = []
     for name, t in results.items():
         for gname, g in inputs_guarded.items():
@@ -223,6 +224,20 @@ def check_outputs(op, returned, expected: dict[str, torch.Tensor], inputs_guarde
                 alias.append(f"outputs {other} and {name} share memory")
     checks.append(Check("guard:no_aliasing", not alias, "; ".join(alias) or "outputs are fresh memory"))
     return results, checks
+
+
+def _layout_check(results: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> Check:
+    """guard:output_layout: each output laid out as the reference's (contiguous, or its strides). A
+    transposed view or a slice of a padded workspace holds the right values, but the next fused
+    kernel of the layer reads its data_ptr() row-major."""
+    bad = [f"{n}: strides {tuple(t.stride())}, the reference's {tuple(expected[n].stride())}"
+           for n, t in results.items()
+           if not t.is_contiguous() and _strides(t) != _strides(expected[n])]
+    return Check("guard:output_layout", not bad, "; ".join(bad) or "outputs laid out as the reference's")
+
+
+def _strides(t: torch.Tensor) -> tuple:
+    return tuple(st for st, sz in zip(t.stride(), t.shape) if sz > 1)
 
 
 def check_inputs_and_canaries(op, guarded: dict[str, Guarded], originals: dict[str, torch.Tensor],
@@ -248,152 +263,6 @@ def check_inputs_and_canaries(op, guarded: dict[str, Guarded], originals: dict[s
         Check("guard:canaries", not stomped,
               f"writes outside the tensors: {', '.join(stomped)}" if stomped else "no writes outside tensors"),
     ]
-
-
-def _flushes_denormals() -> bool:
-    """Whether this thread flushes float32 denormals to zero (torch.set_flush_denormal has no getter)."""
-    return torch.tensor([1e-40], dtype=torch.float32).mul(1.0).item() == 0.0
-
-
-def _torch_flag(path: str) -> tuple[str, object, object]:
-    """(name, read, restore) of a flag attribute under torch, e.g. 'backends.cudnn.benchmark'."""
-    owner, _, attr = path.rpartition(".")
-    return (f"torch.{path}", lambda: getattr(attrgetter(owner)(torch), attr),
-            lambda v: setattr(attrgetter(owner)(torch), attr, v))
-
-
-# Process-wide settings a candidate could change and leave changed: (name, read, restore). Each alters
-# every later computation in the process: the reference's own runs in the working dtype (which the
-# tolerances are measured against: TF32 matmuls or flushed denormals loosen them), the next cases'
-# candidate calls, or where work is queued (the current stream).
-def _has_flag(path: str) -> bool:
-    owner, _, attr = path.rpartition(".")
-    try:
-        return hasattr(attrgetter(owner)(torch), attr)
-    except AttributeError:
-        return False
-
-
-# The per-backend fp32 precision settings (torch 2.9+: "ieee", "tf32", "bf16", "none"). Setting one
-# (e.g. torch.backends.mkldnn.matmul.fp32_precision = "bf16": every later fp32 matmul on an AMX CPU runs
-# in bf16) makes the legacy getter raise, which session 18's probe turned into a harness error that
-# failed every later pair in the process, correct ones included. Read and restored before the legacy
-# entry, so once they are back the legacy value reads as before.
-_FP32_PRECISION = [_torch_flag(p) for p in (
-    "backends.fp32_precision", "backends.cuda.matmul.fp32_precision", "backends.cudnn.fp32_precision",
-    "backends.cudnn.conv.fp32_precision", "backends.cudnn.rnn.fp32_precision", "backends.mkldnn.fp32_precision",
-    "backends.mkldnn.matmul.fp32_precision", "backends.mkldnn.conv.fp32_precision",
-    "backends.mkldnn.rnn.fp32_precision") if _has_flag(p)]
-_MIXED = "<unreadable: legacy and per-backend precision APIs mixed>"
-
-
-def _legacy_matmul_precision() -> str:
-    try:
-        return torch.get_float32_matmul_precision()
-    except RuntimeError:
-        return _MIXED
-
-
-def _set_legacy_matmul_precision(v: str) -> None:
-    if v != _MIXED:
-        torch.set_float32_matmul_precision(v)
-
-
-class _Opaque:
-    """A state compared by value and shown by a digest (a generator's state is kilobytes)."""
-
-    def __init__(self, value, key: bytes):
-        self.value, self.key = value, key
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _Opaque) and self.key == other.key
-
-    def __repr__(self) -> str:
-        return f"<state {hashlib.sha1(self.key).hexdigest()[:8]}>"
-
-
-def _torch_rng(get, set_) -> tuple:
-    return lambda: _Opaque(s := get(), s.cpu().numpy().tobytes()), lambda v: set_(v.value)
-
-
-def _pickled_rng(get, set_) -> tuple:
-    return lambda: _Opaque(s := get(), pickle.dumps(s)), lambda v: set_(v.value)
-
-
-def _numpy_rng() -> list:
-    try:
-        import numpy as np
-    except ImportError:
-        return []
-    return [("numpy.random global state (numpy.random.seed / draws)", *_pickled_rng(np.random.get_state, np.random.set_state))]
-
-
-def _deterministic() -> tuple[bool, bool]:
-    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-
-
-# Random generators: a decode kernel draws nothing, and one that reseeds or draws from a global generator
-# moves the serving process's sampling (torch.manual_seed in a kernel makes every later sample repeat).
-_RNG_STATE = [
-    ("torch CPU RNG state (torch.manual_seed / draws)", *_torch_rng(torch.get_rng_state, torch.set_rng_state)),
-    ("python random state (random.seed / draws)", *_pickled_rng(random.getstate, random.setstate)),
-    *_numpy_rng(),
-]
-
-_PROCESS_STATE = [
-    ("torch.get_default_dtype()", torch.get_default_dtype, torch.set_default_dtype),
-    ("torch.is_grad_enabled()", torch.is_grad_enabled, torch.set_grad_enabled),
-    *_FP32_PRECISION,
-    ("torch.get_float32_matmul_precision()", _legacy_matmul_precision, _set_legacy_matmul_precision),
-    *[_torch_flag(path) for path in (
-        "backends.cuda.matmul.allow_tf32", "backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
-        "backends.cuda.matmul.allow_bf16_reduced_precision_reduction", "backends.cudnn.allow_tf32",
-        "backends.cudnn.deterministic", "backends.cudnn.benchmark")],
-    ("torch deterministic algorithms (enabled, warn_only)", _deterministic,
-     lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1])),
-    ("torch.utils.deterministic.fill_uninitialized_memory", lambda: torch.utils.deterministic.fill_uninitialized_memory,
-     lambda v: setattr(torch.utils.deterministic, "fill_uninitialized_memory", v)),
-    ("autograd anomaly mode (enabled, check_nan)", lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
-     lambda v: torch.set_anomaly_enabled(*v)),
-    ("torch.get_num_threads()", torch.get_num_threads, torch.set_num_threads),
-    ("flush denormals (torch.set_flush_denormal)", _flushes_denormals, torch.set_flush_denormal),
-    ("torch.is_autocast_enabled('cpu')", lambda: torch.is_autocast_enabled("cpu"),
-     lambda v: torch.set_autocast_enabled("cpu", v)),
-    *_RNG_STATE,
-]
-_CUDA_STATE = [
-    ("torch.is_autocast_enabled('cuda')", lambda: torch.is_autocast_enabled("cuda"),
-     lambda v: torch.set_autocast_enabled("cuda", v)),
-    ("torch.cuda.current_device()", torch.cuda.current_device, torch.cuda.set_device),
-    ("torch.cuda.current_stream()", torch.cuda.current_stream, torch.cuda.set_stream),
-    ("torch CUDA RNG state of the current device", *_torch_rng(torch.cuda.get_rng_state, torch.cuda.set_rng_state)),
-]
-
-
-def _state_table(device) -> list:
-    return _PROCESS_STATE + (_CUDA_STATE if str(device).startswith("cuda") else [])
-
-
-def process_state(device) -> dict[str, object]:
-    """The process-wide settings and generator states of _PROCESS_STATE (and the CUDA ones on a CUDA device), now."""
-    return {name: read() for name, read, _ in _state_table(device)}
-
-
-def restore_process_state(before: dict[str, object], device) -> list[str]:
-    """Put back every setting that differs from `before`; returns them as 'name: old -> new'."""
-    changed = []
-    for name, read, restore in _state_table(device):
-        now = read()
-        if now != before[name]:
-            changed.append(f"{name}: {before[name]} -> {now}")
-            restore(before[name])
-    return changed
-
-
-def process_state_check(changed: list[str]) -> Check:
-    return Check("guard:process_state", not changed,
-                 "the call left process-wide settings or random generators changed (restored for the rest of the run): "
-                 + "; ".join(changed) if changed else "no process-wide torch setting changed")
 
 
 def check_unwritten(results: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> Check:

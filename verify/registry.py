@@ -49,7 +49,7 @@ def import_callable(path: str):
     mod_name, attr = path.split(":", 1)
     try:
         obj = importlib.import_module(mod_name)
-    except Exception as e:  # any import-time failure of a user's module
+    except (Exception, SystemExit) as e:  # any import-time failure of a user's module, sys.exit() included
         raise ImportError(f"cannot import module {mod_name!r} for {path!r}: {type(e).__name__}: {e}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):

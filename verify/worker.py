@@ -87,7 +87,7 @@ def _signal_name(rc: int) -> str:
     return name + (" (segmentation fault)" if name == "SIGSEGV" else "")
 
 
-class IsolatedRunner:
+class _Worker:
     """Runs cases in a worker subprocess; restarts it after a hang, a crash or a sticky CUDA error."""
 
     def __init__(self, case_timeout: float = 120.0, env: dict | None = None):
@@ -191,6 +191,35 @@ class IsolatedRunner:
             v = CaseVerdict(v.op, v.candidate, v.case, v.status, v.stage,
                             v.reason + " [CUDA error: worker restarted]", v.checks, v.seconds)
         return v
+
+class IsolatedRunner:
+    """One worker subprocess per candidate, so that nothing one candidate does to its process (a kernel
+    registered over one of torch's, a changed config) reaches another's reference runs; a worker whose
+    candidate changed what cannot be put back is replaced before its next case."""
+
+    def __init__(self, case_timeout: float = 120.0, env: dict | None = None):
+        self.case_timeout, self.env = float(case_timeout), env
+        self.workers: dict[str, _Worker] = {}
+
+    @property
+    def restarts(self) -> int:
+        return sum(w.restarts for w in self.workers.values())
+
+    def evaluate(self, op_name: str, case, label: str, device: str, strided_run: bool = True):
+        from verify.process_state import UNDOABLE
+        from verify.verdict import CaseVerdict
+
+        worker = self.workers.setdefault(label, _Worker(self.case_timeout, self.env))
+        v = worker.evaluate(op_name, case, label, device, strided_run)
+        if UNDOABLE in v.reason or any(UNDOABLE in c.detail for c in v.checks):
+            worker._restart()
+            v = CaseVerdict(v.op, v.candidate, v.case, v.status, v.stage,
+                            v.reason + " [process tainted: worker restarted]", v.checks, v.seconds)
+        return v
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.close()
 
     def __enter__(self):
         return self

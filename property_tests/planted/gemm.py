@@ -170,3 +170,17 @@ def skinny_gemm_leaves_anomaly_mode_on(x, w):
     """Turns autograd's anomaly detection on (a debugging leftover) and leaves it on."""
     torch.set_anomaly_enabled(True)
     return linear(x, w)
+
+
+_LAGGING: list[torch.Tensor] = []
+
+
+def skinny_gemm_lagging_input_write(x, w):
+    """Scales x in place on a stream nobody waits for: the write lands after the call has returned (here
+    during the next call, deterministically), in the caller's input, once the checks at return are done."""
+    while _LAGGING:
+        prev = _LAGGING.pop()
+        if prev.data_ptr() != x.data_ptr():       # (a write into this call's own x would be overwritten)
+            prev[..., 0] = 0
+    _LAGGING.append(x)
+    return linear(x, w)

@@ -127,3 +127,15 @@ def moe_experts_mxfp4_nan_scale_as_one(z, ids, weights, w13_packed, w13_scale, w
     w2_scale = torch.where(w2_scale == 0xFF, torch.full_like(w2_scale, 127), w2_scale)
     return moe_experts_mxfp4(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_beta,
                              situ_linear_beta)
+
+
+def moe_experts_mxfp4_all_pad_rows_unwritten(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                                             situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+    """A grouped GEMM that scatters each (token, expert) pair's result into the output and never writes
+    a token none of whose slots is real (every id -1: under expert parallelism, a token routed only to
+    other ranks' experts): that row keeps what the allocation held."""
+    y = moe_experts_mxfp4(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_beta, situ_linear_beta)
+    out = torch.empty_like(y)
+    live = (ids >= 0).any(-1)
+    out[live] = y[live]
+    return out

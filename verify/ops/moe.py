@@ -123,12 +123,17 @@ def make_moe_experts_inputs(case: Case) -> OpInputs:
     w = torch.rand((B, k), generator=g, dtype=torch.float64) + 0.05
     # the router's weights: rows sum to routed_scale (drawn: 1.0 or another), not always to 1, so a
     # kernel that renormalises them again is wrong; about 1 in 8 slots padding (id -1, an expert
-    # parallel rank's foreign experts, skipped), never a whole row, so a kernel that reads -1 as
+    # parallel rank's foreign experts, skipped), so a kernel that reads -1 as
     # the last expert is wrong (both certified by probing while every row held k real ids summing to 1)
     scale = scalar_param(case, "routed_scale", cfg.routed_scale, ROUTED_SCALES)
     weights = (w / w.sum(-1, keepdim=True) * scale).to(torch.float32)
     pad = torch.rand((B, k), generator=g) < PAD_SLOTS
     pad[:, 0] = False
+    # in half the cases of B >= 3 one row all padding (under expert parallelism a token routed only to
+    # other ranks' experts, the common case): its output is zero, not left unwritten (certified by
+    # probing while every row held a real slot 0); never token 0 or B-1, whose slot 0 extreme_scales uses
+    if B >= 3 and torch.rand((), generator=g) < 0.5:
+        pad[int(torch.randint(1, B - 1, (), generator=g))] = True
     ids[pad] = -1
     wdist = "mxfp4_grid" if case.dist == "mxfp4_grid" else "normal"
     # all experts in one [E*O, I] draw + quantisation (MXFP4 groups never cross a row)
