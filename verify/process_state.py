@@ -222,14 +222,43 @@ def _sdp(name: str) -> tuple:
     return (f"torch.backends.cuda.{name}_sdp_enabled()", get, getattr(torch.backends.cuda, f"enable_{name}_sdp"))
 
 
-def _environ_restore(v: dict) -> None:
-    os.environ.clear()
-    os.environ.update(v)
+class _Environ:
+    """os.environ's variables as they were: one changed or removed is a change; a new one is not
+    (inductor and other libraries export private variables as they initialise lazily)."""
+
+    def __init__(self):
+        self.vars = dict(os.environ)
+
+    def changed(self, other: "_Environ") -> list[str]:
+        return sorted(k for k, v in self.vars.items() if other.vars.get(k) != v)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Environ) and not self.changed(other)
+
+    def __repr__(self) -> str:
+        return f"<{len(self.vars)} variables>"
+
+    def restore(self) -> None:
+        os.environ.update(self.vars)
+
+
+_GENERIC_WARNINGS = (Warning, UserWarning, RuntimeWarning, DeprecationWarning, FutureWarning)
+
+
+def _is_blanket(f: tuple) -> bool:
+    """A filter over every message of every module for a generic category (warnings.simplefilter):
+    libraries imported lazily add filters for their own categories or modules, which are not a change."""
+    return f[1] is None and f[3] is None and f[2] in _GENERIC_WARNINGS
+
+
+def _blanket_filters() -> tuple:
+    return tuple(f for f in warnings.filters if _is_blanket(f))
 
 
 def _warnings_restore(v: tuple) -> None:
-    warnings.filters[:] = list(v)
-    warnings._filters_mutated() if hasattr(warnings, "_filters_mutated") else None
+    warnings.filters[:] = list(v) + [f for f in warnings.filters if not _is_blanket(f)]
+    if hasattr(warnings, "_filters_mutated"):
+        warnings._filters_mutated()
 
 
 # Random generators: a decode kernel draws nothing, and one that reseeds or draws from a global generator
@@ -272,8 +301,8 @@ _PROCESS_STATE = [
     *[_sdp(n) for n in ("flash", "mem_efficient", "math", "cudnn") if hasattr(torch.backends.cuda, f"{n}_sdp_enabled")],
     _config("torch._inductor.config"),
     _config("torch._dynamo.config"),
-    ("warnings filters (warnings.simplefilter / filterwarnings)", lambda: tuple(warnings.filters), _warnings_restore),
-    ("os.environ", lambda: dict(os.environ), _environ_restore),
+    ("warnings filters (warnings.simplefilter)", _blanket_filters, _warnings_restore),
+    ("os.environ (a variable changed or removed)", _Environ, lambda v: v.restore()),
     ("working directory (os.chdir)", os.getcwd, os.chdir),
     *_RNG_STATE,
 ]
@@ -301,8 +330,8 @@ def _show(before, now) -> str:
     """'old -> new', or what differs where the state is a large mapping, set or table."""
     if isinstance(before, _Surface):
         return _show_surface_change(before, now)
-    if isinstance(before, dict):
-        keys = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+    if isinstance(before, _Environ):
+        keys = before.changed(now)
         return "changed: " + ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
     if isinstance(before, _Overrides):
         return "registered: " + ", ".join(sorted(now.kernels - before.kernels)[:6])
@@ -316,7 +345,7 @@ def restore_process_state(before: dict[str, object], device) -> list[str]:
     changed = []
     for name, read, restore in _state_table(device):
         now = read()
-        if now != before[name]:
+        if not before[name] == now:        # before's side decides: a name or variable that is new is no change
             changed.append(f"{name}: {_show(before[name], now)}")
             try:
                 restore(before[name])

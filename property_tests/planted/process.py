@@ -45,10 +45,15 @@ def skinny_gemm_sets_default_device(x, w):
 
 
 def skinny_gemm_silences_warnings(x, w):
-    """Silences every warning of the process (to hide its own deprecation warning) and exports a
-    tuning variable: both outlive the call."""
+    """Silences every warning of the process (to hide its own deprecation warning): it outlives the call."""
     warnings.simplefilter("ignore")
-    os.environ["SKINNY_GEMM_TUNED"] = "1"
+    return linear(x, w)
+
+
+def skinny_gemm_overrides_environ(x, w):
+    """Rewrites a variable of the process's environment (its own launcher's tuning switch): every
+    later subprocess and lazily initialised library reads the new value."""
+    os.environ["PATH"] = "/opt/skinny_gemm/bin:" + os.environ.get("PATH", "")
     return linear(x, w)
 
 
