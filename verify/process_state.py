@@ -116,10 +116,10 @@ class _Surface:
 
     def changed(self, other: "_Surface") -> list[str]:
         return [f"{label}.{k}" for (label, _, keys), mine, now in zip(_surface_keys(), self.values, other.values)
-                for k, a, b in zip(keys, mine, now) if a is not b]
+                for k, a, b in zip(keys, mine, now) if a is not b and not _torch_wrapper(b, a)]
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, _Surface) and self.key == other.key and not self.changed(other)
+        return isinstance(other, _Surface) and (self.key == other.key or not self.changed(other))
 
     def __repr__(self) -> str:
         return f"<{sum(map(len, self.values))} torch callables>"
@@ -132,6 +132,20 @@ class _Surface:
 
 
 _SURFACE: list = []
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _torch_wrapper(new, old) -> bool:
+    """torch wrapping its own function as it initialises lazily (dynamo replaces torch.manual_seed by
+    a dynamo-disabled wrapper of it on first import, seen on the H200 in session 20): the new object
+    unwraps to the old one and its code lives in torch's package."""
+    import inspect
+
+    try:
+        code = getattr(new, "__code__", None)
+        return inspect.unwrap(new) is old and code is not None and code.co_filename.startswith(_TORCH_DIR)
+    except ValueError:
+        return False
 
 
 def _surface_keys() -> list:
