@@ -162,7 +162,7 @@ def flushes_then_raises(x, w):
     (wrong_shape, "guard:output_type", "shape"),
 ])
 def test_guard_rejects(fn, stage, needle):
-    from verify.guards import process_state
+    from verify.process_state import process_state
 
     before = process_state("cpu")
     v = evaluate_case(TOY, CASE, fn, fn.__name__, spec=SPEC)

@@ -45,15 +45,6 @@ class Candidate:
 # What importing a candidate's module changed of this process, by module: every later resolve of it
 # fails the same way (the import ran once; the reference would be judged on the candidate's torch).
 _IMPORT_TAINT: dict[str, str] = {}
-# Settings a library may legitimately set while it loads (CuTe DSL pins its arch in os.environ) or
-# that do not reach the reference's numbers; a change to them during a call is still judged.
-_IMPORT_IGNORED = ("os.environ", "warnings filters", "working directory", "_inductor.config", "_dynamo.config",
-                   "RNG", "random")
-
-
-def _judged_at_import(change: str) -> bool:
-    name = change.split(":", 1)[0]
-    return not any(tag in name for tag in _IMPORT_IGNORED)
 
 
 def is_tainted(path: str) -> bool:
@@ -78,7 +69,7 @@ def import_checked(path: str, device: str):
         fn = import_callable(path)
     except ImportError as e:
         raise CandidateImportError(str(e)) from None
-    changed = [c for c in ps.import_changes(before, overrides, device) if _judged_at_import(c)]
+    changed = ps.import_changes(before, overrides, device)
     if changed:
         _IMPORT_TAINT[mod] = (f"importing {mod!r} changed the process the reference runs in, so no verdict "
                               f"on it can be trusted: {'; '.join(changed)}")

@@ -1,12 +1,13 @@
 """One case through the pipeline: inputs -> oracle & baseline -> candidate under guards -> compare."""
 from __future__ import annotations
 
+import functools
 import time
 import traceback
 
 import torch
 
-from verify import compare, guards
+from verify import compare, guards, process_state
 from verify.case import Case
 from verify.opdef import OpDef, OpInputs
 from verify.specs import ToleranceSpec, load_spec
@@ -108,18 +109,18 @@ def guarded_call(fn, op: OpDef, inputs: OpInputs, expected: dict[str, torch.Tens
                  strided: bool = False) -> guards.CallResult:
     """Call the candidate once with every tensor in a canary buffer; check what it did."""
     placed = _Placed(fn, op, inputs, expected, device, strided)
-    before = guards.process_state(device)
+    before = process_state.process_state(device)
     try:
         returned = placed.call(fn, inputs.params)
     except Exception as e:  # the candidate's own failure is a verdict, never a crash of the run
-        guards.restore_process_state(before, device)
+        process_state.restore_process_state(before, device)
         return guards.CallResult(error=_one_line(e))
-    changed = guards.restore_process_state(before, device)
+    changed = process_state.restore_process_state(before, device)
     results, checks = placed.outputs(returned)
-    def inputs_and_canaries() -> list[Check]:
-        return guards.check_inputs_and_canaries(op, placed.inputs, inputs.tensors, placed.outs)
+    inputs_and_canaries = functools.partial(guards.check_inputs_and_canaries, op, placed.inputs, inputs.tensors,
+                                            placed.outs)
     checks += inputs_and_canaries()
-    checks.append(guards.process_state_check(changed))
+    checks.append(process_state.process_state_check(changed))
     return guards.CallResult(results=results, checks=checks + placed.unwritten(results), recheck=inputs_and_canaries)
 
 
@@ -353,6 +354,17 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
     return checks
 
 
+def _judged_on(op: OpDef, spec: ToleranceSpec, inputs2: OpInputs, device) -> tuple[OpInputs, dict, dict] | None:
+    """(oracle inputs, oracle, baseline) for other values of a case, or None where they are vacuous."""
+    from verify.candidates import reference_fn
+
+    inputs64_2 = to_oracle(inputs2)
+    oracle2 = run_plain(reference_fn(op), op, inputs64_2, device)
+    if derived_vacuity(op, spec, oracle2):
+        return None
+    return inputs64_2, oracle2, run_plain(reference_fn(op), op, inputs2, device)
+
+
 REFRESH_SEEDS = 2        # other seeds tried for a case with the same shapes and static params
 WARMUP_CALLS = 100       # calls of one shape before guard:warmed_up judges the next
 _WARMED: set[tuple[str, str]] = set()     # (op, candidate) pairs this process has warmed up once
@@ -364,14 +376,11 @@ def warmed_up_check(op: OpDef, spec: ToleranceSpec, fn, dinputs: OpInputs, input
     wrapper that captures a CUDA graph, swaps in an autotuned variant or caches a plan after N calls
     of a shape is judged only if N is reached. Once per op and candidate in a process (a cost of
     WARMUP_CALLS calls); a counter above WARMUP_CALLS still goes unseen."""
-    from verify.candidates import reference_fn
-
     name = "guard:warmed_up"
-    inputs64_2 = to_oracle(inputs2)
-    oracle2 = run_plain(reference_fn(op), op, inputs64_2, device)
-    base2 = run_plain(reference_fn(op), op, inputs2, device)
-    if derived_vacuity(op, spec, oracle2):
+    judged = _judged_on(op, spec, inputs2, device)
+    if judged is None:
         return Check(name, True, "not run: the other values' case is vacuous")
+    inputs64_2, oracle2, base2 = judged
     placed = _Placed(fn, op, dinputs, base2, device)      # the same shapes as this case's: one set of buffers
     try:
         for _ in range(WARMUP_CALLS):
@@ -419,18 +428,15 @@ def refreshed_inputs_check(op: OpDef, spec: ToleranceSpec, fn, inputs: OpInputs,
     against the reference on the new values. A candidate that keeps anything across calls keyed by
     pointer, shape or call count (prepacked or converted weights, a memo of outputs, a workspace
     assumed clean) answers for the old values or stale state. `found`: refreshed_inputs(...)."""
-    from verify.candidates import reference_fn
-
     name = "guard:refreshed_inputs"
     if found is None:
         return Check(name, True, "not run: no other values with this case's shapes could be drawn")
     seed2, inputs2 = found
     where = f"seed {seed2}" if seed2 is not None else "this case's float inputs rescaled"
-    inputs64_2 = to_oracle(inputs2)
-    oracle2 = run_plain(reference_fn(op), op, inputs64_2, device)
-    base2 = run_plain(reference_fn(op), op, inputs2, device)
-    if derived_vacuity(op, spec, oracle2):
+    judged = _judged_on(op, spec, inputs2, device)
+    if judged is None:
         return Check(name, True, "not run: the other seed's case is vacuous")
+    inputs64_2, oracle2, base2 = judged
     placed = _Placed(fn, op, inputs, base2, device)
     try:
         placed.call(fn, inputs.params)

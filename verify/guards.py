@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verify.process_state import process_state, process_state_check, restore_process_state  # noqa: F401
 from verify.verdict import Check
 
 CANARY_PAD = 64          # elements of canary on each side of every tensor

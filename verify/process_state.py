@@ -23,6 +23,7 @@ from verify.verdict import Check
 
 UNDOABLE = "cannot be undone in this process"
 
+
 def _flushes_denormals() -> bool:
     """Whether this thread flushes float32 denormals to zero (torch.set_flush_denormal has no getter)."""
     return torch.tensor([1e-40], dtype=torch.float32).mul(1.0).item() == 0.0
@@ -35,10 +36,6 @@ def _torch_flag(path: str) -> tuple[str, object, object]:
             lambda v: setattr(attrgetter(owner)(torch), attr, v))
 
 
-# Process-wide settings a candidate could change and leave changed: (name, read, restore). Each alters
-# every later computation in the process: the reference's own runs in the working dtype (which the
-# tolerances are measured against: TF32 matmuls or flushed denormals loosen them), the next cases'
-# candidate calls, or where work is queued (the current stream).
 def _has_flag(path: str) -> bool:
     owner, _, attr = path.rpartition(".")
     try:
@@ -105,6 +102,10 @@ def _deterministic() -> tuple[bool, bool]:
     return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
 
 
+def _listing(names: list[str], shown: int = 6) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 class _Surface:
     """The callables of torch's namespaces (module and class dicts), compared by identity: a candidate
     that monkeypatches torch.matmul or Tensor.softmax changes the reference it is judged against.
@@ -123,6 +124,9 @@ class _Surface:
 
     def __repr__(self) -> str:
         return f"<{sum(map(len, self.values))} torch callables>"
+
+    def describe(self, now: "_Surface") -> str:
+        return "replaced: " + _listing(self.changed(now))
 
     def restore(self) -> None:
         for (_, owner, keys), vals in zip(_surface_keys(), self.values):
@@ -159,11 +163,6 @@ def _surface_keys() -> list:
     return _SURFACE
 
 
-def _show_surface_change(before: _Surface, now: _Surface) -> str:
-    names = before.changed(now)
-    return f"replaced: {', '.join(names[:6])}" + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-
-
 class _Overrides:
     """Kernels registered from Python over torch's own operators (aten / prims) at a key that runs them
     (torch registers Meta kernels itself; a candidate's own library registers its own namespace).
@@ -183,13 +182,8 @@ class _Overrides:
     def __repr__(self) -> str:
         return f"<{len(self.all)} torch.library kernels>"
 
-
-def _undoable(_v) -> None:
-    raise _Undoable
-
-
-class _Undoable(Exception):
-    pass
+    def describe(self, now: "_Overrides") -> str:
+        return "registered: " + _listing(sorted(now.kernels - self.kernels))
 
 
 def _default_device():
@@ -252,6 +246,9 @@ class _Environ:
     def __repr__(self) -> str:
         return f"<{len(self.vars)} variables>"
 
+    def describe(self, now: "_Environ") -> str:
+        return "changed: " + _listing(self.changed(now), 8)
+
     def restore(self) -> None:
         os.environ.update(self.vars)
 
@@ -283,6 +280,15 @@ _RNG_STATE = [
     *_numpy_rng(),
 ]
 
+_LOAD_TIME = [
+    _config("torch._inductor.config"),
+    _config("torch._dynamo.config"),
+    ("warnings filters (warnings.simplefilter)", _blanket_filters, _warnings_restore),
+    ("os.environ (a variable changed or removed)", _Environ, lambda v: v.restore()),
+    ("working directory (os.chdir)", os.getcwd, os.chdir),
+    *_RNG_STATE,
+]
+
 _PROCESS_STATE = [
     ("torch.get_default_dtype()", torch.get_default_dtype, torch.set_default_dtype),
     ("torch.is_grad_enabled()", torch.is_grad_enabled, torch.set_grad_enabled),
@@ -309,17 +315,15 @@ _PROCESS_STATE = [
     ("torch function / dispatch mode stacks (modes entered and left on)",
      lambda: (torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack()), _pop_modes),
     ("torch functions and Tensor methods (monkeypatched)", _Surface, lambda v: v.restore()),
-    (f"torch.library kernels over aten / prims operators ({UNDOABLE})", _Overrides, _undoable),
+    (f"torch.library kernels over aten / prims operators ({UNDOABLE})", _Overrides, lambda v: None),
     *[_torch_flag(path) for path in ("backends.mkldnn.enabled", "backends.opt_einsum.enabled",
                                      "backends.opt_einsum.strategy") if _has_flag(path)],
     *[_sdp(n) for n in ("flash", "mem_efficient", "math", "cudnn") if hasattr(torch.backends.cuda, f"{n}_sdp_enabled")],
-    _config("torch._inductor.config"),
-    _config("torch._dynamo.config"),
-    ("warnings filters (warnings.simplefilter)", _blanket_filters, _warnings_restore),
-    ("os.environ (a variable changed or removed)", _Environ, lambda v: v.restore()),
-    ("working directory (os.chdir)", os.getcwd, os.chdir),
-    *_RNG_STATE,
+    *_LOAD_TIME,
 ]
+# Settings a library may legitimately set while it loads (CuTe DSL pins its arch in os.environ) or that
+# do not reach the reference's numbers: not judged at a candidate's import; a call's change still is.
+_LOAD_TIME_OK = frozenset(name for name, _, _ in _LOAD_TIME)
 _CUDA_STATE = [
     ("torch.is_autocast_enabled('cuda')", lambda: torch.is_autocast_enabled("cuda"),
      lambda v: torch.set_autocast_enabled("cuda", v)),
@@ -341,31 +345,28 @@ def process_state(device) -> dict[str, object]:
 
 
 def _show(before, now) -> str:
-    """'old -> new', or what differs where the state is a large mapping, set or table."""
-    if isinstance(before, _Surface):
-        return _show_surface_change(before, now)
-    if isinstance(before, _Environ):
-        keys = before.changed(now)
-        return "changed: " + ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
-    if isinstance(before, _Overrides):
-        return "registered: " + ", ".join(sorted(now.kernels - before.kernels)[:6])
+    """'old -> new', or what differs where the state is a large table (its own describe)."""
+    if hasattr(before, "describe"):
+        return before.describe(now)
     if isinstance(before, tuple) and before and isinstance(before[0], tuple):
         return f"{len(before)} -> {len(now)} entries, first now {now[0] if now else None}"
     return f"{before} -> {now}"
 
 
-def restore_process_state(before: dict[str, object], device) -> list[str]:
-    """Put back every setting that differs from `before`; returns them as 'name: what changed'."""
+def _changes(before: dict[str, object], device) -> list[tuple[str, str]]:
+    """(name, what changed) of every setting that differs from `before`, each put back where it can be."""
     changed = []
     for name, read, restore in _state_table(device):
         now = read()
         if not before[name] == now:        # before's side decides: a name or variable that is new is no change
-            changed.append(f"{name}: {_show(before[name], now)}")
-            try:
-                restore(before[name])
-            except _Undoable:
-                pass
+            changed.append((name, _show(before[name], now)))
+            restore(before[name])
     return changed
+
+
+def restore_process_state(before: dict[str, object], device) -> list[str]:
+    """Put back every setting that differs from `before`; returns them as 'name: what changed'."""
+    return [f"{name}: {what}" for name, what in _changes(before, device)]
 
 
 def process_state_check(changed: list[str]) -> Check:
@@ -390,8 +391,9 @@ def dispatcher_overrides() -> frozenset[tuple[str, str]]:
 
 def import_changes(before: dict[str, object], overrides_before: frozenset, device) -> list[str]:
     """What a candidate module's import changed of the process the reference runs in (restored where it
-    can be); a kernel registered over one of torch's own is named and cannot be undone."""
-    changed = restore_process_state(before, device)
+    can be), but for _LOAD_TIME_OK; a kernel registered over one of torch's own is named and cannot be
+    undone."""
+    changed = [f"{name}: {what}" for name, what in _changes(before, device) if name not in _LOAD_TIME_OK]
     new = dispatcher_overrides() - overrides_before
     if new:
         changed.append(f"torch kernels registered over ({UNDOABLE}): "
