@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from references.moe import moe_tp_shard_width, router_topk, router_topk_scores_split
+from references.moe import (moe_tp_shard_width, renormalise, router_choice_scores, router_topk,
+                            router_topk_scores_split)
 from verify.case import Case
 from verify.ops.common_splits import split_mismatches
 from verify.ops.moe import OPS
@@ -34,13 +35,25 @@ def test_expert_parallel_split_equals_unsplit(T):
 @pytest.mark.parametrize("T", TP_VALUES)
 @pytest.mark.parametrize("dist", ["normal", "near_ties"])
 def test_router_scores_split_and_gather_equals_unsplit(T, dist):
-    """Each rank's logits are whole dot products, so ids are identical and weights equal."""
+    """Each rank's logits are whole dot products, so the ids are the unsplit ones and the weights equal.
+    A rank's GEMM over its slice of experts may round a logit 1 ulp away from the whole GEMM's (seen
+    with the AVX2 kernels of a 2-core CI machine), so a duplicated expert's exact tie can break the
+    other way: rows may differ only among experts tied with the k-th score to within 4 ulps, and the
+    weights are then those of the unsplit scores at the split's ids."""
     op = BY_NAME["router_topk"]
     inputs = op.make_inputs(Case(op.name, T, 5, "tiny", "float64", dist, tp=T))
     ids, weights = router_topk(**inputs.tensors, **inputs.params)
     ids_split, weights_split = router_topk_scores_split(**inputs.tensors, **inputs.params, T=T)
-    assert torch.equal(ids_split, ids)
-    torch.testing.assert_close(weights_split, weights, rtol=1e-13, atol=0)
+    s, choice = router_choice_scores(inputs.tensors["x"], inputs.tensors["w_gate"], inputs.tensors["bias"])
+    kth = choice.gather(1, ids).amin(-1, keepdim=True)
+    tied = (choice - kth).abs() <= 4 * torch.finfo(torch.float64).eps * kth.abs()
+    for r in range(ids.shape[0]):
+        moved = set(ids[r].tolist()) ^ set(ids_split[r].tolist())
+        assert all(tied[r, e] for e in moved), f"row {r}: {sorted(ids[r].tolist())} vs {sorted(ids_split[r].tolist())}"
+    if dist == "normal":
+        assert torch.equal(ids_split, ids)
+    torch.testing.assert_close(weights_split, renormalise(s, ids_split, inputs.params["routed_scale"]),
+                               rtol=1e-13, atol=0)
 
 
 def test_intermediate_width_pads_like_vllm_at_k3():
