@@ -338,8 +338,14 @@ def launch(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, out, n_blocks:
     D = prefix.shape[1]
     cfg = variant or AttnResConfig.for_shape(D, 8 * prefix.element_size(), prefix.shape[0], n_blocks)
     fn = _compile(runtime.dtype_name(prefix.dtype), D, n_blocks, cfg)
-    fn(prefix, delta.contiguous(), blocks, res_norm_w.contiguous(),
-       res_proj_w.reshape(-1).contiguous(), norm_w.contiguous(), out, block_write, eps, norm_eps)
+    # every operand is read (and prefix, blocks written) in 16-byte vectors: a misaligned base is
+    # copied to fresh storage first, and the state updates go back to the caller's tensors
+    p, b = runtime.aligned(prefix), runtime.aligned(blocks)
+    fn(p, runtime.aligned(delta.contiguous()), b, runtime.aligned(res_norm_w.contiguous()),
+       runtime.aligned(res_proj_w.reshape(-1).contiguous()), runtime.aligned(norm_w.contiguous()), out,
+       block_write, eps, norm_eps)
+    runtime.write_back(p, prefix)
+    runtime.write_back(b, blocks)
 
 
 _op = None

@@ -571,9 +571,14 @@ def launch(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, d
     Dh, W = state.shape[-1], conv_w.shape[-1]
     cfg = variant or KdaConfig.for_shape(Dh, state.shape[0] * state.shape[1], runtime.sm_count(state.device))
     fn = _compile(runtime.dtype_name(q_raw.dtype), Dh, W, cfg)
-    fn(*(_rows(t) for t in (q_raw, k_raw, v_raw, g_raw, beta_raw, z)), conv_w.contiguous(),
-       conv_state, A_log.contiguous(), dt_bias.contiguous(), o_norm_w.contiguous(), state, y,
+    # the state (bulk copies, 16-byte row vectors) and conv_w (16-byte rows where W % 4 == 0) are
+    # compiled 16-byte aligned: a misaligned base is copied first, the state update copied back
+    st = runtime.aligned(state)
+    fn(*(_rows(t) for t in (q_raw, k_raw, v_raw, g_raw, beta_raw, z)),
+       runtime.aligned(conv_w.contiguous(), 16 if W % 4 == 0 else 4),
+       conv_state, A_log.contiguous(), dt_bias.contiguous(), o_norm_w.contiguous(), st, y,
        lower_bound, l2_eps, norm_eps, _grid(cfg, state))
+    runtime.write_back(st, state)
 
 
 _op = None

@@ -105,7 +105,11 @@ def launch(latent, cache, slot_mapping, variant=None) -> None:
         return
     cfg = variant or MlaCacheWriteConfig()
     fn = _compile(runtime.dtype_name(latent.dtype), latent.shape[1], cfg)
-    fn(latent, cache.view(-1, latent.shape[1]), slot_mapping)
+    # 16-byte chunks of latent and cache rows: a misaligned base is copied first (the whole cache,
+    # then copied back: only a caller's odd view pays it)
+    src, dst = runtime.aligned(latent), runtime.aligned(cache)
+    fn(src, dst.view(-1, latent.shape[1]), slot_mapping)
+    runtime.write_back(dst, cache)
 
 
 _op = None

@@ -10,6 +10,8 @@
 - `st_async_cluster(dst, values, mbar)` / `wait_cluster_phase0(mbar)`: the inline PTX of a push into a
   peer CTA's shared memory that completes its bytes on the peer's mbarrier, and the wait that acquires
   those pushes at cluster scope (CuTe DSL 4.8 has neither).
+- `aligned(t)` / `write_back(copy, t)`: a tensor whose base is not 16-byte aligned (x[1:] of a
+  contiguous tensor) copied to fresh storage for the kernel, and an in-place update copied back.
 - `register_op(name, mutates_args)` makes a destination-passing `verify_kernels::<name>` custom op
   with a no-op fake impl, so torch.compile and CUDA graphs can hold the launch.
 - Kernels are compiled with TVM-FFI and an env stream: a launch runs on the caller's current
@@ -171,6 +173,25 @@ def sm_count(device) -> int:
     if idx not in _sm_counts:
         _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _sm_counts[idx]
+
+
+def aligned(t, align: int = 16):
+    """`t` itself where its data starts `align`-byte aligned, else a contiguous copy in fresh storage.
+    The kernels' 16-byte vector loads, bulk copies and TMA assume an aligned base (compiled with
+    fake_tensor(..., align=16), the TVM-FFI call raises on a misaligned one), and a contiguous
+    view such as x[1:] is not. State updated in place goes back with `write_back`."""
+    if t.data_ptr() % align == 0:
+        return t
+    import torch
+
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def write_back(copy, caller) -> None:
+    """The kernel's in-place update of an `aligned` copy, into the caller's tensor (on the current
+    stream, after the launch); nothing where the kernel updated the caller's tensor itself."""
+    if copy is not caller:
+        caller.copy_(copy)
 
 
 def require_cuda(name: str, t) -> None:

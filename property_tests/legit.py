@@ -65,8 +65,55 @@ def attn_res_rmsnorm(t: dict, p: dict) -> dict[str, dict[str, torch.Tensor]]:
     return {name: {"out": y} for name, y in out.items()}
 
 
+# ------------------------------------------------------------------------------------- mla_decode_attn
+
+
+def _attn_one(q, kv, lora: int, scale: float, visible, order: str, wd) -> torch.Tensor:
+    """One sequence's attention in fp32 with the scores summed in another order or the softmax in
+    another form: q[Q,H,C], kv[L,C] (fp32), visible[Q,L] -> o[Q,H,lora] (fp32)."""
+    import torch.nn.functional as F
+    if order == "sdpa":          # torch's own fused attention: another dot order, scale applied to q
+        qh = q.permute(1, 0, 2)                                                     # [H, Q, C]
+        k, v = kv.expand(qh.shape[0], -1, -1), kv[:, :lora].expand(qh.shape[0], -1, -1)
+        return F.scaled_dot_product_attention(qh, k, v, attn_mask=visible, scale=scale).permute(1, 0, 2)
+    if order == "reversed_c":
+        s = torch.einsum("qhc,tc->qht", q.flip(-1), kv.flip(-1)) * scale
+    elif order == "blocked_c":   # 64-wide k-blocks folded in order (a tensor-core MMA's accumulation)
+        s = sum(torch.einsum("qhc,tc->qht", q[..., i:i + 64], kv[:, i:i + 64]) for i in range(0, q.shape[-1], 64)) * scale
+    else:
+        s = torch.einsum("qhc,tc->qht", q * scale, kv)                              # scale folded into q
+    s = s.masked_fill(~visible[:, None, :], float("-inf"))
+    if order == "exp2":          # exp2 with log2(e) folded in, the max subtracted first (FlashAttention's form)
+        s2 = s * 1.4426950408889634
+        e = torch.exp2(s2 - s2.amax(-1, keepdim=True))
+        p = e / e.sum(-1, keepdim=True)
+    else:
+        p = torch.softmax(s, -1)
+    if order == "p_rounded":     # P rounded to the working dtype before the P @ V MMA (FlashMLA)
+        p = p.to(wd).to(p.dtype)
+    return torch.einsum("qht,tc->qhc", p, kv[:, :lora])
+
+
+def mla_decode_attn(t: dict, p: dict) -> dict[str, dict[str, torch.Tensor]]:
+    from references.mla import causal_visible, mla_decode_attn_split_kv, paged_cache_read
+    q_abs, cache, table, lens = t["q_abs"], t["cache"], t["block_table"], t["seq_lens"]
+    wd, acc, lora, scale = q_abs.dtype, acc_dtype(q_abs), p["kv_lora_rank"], p["scale"]
+    n_q = q_abs.shape[1]
+    res = {}
+    for order in ("sdpa", "reversed_c", "blocked_c", "scale_in_q", "exp2", "p_rounded"):
+        o = torch.zeros(*q_abs.shape[:3], lora, dtype=acc)
+        for b in range(q_abs.shape[0]):
+            length = int(lens[b])
+            kv = paged_cache_read(cache, table[b], length).to(acc)
+            o[b] = _attn_one(q_abs[b].to(acc), kv, lora, scale, causal_visible(length, n_q, 0, length), order, wd)
+        res[order] = {"o_latent": o.to(wd)}
+    for n in (2, 3):
+        res[f"split_kv{n}"] = {"o_latent": mla_decode_attn_split_kv(q_abs, cache, table, lens, scale, lora, n)[0]}
+    return res
+
+
 LEGIT = {"skinny_gemm": skinny_gemm, "attn_res_rmsnorm": attn_res_rmsnorm,
-         "allreduce_attn_res_rmsnorm": attn_res_rmsnorm}
+         "allreduce_attn_res_rmsnorm": attn_res_rmsnorm, "mla_decode_attn": mla_decode_attn}
 
 
 SPEC = "spec"

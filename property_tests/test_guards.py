@@ -113,6 +113,49 @@ def strided_last_bit(x, w):
     return y
 
 
+def rounds_base_down(x, w):
+    """Loads x from its address rounded down to 16 bytes (a TMA / vector-load base assumed aligned)."""
+    back = (x.data_ptr() % 16) // x.element_size()
+    return linear(x.as_strided(x.shape, x.stride(), x.storage_offset() - back), w)
+
+
+def refuses_misaligned(x, w):
+    if x.data_ptr() % 16:
+        raise ValueError("x must be 16-byte aligned")
+    return linear(x, w)
+
+
+def misaligned_unrelated_error(x, w):
+    if x.data_ptr() % 16:
+        raise RuntimeError("no kernel for this shape")
+    return linear(x, w)
+
+
+def misaligned_faults(x, w):
+    if x.data_ptr() % 16:     # what torch reports for a kernel that faulted on the address
+        raise RuntimeError("CUDA error: misaligned address")
+    return linear(x, w)
+
+
+def stomps_then_refuses(x, w):
+    """Writes past x's end, then refuses the misaligned view: the write is found, no refusal counts."""
+    if x.data_ptr() % 16:
+        x.as_strided((1,), (1,), x.storage_offset() + x.numel()).fill_(7)
+        raise ValueError("x must be 16-byte aligned")
+    return linear(x, w)
+
+
+_SHAPE_CALLS = [0]
+
+
+def second_call_wrong_shape(x, w):
+    """Right on its first call of a case, a short output on the next: the second run's own output-type
+    failure, not a harness error from comparing a missing column."""
+    _SHAPE_CALLS[0] += 1
+    y = linear(x, w)
+    return y if _SHAPE_CALLS[0] % 2 else y[:, :-1]
+
+
 def raises(x, w):
     raise RuntimeError("kernel launch failed")
 
@@ -156,6 +199,11 @@ def flushes_then_raises(x, w):
     (bf16_accumulate, "compare:y", "rows exceed"),
     (position_dependent, "compare:y", "rows exceed"),
     (strided_wrong, "guard:strided_inputs", "differ bitwise"),
+    (rounds_base_down, "guard:misaligned_inputs", "1 element past an aligned base: outputs differ bitwise"),
+    (misaligned_unrelated_error, "guard:misaligned_inputs", "raised RuntimeError: no kernel for this shape"),
+    (misaligned_faults, "guard:misaligned_inputs", "the kernel faulted"),
+    (stomps_then_refuses, "guard:canaries", "1 element past an aligned base: writes outside the tensors: x"),
+    (second_call_wrong_shape, "guard:output_type", "second run: "),
     (writes_past_input, "guard:canaries", "writes outside the tensors: x"),
     (out_partial, "guard:outputs_written", "unwritten"),
     (raises, "candidate", "RuntimeError: kernel launch failed"),
@@ -184,6 +232,27 @@ def test_kernels_are_held_to_bitwise_claims(fn, stage):
         assert evaluate_case(TOY, CASE, fn, "compiled", spec=SPEC).status == "pass"
 
 
+def test_a_bitwise_guard_names_the_elements_that_differ():
+    """A guard comparing two runs bit for bit reports, like a compare failure, how many elements
+    differ and which, with both values; the terminal report prints them."""
+    import io
+
+    from rich.console import Console
+
+    from verify.reporters.terminal import print_case
+
+    v = evaluate_case(TOY, CASE, strided_last_bit, "fused", spec=SPEC)
+    check = next(c for c in v.checks if c.name == "guard:strided_inputs")
+    assert not check.ok and "y: 1 of 216 elements differ" in check.detail, check.detail
+    y = linear(**TOY.make_inputs(CASE).tensors)
+    first = float(y[0, 0])
+    y.view(torch.int16)[0, 0] ^= 1
+    assert check.worst == (((0, 0), float(y[0, 0]), first, None),)
+    out = io.StringIO()
+    print_case(Console(file=out, width=200), v)
+    assert f"((0, 0), {float(y[0, 0])!r}, {first!r})" in out.getvalue(), out.getvalue()
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_correct_candidate_passes_every_guard(seed):
     v = evaluate_case(TOY, Case("toy_linear", seed, 1 + seed % 7), good, "good", spec=SPEC)
@@ -191,7 +260,60 @@ def test_correct_candidate_passes_every_guard(seed):
     names = {c.name for c in v.checks}
     assert {"guard:output_type", "guard:no_aliasing", "guard:inputs_unchanged", "guard:canaries",
             "guard:outputs_written", "guard:deterministic", "guard:strided_inputs", "guard:process_state",
-            "compare:y"} <= names
+            "guard:misaligned_inputs", "compare:y"} <= names
+
+
+def test_place_offset_misaligns_the_base_and_keeps_the_canaries():
+    """offset=1: contiguous, one element past a 16-byte boundary; a write just before it is seen."""
+    from verify.guards import place
+
+    for dt in (torch.bfloat16, torch.float32, torch.uint8, torch.int64):
+        value = torch.arange(12).reshape(3, 4).to(dt)
+        g = place("t", value, "cpu", offset=1)
+        assert g.view.is_contiguous() and torch.equal(g.view, value)
+        assert g.view.data_ptr() % 16 == g.view.element_size(), dt
+        assert place("t", value, "cpu").view.data_ptr() % 16 == 0, dt
+        g.buf[g.view.storage_offset() - 1] = 7
+        assert g.outside_changed() == 1, dt
+
+
+def test_a_refusal_of_misaligned_inputs_passes_and_is_recorded():
+    v = evaluate_case(TOY, CASE, refuses_misaligned, "user.module:fn", spec=SPEC)
+    assert v.status == "pass", v.reason
+    check = next(c for c in v.checks if c.name == "guard:misaligned_inputs")
+    assert check.ok and check.detail.startswith("the candidate refused misaligned inputs: ValueError: x must be "
+                                                "16-byte aligned"), check.detail
+
+
+def test_the_quick_profile_skips_the_misaligned_run():
+    from verify.cases import get_profile
+
+    assert not get_profile("quick").strided_run
+    v = evaluate_case(TOY, CASE, rounds_base_down, "fused", spec=SPEC, strided_run=False)
+    assert v.status == "pass" and not any(c.name == "guard:misaligned_inputs" for c in v.checks), v.reason
+
+
+def test_misaligned_state_is_judged_on_a_state_op():
+    """mla_cache_write updates its cache in place: at a misaligned cache the reference passes, and a
+    candidate that writes through the cache's base rounded down to 16 bytes is rejected (its rows
+    land one element early: the cache, judged bitwise, differs from the first run's)."""
+    from references.mla import mla_cache_write
+    from verify.registry import get_op
+
+    def rounds_cache_down(latent, cache, slot_mapping):
+        back = (cache.data_ptr() % 16) // cache.element_size()
+        mla_cache_write(latent, cache.as_strided(cache.shape, cache.stride(), cache.storage_offset() - back),
+                        slot_mapping)
+
+    op = get_op("mla_cache_write")
+    case = Case("mla_cache_write", 3, 4, "tiny", "bfloat16", "normal", 1)
+    ok = evaluate_case(op, case, mla_cache_write, "mymod:ref", "cpu")
+    assert ok.status == "pass", ok.reason
+    assert next(c for c in ok.checks if c.name == "guard:misaligned_inputs").detail.endswith("bitwise identical")
+    bad = evaluate_case(op, case, rounds_cache_down, "mymod:rounds", "cpu")
+    assert bad.status == "fail", bad.reason
+    assert bad.stage == "guard:misaligned_inputs", (bad.stage, bad.reason)
+    assert "1 element past an aligned base: outputs differ bitwise" in bad.reason and "cache" in bad.reason
 
 
 def test_refreshed_inputs_keep_shapes_and_params_and_change_values():

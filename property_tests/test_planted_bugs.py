@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from property_tests.planted import ALL_DTYPES, CATALOGUE, EXAMPLES, FULL_BATCH, GAPS  # noqa: E402
+from property_tests.planted import ALL_DTYPES, CATALOGUE, EXAMPLES, FP32_ONLY, FULL_BATCH, GAPS  # noqa: E402
 from verify.candidates import Candidate  # noqa: E402
 from verify.cases import Profile  # noqa: E402
 from verify.certify import RunOptions, certify_op  # noqa: E402
@@ -29,8 +29,8 @@ from verify.verdict import FAIL  # noqa: E402
 
 GUARDS = ("guard:output_type", "guard:no_aliasing", "guard:inputs_unchanged", "guard:canaries",
           "guard:outputs_written", "guard:deterministic", "guard:batch_position", "guard:refreshed_inputs",
-          "guard:strided_inputs", "guard:outputs_kept", "guard:process_state", "guard:output_layout",
-          "guard:warmed_up")
+          "guard:strided_inputs", "guard:misaligned_inputs", "guard:outputs_kept", "guard:process_state",
+          "guard:output_layout", "guard:warmed_up")
 _TABLE: list[tuple[str, str, str, str]] = []
 # quick, over every dtype of the op instead of the working dtype only (still no shrinking)
 # Fixed here, not the CLI's quick profile (which trims guard runs to fit its time budget): every
@@ -38,6 +38,7 @@ _TABLE: list[tuple[str, str, str, str]] = []
 PLANTED = Profile("planted", 6, ("tiny", "small"), 16, False, False, True)
 QUICK_ALL_DTYPES = Profile("quick_all_dtypes", 6, ("tiny", "small"), 16, True, False, True)
 FULL_BATCHES = Profile("planted_b64", 6, ("tiny", "small"), 64, False, False, True)   # ci's batches
+FP32 = Profile("planted_fp32", 6, ("tiny", "small"), 16, True, False, True, dtypes=("float32",))
 
 
 def _expected(exp: str) -> tuple[str, str]:
@@ -73,7 +74,8 @@ def test_planted_bug_rejected(op_name, candidate, expected, description, request
     except SpecError as e:
         pytest.skip(f"op {op_name} has no tolerance spec yet: {e}")
     stage, sub = _expected(expected)
-    profile = QUICK_ALL_DTYPES if attr in ALL_DTYPES else FULL_BATCHES if attr in FULL_BATCH else PLANTED
+    profile = (QUICK_ALL_DTYPES if attr in ALL_DTYPES else FULL_BATCHES if attr in FULL_BATCH
+               else FP32 if attr in FP32_ONLY else PLANTED)
     opts = RunOptions(device="cpu", profile=profile, examples=EXAMPLES.get(attr, 6))
     v = certify_op(get_op(op_name), Candidate(candidate), opts)
     got = (v.failure.stage if v.failure else v.reason.split(":", 1)[0]) if v.status == FAIL else f"({v.status})"

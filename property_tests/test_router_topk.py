@@ -127,3 +127,65 @@ def test_weights_magnitude_bounds_the_weights_and_scales_a_cancelling_row():
     assert compare_derived("weights", near, w64, w32, 4.0, 4.0, magnitude=m).ok
     far = (w64 + 64 * u * m).float()
     assert not compare_derived("weights", far, w64, w32, 4.0, 4.0, magnitude=m).ok
+
+
+# ----------------------------------------------------------------------------------------------
+# weights of ids that failed the ids check (verify.evaluate.judge)
+
+
+def lowest_ids_right_weights(x, w_gate, bias, top_k: int, routed_scale: float):
+    """Selects the k LOWEST choice scores, then renormalises its own picks' scores exactly as the
+    reference would: wrong ids, right weights for them."""
+    from references.moe import renormalise
+
+    s, choice = router_choice_scores(x, w_gate, bias)
+    ids = torch.sort(choice, dim=-1, descending=False, stable=True).indices[:, :top_k].contiguous()
+    return ids, renormalise(s, ids, routed_scale)
+
+
+def one_id_out_of_range(x, w_gate, bias, top_k: int, routed_scale: float):
+    """The reference's result with one id past the last expert."""
+    ids, weights = router_topk(x, w_gate, bias, top_k, routed_scale)
+    ids[1, 0] = w_gate.shape[0] + 3
+    return ids, weights
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_weights_of_failed_ids_are_judged_at_the_candidates_ids(dtype):
+    """Weights right for the candidate's own wrong ids fail nothing but the ids: the weights check
+    is not reported ~1e5x over tolerance against the reference's weights for other experts."""
+    from verify.evaluate import evaluate_case
+    from verify.specs import load_spec
+
+    case = Case("router_topk", 5, 6, "tiny", dtype, "normal")
+    v = evaluate_case(ROUTER, case, lowest_ids_right_weights, "user.module:fn", spec=load_spec("router_topk"))
+    assert v.status == "fail" and v.stage == "compare:ids", (v.stage, v.reason)
+    weights = next(c for c in v.checks if c.name == "compare:weights")
+    assert weights.ok and weights.metrics["ratio"] <= 1.0, weights
+    assert "judged at the candidate's ids, which failed the ids check" in weights.detail
+
+
+def test_weights_of_malformed_ids_fail_unjudged():
+    from verify.evaluate import evaluate_case
+    from verify.specs import load_spec
+
+    case = Case("router_topk", 5, 6, "tiny", "float32", "normal")
+    v = evaluate_case(ROUTER, case, one_id_out_of_range, "user.module:fn", spec=load_spec("router_topk"))
+    assert v.status == "fail" and v.stage == "compare:ids", (v.stage, v.reason)
+    weights = next(c for c in v.checks if c.name == "compare:weights")
+    assert not weights.ok and "ratio" not in weights.metrics and "\n" not in weights.detail
+    assert weights.detail.startswith("not judged: the candidate's ids are malformed (1 ids outside [0, "), weights
+    assert "row 1 slot 0" in weights.detail
+
+
+@pytest.mark.parametrize("ids, why", [
+    (torch.tensor([[0, 1], [2, 3]], dtype=torch.float32), "dtype torch.float32, not an integer dtype"),
+    (torch.tensor([[0, 1, 2]]), "shape (1, 3), expected (2, 2)"),
+    (torch.tensor([[0, 1], [-1, 3]]), "1 ids outside [0, 4), first at row 1 slot 0: -1"),
+    (torch.tensor([[0, 1], [3, 3]]), "1 rows name an id twice, first row 1: [3, 3]"),
+    (torch.tensor([[0, 1], [3, 2]]), None),
+])
+def test_malformed_ids_says_why(ids, why):
+    from verify.compare import malformed_ids
+
+    assert malformed_ids(ids, (2, 2), 4) == why

@@ -86,7 +86,7 @@ def compare_bitwise(name: str, cand: torch.Tensor, base: torch.Tensor) -> Check:
     if bad == 0:
         return Check(f"compare:{name}", True, "bitwise identical", {"mismatches": 0})
     diff = (~same).to(torch.float64)
-    worst = _worst(c.to(torch.float64), b.to(torch.float64), None, diff, c.shape)
+    worst = _worst(c.to(torch.float64), b.to(torch.float64), None, diff, c.shape)[:bad]   # differing ones only
     return Check(f"compare:{name}", False, f"{bad} of {c.numel()} elements differ from the reference bits",
                  {"mismatches": bad}, worst)
 
@@ -205,6 +205,26 @@ def tie_band(scores64: torch.Tensor, scores_wd: torch.Tensor, kth: torch.Tensor,
     if magnitude is not None:
         band = torch.maximum(band, 4 * ulp(magnitude.detach().cpu().to(torch.float64).amax(-1), torch.float32))
     return band
+
+
+def malformed_ids(ids: torch.Tensor, shape: tuple, n_choices: int) -> str | None:
+    """Why `ids` name no selection that outputs could be recomputed for (an integer tensor of `shape`,
+    every id in [0, n_choices), no id twice in a row), or None where they do."""
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        return f"dtype {ids.dtype}, not an integer dtype"
+    if tuple(ids.shape) != tuple(shape):
+        return f"shape {tuple(ids.shape)}, expected {tuple(shape)}"
+    ids = ids.detach().cpu().to(torch.int64).reshape(-1, shape[-1] if shape else 1)
+    outside = (ids < 0) | (ids >= n_choices)
+    if outside.any():
+        r, i = (int(v) for v in torch.nonzero(outside)[0])
+        return f"{int(outside.sum())} ids outside [0, {n_choices}), first at row {r} slot {i}: {int(ids[r, i])}"
+    srt = ids.sort(-1).values
+    twice = (srt[:, 1:] == srt[:, :-1]).any(-1)
+    if twice.any():
+        r = int(torch.nonzero(twice)[0])
+        return f"{int(twice.sum())} rows name an id twice, first row {r}: {ids[r].tolist()[:8]}"
+    return None
 
 
 def compare_tie_aware_ids(name: str, ids: torch.Tensor, scores64: torch.Tensor, scores_wd: torch.Tensor,

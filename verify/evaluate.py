@@ -62,12 +62,14 @@ def _one_line(e: BaseException) -> str:
 
 class _Placed:
     """One candidate call's tensors: inputs (and state) in canary buffers, poisoned `out=` buffers
-    for a destination-passing candidate, and the keyword arguments that pass them."""
+    for a destination-passing candidate, and the keyword arguments that pass them. `offset`: the
+    inputs' (and state's) views start that many elements past an aligned base; outputs stay aligned."""
 
     def __init__(self, fn, op: OpDef, inputs: OpInputs, expected: dict[str, torch.Tensor], device,
-                 strided: bool = False):
+                 strided: bool = False, offset: int = 0):
         self.op, self.device, self.expected = op, device, expected
-        self.inputs = {k: guards.place(k, v, device, strided=strided) for k, v in inputs.tensors.items()}
+        self.inputs = {k: guards.place(k, v, device, strided=strided, offset=offset)
+                       for k, v in inputs.tensors.items()}
         self.outs: dict[str, guards.Guarded] = {}
         self.kwargs = {k: g.view for k, g in self.inputs.items()}
         if op.outputs and guards.accepts_out(fn):
@@ -106,15 +108,19 @@ class _Placed:
 
 
 def guarded_call(fn, op: OpDef, inputs: OpInputs, expected: dict[str, torch.Tensor], device,
-                 strided: bool = False) -> guards.CallResult:
+                 strided: bool = False, offset: int = 0) -> guards.CallResult:
     """Call the candidate once with every tensor in a canary buffer; check what it did."""
-    placed = _Placed(fn, op, inputs, expected, device, strided)
+    placed = _Placed(fn, op, inputs, expected, device, strided, offset)
     before = process_state.process_state(device)
     try:
         returned = placed.call(fn, inputs.params)
     except Exception as e:  # the candidate's own failure is a verdict, never a crash of the run
         process_state.restore_process_state(before, device)
-        return guards.CallResult(error=_one_line(e))
+        try:    # a refusal must not hide writes made before it (canaries, inputs), where they can be read
+            wrote = guards.check_inputs_and_canaries(op, placed.inputs, inputs.tensors, placed.outs)
+        except Exception:       # a sticky device error: the raise is the verdict
+            wrote = []
+        return guards.CallResult(checks=[c for c in wrote if not c.ok], error=_one_line(e))
     changed = process_state.restore_process_state(before, device)
     results, checks = placed.outputs(returned)
     inputs_and_canaries = functools.partial(guards.check_inputs_and_canaries, op, placed.inputs, inputs.tensors,
@@ -128,10 +134,14 @@ def judge(op: OpDef, spec: ToleranceSpec, cand: dict, oracle: dict, base: dict, 
           inputs64: OpInputs, baseline_err: dict | None = None) -> list[Check]:
     """Compare every output and state tensor by its spec class. Tie-aware ids are judged first; the
     outputs that depend on them are then judged against the reference recomputed with the
-    candidate's ids (OpDef.reweigh), so an allowed choice inside the tie band is not punished."""
+    candidate's ids (OpDef.reweigh), so an allowed choice inside the tie band is not punished. Ids
+    that fail their check are still reweighed where well-formed (weights right for wrong ids are not
+    reported ~1e5x over tolerance); where malformed, the outputs that depend on them fail unjudged."""
     checks = []
     names = list(op.outputs + op.state)
     magnitudes = op.magnitudes(inputs64, cand) if op.magnitudes is not None else {}
+    unjudged: dict[str, str] = {}        # output -> why it was not judged (its ids are malformed)
+    at_failed_ids: dict[str, str] = {}   # output -> the note that it was judged at ids that failed
     for name in [n for n in names if spec.output(n).klass == "tie_aware_ids"]:
         if op.tie_scores is None:
             raise ValueError(f"op {op.name}: output {name} is tie_aware_ids but the OpDef has no tie_scores")
@@ -139,20 +149,34 @@ def judge(op: OpDef, spec: ToleranceSpec, cand: dict, oracle: dict, base: dict, 
         s64, swd = op.tie_scores(inputs64), op.tie_scores(inputs)
         checks.append(compare.compare_tie_aware_ids(name, c, s64.cpu().double(), swd.cpu(), c.shape[-1],
                                                     magnitudes.get(name)))
-        if op.reweigh is not None and checks[-1].ok:
-            oracle = {**oracle, **op.reweigh(inputs64, c.to(next(iter(oracle.values())).device))}
-            base = {**base, **op.reweigh(inputs, c.to(next(iter(base.values())).device))}
-            baseline_err = None
+        if op.reweigh is None:
+            continue
+        why = compare.malformed_ids(c, tuple(base[name].shape), s64.shape[-1])
+        if why:
+            unjudged |= {n: f"not judged: the candidate's {name} are malformed ({why}), so no reference "
+                         f"{n} exist for them" for n in op.reweigh(inputs, base[name])}
+            continue
+        oracle = {**oracle, **op.reweigh(inputs64, c.to(next(iter(oracle.values())).device))}
+        reweighed = op.reweigh(inputs, c.to(next(iter(base.values())).device))
+        base = {**base, **reweighed}
+        baseline_err = None
+        if not checks[-1].ok:
+            at_failed_ids |= {n: f"judged at the candidate's {name}, which failed the {name} check" for n in reweighed}
     for name in names:
         out_spec = spec.output(name)
         c = cand[name]
-        if out_spec.klass == "bitwise":
+        if name in unjudged:
+            checks.append(Check(f"compare:{name}", False, unjudged[name]))
+        elif out_spec.klass == "bitwise":
             checks.append(compare.compare_bitwise(name, c, base[name]))
         elif out_spec.klass == "derived":
             k, floor = out_spec.bounds(base[name].dtype)
             checks.append(compare.compare_derived(name, c, oracle[name], base[name], k, floor,
                                                   (baseline_err or {}).get(name), op.row_ndims.get(name, 1),
                                                   magnitudes.get(name), out_spec.element_floor_for(base[name].dtype)))
+        if name in at_failed_ids and checks[-1].name == f"compare:{name}":
+            done = checks[-1]
+            checks[-1] = Check(done.name, done.ok, f"{done.detail}; {at_failed_ids[name]}", done.metrics, done.worst)
     return checks
 
 
@@ -207,9 +231,24 @@ def written_after_return(call: guards.CallResult, later: str) -> list[Check]:
             for c in call.recheck()]
 
 
+def _call_failures(call: guards.CallResult, first: dict, where: str) -> tuple[list[Check], bool]:
+    """A later guarded call's own failed checks (output type, canaries, inputs, process state),
+    relabelled with `where`, and whether its results hold every output `first` has (else nothing
+    of it can be compared)."""
+    bad = [Check(c.name, False, f"{where}: {c.detail}", c.metrics, c.worst) for c in call.checks if not c.ok]
+    return bad, all(n in call.results for n in first)
+
+
 def _bitwise_same(tag: str, a: dict, b: dict) -> Check:
-    diffs = [n for n in a if not compare.compare_bitwise(n, b[n], a[n]).ok]
-    return Check(tag, not diffs, f"outputs differ bitwise: {', '.join(diffs)}" if diffs else "bitwise identical")
+    """`b` (a later run's outputs) bit for bit against `a` (the first run's); a failure carries each
+    differing output's mismatch count and the worst elements of the first one, as
+    (index, this run, first run, None)."""
+    diffs = [(n, r) for n in a if not (r := compare.compare_bitwise(n, b[n], a[n])).ok]
+    if not diffs:
+        return Check(tag, True, "bitwise identical")
+    counts = "; ".join(f"{n}: {r.metrics['mismatches']} of {b[n].numel()} elements differ" for n, r in diffs)
+    return Check(tag, False, f"outputs differ bitwise from the first run's: {counts}",
+                 {"mismatches": sum(r.metrics["mismatches"] for _, r in diffs)}, diffs[0][1].worst)
 
 
 def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu",
@@ -287,7 +326,8 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
                 strided_run: bool = True, refresh: bool = True, dinputs: OpInputs | None = None,
                 kept: tuple[str, dict, dict] | None = None, candidate: str = "") -> list[Check]:
     """Second run (determinism), permuted batch (position independence), new values in the same
-    buffers (no state kept across calls), strided/offset views. `kept`: _keep of `first`."""
+    buffers (no state kept across calls), strided/offset views, a misaligned base (those two not
+    without `strided_run`). `kept`: _keep of `first`."""
     from verify.candidates import reference_fn
 
     dinputs = dinputs if dinputs is not None else inputs      # the same values, already on the device
@@ -295,7 +335,10 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
     kept = [kept or _keep(op, "", first)]
     again = guarded_call(fn, op, dinputs, base, device)
     if again.error:
-        return [Check("guard:deterministic", False, f"second run raised {again.error}")]
+        return [Check("guard:deterministic", False, f"second run raised {again.error}")] + again.checks
+    bad, complete = _call_failures(again, first, "second run")
+    if bad:
+        return bad if complete else bad + [Check("guard:deterministic", False, "the second run's outputs are incomplete")]
     same = [n for n in kept[0][1] if n in again.results and guards.overlaps(again.results[n], first[n])]
     reused = Check("guard:outputs_kept", False, f"the second call returned {', '.join(same)} in the storage "
                    "the first call returned it in: the candidate hands out one preallocated buffer") if same \
@@ -312,8 +355,12 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
         p_inputs = permute_batch(op, dinputs, perm)      # on the device: no host copies
         p_base = run_plain(reference_fn(op), op, p_inputs, device)
         moved = guarded_call(fn, op, p_inputs, p_base, device)
+        bad, complete = _call_failures(moved, first, "permuted batch")
+        checks += bad
         if moved.error:
             checks.append(Check("guard:batch_position", False, f"permuted batch raised {moved.error}"))
+        elif not complete:
+            checks.append(Check("guard:batch_position", False, "the permuted batch's outputs are incomplete"))
         else:
             back = unpermute(op, moved.results, perm)
             if spec.claims.batch_invariant and strict:
@@ -338,20 +385,60 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
     if not strided_run:
         return checks
     strided = guarded_call(fn, op, dinputs, base, device, strided=True)
+    bad, complete = _call_failures(strided, first, "strided/offset views")
+    checks += bad
     if strided.error:
-        low = strided.error.lower()
-        ok = any(w in low for w in ("contiguous", "stride"))
+        low = strided.error.rsplit(" (at ", 1)[0].lower()      # the message, not the file it was raised in
+        ok = any(w in low for w in ("contiguous", "stride")) and not bad
         checks.append(Check("guard:strided_inputs", ok, f"strided inputs rejected: {strided.error}" if ok
                             else f"strided/offset inputs raised {strided.error}"))
+    elif not complete:
+        checks.append(Check("guard:strided_inputs", False, "the strided run's outputs are incomplete"))
     else:
-        checks += [c for c in strided.checks if not c.ok]
         if spec.claims.deterministic and strict:
             checks.append(_bitwise_same("guard:strided_inputs", first, strided.results))
         else:
             res = judge(op, spec, strided.results, oracle, base, inputs, inputs64)
             checks.append(Check("guard:strided_inputs", all(c.ok for c in res), "strided/offset views: " + (
                 "; ".join(c.detail for c in res if not c.ok) or "within tolerance")))
+    checks += misaligned_inputs_checks(op, spec, fn, dinputs, base, first, oracle, inputs, inputs64, device, strict)
     return checks
+
+
+MISALIGN = 1       # elements past an aligned base in the misaligned-inputs run (element_size bytes)
+
+
+def misaligned_inputs_checks(op: OpDef, spec: ToleranceSpec, fn, dinputs: OpInputs, base: dict, first: dict,
+                             oracle: dict, inputs: OpInputs, inputs64: OpInputs, device, strict: bool) -> list[Check]:
+    """guard:misaligned_inputs: every input and state tensor contiguous, its base MISALIGN elements
+    past a 16-byte boundary (a view such as x[1:] of a contiguous tensor; out= buffers stay aligned).
+    Vector or TMA loads that assume an aligned base read other bytes there, or fault. The results
+    must be the first run's (bitwise under the strided run's rule), or the candidate must refuse with
+    an exception that names the alignment: a stated contract, recorded as such. The call's other
+    guard failures (canaries, inputs changed, state not written back) are reported as this run's."""
+    name = "guard:misaligned_inputs"
+    where = f"inputs {MISALIGN} element past an aligned base"
+    run = guarded_call(fn, op, dinputs, base, device, offset=MISALIGN)
+    checks, complete = _call_failures(run, first, where)
+    if run.error and checks:           # wrote outside its outputs before it raised: no refusal
+        return checks + [Check(name, False, f"{where}: raised {run.error} after the writes above")]
+    if run.error:
+        said = run.error.rsplit(" (at ", 1)[0].lower()      # the message, not the file it was raised in
+        if "misaligned address" in said or "misalignedaddress" in said:    # CUDA's fault, not a refusal
+            return [Check(name, False, f"{where}: the kernel faulted: {run.error}")]
+        if "align" in said:
+            return [Check(name, True, f"the candidate refused misaligned inputs: {run.error}")]
+        return [Check(name, False, f"{where}: raised {run.error} (a refusal must say the inputs need "
+                      "aligning)")]
+    if not complete:
+        return checks + [Check(name, False, f"{where}: the outputs are incomplete")]
+    if spec.claims.deterministic and strict:
+        same = _bitwise_same(name, first, run.results)
+        return checks + [Check(name, same.ok, f"{where}: {same.detail}", same.metrics, same.worst)]
+    bad = [c for c in judge(op, spec, run.results, oracle, base, inputs, inputs64) if not c.ok]
+    return checks + [Check(name, not bad, f"{where}: " + ("; ".join(f"{c.name}: {c.detail}" for c in bad)
+                                                          or "within tolerance"),
+                           bad[0].metrics if bad else {}, bad[0].worst if bad else ())]
 
 
 def _judged_on(op: OpDef, spec: ToleranceSpec, inputs2: OpInputs, device) -> tuple[OpInputs, dict, dict] | None:

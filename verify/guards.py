@@ -60,23 +60,27 @@ def _int_like(t: torch.Tensor) -> torch.dtype:
     return {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
 
 
-def place(name: str, value: torch.Tensor, device, strided: bool = False, poison: bool = False) -> Guarded:
-    """Copy `value` into a canary-padded buffer on `device`; strided=True pads every row too."""
+def place(name: str, value: torch.Tensor, device, strided: bool = False, poison: bool = False,
+          offset: int = 0) -> Guarded:
+    """Copy `value` into a canary-padded buffer on `device`; strided=True pads every row too.
+    offset=k starts the view k elements past its usual start (CANARY_PAD elements into a fresh
+    buffer: at least 64 bytes, so 16-byte aligned): a base misaligned by k x element_size bytes."""
     shape = tuple(value.shape)
     last = shape[-1] if shape else 1
     row_pad = 3 if strided and len(shape) >= 1 else 0
     rows = int(torch.tensor(shape[:-1]).prod()) if len(shape) > 1 else 1
     n = rows * (last + row_pad) if shape else 1
-    buf = torch.empty(CANARY_PAD + n + CANARY_PAD, dtype=value.dtype, device=device)
+    start = CANARY_PAD + offset
+    buf = torch.empty(start + n + CANARY_PAD, dtype=value.dtype, device=device)
     _canary_fill(buf)
     if shape:
         strides, acc = [], 1
         for i, s in enumerate(reversed(shape)):
             strides.append(acc)
             acc *= (s + row_pad) if i == 0 else s
-        view = buf.as_strided(shape, tuple(reversed(strides)), CANARY_PAD)
+        view = buf.as_strided(shape, tuple(reversed(strides)), start)
     else:
-        view = buf.as_strided((), (), CANARY_PAD)
+        view = buf.as_strided((), (), start)
     if poison:
         view.fill_(poison_value(value.dtype))
     else:

@@ -36,6 +36,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "returns a torch.Tensor subclass"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_assumes_contiguous", "guard:strided_inputs|differ bitwise",
      "ignores input strides: wrong on strided/offset inputs"),
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_rounds_x_base_down", "guard:misaligned_inputs|differ bitwise",
+     "x read from its address rounded down to 16 bytes: rows shifted on a contiguous view like x[1:]"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_stale_weight_cache", "guard:refreshed_inputs|new values",
      "weights prepacked once per tensor: values written into the same weight tensor are never seen"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_static_output", "guard:outputs_kept|storage the first call returned",
@@ -111,6 +113,10 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "causal mask off by one among the speculative query tokens"),
     ("mla_decode_attn", f"{P}.mla:mla_decode_attn_lse_drops_last_split", "compare:o_latent|exceed",
      "split-KV LSE combine missing the last split's term"),
+    ("mla_decode_attn", f"{P}.mla:mla_decode_attn_fp32_tf32_scores", "compare:o_latent|exceed",
+     "fp32 scores on TF32 operands (allow_tf32 on the score GEMM; fp32 working dtype only)"),
+    ("mla_decode_attn", f"{P}.mla:mla_decode_attn_fp32_bf16_probs", "compare:o_latent|exceed",
+     "P rounded to bf16 before P @ V in an fp32 kernel (a bf16 MMA; legitimate only for bf16)"),
     ("mla_decode_attn", f"{P}.mla:mla_decode_attn_flat_tokens", "guard:output_type|shape",
      "wrong output shape [B*Q,H,C]"),
     ("mla_decode_attn", f"{P}.mla:mla_decode_attn_last_bit_race", "guard:deterministic|differ bitwise",
@@ -128,6 +134,9 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "gate lower bound, l2_eps and norm_eps baked in at the config's values (drawn per case)"),
     ("kda_decode", f"{P}.kda:kda_decode_conv_state_not_shifted", "compare:conv_state",
      "conv state not shifted"),
+    ("kda_decode", f"{P}.kda:kda_decode_misaligned_state_not_written_back",
+     "guard:misaligned_inputs|differ bitwise",
+     "a misaligned state copied to aligned storage for the kernel, the update never copied back"),
     ("kda_decode", f"{P}.kda:kda_decode_gate_unbounded", "compare:y|exceed",
      "gate without the lower bound (softplus gate)"),
     ("kda_decode", f"{P}.kda:kda_decode_l2_eps_outside_sqrt", "compare:",
@@ -213,6 +222,10 @@ EXAMPLES: dict[str, int] = {
 # that a bf16 output rounding hides (fp16 accumulation, an eps of 1e-6 in the wrong place)
 ALL_DTYPES: set[str] = {"skinny_gemm_fp16_accum", "kda_decode_l2_eps_outside_sqrt",
                         "mxfp4_dequant_fp16_flushes_subnormals", "mxfp4_dequant_fp16_saturates"}
+
+# candidates drawn in fp32 only: bugs that are legitimate at a 16-bit working dtype (TF32 operands are
+# exact for bf16/fp16 inputs; P rounded to bf16 is FlashMLA's bf16 form) and that fp32's tolerance must catch
+FP32_ONLY: set[str] = {"mla_decode_attn_fp32_tf32_scores", "mla_decode_attn_fp32_bf16_probs"}
 
 # candidates run with the ci profile's batches (up to 64; the planted profile stops at 16): bugs in a
 # variant for large M that only the batch sweep's M = 31 / 32 / 64 reach

@@ -74,6 +74,13 @@ def skinny_gemm_assumes_contiguous(x, w):
     return linear(x, w_flat)
 
 
+def skinny_gemm_rounds_x_base_down(x, w):
+    """Builds its x operand (a TMA descriptor, a 16-byte vector-load base) from x's address rounded
+    down to 16 bytes: right wherever x starts aligned, every row shifted on a view such as x[1:]."""
+    back = (x.data_ptr() % 16) // x.element_size()
+    return linear(x.as_strided(x.shape, x.stride(), x.storage_offset() - back), w)
+
+
 _PREPACKED = TensorKeyed()
 
 

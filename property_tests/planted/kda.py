@@ -72,6 +72,17 @@ def kda_decode_control(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_sta
                    state, lower_bound, l2_eps, norm_eps)
 
 
+def kda_decode_misaligned_state_not_written_back(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state,
+                                                 A_log, dt_bias, o_norm_w, state, lower_bound: float,
+                                                 l2_eps: float, norm_eps: float):
+    """A state whose base is not 16-byte aligned is copied to fresh storage for the kernel's bulk
+    copies, and the update is never copied back: the caller's state is left as it was."""
+    if state.data_ptr() % 16:
+        state = state.clone()
+    return _decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
+                   state, lower_bound, l2_eps, norm_eps)
+
+
 def kda_decode_no_decay(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias,
                         o_norm_w, state, lower_bound: float, l2_eps: float, norm_eps: float):
     """The state is never multiplied by alpha = exp(g) before the delta-rule update."""

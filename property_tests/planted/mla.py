@@ -72,7 +72,7 @@ def mla_decode_attn_scale_128(q_abs, cache, block_table, seq_lens, scale: float,
     return mla_decode_attn(q_abs, cache, block_table, seq_lens, 128 ** -0.5, kv_lora_rank)
 
 
-def _attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, *, causal_shift=0):
+def _attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, *, causal_shift=0, probs_dtype=None):
     n_seq, n_q, n_heads, _ = q_abs.shape
     acc = acc_dtype(q_abs)
     out = torch.zeros(n_seq, n_q, n_heads, kv_lora_rank, dtype=acc)
@@ -83,7 +83,9 @@ def _attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, *, causal_sh
         pos = torch.arange(length)
         last = length - n_q + torch.arange(n_q) + causal_shift
         s = s.masked_fill(~(pos[None, :] <= last[:, None])[:, None, :], float("-inf"))
-        out[b] = torch.einsum("qht,tc->qhc", torch.softmax(s, dim=-1), kv[:, :kv_lora_rank])
+        p = torch.softmax(s, dim=-1)
+        p = p if probs_dtype is None else p.to(probs_dtype).to(acc)
+        out[b] = torch.einsum("qht,tc->qhc", p, kv[:, :kv_lora_rank])
     return out.to(q_abs.dtype)
 
 
@@ -126,6 +128,27 @@ def mla_decode_attn_lse_drops_last_split(q_abs, cache, block_table, seq_lens, sc
         lse = torch.maximum(lse, lse_i[-1]) if len(parts_lse) > 1 else lse
         out[b] = (torch.exp(lse_i - lse)[..., None] * torch.stack(parts_o)).sum(0)
     return out.to(q_abs.dtype)
+
+
+def _tf32(t: torch.Tensor) -> torch.Tensor:
+    """fp32 rounded to TF32's 10 mantissa bits (round to nearest even), what a tensor core reads of fp32."""
+    i = t.float().contiguous().view(torch.int32)
+    i = (i + 0xFFF + ((i >> 13) & 1)) & ~0x1FFF
+    return i.view(torch.float32)
+
+
+def mla_decode_attn_fp32_tf32_scores(q_abs, cache, block_table, seq_lens, scale: float, kv_lora_rank: int):
+    """fp32 scores on TF32 operands (allow_tf32 left on for the score GEMM): exact for bf16/fp16 inputs
+    (<= 10 mantissa bits), ~2^-11 relative per product in fp32."""
+    if q_abs.dtype != torch.float32:
+        return mla_decode_attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank)
+    return mla_decode_attn(_tf32(q_abs), _tf32(cache), block_table, seq_lens, scale, kv_lora_rank)
+
+
+def mla_decode_attn_fp32_bf16_probs(q_abs, cache, block_table, seq_lens, scale: float, kv_lora_rank: int):
+    """P rounded to bf16 before P @ V whatever the working dtype (a bf16 MMA for P @ V): legitimate for a
+    bf16 kernel, 2^-9 relative per weight in an fp32 one."""
+    return _attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, probs_dtype=torch.bfloat16)
 
 
 def mla_decode_attn_flat_tokens(q_abs, cache, block_table, seq_lens, scale: float, kv_lora_rank: int):

@@ -6,6 +6,8 @@ Weights are scaled by fan_in^-0.5 so every activation stays O(1); the case's dis
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from references.config import get_config
@@ -147,6 +149,43 @@ def make_decode_attn_inputs(case: Case) -> OpInputs:
                 "kv_lora_rank": cfg.kv_lora_rank})
 
 
+def decode_attn_magnitude(inputs: OpInputs, cand: dict | None = None) -> dict[str, torch.Tensor]:
+    """Running-error magnitude of o_latent (fp64), in units of the working dtype (cand's: fp32 if none):
+    o_i = sum_t p_t v_ti over a sequence's visible positions t, p = softmax(s), s_t = scale * q . k_t, so
+      m(o_i) = |o_i| + f ((1 + 2 lse) sum_t p_t |v_ti| + sum_t p_t A_t |v_ti - o_i|),
+      A_t = scale sqrt(C sum_c (q_c k_tc)^2),  lse = max_t |s_t| + log L,  f = u_fp32 / u_wd
+    Any fp32 order of the C-long score sum errs by ds_t ~ u A_t (each of ~C additions rounds at the partial
+    sum's size: sqrt(C) x the terms' rms for random-signed terms, sqrt(C) x an outlier term that sits in the
+    sum from its first addition; A_t >= the l1 norm by Cauchy-Schwarz), which moves o_i by
+    sum_t p_t ds_t (v_ti - o_i) (the softmax's first order). exp's arguments are rounded at the size of the
+    max or LSE subtracted from them: a split-KV combine o = sum_c exp(lse_c - lse) o_c (FlashDecoding) scales
+    each chunk's output by a weight that errs by ~u (|lse_c| + |lse|), which sum_t p_t |v_ti| bounds; any
+    order of P @ V errs by ulps of sum_t p_t |v_ti| too. All are fp32 sums: against a bf16/fp16 output's
+    ulps (f = 2^-16 / 2^-13) they vanish and |o_i|, the final rounding, is the scale; in fp32 they are most
+    of the error a correct kernel makes (torch's SDPA, the C axis reversed, the split-KV reference: up to
+    10x the floor of max |o| on outlier rows without them; property_tests/legit.py)."""
+    from references.mla import causal_visible, paged_cache_read
+    t = inputs.tensors
+    wd = next(iter(cand.values())).dtype if cand else torch.float32
+    f = torch.finfo(torch.float32).eps / torch.finfo(wd).eps
+    q, cache, scale = t["q_abs"].to(torch.float64), t["cache"].to(torch.float64), inputs.params["scale"]
+    lora, (n_q, width) = inputs.params["kv_lora_rank"], q.shape[1::2]
+    mag = torch.zeros(*q.shape[:3], lora, dtype=torch.float64, device=q.device)
+    for b in range(q.shape[0]):
+        length = int(t["seq_lens"][b])
+        kv = paged_cache_read(cache, t["block_table"][b], length)                     # [L, C]
+        v = kv[:, :lora]
+        vis = causal_visible(length, n_q, 0, length).to(q.device)[:, None, :]
+        s = torch.einsum("qhc,tc->qht", q[b], kv) * scale
+        lse = s.masked_fill(~vis, 0.0).abs().amax(-1, keepdim=True) + math.log(length)  # [Q, H, 1]
+        p = torch.softmax(s.masked_fill(~vis, float("-inf")), -1)                      # [Q, H, L]
+        a = (torch.einsum("qhc,tc->qht", q[b].square(), kv.square()) * width).sqrt() * abs(scale)
+        o = torch.einsum("qht,tc->qhc", p, v)
+        spread = ((p * a).unsqueeze(-1) * (v - o.unsqueeze(2)).abs()).sum(2)          # [Q, H, L, lora] summed
+        mag[b] = o.abs() + f * ((1 + 2 * lse) * torch.einsum("qht,tc->qhc", p, v.abs()) + spread)
+    return {"o_latent": mag}
+
+
 def make_out_gate_inputs(case: Case) -> OpInputs:
     cfg = get_config(case.config)
     h, dh, kv, d = cfg.n_heads, cfg.head_dim, cfg.kv_lora_rank, cfg.hidden
@@ -240,6 +279,7 @@ OPS: list[OpDef] = [
                    "kv_lora_rank: int\n-> o_latent[B,Q,H,kv_lora] wd"),
         batch_dims={"q_abs": 0, "block_table": 0, "seq_lens": 0, "o_latent": 0},
         split=head_split(lambda i: i.tensors["q_abs"].shape[2], {"q_abs": 2}, {"o_latent": 2}),
+        magnitudes=decode_attn_magnitude,
         notes=("batch = sequences, each with Q query tokens (knob `q_per_seq`, else drawn 1..8 from the seed); the "
                "cache is shared by all sequences and never permuted. Context is capped at MAX_CONTEXT_PAGES pages "
                "(k3: 4 x 64 = 256) because the float64 oracle costs B*Q*H*L*C*4 flops (~15 GFLOP at k3, B=64, Q=8); "

@@ -38,10 +38,23 @@ def print_case(console: Console, cv: CaseVerdict) -> None:
             continue
         console.print(f"  [red]x[/] {c.name}: {c.detail}", soft_wrap=True)
         if c.worst:
-            console.print("    worst elements (index, candidate, oracle, baseline):")
-            rows = c.worst if isinstance(c.worst[0], tuple) else (c.worst,)
+            header, rows = worst_rows(c.worst)
+            console.print(f"    worst elements ({header}):")
             for row in rows:
                 console.print(f"      {row}")
+
+
+def worst_rows(worst: tuple) -> tuple[str, list[tuple]]:
+    """(what a row holds, the rows) of a Check's worst elements: (index, candidate, oracle, baseline)
+    from a derived comparison; (index, candidate, expected) from a bitwise one or a guard's
+    comparison of two runs (baseline None; expected = the reference's or the first run's bits); one
+    (row, why) from an ids check. A single row arrives unwrapped."""
+    rows = [tuple(worst)] if len(worst) == 4 and not isinstance(worst[1], (tuple, list)) else [tuple(r) for r in worst]
+    if all(len(r) == 4 and r[3] is None for r in rows):
+        if all(r[2] is None for r in rows):
+            return "row, why", [r[:2] for r in rows]
+        return "index, candidate, expected", [r[:3] for r in rows]
+    return "index, candidate, oracle, baseline", rows
 
 
 def print_skips(console: Console, verdicts: list[OpVerdict]) -> None:
@@ -55,4 +68,4 @@ def print_skips(console: Console, verdicts: list[OpVerdict]) -> None:
             console.print(f"  - {why} -> {', '.join(ops)}")
 
 
-__all__ = ["summary_table", "print_failure", "print_case", "print_skips", "VACUOUS"]
+__all__ = ["summary_table", "print_failure", "print_case", "print_skips", "worst_rows", "VACUOUS"]
