@@ -268,9 +268,10 @@ def launch(x, w, out, variant: Config | None = None) -> None:
     if M == 0:
         return
     # every kernel here assumes 16-byte aligned rows (vector loads, TMA): a view at an odd offset
-    # is copied to fresh storage first
+    # is copied to fresh storage first, and an out= at one is written through an aligned copy
     x = x if x.data_ptr() % 16 == 0 else x.clone()
     w = w if w.data_ptr() % 16 == 0 else w.clone()
+    dst = runtime.aligned(out)
     if isinstance(cfg, SkinnyGemmMmaConfig) and M > cfg.m_pad:
         raise ValueError(f"x: M={M} is over the variant's m_pad={cfg.m_pad}")
     if isinstance(cfg, SkinnyGemmWgmmaConfig):
@@ -278,9 +279,10 @@ def launch(x, w, out, variant: Config | None = None) -> None:
         cfg = wgmma.resident_or_vec(x.device, N, cfg)
     fn = _compile(runtime.dtype_name(x.dtype), runtime.dtype_name(out.dtype), N, K, cfg)
     if isinstance(cfg, SkinnyGemmWgmmaConfig):
-        fn(x, w, out, *wgmma.buffers(x.device, N, K, cfg))
+        fn(x, w, dst, *wgmma.buffers(x.device, N, K, cfg))
     else:
-        fn(x, w, out)
+        fn(x, w, dst)
+    runtime.write_back(dst, out)
 
 
 _op = None

@@ -60,7 +60,7 @@ def _skinny_gemm(static, seen):
     from references.gemm import skinny_gemm
 
     def kernel(x, w, out):
-        _aligned(x=x, w=w)
+        _aligned(x=x, w=w, out=out)
         seen.update(x=x.data_ptr(), w=w.data_ptr())
         out.copy_(skinny_gemm(x, w))
     return kernel
@@ -127,3 +127,19 @@ def test_a_misaligned_base_reaches_the_kernel_aligned_and_state_comes_back(op_na
         assert torch.equal(got[name], want[name]), f"{op_name}: {name} differs at a misaligned base"
     assert not op.state or any(not torch.equal(want[s], inputs.tensors[s]) for s in op.state), \
         f"{op_name}: the case updates no state, so the write-back is not tested"
+
+
+def test_skinny_gemm_writes_a_misaligned_out_through_an_aligned_copy(monkeypatch):
+    """out= one element past an aligned base (guard:misaligned_inputs' second run): the kernel gets
+    aligned storage and the caller's out gets the product."""
+    import fused.skinny_gemm as mod
+    op = get_op("skinny_gemm")
+    t = op.make_inputs(Case("skinny_gemm", 5, 3, op.configs[0], op.dtypes[0], op.dists[0], 1)).tensors
+    seen: dict[str, int] = {}
+    monkeypatch.setattr(mod, "_compile", lambda *static: _skinny_gemm(static, seen))
+    out = place("y", torch.empty(t["x"].shape[0], t["w"].shape[0], dtype=t["x"].dtype), "cpu", poison=True,
+                offset=1).view
+    assert out.data_ptr() % 16
+    mod.launch(t["x"], t["w"], out, variant=mod.SkinnyGemmConfig(1, mod._n_per_cta(t["w"].shape[0], 1)))
+    from references.gemm import skinny_gemm
+    assert torch.equal(out, skinny_gemm(t["x"], t["w"]))

@@ -156,6 +156,23 @@ def second_call_wrong_shape(x, w):
     return y if _SHAPE_CALLS[0] % 2 else y[:, :-1]
 
 
+def out_base_rounded_down(x, w, out=None):
+    """Stores y at out's address rounded down to 16 bytes (a vector store assuming an aligned out=)."""
+    y = linear(x, w)
+    if out is None:
+        return y
+    back = (out.data_ptr() % 16) // out.element_size()
+    out.as_strided(out.shape, out.stride(), out.storage_offset() - back).copy_(y)
+    return out
+
+
+def refuses_misaligned_out(x, w, out=None):
+    if out is not None and out.data_ptr() % 16:
+        raise ValueError("out must be 16-byte aligned")
+    y = linear(x, w)
+    return y if out is None else out.copy_(y)
+
+
 def raises(x, w):
     raise RuntimeError("kernel launch failed")
 
@@ -204,6 +221,7 @@ def flushes_then_raises(x, w):
     (misaligned_faults, "guard:misaligned_inputs", "the kernel faulted"),
     (stomps_then_refuses, "guard:canaries", "1 element past an aligned base: writes outside the tensors: x"),
     (second_call_wrong_shape, "guard:output_type", "second run: "),
+    (out_base_rounded_down, "guard:canaries", "out= buffers 1 element past an aligned base: writes outside"),
     (writes_past_input, "guard:canaries", "writes outside the tensors: x"),
     (out_partial, "guard:outputs_written", "unwritten"),
     (raises, "candidate", "RuntimeError: kernel launch failed"),
@@ -283,6 +301,15 @@ def test_a_refusal_of_misaligned_inputs_passes_and_is_recorded():
     check = next(c for c in v.checks if c.name == "guard:misaligned_inputs")
     assert check.ok and check.detail.startswith("the candidate refused misaligned inputs: ValueError: x must be "
                                                 "16-byte aligned"), check.detail
+
+
+def test_a_refusal_of_misaligned_out_buffers_passes_and_is_recorded():
+    v = evaluate_case(TOY, CASE, refuses_misaligned_out, "user.module:fn", spec=SPEC)
+    assert v.status == "pass", (v.stage, v.reason)
+    runs = [c for c in v.checks if c.name == "guard:misaligned_inputs"]
+    assert len(runs) == 2 and all(c.ok for c in runs), runs
+    assert runs[0].detail.endswith("bitwise identical"), runs[0].detail
+    assert runs[1].detail.startswith("the candidate refused misaligned out= buffers: ValueError: out must be"), runs[1].detail
 
 
 def test_the_quick_profile_skips_the_misaligned_run():

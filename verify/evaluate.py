@@ -66,14 +66,15 @@ class _Placed:
     inputs' (and state's) views start that many elements past an aligned base; outputs stay aligned."""
 
     def __init__(self, fn, op: OpDef, inputs: OpInputs, expected: dict[str, torch.Tensor], device,
-                 strided: bool = False, offset: int = 0):
+                 strided: bool = False, offset: int = 0, out_offset: int = 0):
         self.op, self.device, self.expected = op, device, expected
         self.inputs = {k: guards.place(k, v, device, strided=strided, offset=offset)
                        for k, v in inputs.tensors.items()}
         self.outs: dict[str, guards.Guarded] = {}
         self.kwargs = {k: g.view for k, g in self.inputs.items()}
         if op.outputs and guards.accepts_out(fn):
-            self.outs = {n: guards.place(n, expected[n], device, strided=False, poison=True) for n in op.outputs}
+            self.outs = {n: guards.place(n, expected[n], device, strided=False, poison=True, offset=out_offset)
+                         for n in op.outputs}
             self.kwargs["out"] = tuple(self.outs[n].view for n in op.outputs) if len(op.outputs) > 1 \
                 else self.outs[op.outputs[0]].view
 
@@ -108,9 +109,9 @@ class _Placed:
 
 
 def guarded_call(fn, op: OpDef, inputs: OpInputs, expected: dict[str, torch.Tensor], device,
-                 strided: bool = False, offset: int = 0) -> guards.CallResult:
+                 strided: bool = False, offset: int = 0, out_offset: int = 0) -> guards.CallResult:
     """Call the candidate once with every tensor in a canary buffer; check what it did."""
-    placed = _Placed(fn, op, inputs, expected, device, strided, offset)
+    placed = _Placed(fn, op, inputs, expected, device, strided, offset, out_offset)
     before = process_state.process_state(device)
     try:
         returned = placed.call(fn, inputs.params)
@@ -411,14 +412,25 @@ MISALIGN = 1       # elements past an aligned base in the misaligned-inputs run 
 def misaligned_inputs_checks(op: OpDef, spec: ToleranceSpec, fn, dinputs: OpInputs, base: dict, first: dict,
                              oracle: dict, inputs: OpInputs, inputs64: OpInputs, device, strict: bool) -> list[Check]:
     """guard:misaligned_inputs: every input and state tensor contiguous, its base MISALIGN elements
-    past a 16-byte boundary (a view such as x[1:] of a contiguous tensor; out= buffers stay aligned).
-    Vector or TMA loads that assume an aligned base read other bytes there, or fault. The results
-    must be the first run's (bitwise under the strided run's rule), or the candidate must refuse with
-    an exception that names the alignment: a stated contract, recorded as such. The call's other
-    guard failures (canaries, inputs changed, state not written back) are reported as this run's."""
+    past a 16-byte boundary (a view such as x[1:] of a contiguous tensor; out= buffers aligned), then,
+    for a candidate that takes out=, the out= buffers so placed (inputs aligned). Vector or TMA loads
+    and stores that assume an aligned base touch other bytes there, or fault. The results must be
+    the first run's (bitwise under the strided run's rule), or the candidate must refuse with an
+    exception that names the alignment: a stated contract, recorded as such. The call's other guard
+    failures (canaries, inputs changed, state not written back) are reported as this run's."""
+    checks = _misaligned_run(op, spec, fn, dinputs, base, first, oracle, inputs, inputs64, device, strict,
+                             f"inputs {MISALIGN} element past an aligned base", "inputs", offset=MISALIGN)
+    if op.outputs and guards.accepts_out(fn):
+        checks += _misaligned_run(op, spec, fn, dinputs, base, first, oracle, inputs, inputs64, device, strict,
+                                  f"out= buffers {MISALIGN} element past an aligned base", "out= buffers",
+                                  out_offset=MISALIGN)
+    return checks
+
+
+def _misaligned_run(op, spec, fn, dinputs, base, first, oracle, inputs, inputs64, device, strict: bool,
+                    where: str, what: str, offset: int = 0, out_offset: int = 0) -> list[Check]:
     name = "guard:misaligned_inputs"
-    where = f"inputs {MISALIGN} element past an aligned base"
-    run = guarded_call(fn, op, dinputs, base, device, offset=MISALIGN)
+    run = guarded_call(fn, op, dinputs, base, device, offset=offset, out_offset=out_offset)
     checks, complete = _call_failures(run, first, where)
     if run.error and checks:           # wrote outside its outputs before it raised: no refusal
         return checks + [Check(name, False, f"{where}: raised {run.error} after the writes above")]
@@ -427,8 +439,8 @@ def misaligned_inputs_checks(op: OpDef, spec: ToleranceSpec, fn, dinputs: OpInpu
         if "misaligned address" in said or "misalignedaddress" in said:    # CUDA's fault, not a refusal
             return [Check(name, False, f"{where}: the kernel faulted: {run.error}")]
         if "align" in said:
-            return [Check(name, True, f"the candidate refused misaligned inputs: {run.error}")]
-        return [Check(name, False, f"{where}: raised {run.error} (a refusal must say the inputs need "
+            return [Check(name, True, f"the candidate refused misaligned {what}: {run.error}")]
+        return [Check(name, False, f"{where}: raised {run.error} (a refusal must say the {what} need "
                       "aligning)")]
     if not complete:
         return checks + [Check(name, False, f"{where}: the outputs are incomplete")]
