@@ -383,6 +383,9 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
         if other is not None:
             checks.append(stream_order_check(fn, op, dinputs, other[1], base, first, device))
             checks.append(concurrent_check(fn, op, dinputs, other[1], base, first, device))
+    held = outputs_kept(kept, "the later calls of this case")
+    if not held.ok:            # checked here too: later calls with the case's own values can write the
+        return checks + [held]     # same bits back into a reused buffer and hide it at the case's end
     if not strided_run:
         return checks
     strided = guarded_call(fn, op, dinputs, base, device, strided=True)
@@ -403,7 +406,31 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
             checks.append(Check("guard:strided_inputs", all(c.ok for c in res), "strided/offset views: " + (
                 "; ".join(c.detail for c in res if not c.ok) or "within tolerance")))
     checks += misaligned_inputs_checks(op, spec, fn, dinputs, base, first, oracle, inputs, inputs64, device, strict)
+    checks += inference_mode_checks(op, spec, fn, dinputs, base, first, oracle, inputs, inputs64, device, strict)
     return checks
+
+
+def inference_mode_checks(op: OpDef, spec: ToleranceSpec, fn, dinputs: OpInputs, base: dict, first: dict,
+                          oracle: dict, inputs: OpInputs, inputs64: OpInputs, device, strict: bool) -> list[Check]:
+    """guard:inference_mode: the call under torch.inference_mode(), as a serving engine makes it
+    (grad off, inference tensors), gives the first run's results (bitwise under the strided run's
+    rule). A kernel that dispatches on torch.is_grad_enabled() or is_inference_mode_enabled() to a
+    "serving" fast path is otherwise judged only on the path the harness's grad-enabled calls take."""
+    name, where = "guard:inference_mode", "under torch.inference_mode()"
+    with torch.inference_mode():
+        run = guarded_call(fn, op, dinputs, base, device)
+    if run.error:
+        return [Check(name, False, f"{where}: raised {run.error}")] + run.checks
+    checks, complete = _call_failures(run, first, where)
+    if not complete:
+        return checks + [Check(name, False, f"{where}: the outputs are incomplete")]
+    if spec.claims.deterministic and strict:
+        same = _bitwise_same(name, first, run.results)
+        return checks + [Check(name, same.ok, f"{where}: {same.detail}", same.metrics, same.worst)]
+    bad = [c for c in judge(op, spec, run.results, oracle, base, inputs, inputs64) if not c.ok]
+    return checks + [Check(name, not bad, f"{where}: " + ("; ".join(f"{c.name}: {c.detail}" for c in bad)
+                                                          or "within tolerance"),
+                           bad[0].metrics if bad else {}, bad[0].worst if bad else ())]
 
 
 MISALIGN = 1       # elements past an aligned base in the misaligned-inputs run (element_size bytes)

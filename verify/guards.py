@@ -226,17 +226,24 @@ def check_outputs(op, returned, expected: dict[str, torch.Tensor], inputs_guarde
                 alias.append(f"outputs {other} and {name} share memory")
     checks.append(Check("guard:no_aliasing", not alias, "; ".join(alias) or "outputs are fresh memory"))
     if len(results) == len(names):
-        checks.append(_layout_check(results, expected))
+        checks.append(_layout_check(results, expected, out_buffers))
     return results, checks
 
 
-def _layout_check(results: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> Check:
-    """guard:output_layout: each output laid out as the reference's (contiguous, or its strides). A
-    transposed view or a slice of a padded workspace holds the right values, but the next fused
-    kernel of the layer reads its data_ptr() row-major."""
+def _layout_check(results: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                  out_buffers: dict[str, Guarded] | None = None) -> Check:
+    """guard:output_layout: each output laid out as the reference's (contiguous, or its strides), and
+    starting 16-byte aligned where the reference's does. A transposed view or a slice of a padded
+    workspace holds the right values, but the next fused kernel of the layer reads its data_ptr()
+    row-major, and its vector or TMA loads assume the aligned base torch's allocator hands out.
+    An out= buffer the harness passed is the caller's layout, not the candidate's."""
+    passed = {n: g.view.data_ptr() for n, g in (out_buffers or {}).items()}
     bad = [f"{n}: strides {tuple(t.stride())}, the reference's {tuple(expected[n].stride())}"
            for n, t in results.items()
            if not t.is_contiguous() and _strides(t) != _strides(expected[n])]
+    bad += [f"{n}: starts {t.data_ptr() % 16} bytes past a 16-byte boundary (the reference's output is aligned)"
+            for n, t in results.items()
+            if t.numel() and t.data_ptr() % 16 and expected[n].data_ptr() % 16 == 0 and passed.get(n) != t.data_ptr()]
     return Check("guard:output_layout", not bad, "; ".join(bad) or "outputs laid out as the reference's")
 
 

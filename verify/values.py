@@ -47,7 +47,13 @@ def draw(gen: torch.Generator, shape, dist: str = "normal", *, scale: float = 1.
         rows = torch.rand(shape[0], generator=gen) < 0.3
         rows[torch.randint(0, shape[0], (1,), generator=gen)] = True
         neg = torch.rand(shape, generator=gen) < 0.5          # -0.0 and +0.0: a bitwise copy keeps the sign
-        x[rows] = torch.where(neg[rows], -0.0, 0.0).to(torch.float64)
+        # exact zeros inside the other rows too, half of them at the row's first element: a kernel that
+        # takes a row (or tile) for zero from one element, or skips zero elements wrongly, is seen
+        sparse = torch.rand(shape, generator=gen) < 0.25
+        if shape[-1] > 0:
+            sparse[..., 0] |= torch.rand(shape[:-1], generator=gen) < 0.5
+        sparse[rows] = True
+        x = torch.where(sparse, torch.where(neg, -0.0, 0.0).to(torch.float64), x)
     elif dist == "small_rows" and len(shape) >= 1 and shape[0] > 0:
         x = x * row_scales(gen, shape[0]).view((shape[0],) + (1,) * (len(shape) - 1))
     elif dist == "wide_range":

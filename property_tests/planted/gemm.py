@@ -191,3 +191,26 @@ def skinny_gemm_lagging_input_write(x, w):
             prev[..., 0] = 0
     _LAGGING.append(x)
     return linear(x, w)
+
+
+def skinny_gemm_serving_path_drops_k_tail(x, w):
+    """Dispatches on autograd: with grad enabled the plain GEMM, under no_grad / inference_mode (how a
+    serving engine calls it) a "fused" path whose K loop drops the last 16 columns."""
+    if torch.is_grad_enabled():
+        return linear(x, w)
+    k = max(x.shape[1] - 16, 0)
+    return linear(x[:, :k].contiguous(), w[:, :k].contiguous())
+
+
+def skinny_gemm_misaligned_output(x, w):
+    """Right values in a workspace slice one element in: contiguous, but its base is 2 (or 4) bytes past
+    a 16-byte boundary, where the next fused kernel's vector loads or TMA fault or refuse."""
+    y = linear(x, w)
+    buf = torch.empty(y.numel() + 1, dtype=y.dtype, device=y.device)
+    return buf[1:].view(y.shape).copy_(y)
+
+
+def skinny_gemm_zero_lead_is_zero_row(x, w):
+    """A "sparse row" fast path that tests one element: a row whose first x is exactly 0 is output as 0."""
+    y = linear(x, w)
+    return torch.where((x[:, :1] == 0), torch.zeros_like(y), y)

@@ -233,3 +233,14 @@ def mla_cache_write_skips_only_minus1(latent, cache, slot_mapping) -> None:
     """Skips slot -1 only; another negative slot wraps like a Python index and lands in the cache."""
     flat = cache.view(-1, cache.shape[-1])
     _write_slots(flat, latent, slot_mapping, lambda s: s % flat.shape[0] if s != -1 else None)
+
+
+def mla_cache_write_serving_path_wraps_pads(latent, cache, slot_mapping) -> None:
+    """Under no_grad / inference_mode a path that masks only slot == -1: other negative padding slots
+    wrap around (Python indexing) into the cache's last slots."""
+    from references.mla import mla_cache_write
+    if torch.is_grad_enabled():
+        return mla_cache_write(latent, cache, slot_mapping)
+    flat = cache.view(-1, cache.shape[-1])
+    keep = slot_mapping != -1
+    flat[slot_mapping[keep]] = latent[keep]
