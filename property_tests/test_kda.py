@@ -273,9 +273,12 @@ def test_state_magnitude_covers_an_order_change_in_fp32():
 
 
 def test_compiled_kda_decode_cancelling_conv_row_is_accepted():
-    """The 200-seed run's one rejection (results/cpu/correct_candidates.md): the v conv of row
-    (9, 15, 1) cancels 54x, so torch.compile's order moves that state row by ~25 ulps of the result,
-    ~1 ulp of the conv's terms. Its magnitude, and so its floor, is ~54x the row maximum."""
+    """The 200-seed run's one rejection (results/cpu/correct_candidates.md): a v conv row of this case
+    cancelled 54x, so torch.compile's order moved that state row by ~25 ulps of the result, ~1 ulp of
+    the conv's terms. Since session 21 zero_rows also zeroes elements inside the other rows, so the
+    case's draw differs: the test takes the case's most cancelling state row (its magnitude over its
+    max |oracle|, rows below 1e-3 of the tensor's maximum left out) and judges the same two moves."""
+    from verify.compare import compare_derived, ulp
     from verify.ops.kda import decode_state_magnitude
 
     case = Case.from_json('{"batch":14,"config":"tiny","dist":"zero_rows","dtype":"float32","extra":[],'
@@ -283,17 +286,18 @@ def test_compiled_kda_decode_cancelling_conv_row_is_accepted():
     inputs = make_kda_decode_inputs(case)
     inputs64 = type(inputs)({n: v.double() if v.is_floating_point() else v for n, v in inputs.tensors.items()},
                             inputs.params)
-    from verify.compare import compare_derived, ulp
-
     oracle, base = _run_decode(inputs64), _run_decode(inputs)
     mag = decode_state_magnitude(inputs64)["state"]
-    ratio = float(mag[9, 15, 1].max() / oracle[9, 15, 1].abs().max())
+    row_max = oracle.abs().amax(-1)
+    cancel = torch.where(row_max > 1e-3 * row_max.max(), mag.amax(-1) / row_max, torch.zeros_like(row_max))
+    row = tuple(int(i) for i in torch.unravel_index(cancel.argmax(), cancel.shape))
+    ratio = float(cancel.max())
     assert ratio > 40
-    # the spec's judgement of that row: the documented move (25 ulps of the row's result) is accepted,
-    # and the magnitude's floor still has a bound (4x its 16 ulps of m: rejected)
-    row_ulp = float(ulp(oracle[9, 15, 1].abs().max().reshape(1), torch.float32)[0])
-    j = int(oracle[9, 15, 1].abs().argmax())
+    # the spec's judgement of that row: a move of 25 ulps of the row's result is accepted, and the
+    # magnitude's floor still has a bound (4x its 16 ulps of m: rejected)
+    row_ulp = float(ulp(oracle[row].abs().max().reshape(1), torch.float32)[0])
+    j = int(oracle[row].abs().argmax())
     for moved_ulps, ok in ((25, True), (4 * 16 * ratio, False)):
         moved = base.clone()
-        moved[9, 15, 1, j] += moved_ulps * row_ulp
+        moved[row + (j,)] += moved_ulps * row_ulp
         assert compare_derived("state", moved, oracle, base, 4.0, 16.0, magnitude=mag).ok is ok, moved_ulps
