@@ -252,8 +252,7 @@ def launch(packed, scale, out, variant=None) -> None:
     fn = _compile(out_dtype, cfg)
     # the kernel reads `packed` as 32-bit words and writes 16-byte vectors (bulk stores: 16-byte
     # aligned spans): fresh storage if the caller's views are offset or strided
-    if packed.data_ptr() % 16:
-        packed = packed.clone()
+    packed = runtime.aligned(packed)
     dst = out if out.is_contiguous() and out.data_ptr() % 16 == 0 else torch.empty_like(
         out, memory_format=torch.contiguous_format)
     args = (packed.view(torch.int32).view(-1), scale.contiguous().view(-1), dst.view(-1))

@@ -269,9 +269,7 @@ def launch(x, w, out, variant: Config | None = None) -> None:
         return
     # every kernel here assumes 16-byte aligned rows (vector loads, TMA): a view at an odd offset
     # is copied to fresh storage first, and an out= at one is written through an aligned copy
-    x = x if x.data_ptr() % 16 == 0 else x.clone()
-    w = w if w.data_ptr() % 16 == 0 else w.clone()
-    dst = runtime.aligned(out)
+    x, w, dst = runtime.aligned(x), runtime.aligned(w), runtime.aligned(out)
     if isinstance(cfg, SkinnyGemmMmaConfig) and M > cfg.m_pad:
         raise ValueError(f"x: M={M} is over the variant's m_pad={cfg.m_pad}")
     if isinstance(cfg, SkinnyGemmWgmmaConfig):

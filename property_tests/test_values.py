@@ -11,7 +11,7 @@ import torch
 from verify.case import Case
 from verify.cases import PROFILES, Profile, dist_sweep_cases
 from verify.registry import get_op
-from verify.values import DISTS, GENERIC_DISTS, SMALL_ROW_K, draw, generator, row_scales
+from verify.values import DISTS, EDGE_DISTS, GENERIC_DISTS, SMALL_ROW_K, draw, generator, row_scales
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -24,7 +24,7 @@ def _row_k(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 def test_small_rows_is_generic():
     assert "small_rows" in DISTS and "small_rows" in GENERIC_DISTS
-    assert get_op("kda_decode").dists == GENERIC_DISTS          # the OpDef default offers it
+    assert get_op("kda_decode").dists[:len(GENERIC_DISTS)] == GENERIC_DISTS
     assert "small_rows" in get_op("mla_qkv_a").dists and "small_rows" in get_op("attn_res_rmsnorm").dists
 
 
@@ -105,7 +105,7 @@ def test_dist_sweep_covers_the_dists_the_draw_missed():
     cases = dist_sweep_cases(op, PROFILES["ci"], 0, {"normal", "zero_rows"})
     assert [c.dist for c in cases] == [d for d in op.dists if d not in ("normal", "zero_rows")]
     assert all(c.tp == 1 and c.batch == 8 for c in cases) and len({c.seed for c in cases}) == len(cases)
-    assert dist_sweep_cases(op, PROFILES["ci"], 0, set(op.dists)) == []
+    assert [c.dist for c in dist_sweep_cases(op, PROFILES["ci"], 0, set(op.dists))] == list(EDGE_DISTS)
     assert dist_sweep_cases(op, PROFILES["quick"], 0, set()) == []        # quick stays within its budget
     off = Profile("x", 4, ("tiny",), 16, False, False, True, dist_sweep=False)
     assert dist_sweep_cases(op, off, 0, set()) == []
@@ -127,8 +127,8 @@ def test_batch_sweep_hits_the_dispatch_boundaries():
     """Every profile but quick runs M = 1, 2, 3, each power of two and the one above, and the largest
     two, unsplit, at the profile's largest config; seeds apart from the other sweeps'."""
     from verify.cases import batch_sweep_cases, sweep_batches
-    assert sweep_batches(64) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 63, 64]
-    assert sweep_batches(16) == [1, 2, 3, 4, 5, 8, 9, 15, 16] and sweep_batches(1) == [1]
+    assert sweep_batches(64) == [1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 33, 48, 63, 64]
+    assert sweep_batches(16) == [1, 2, 3, 4, 5, 6, 8, 9, 12, 15, 16] and sweep_batches(1) == [1]
     gemm = get_op("skinny_gemm")
     cases = batch_sweep_cases(gemm, PROFILES["release"], 0)
     assert [c.batch for c in cases] == sweep_batches(64)
@@ -180,3 +180,70 @@ def test_legal_edge_inputs_are_drawn():
     assert (slots == -1).any() and (slots < -1).any()
     from verify.ops.layers import _steps
     assert len({_steps(Case("kda_layer", s, 1, "tiny", "bfloat16", "normal")) for s in range(20)}) >= 3
+
+
+# ---------------------------------------------------------------------------- range_edges, nonfinite
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_range_edges_rows_sit_past_fp16_range_for_wide_exponent_dtypes(dtype):
+    """Rows are the normal draw times 2^0, 2^huge or 2^tiny, exact in the dtype; bf16 / fp32 rows pass
+    fp16's largest finite value and fall below its smallest subnormal, fp16's stay finite and reach
+    its subnormals."""
+    from verify.values import RANGE_EDGE_K
+    x = draw(generator(7, 3), (60, 64), "range_edges", dtype=dtype)
+    ref = torch.randn((60, 64), generator=generator(7, 3), dtype=torch.float64)
+    assert bool(torch.isfinite(x).all())
+    k = (-_row_k(x.double(), ref)).round()
+    (h0, h1), (t0, t1) = RANGE_EDGE_K["float16" if dtype == torch.float16 else "wide_exponent"]
+    classes = {0 if v == 0 else 1 if h0 <= v <= h1 else 2 if t0 <= v <= t1 else -1 for v in k.tolist()}
+    assert classes == {0, 1, 2}, sorted(set(k.tolist()))
+    for r in range(3):                                   # any three consecutive rows hold all classes
+        assert len({0 if v == 0 else 1 if v > 0 else 2 for v in k[r:r + 3].tolist()}) == 3
+    big = x.double().abs().amax(-1)
+    if dtype == torch.float16:
+        assert float(big.max()) < 65504 and bool((x.double().abs() < 2.0 ** -14).any())
+    else:
+        assert float(big.max()) > 65504 and float(big.min()) < 2.0 ** -24
+
+
+def test_range_edges_follow_range_dtype_for_fp64_draws():
+    """A tensor drawn in fp64 for an fp16 case (kda's starting state) takes fp16's exponents."""
+    x = draw(generator(1), (30, 16), "range_edges", dtype=torch.float64, range_dtype=torch.float16)
+    assert float(x.abs().max()) < 65504
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nonfinite_rows_share_classes_across_tensors(dtype):
+    """nonfinite: rows classed from the case seed, the same for every tensor of the case; a finite row
+    is finite in every tensor, a non-finite row holds at most one special per tensor, of its class, and
+    some tensors of a row hold one while others do not (AttnRes-like several inputs)."""
+    from verify.values import NONFINITE_SALT, row_classes
+    B = 8
+    cls = row_classes(generator(42, NONFINITE_SALT), B)
+    assert (cls == 0).any() and (cls != 0).any()
+    hits = torch.zeros(B, dtype=torch.long)
+    for salt in range(12):
+        x = draw(generator(42, salt), (B, 5, 7), "nonfinite", dtype=dtype, row_seed=42).double().flatten(1)
+        special = ~torch.isfinite(x)
+        assert int(special.sum(-1).max()) <= 1
+        assert not special[cls == 0].any(), "a finite row got a special"
+        assert special.any(), "each tensor holds a special in one row at least"
+        for r in torch.nonzero(special.any(-1)).reshape(-1).tolist():
+            v = x[r][special[r]][0]
+            want = {1: "nan", 2: "+inf", 3: "-inf"}[int(cls[r])]
+            got = "nan" if torch.isnan(v) else ("+inf" if v > 0 else "-inf")
+            assert got == want
+        hits += special.any(-1).long()
+    broken = cls != 0
+    assert bool((hits[broken] > 0).all()) and bool((hits[broken] < 12).any()), hits.tolist()
+
+
+def test_nonfinite_single_row_is_always_nonfinite_and_edge_dists_always_swept():
+    from verify.values import EDGE_DISTS, NONFINITE_SALT, row_classes
+    assert all(int(row_classes(generator(s, NONFINITE_SALT), 1)[0]) != 0 for s in range(50))
+    gemm = get_op("skinny_gemm")
+    assert set(EDGE_DISTS) <= set(gemm.dists)
+    swept = {c.dist for c in dist_sweep_cases(gemm, PROFILES["ci"], 0, set(gemm.dists))}
+    assert swept == set(EDGE_DISTS), "edge dists get their sweep case even when drawn"
+    assert not set(EDGE_DISTS) & set(get_op("router_topk").dists), "no declared choice over NaN scores"

@@ -126,11 +126,13 @@ BATCH_SWEEP_SEED = 400      # batch sweep seeds: seed + 400 + batch
 
 def sweep_batches(max_batch: int) -> list[int]:
     """The batch sizes where a kernel's dispatch on M most often changes: 1, 2, 3, every power of two
-    and the one above it, and the largest two (max_batch - 1, max_batch), up to max_batch."""
+    and the one above it, the midpoints 3p/2 between powers of two (6, 12, 24, 48: tuned buckets end
+    there too, e.g. an M tile of 16 up to 24 then 32), and the largest two (max_batch - 1, max_batch),
+    up to max_batch."""
     out = {1, 2, 3, max_batch - 1, max_batch}
     p = 4
     while p <= max_batch:
-        out |= {p, p + 1}
+        out |= {p, p + 1, p + p // 2}
         p *= 2
     return sorted(b for b in out if 1 <= b <= max_batch)
 
@@ -180,9 +182,14 @@ def dist_sweep_cases(op: OpDef, profile: Profile, seed: int, drawn: set[str]) ->
     25 examples (measured 10 of 200 hypothesis seeds), and the seed per op is fixed, so an op can miss
     one for good (kda_decode's 25-example draw at seed 0 never drew small_rows). Unsplit (T = 1), the
     first config, B = min(8, max_batch) rows (several per-row regimes of zero_rows / small_rows), the
-    working dtypes taken in turn."""
+    working dtypes taken in turn. The edge dists (values.EDGE_DISTS) get their case whether drawn or
+    not: their specials sit in some rows and some inputs only, and a drawn case can hold none that
+    matters (one row, a layout with one source: a planted NaN-skipping AttnRes mix was certified while
+    its only nonfinite draws were such cases)."""
+    from verify.values import EDGE_DISTS
     if not profile.dist_sweep:
         return []
+    drawn = set(drawn) - set(EDGE_DISTS)
     config = next((c for c in CONFIG_ORDER if c in op.configs and c in profile.configs), op.configs[0])
     batch = max(1, min(8, op.max_batch, profile.max_batch))
     dtypes = drawn_dtypes(op, profile)

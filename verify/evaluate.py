@@ -392,22 +392,34 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
     bad, complete = _call_failures(strided, first, "strided/offset views")
     checks += bad
     if strided.error:
-        low = strided.error.rsplit(" (at ", 1)[0].lower()      # the message, not the file it was raised in
-        ok = any(w in low for w in ("contiguous", "stride")) and not bad
+        ok = any(w in _message(strided.error) for w in ("contiguous", "stride")) and not bad
         checks.append(Check("guard:strided_inputs", ok, f"strided inputs rejected: {strided.error}" if ok
                             else f"strided/offset inputs raised {strided.error}"))
     elif not complete:
         checks.append(Check("guard:strided_inputs", False, "the strided run's outputs are incomplete"))
     else:
-        if spec.claims.deterministic and strict:
-            checks.append(_bitwise_same("guard:strided_inputs", first, strided.results))
-        else:
-            res = judge(op, spec, strided.results, oracle, base, inputs, inputs64)
-            checks.append(Check("guard:strided_inputs", all(c.ok for c in res), "strided/offset views: " + (
-                "; ".join(c.detail for c in res if not c.ok) or "within tolerance")))
+        checks.append(_same_as_first("guard:strided_inputs", "strided/offset views", strided.results, first, op,
+                                     spec, strict, oracle, base, inputs, inputs64))
     checks += misaligned_inputs_checks(op, spec, fn, dinputs, base, first, oracle, inputs, inputs64, device, strict)
     checks += inference_mode_checks(op, spec, fn, dinputs, base, first, oracle, inputs, inputs64, device, strict)
     return checks
+
+
+def _message(error: str) -> str:
+    """A candidate's error in lower case without the file it was raised in (" (at path:line)")."""
+    return error.rsplit(" (at ", 1)[0].lower()
+
+
+def _same_as_first(name: str, where: str, results: dict, first: dict, op: OpDef, spec: ToleranceSpec, strict: bool,
+                   oracle: dict, base: dict, inputs: OpInputs, inputs64: OpInputs) -> Check:
+    """A later run's complete results against the first run's: bit for bit where the spec claims
+    determinism and the candidate is held to its claims (`strict`), else judged like a first call."""
+    if spec.claims.deterministic and strict:
+        same = _bitwise_same(name, first, results)
+        return Check(name, same.ok, f"{where}: {same.detail}", same.metrics, same.worst)
+    bad = [c for c in judge(op, spec, results, oracle, base, inputs, inputs64) if not c.ok]
+    return Check(name, not bad, f"{where}: " + ("; ".join(f"{c.name}: {c.detail}" for c in bad) or "within tolerance"),
+                 bad[0].metrics if bad else {}, bad[0].worst if bad else ())
 
 
 def inference_mode_checks(op: OpDef, spec: ToleranceSpec, fn, dinputs: OpInputs, base: dict, first: dict,
@@ -424,13 +436,7 @@ def inference_mode_checks(op: OpDef, spec: ToleranceSpec, fn, dinputs: OpInputs,
     checks, complete = _call_failures(run, first, where)
     if not complete:
         return checks + [Check(name, False, f"{where}: the outputs are incomplete")]
-    if spec.claims.deterministic and strict:
-        same = _bitwise_same(name, first, run.results)
-        return checks + [Check(name, same.ok, f"{where}: {same.detail}", same.metrics, same.worst)]
-    bad = [c for c in judge(op, spec, run.results, oracle, base, inputs, inputs64) if not c.ok]
-    return checks + [Check(name, not bad, f"{where}: " + ("; ".join(f"{c.name}: {c.detail}" for c in bad)
-                                                          or "within tolerance"),
-                           bad[0].metrics if bad else {}, bad[0].worst if bad else ())]
+    return checks + [_same_as_first(name, where, run.results, first, op, spec, strict, oracle, base, inputs, inputs64)]
 
 
 MISALIGN = 1       # elements past an aligned base in the misaligned-inputs run (element_size bytes)
@@ -462,7 +468,7 @@ def _misaligned_run(op, spec, fn, dinputs, base, first, oracle, inputs, inputs64
     if run.error and checks:           # wrote outside its outputs before it raised: no refusal
         return checks + [Check(name, False, f"{where}: raised {run.error} after the writes above")]
     if run.error:
-        said = run.error.rsplit(" (at ", 1)[0].lower()      # the message, not the file it was raised in
+        said = _message(run.error)
         if "misaligned address" in said or "misalignedaddress" in said:    # CUDA's fault, not a refusal
             return [Check(name, False, f"{where}: the kernel faulted: {run.error}")]
         if "align" in said:
@@ -471,13 +477,7 @@ def _misaligned_run(op, spec, fn, dinputs, base, first, oracle, inputs, inputs64
                       "aligning)")]
     if not complete:
         return checks + [Check(name, False, f"{where}: the outputs are incomplete")]
-    if spec.claims.deterministic and strict:
-        same = _bitwise_same(name, first, run.results)
-        return checks + [Check(name, same.ok, f"{where}: {same.detail}", same.metrics, same.worst)]
-    bad = [c for c in judge(op, spec, run.results, oracle, base, inputs, inputs64) if not c.ok]
-    return checks + [Check(name, not bad, f"{where}: " + ("; ".join(f"{c.name}: {c.detail}" for c in bad)
-                                                          or "within tolerance"),
-                           bad[0].metrics if bad else {}, bad[0].worst if bad else ())]
+    return checks + [_same_as_first(name, where, run.results, first, op, spec, strict, oracle, base, inputs, inputs64)]
 
 
 def _judged_on(op: OpDef, spec: ToleranceSpec, inputs2: OpInputs, device) -> tuple[OpInputs, dict, dict] | None:

@@ -4,8 +4,32 @@ from __future__ import annotations
 import torch
 
 DISTS = ("normal", "heavy_tailed", "outliers", "zero_rows", "wide_range", "small_rows", "mxfp4_grid", "near_ties",
-         "order_sensitive")
+         "order_sensitive", "range_edges", "nonfinite")
 GENERIC_DISTS = ("normal", "heavy_tailed", "outliers", "zero_rows", "wide_range", "small_rows")
+# Declared by the ops whose reference gives every input a defined result (no selection over scores):
+# range_edges (rows at the edges of the working dtype's exponent range) and nonfinite (NaN and
+# infinities in some rows). Not by router_topk and the ops that route (a top-k over NaN scores has no
+# declared choice) nor by those whose float inputs are weights to quantize (mxfp4).
+EDGE_DISTS = ("range_edges", "nonfinite")
+
+# range_edges: each row (dim 0) is the normal draw times 2^k, k drawn per row from three classes: 0,
+# huge and tiny. For the 8-bit-exponent working dtypes (bf16, fp32) huge is 2^16..2^20 and tiny
+# 2^-30..2^-20: beyond fp16's largest finite value (65504) and below its smallest subnormal (2^-24),
+# so a kernel that stages bf16 values, products or sums in fp16 overflows or flushes them (the fp16
+# range is where half of today's GPU code lives; wide_range stays inside it). For fp16 itself huge is
+# 2^8..2^12 (a 3-sigma value stays below 65504) and tiny 2^-20..2^-16 (subnormals). Powers of two keep
+# each row exact in the working dtype, as in small_rows.
+RANGE_EDGE_K = {"wide_exponent": ((16, 20), (-30, -20)), "float16": ((8, 12), (-20, -16))}
+
+# nonfinite: rows (dim 0) classed finite / NaN / +inf / -inf from a per-case generator shared by all
+# of a case's tensors (row_classes), so a finite row stays finite in every input and its outputs are
+# judged as usual; each tensor puts one special value at a position of its own in each non-finite row
+# with probability 1/2 (its own draw), so in an op with several inputs a row mixes special and finite
+# tensors (AttnRes: NaN in some sources of a row, not in all). The oracle (the reference in fp64 on the same inputs) says where NaN and infinities must come
+# out: a kernel that drops NaN (fmaxf in a max, a clamp, a skipped element, nan_to_num) or turns an
+# infinity into NaN where the reference does not is wrong there.
+NONFINITE_CLASSES = ("finite", "nan", "+inf", "-inf")
+NONFINITE_SALT = 0x4E614E          # the row classes' generator salt (with the case seed)
 
 # small_rows: row r is normal times 2^-k_r, k_r uniform over SMALL_ROW_K (one row kept at 2^0 when there
 # are two or more). Powers of two keep each row's values exact (the working-dtype rounding commutes with
@@ -26,11 +50,15 @@ _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float
 
 
 def draw(gen: torch.Generator, shape, dist: str = "normal", *, scale: float = 1.0,
-         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+         dtype: torch.dtype = torch.float32, row_seed: int | None = None,
+         range_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Draw a tensor of `shape` from distribution `dist`, scaled by `scale`, rounded to `dtype`.
 
-    Distributions that need a per-row meaning (zero_rows, small_rows) treat dim 0 as rows.
-    near_ties and order_sensitive fall back to normal here; ops that use them build them themselves.
+    Distributions that need a per-row meaning (zero_rows, small_rows, range_edges, nonfinite) treat
+    dim 0 as rows. nonfinite draws its row classes from the case seed `row_seed` (the same for every
+    tensor of the case with as many rows), else from `gen`. range_edges takes its exponents for
+    `range_dtype` (default `dtype`: a tensor drawn in fp64 for an fp16 case passes fp16). near_ties and order_sensitive fall back to normal
+    here; ops that use them build them themselves.
     """
     shape = tuple(int(s) for s in shape)
     if dist not in DISTS:
@@ -58,6 +86,11 @@ def draw(gen: torch.Generator, shape, dist: str = "normal", *, scale: float = 1.
         x = x * row_scales(gen, shape[0]).view((shape[0],) + (1,) * (len(shape) - 1))
     elif dist == "wide_range":
         x = x * torch.exp2(torch.randint(-12, 13, shape, generator=gen).to(torch.float64))
+    elif dist == "range_edges" and len(shape) >= 1 and shape[0] > 0:
+        x = x * range_edge_scales(gen, shape[0], range_dtype or dtype).view((shape[0],) + (1,) * (len(shape) - 1))
+    elif dist == "nonfinite" and len(shape) >= 1 and shape[0] > 0 and x.numel():
+        rows = row_classes(gen if row_seed is None else generator(row_seed, NONFINITE_SALT), shape[0])
+        x = place_nonfinite(gen, x, rows)
     elif dist == "mxfp4_grid":
         idx = torch.randint(0, 8, shape, generator=gen)
         sign = torch.where(torch.rand(shape, generator=gen) < 0.5, -1.0, 1.0).to(torch.float64)
@@ -74,6 +107,51 @@ def row_scales(gen: torch.Generator, n_rows: int) -> torch.Tensor:
     if n_rows >= 2:
         k[torch.randint(0, int(n_rows), (1,), generator=gen)] = 0
     return torch.exp2(-k.to(torch.float64))
+
+
+def range_edge_scales(gen: torch.Generator, n_rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """range_edges' fp64 per-row scales: 2^0, 2^huge or 2^tiny (RANGE_EDGE_K for the dtype) in turn
+    from a drawn start, so any two rows hold two classes and three rows all of them."""
+    (h0, h1), (t0, t1) = RANGE_EDGE_K["float16" if dtype == torch.float16 else "wide_exponent"]
+    start = int(torch.randint(0, 3, (1,), generator=gen))
+    huge = torch.randint(h0, h1 + 1, (int(n_rows),), generator=gen)
+    tiny = torch.randint(t0, t1 + 1, (int(n_rows),), generator=gen)
+    cls = (torch.arange(int(n_rows)) + start) % 3
+    k = torch.where(cls == 0, 0, torch.where(cls == 1, huge, tiny))
+    return torch.exp2(k.to(torch.float64))
+
+
+def row_classes(gen: torch.Generator, n_rows: int) -> torch.Tensor:
+    """nonfinite's row classes, indices into NONFINITE_CLASSES: each row finite with probability 1/2,
+    else NaN, +inf or -inf alike; with two rows or more at least one finite and one non-finite row (a
+    case judges both); a single row is always non-finite (a finite one-row case of this dist would
+    count as drawn and keep the dist sweep from running the dist with specials)."""
+    n = int(n_rows)
+    cls = torch.where(torch.rand(n, generator=gen) < 0.5, 0, torch.randint(1, 4, (n,), generator=gen))
+    if n == 1:
+        cls[0] = int(torch.randint(1, 4, (1,), generator=gen))
+    elif n >= 2:
+        pick = torch.randperm(n, generator=gen)[:2]
+        cls[pick[0]] = 0
+        if not bool((cls != 0).any()):
+            cls[pick[1]] = int(torch.randint(1, 4, (1,), generator=gen))
+    return cls
+
+
+def place_nonfinite(gen: torch.Generator, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x (fp64, rows along dim 0) with one NaN / +inf / -inf, as `rows` classes each row, at a drawn
+    position of that row, in each non-finite row with probability 1/2 (in one of them, drawn, where that draw hit none)."""
+    if rows.numel() != x.shape[0]:
+        raise ValueError(f"nonfinite: {rows.numel()} row classes for a tensor of {x.shape[0]} rows")
+    flat = x.reshape(x.shape[0], -1).clone()
+    col = torch.randint(0, flat.shape[1], (flat.shape[0],), generator=gen)
+    special = torch.tensor([0.0, float("nan"), float("inf"), float("-inf")], dtype=torch.float64)
+    hit = (rows != 0) & (torch.rand(flat.shape[0], generator=gen) < 0.5)
+    if not bool(hit.any()) and bool((rows != 0).any()):     # one of the non-finite rows at least
+        broken = torch.nonzero(rows != 0).reshape(-1)
+        hit[broken[int(torch.randint(0, broken.numel(), (1,), generator=gen))]] = True
+    flat[torch.nonzero(hit).reshape(-1), col[hit]] = special[rows[hit]]
+    return flat.reshape(x.shape)
 
 
 SEED_MODULUS = 2**63 - 1          # torch.Generator.manual_seed's range; a case seed is below it

@@ -30,6 +30,12 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "M = 64 fast path drops its last 32-wide K chunk (the batch sweep's largest batch)"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_negates_small_outputs", "compare:y|exceed",
      "elements below one unit roundoff of the row maximum with the wrong sign (the element rule)"),
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_nan_to_num", "compare:y|differ where the oracle is NaN or infinite",
+     "epilogue replaces NaN by 0 and infinities by the largest finite value (the nonfinite dist)"),
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_fp16_safety_clamp", "compare:y|exceed",
+     "an fp16 build's epilogue clamp (+-64504) kept for bf16: wrong only on outputs past it (the range_edges dist)"),
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_m24_bucket_drops_k_chunk", "compare:y|exceed",
+     "a 24-row M bucket's K loop stops a chunk early: wrong only at M = 18..24 (the batch sweep's M = 24)"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_fp32_out", "guard:output_type|dtype torch.float32",
      "wrong output dtype: fp32 accumulator returned"),
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_subclass", "guard:output_type|expected exactly torch.Tensor",
@@ -147,6 +153,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "a misaligned state copied to aligned storage for the kernel, the update never copied back"),
     ("kda_decode", f"{P}.kda:kda_decode_gate_unbounded", "compare:y|exceed",
      "gate without the lower bound (softplus gate)"),
+    ("kda_decode", f"{P}.kda:kda_decode_state_fp16_clamp", "compare:",
+     "the new state clamped to fp16's range (+-64504) on every dtype: wrong only past it (the range_edges dist)"),
     ("kda_decode", f"{P}.kda:kda_decode_l2_eps_outside_sqrt", "compare:",
      "eps outside the sqrt in the q/k L2 norm"),
     ("kda_in_proj", f"{P}.kda:kda_in_proj_no_variant", "candidate|raised RuntimeError: kda_in_proj: no tuned kernel variant",
@@ -160,6 +168,9 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "softmax without its running max: NaN once scores pass exp's fp32 range (the score_scale case)"),
     ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_row_fixed_point_out", "compare:out|exceed",
      "out stored as per-row fixed point (the element rule)"),
+    ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_skips_nonfinite_sources",
+     "compare:out|differ where the oracle is NaN or infinite",
+     "sources with a NaN score dropped from the mix: NaN / inf in a source never reaches out (the nonfinite dist)"),
     ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_keys_unnormalised", "compare:out|exceed",
      "AttnRes keys not RMS-normalised"),
     ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_prefix_not_reset", "compare:prefix",
@@ -237,7 +248,8 @@ FP32_ONLY: set[str] = {"mla_decode_attn_fp32_tf32_scores", "mla_decode_attn_fp32
 
 # candidates run with the ci profile's batches (up to 64; the planted profile stops at 16): bugs in a
 # variant for large M that only the batch sweep's M = 31 / 32 / 64 reach
-FULL_BATCH: set[str] = {"skinny_gemm_m32_tile_row_offset", "skinny_gemm_m64_drops_k_chunk"}
+FULL_BATCH: set[str] = {"skinny_gemm_m32_tile_row_offset", "skinny_gemm_m64_drops_k_chunk",
+                        "skinny_gemm_m24_bucket_drops_k_chunk"}
 
 # Harness gaps found by this catalogue: candidate -> (why the expected rejection does not happen,
 # the stage that rejects it instead, or None if nothing rejects it). See the test for how they run.

@@ -14,6 +14,17 @@ def _mix_unnormalised_keys(sources, res_norm_w, res_proj_w, eps):
     return torch.matmul(probs.unsqueeze(1), v).squeeze(1).to(sources.dtype)
 
 
+def _mix_skips_nonfinite_sources(sources, res_norm_w, res_proj_w, eps):
+    """The reference mix, except that a source whose score is NaN gets weight 0 and is never read (a
+    kernel that skips zero-weight sources, with fmaxf's NaN-dropping max deciding the weights)."""
+    v = sources.float()
+    keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    scores = (keys * (res_norm_w.float() * res_proj_w.reshape(-1).float())).sum(-1)
+    probs = torch.where(torch.isnan(scores), float("-inf"), scores).softmax(-1)
+    read = torch.where((probs > 0).unsqueeze(-1), v, torch.zeros_like(v))
+    return torch.matmul(probs.unsqueeze(1), read).squeeze(1).to(sources.dtype)
+
+
 def _finish(prefix, p, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, block_write, eps, norm_eps,
             *, mix=attn_res_mix, reset_prefix=True):
     sources = torch.cat([blocks[:, :n_blocks], p.unsqueeze(1)], dim=1)
@@ -35,6 +46,15 @@ def attn_res_rmsnorm_keys_unnormalised(prefix, delta, blocks, res_norm_w, res_pr
     p = prefix + delta
     return _finish(prefix, p, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, block_write, eps, norm_eps,
                    mix=_mix_unnormalised_keys)
+
+
+def attn_res_rmsnorm_skips_nonfinite_sources(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w,
+                                              n_blocks: int, block_write: int, eps: float, norm_eps: float):
+    """Sources with a NaN score are dropped from the mix (weight 0, never loaded): a NaN or infinity in
+    a source no longer reaches out."""
+    p = prefix + delta
+    return _finish(prefix, p, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, block_write, eps, norm_eps,
+                   mix=_mix_skips_nonfinite_sources)
 
 
 def attn_res_rmsnorm_control(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w,

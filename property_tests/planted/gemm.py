@@ -4,9 +4,24 @@ from __future__ import annotations
 import torch
 
 from property_tests.planted._cache import TensorKeyed
-from references.primitives import linear
+from references.primitives import linear as _linear
 
 BLOCK_N = 16
+
+
+def linear(x, w):
+    """The reference GEMM one token row at a time on contiguous operands: torch's CPU GEMM sums other
+    batch sizes and strided views in other orders (at the off-tile knob's shapes a permuted batch gave
+    other bits), so rows built on the whole-batch call were rejected by guard:batch_position whether
+    or not their bug was there (skinny_gemm_control checks this helper certifies)."""
+    w = w.contiguous()
+    rows = [_linear(x[r:r + 1].contiguous(), w) for r in range(x.shape[0])]
+    return torch.cat(rows) if rows else _linear(x, w)
+
+
+def skinny_gemm_control(x, w):
+    """No bug: the helper the skinny_gemm rows plant theirs in."""
+    return linear(x, w)
 
 
 def skinny_gemm_unwritten_tail(x, w):
@@ -51,6 +66,30 @@ def skinny_gemm_pow2_batch_only(x, w):
     P = 1 << (M.bit_length() - 1)
     rows = torch.arange(M) % P
     return linear(x[rows], w)
+
+
+def skinny_gemm_nan_to_num(x, w):
+    """An epilogue that "sanitises" its accumulator (NaN to 0, infinities to the largest finite value):
+    a NaN or infinite activation no longer shows in y."""
+    return torch.nan_to_num(linear(x, w), nan=0.0)
+
+
+def skinny_gemm_fp16_safety_clamp(x, w):
+    """An epilogue clamp kept from an fp16 build (T5's clamp_value, finfo(fp16).max - 1000) on every
+    dtype: right wherever |y| < 64504, wrong on bf16 / fp32 outputs past it (the range_edges dist's
+    huge rows; no other dist reaches such outputs)."""
+    big = torch.finfo(torch.float16).max - 1000
+    return linear(x, w).clamp(-big, big)
+
+
+def skinny_gemm_m24_bucket_drops_k_chunk(x, w):
+    """A 24-row M bucket (M = 18..24, between the 16- and 32-row tiles) whose K loop stops one 16-wide
+    chunk early: every row wrong, but only at M = 18..24 (the batch sweep's M = 24; before it, only a
+    draw that happened to land there)."""
+    if 18 <= x.shape[0] <= 24 and x.shape[1] > 16:
+        k = x.shape[1] - 16
+        return linear(x[:, :k], w[:, :k])
+    return linear(x, w)
 
 
 def skinny_gemm_fp32_out(x, w):

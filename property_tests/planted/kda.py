@@ -30,7 +30,7 @@ def _decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, 
 
 def _decode_rows(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w, state,
                  lower_bound, l2_eps, norm_eps, *, decay=True, use_beta=True, shift=True, bounded_gate=True,
-                 eps_inside=True):
+                 eps_inside=True, state_clamp=None):
     B, H, Dh = state.shape[0], state.shape[1], state.shape[-1]
     acc, wd = torch.float32, q_raw.dtype
     new_conv = conv_state.clone()
@@ -58,6 +58,8 @@ def _decode_rows(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_
     decayed = S * alpha.unsqueeze(-2) if decay else S
     u = beta.unsqueeze(-1) * (v - (decayed * k.unsqueeze(-2)).sum(-1))
     new_state = decayed + u.unsqueeze(-1) * k.unsqueeze(-2)
+    if state_clamp is not None:
+        new_state = new_state.clamp(-state_clamp, state_clamp)
     o = (new_state * q.unsqueeze(-2)).sum(-1)
     y = gated_rms_norm(o.to(wd), o_norm_w, z.view(B, H, Dh), norm_eps).reshape(B, H * Dh)
     conv_state.copy_(new_conv)
@@ -118,6 +120,15 @@ def kda_decode_l2_eps_outside_sqrt(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv
     """q/k L2 norm as x / (sqrt(sum x^2) + eps) (torch F.normalize style), not x / sqrt(sum x^2 + eps)."""
     return _decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
                    state, lower_bound, l2_eps, norm_eps, eps_inside=False)
+
+
+def kda_decode_state_fp16_clamp(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log,
+                                dt_bias, o_norm_w, state, lower_bound: float, l2_eps: float,
+                                norm_eps: float):
+    """The new state clamped to +-(finfo(fp16).max - 1000) (an fp16 build's overflow guard kept on
+    every dtype): right while |state| < 64504, wrong on the range_edges dist's huge rows."""
+    return _decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
+                   state, lower_bound, l2_eps, norm_eps, state_clamp=torch.finfo(torch.float16).max - 1000)
 
 
 def kda_in_proj_no_variant(x, w_in, w_fb, n_heads: int):

@@ -15,7 +15,7 @@ from verify.case import Case
 from verify.opdef import OpDef, OpInputs
 from verify.ops.common_splits import (FOLD_ORDER, RMS_EPS_DRAWS, activation, gen_for, norm_weight,
                                       replicated_split, scalar_param, working_dtype)
-from verify.values import GENERIC_DISTS, draw
+from verify.values import EDGE_DISTS, GENERIC_DISTS, draw
 
 BLOCK_SLOTS = MAX_SOURCES - 1          # blocks[B, 8, D]
 DEFAULT_PARTIALS = 4                   # partial deltas of the all-reduce when the case is unsplit (tp=1)
@@ -134,7 +134,7 @@ OPS = [
         signature=_SIG.format(delta="delta[B,D] wd"),
         batch_dims={"prefix": 0, "delta": 0, "blocks": 0, "out": 0},
         split=replicated_split(), fused="fused.attn_res_rmsnorm:attn_res_rmsnorm",
-        dists=GENERIC_DISTS, notes=_NOTES, knob_sweep=SCORE_SWEEP, magnitudes=attn_res_out_magnitude,
+        dists=GENERIC_DISTS + EDGE_DISTS, notes=_NOTES, knob_sweep=SCORE_SWEEP, magnitudes=attn_res_out_magnitude,
     ),
     OpDef(
         name="allreduce_attn_res_rmsnorm", family="attn_res",
@@ -143,7 +143,7 @@ OPS = [
         signature=_SIG.format(delta="deltas[T,B,D] wd (partials, summed rank 0..T-1 in fp32)"),
         batch_dims={"prefix": 0, "deltas": 1, "blocks": 0, "out": 0},
         split=replicated_split(FOLD_ORDER, order_sensitive=True),
-        dists=GENERIC_DISTS + ("order_sensitive",), knob_sweep=SCORE_SWEEP, magnitudes=attn_res_out_magnitude,
+        dists=GENERIC_DISTS + EDGE_DISTS + ("order_sensitive",), knob_sweep=SCORE_SWEEP, magnitudes=attn_res_out_magnitude,
         notes=_NOTES + " deltas has T partials (T = case.tp, or knob 'partials' (default 4) when tp=1); "
               "dist order_sensitive draws partials with cancelling magnitudes ~2^24 apart.",
     ),

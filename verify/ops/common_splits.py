@@ -51,7 +51,7 @@ def activation(case: Case, name: str, shape, dtype: torch.dtype, *, scale: float
     dist = case.dist if dist is None else dist
     if dist in ("near_ties", "order_sensitive"):     # built by the op itself; plain values elsewhere
         dist = "normal"
-    return draw(gen_for(case, name), shape, dist, scale=scale, dtype=dtype)
+    return draw(gen_for(case, name), shape, dist, scale=scale, dtype=dtype, row_seed=case.seed)
 
 
 def weight(case: Case, name: str, shape, fan_in: int, dtype: torch.dtype) -> torch.Tensor:

@@ -19,7 +19,7 @@ from references.kda_tp import (combine_kda_decode, combine_kda_in_proj, shard_kd
 from verify.case import Case
 from verify.opdef import OpDef, OpInputs, RankShard, SplitRule
 from verify.ops.common_splits import scalar_param
-from verify.values import draw, generator, row_scales
+from verify.values import EDGE_DISTS, GENERIC_DISTS, draw, generator, row_scales
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float64": torch.float64}
@@ -32,7 +32,7 @@ def _gen(case: Case, name: str) -> torch.Generator:
 
 
 def _activation(case: Case, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
-    return draw(_gen(case, name), shape, case.dist, dtype=dtype)
+    return draw(_gen(case, name), shape, case.dist, dtype=dtype, row_seed=case.seed)
 
 
 def _weight(case: Case, name: str, shape, fan_in: int, dtype: torch.dtype) -> torch.Tensor:
@@ -56,7 +56,8 @@ def starting_state(case: Case, batch: int, n_heads: int, head_dim: int) -> torch
     n = STATE_WRITES
     keys = torch.randn((batch, n_heads, n, head_dim), generator=gen, dtype=torch.float64)
     keys = keys / keys.norm(dim=-1, keepdim=True)
-    vals = draw(gen, (batch, n_heads, n, head_dim), case.dist, dtype=torch.float64)
+    vals = draw(gen, (batch, n_heads, n, head_dim), case.dist, dtype=torch.float64, row_seed=case.seed,
+                range_dtype=_wd(case))      # range_edges: an fp16 case's state stays in fp16's range
     age = 0.8 ** torch.arange(n - 1, -1, -1, dtype=torch.float64)        # older writes decayed more
     weights = torch.rand((batch, n_heads, n), generator=gen, dtype=torch.float64) * age
     return torch.einsum("bhnv,bhnk->bhvk", vals * weights.unsqueeze(-1), keys).to(torch.float32)
@@ -213,6 +214,7 @@ KDA_IN_PROJ = OpDef(
     batch_dims={"x": 0, **{name: 0 for name in _IN_PROJ_OUT}},
     split=_split_rule("column", shard_kda_in_proj, combine_kda_in_proj,
                       "none: q,k,v,z,beta,f_b columns by head, f_a replicated; concatenated"),
+    dists=GENERIC_DISTS + EDGE_DISTS,
     cpu_ok=False,
     notes=("k3 merged weight is [49376, 7168] (0.7 GB bf16, 2.8 GB as the fp64 oracle): run k3 on a large "
            "host or the device; tiny/small have the same structure."),
@@ -235,6 +237,7 @@ KDA_DECODE = OpDef(
     split=_split_rule("heads", shard_kda_decode, combine_kda_decode,
                       "none: heads are independent; y, conv_state, state concatenated by head"),
     fused="fused.kda_decode:kda_decode",
+    dists=GENERIC_DISTS + EDGE_DISTS,
     magnitudes=decode_state_magnitude,
     max_batch=DECODE_MAX_BATCH,
     notes=(f"batch capped at {DECODE_MAX_BATCH}: at k3 the fp32 state is 6 MiB per sequence and the oracle "

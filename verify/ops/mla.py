@@ -14,7 +14,7 @@ from references.config import get_config
 from verify.case import Case
 from verify.opdef import OpDef, OpInputs, RankShard, SplitRule
 from verify.ops.common_splits import scalar_param
-from verify.values import draw, generator
+from verify.values import EDGE_DISTS, GENERIC_DISTS, draw, generator
 
 _WORKING_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                    "float64": torch.float64}
@@ -42,8 +42,8 @@ def _norm_weight(case, salt, n):
             ).to(working_dtype(case))
 
 
-def _activation(case, salt, shape):
-    return draw(generator(case.seed, salt), shape, case.dist, dtype=working_dtype(case))
+def _activation(case, salt, shape, dist=None):
+    return draw(generator(case.seed, salt), shape, dist or case.dist, dtype=working_dtype(case), row_seed=case.seed)
 
 
 def latent_eps(case: Case) -> float:
@@ -112,6 +112,30 @@ def make_q_absorb_inputs(case: Case) -> OpInputs:
                              "w_uk": _weight(case, 13, (h, dh, cfg.kv_lora_rank), dh)})
 
 
+def q_absorb_magnitude(inputs: OpInputs, cand: dict | None = None) -> dict[str, torch.Tensor]:
+    """Running-error magnitude of q_abs (fp64), in units of the working dtype (cand's: fp32 if none).
+    q = q_c @ w_q_b.T is rounded to wd, and an implementation that sums q_b in another order rounds some
+    q_d the other way (by u_wd |q_d|, after fp32 sums that err by ~u_fp32 mq_d, mq = |q_c| @ |w_q_b|.T);
+    ql_c = sum_d q_d w_dc moves by the sum of those over d, plus its own fp32 sum's error:
+      m(ql_c) = |ql_c| + (1 + f) sum_d |q_d| |w_dc| + f sum_d mq_d |w_dc|,   m(q_rot) = |q_rot| + f mq_rot,
+    f = u_fp32 / u_wd. Where ql_c cancels (|ql_c| << sum_d |q_d w_dc|) two correct orders differ by ulps
+    of the terms, not of ql_c (fp32, a CPU probe: 7x the row's baseline error at another batch
+    position, where the row maximum's ulp allowed 3x)."""
+    t = inputs.tensors
+    wd = next(iter(cand.values())).dtype if cand else torch.float32
+    f = torch.finfo(torch.float32).eps / torch.finfo(wd).eps
+    q_c, w_q_b, w_uk = (t[n].to(torch.float64) for n in ("q_c", "w_q_b", "w_uk"))
+    n_heads, head_dim, _ = w_uk.shape
+    q = (q_c @ w_q_b.T).view(q_c.shape[0], n_heads, -1)
+    mq = (q_c.abs() @ w_q_b.abs().T).view_as(q)
+    ql = torch.einsum("bhd,hdc->bhc", q[..., :head_dim], w_uk)
+    terms = torch.einsum("bhd,hdc->bhc", q[..., :head_dim].abs(), w_uk.abs())
+    carried = torch.einsum("bhd,hdc->bhc", mq[..., :head_dim], w_uk.abs())
+    m_ql = ql.abs() + (1 + f) * terms + f * carried
+    m_rot = q[..., head_dim:].abs() + f * mq[..., head_dim:]
+    return {"q_abs": torch.cat([m_ql, m_rot], dim=-1)}
+
+
 def make_cache_write_inputs(case: Case) -> OpInputs:
     cfg = get_config(case.config)
     n, page, width = case.batch, cfg.page_size, cfg.cache_dim
@@ -143,7 +167,11 @@ def make_decode_attn_inputs(case: Case) -> OpInputs:
     block_table, seq_lens, n_pages = paged_layout(case, lengths, page)
     return OpInputs(
         tensors={"q_abs": _activation(case, 31, (case.batch, n_q, cfg.n_heads, cfg.cache_dim)),
-                 "cache": _activation(case, 32, (n_pages, page, cfg.cache_dim)),
+                 # nonfinite: NaN / inf in q only. The cache's slots past a sequence's length are never
+                 # read by the reference, and whether a kernel may multiply a masked slot by p = 0 (NaN
+                 # there if the slot holds NaN) is not declared: the cache stays finite
+                 "cache": _activation(case, 32, (n_pages, page, cfg.cache_dim),
+                                      dist="normal" if case.dist == "nonfinite" else None),
                  "block_table": block_table, "seq_lens": seq_lens},
         params={"scale": scalar_param(case, "scale", cfg.mla_scale, (1.5 * cfg.mla_scale, 0.125)),
                 "kv_lora_rank": cfg.kv_lora_rank})
@@ -249,21 +277,21 @@ def head_split(n_heads_of, shard_dims: dict[str, int], out_dims: dict[str, int])
 _NOTE_TOKENS = "batch = decode tokens (rows)."
 OPS: list[OpDef] = [
     OpDef(
-        name="mla_qkv_a", family="mla", reference="references.mla:mla_qkv_a", make_inputs=make_qkv_a_inputs,
+        name="mla_qkv_a", dists=GENERIC_DISTS + EDGE_DISTS, family="mla", reference="references.mla:mla_qkv_a", make_inputs=make_qkv_a_inputs,
         outputs=("q_c", "kv_c", "k_rot"),
         signature=("x[B,D] wd\nw_qkv_a[q_lora+kv_lora+rope, D] wd\nq_a_norm_w[q_lora] wd\nkv_a_norm_w[kv_lora] wd\n"
                    "eps: float (1e-6 HF / 1e-5 vLLM)\n-> q_c[B,q_lora] wd, kv_c[B,kv_lora] wd, k_rot[B,rope] wd"),
         batch_dims={"x": 0, "q_c": 0, "kv_c": 0, "k_rot": 0}, split=replicated_split(),
         notes=_NOTE_TOKENS + " eps drawn from {1e-6, 1e-5} unless the `eps` knob is set."),
     OpDef(
-        name="mla_q_absorb", family="mla", reference="references.mla:mla_q_absorb", make_inputs=make_q_absorb_inputs,
+        name="mla_q_absorb", dists=GENERIC_DISTS + EDGE_DISTS, family="mla", reference="references.mla:mla_q_absorb", make_inputs=make_q_absorb_inputs,
         outputs=("q_abs",),
         signature="q_c[B,q_lora] wd\nw_q_b[H*(Dh+rope), q_lora] wd\nw_uk[H,Dh,kv_lora] wd\n-> q_abs[B,H,kv_lora+rope] wd",
         batch_dims={"q_c": 0, "q_abs": 0},
         split=head_split(lambda i: i.tensors["w_uk"].shape[0], {"w_q_b": 0, "w_uk": 0}, {"q_abs": 1}),
-        notes=_NOTE_TOKENS),
+        magnitudes=q_absorb_magnitude, notes=_NOTE_TOKENS),
     OpDef(
-        name="mla_cache_write", family="mla", reference="references.mla:mla_cache_write",
+        name="mla_cache_write", dists=GENERIC_DISTS + EDGE_DISTS, family="mla", reference="references.mla:mla_cache_write",
         make_inputs=make_cache_write_inputs, outputs=(), state=("cache",),
         signature="latent[N,C] wd\ncache[P,page,C] wd (state)\nslot_mapping[N] int64 (-1 = padding)\n-> None",
         batch_dims={"latent": 0, "slot_mapping": 0}, split=replicated_split(state=("cache",)),
@@ -272,7 +300,7 @@ OPS: list[OpDef] = [
               "knob cache='large' (in every run): a cache of 2^16 + N slots, the written ones straddling slot 2^16. "
               "Half the padded slots hold a negative other than -1."),
     OpDef(
-        name="mla_decode_attn", family="mla", reference="references.mla:mla_decode_attn",
+        name="mla_decode_attn", dists=GENERIC_DISTS + EDGE_DISTS, family="mla", reference="references.mla:mla_decode_attn",
         make_inputs=make_decode_attn_inputs, outputs=("o_latent",),
         signature=("q_abs[B,Q,H,C] wd (Q = 1..8 query tokens per sequence)\ncache[P,page,C] wd\n"
                    "block_table[B,max_pages] int32 (-1 padded)\nseq_lens[B] int32 (>= Q)\nscale: float (192^-0.5)\n"
@@ -285,7 +313,7 @@ OPS: list[OpDef] = [
                "(k3: 4 x 64 = 256) because the float64 oracle costs B*Q*H*L*C*4 flops (~15 GFLOP at k3, B=64, Q=8); "
                "page-boundary lengths still cover every page-aligned split boundary up to that length.")),
     OpDef(
-        name="mla_out_gate", family="mla", reference="references.mla:mla_out_gate", make_inputs=make_out_gate_inputs,
+        name="mla_out_gate", dists=GENERIC_DISTS + EDGE_DISTS, family="mla", reference="references.mla:mla_out_gate", make_inputs=make_out_gate_inputs,
         outputs=("o",),
         signature="o_latent[B,H,kv_lora] wd\nw_uv[H,Dh,kv_lora] wd\nx[B,D] wd\nw_g[H*Dh,D] wd\n-> o[B,H*Dh] wd",
         batch_dims={"o_latent": 0, "x": 0, "o": 0},
