@@ -101,8 +101,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
     ("mxfp4_dequant", f"{P}.mxfp4:mxfp4_dequant_bias_126", "compare:w|differ from the reference bits",
      "E8M0 scale bias 126"),
     # ---- mla
-    ("mla_qkv_a", f"{P}.mla:mla_qkv_a_norm_without_eps", "guard:outputs_written|unwritten or NaN",
-     "eps missing in RMSNorm (zero rows give NaN)"),
+    ("mla_qkv_a", f"{P}.mla:mla_qkv_a_norm_without_eps", "compare:q_c|exceed",
+     "eps missing in RMSNorm (zero rows give NaN; range_edges' 2^-30 rows, where eps is the norm, reject it first)"),
     ("mla_q_absorb", f"{P}.mla:mla_q_absorb_rot_first", "compare:q_abs|exceed",
      "q_abs stored as [q_rot, ql]"),
     ("mla_cache_write", f"{P}.mla:mla_cache_write_pair_store", "compare:cache|differ from the reference bits",
