@@ -62,6 +62,13 @@ def attn_res_rmsnorm(t: dict, p: dict) -> dict[str, dict[str, torch.Tensor]]:
     for flip in (False, True):
         out["fp32_mix" + ("_reversed" if flip else "")] = _norm_fp32(_mix_fp32(src, *args, flip), t["norm_w"],
                                                                     p["norm_eps"], wd)
+    # the exact mix of the stored (rounded) p, rounded as the reference rounds (mix, norm, weight): the
+    # best a kernel can do with p pinned bitwise; its distance to the fp64 oracle (unrounded p) is the
+    # shared rounding of p through the scores, which the fused kernel showed at wide_range fp16 k3
+    from references.attn_res import attn_res_probs
+    probs = attn_res_probs(src.double(), t["res_norm_w"].double(), t["res_proj_w"].double(), p["eps"])
+    mix = torch.matmul(probs.unsqueeze(1), src.double()).squeeze(1).to(wd)
+    out["exact_on_rounded_p"] = rms_norm(mix, t["norm_w"], p["norm_eps"])
     return {name: {"out": y} for name, y in out.items()}
 
 

@@ -122,3 +122,23 @@ def test_split_rejects_t_not_dividing_heads(T):
 def test_heads_divide_every_tp_degree():
     for name in ("tiny", "small", "k3"):
         assert all(get_config(name).n_heads % T == 0 for T in TPS), name
+
+
+def test_split_baseline_error_ignores_nonfinite_elements():
+    """A split case's row baseline error comes from the row's finite elements: a row with a NaN head
+    kept its other heads' error (a NaN max became a zero error, and the reference itself failed the
+    nonfinite kda_decode case below at T = 4 by 1.9x)."""
+    import torch
+
+    from verify.candidates import reference_fn
+    from verify.case import Case
+    from verify.evaluate import evaluate_case
+    from verify.registry import get_op
+    from verify.split import _row_err
+    a = torch.tensor([[1.0, float("nan"), 3.0], [float("inf"), 2.0, 2.5]])
+    o = torch.tensor([[1.5, 2.0, 3.0], [float("inf"), 2.25, float("nan")]], dtype=torch.float64)
+    assert _row_err(a, o).tolist() == [0.5, 0.25]
+    op = get_op("kda_decode")
+    v = evaluate_case(op, Case("kda_decode", 4818, 2, "tiny", "bfloat16", "nonfinite", 4), reference_fn(op),
+                      "reference", "cpu")
+    assert v.status == "pass", v.reason

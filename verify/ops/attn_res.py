@@ -7,6 +7,8 @@ ignored, and they catch a kernel reading too many sources.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from references.attn_res import MAX_SOURCES, attn_res_probs
@@ -56,15 +58,20 @@ def _common(case: Case, scale: float) -> tuple[dict, dict]:
 def attn_res_out_magnitude(inputs: OpInputs, cand: dict | None = None) -> dict[str, torch.Tensor]:
     """Running-error magnitude of out (fp64), in units of the working dtype (cand's: fp32 if none):
     out_i = norm_w_i r mix_i, mix_i = sum_s a_s v_si, so
-      m(out_i) = |norm_w_i| r (sum_s a_s |v_si| + f sum_s a_s A_s |v_si - mix_i|),
-      A_s = |key_s * q|_2,  f = u_fp32 / u_wd
+      m(out_i) = |norm_w_i| r (sum_s a_s |v_si| + f sum_s a_s A_s |v_si - mix_i| + a_p P |p_i - mix_i|),
+      A_s = |key_s * q|_2,  f = u_fp32 / u_wd,  P = (A_p + |score_p| |p^2|_2 / |p|_2^2) / sqrt(3)
     (a = the softmax weights, r = the RMSNorm scale, A_s the l2 norm of the score's terms: any order of
     a length-D fp32 sum errs by about sqrt(D) u A_s, and the floor's ulps carry the sqrt(D)). Where the
     sources cancel at i (|mix_i| << sum_s a_s |v_si|), the rounding of p = prefix + delta to the working
     dtype, which every implementation shares and the fp64 oracle does not, moves out_i by ulps of the
     terms, not of out_i. A score error ds_s (fp32: ~sqrt(D) u_fp32 A_s, ~2^-15 relative at |score| ~ 300,
     the score_scale case) moves mix_i by sum_s a_s ds_s (v_si - mix_i) (the softmax's first order), far more
-    than ulps of out in fp32; f puts that fp32 term in the working dtype's ulps."""
+    than ulps of out in fp32; f puts that fp32 term in the working dtype's ulps. The last term is the
+    rounding of p (the last source) to wd through its own score: each p_i moves by up to 0.5 ulp_wd
+    (std u / sqrt(3) relative), its score by u P (the dot's terms and the key norm's mean p^2), the mix by
+    a_p ds_p (p_i - mix_i); with a few large terms (wide_range) that is ulps of out: a fused kernel 1.6
+    ulp from the exact result on the rounded p stood 2.7 fp16 ulps from the oracle, 1.07x the rule
+    without it (H200, session 22, seed 20, k3, B = 20)."""
     t, p = inputs.tensors, inputs.params
     wd = next(iter(cand.values())).dtype if cand else torch.float32
     f = torch.finfo(torch.float32).eps / torch.finfo(wd).eps
@@ -78,6 +85,15 @@ def attn_res_out_magnitude(inputs: OpInputs, cand: dict | None = None) -> dict[s
     r = torch.rsqrt(mix.pow(2).mean(-1, keepdim=True) + p["norm_eps"])
     spread = torch.matmul((probs * score_mag).unsqueeze(1), (src - mix.unsqueeze(1)).abs()).squeeze(1)
     terms = torch.matmul(probs.unsqueeze(1), src.abs()).squeeze(1) + f * spread
+    # p's own rounding to wd moves its score, by ds_p ~ u_wd / sqrt(3) (A_p + |score_p| |p^2|_2 / |p|^2)
+    # (the dot's terms, and the key norm through mean p^2), and the mix by a_p ds_p (p_i - mix_i):
+    # shared by every implementation (p is state, bitwise), absent from the oracle, at u_wd, not f u_wd
+    pv = src[:, -1]
+    p2 = pv.pow(2).sum(-1)
+    flat = torch.where(p2 > 0, pv.pow(2).norm(dim=-1) / p2.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
+    score_p = (keys[:, -1] * (d["res_norm_w"] * d["res_proj_w"].reshape(-1))).sum(-1)
+    ds_p = (score_mag[:, -1] + score_p.abs() * flat) / math.sqrt(3.0)
+    terms = terms + (probs[:, -1] * ds_p).unsqueeze(-1) * (pv - mix).abs()
     return {"out": terms * r * d["norm_w"].abs()}
 
 

@@ -151,8 +151,12 @@ def split_mismatches(op, inputs: OpInputs, T: int, split: SplitRule | None = Non
         if got.shape != want.shape or got.dtype != want.dtype:
             problems.append(f"{name}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}")
         elif want.is_floating_point():
-            scale = float(want.abs().max()) if want.numel() else 0.0
-            err = float((got - want).abs().max()) if want.numel() else 0.0
+            fin = torch.isfinite(want)                  # NaN and infinities must sit in the same places
+            special = (torch.isnan(want) != torch.isnan(got)) | (~fin & ~torch.isnan(want) & (got != want))
+            if special.any():
+                problems.append(f"{name}: {int(special.sum())} NaN / infinite elements differ from the unsplit run's")
+            scale = float(want[fin].abs().max()) if fin.any() else 0.0
+            err = float((got[fin] - want[fin]).abs().max()) if fin.any() else 0.0
             if not err <= rtol * scale:
                 problems.append(f"{name}: max |split - unsplit| = {err:.3g} > {rtol:g} x {scale:.3g}")
         elif not torch.equal(got, want):
