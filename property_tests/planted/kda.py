@@ -30,7 +30,7 @@ def _decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, 
 
 def _decode_rows(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w, state,
                  lower_bound, l2_eps, norm_eps, *, decay=True, use_beta=True, shift=True, bounded_gate=True,
-                 eps_inside=True, state_clamp=None):
+                 eps_inside=True, state_clamp=None, reset_nonfinite=False):
     B, H, Dh = state.shape[0], state.shape[1], state.shape[-1]
     acc, wd = torch.float32, q_raw.dtype
     new_conv = conv_state.clone()
@@ -55,6 +55,8 @@ def _decode_rows(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_
     alpha = g.exp()
     beta = torch.sigmoid(beta_raw.to(acc)) if use_beta else torch.ones_like(beta_raw, dtype=acc)
     S = state.to(acc)
+    if reset_nonfinite:                   # "a poisoned sequence restarts": NaN / inf state rows read as 0
+        S = torch.nan_to_num(S, nan=0.0, posinf=0.0, neginf=0.0)
     decayed = S * alpha.unsqueeze(-2) if decay else S
     u = beta.unsqueeze(-1) * (v - (decayed * k.unsqueeze(-2)).sum(-1))
     new_state = decayed + u.unsqueeze(-1) * k.unsqueeze(-2)
@@ -129,6 +131,15 @@ def kda_decode_state_fp16_clamp(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w,
     every dtype): right while |state| < 64504, wrong on the range_edges dist's huge rows."""
     return _decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
                    state, lower_bound, l2_eps, norm_eps, state_clamp=torch.finfo(torch.float16).max - 1000)
+
+
+def kda_decode_resets_nonfinite_state(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log,
+                                      dt_bias, o_norm_w, state, lower_bound: float, l2_eps: float,
+                                      norm_eps: float):
+    """NaN / inf in the incoming state read as zeros (a "self-healing" recurrent state): the sequence's
+    corruption is hidden instead of propagated."""
+    return _decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
+                   state, lower_bound, l2_eps, norm_eps, reset_nonfinite=True)
 
 
 def kda_in_proj_no_variant(x, w_in, w_fb, n_heads: int):

@@ -24,6 +24,14 @@ def mla_qkv_a_norm_without_eps(x, w_qkv_a, q_a_norm_w, kv_a_norm_w, eps: float):
     return q_c.contiguous(), kv_c.contiguous(), qkv[:, q_lora + kv_lora:].contiguous()
 
 
+def mla_qkv_a_fp16_activation_clamp(x, w_qkv_a, q_a_norm_w, kv_a_norm_w, eps: float):
+    """The fp16 build's input clamp (+-64504, T5's clamp_value) kept on every dtype: bf16 / fp32 rows past
+    it are clipped before the projection."""
+    from references.mla import mla_qkv_a
+    big = torch.finfo(torch.float16).max - 1000
+    return mla_qkv_a(x.clamp(-big, big), w_qkv_a, q_a_norm_w, kv_a_norm_w, eps)
+
+
 # ---------------------------------------------------------------------------------- mla_q_absorb
 
 
@@ -72,7 +80,8 @@ def mla_decode_attn_scale_128(q_abs, cache, block_table, seq_lens, scale: float,
     return mla_decode_attn(q_abs, cache, block_table, seq_lens, 128 ** -0.5, kv_lora_rank)
 
 
-def _attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, *, causal_shift=0, probs_dtype=None):
+def _attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, *, causal_shift=0, probs_dtype=None,
+          safe_softmax=False):
     n_seq, n_q, n_heads, _ = q_abs.shape
     acc = acc_dtype(q_abs)
     out = torch.zeros(n_seq, n_q, n_heads, kv_lora_rank, dtype=acc)
@@ -84,6 +93,8 @@ def _attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, *, causal_sh
         last = length - n_q + torch.arange(n_q) + causal_shift
         s = s.masked_fill(~(pos[None, :] <= last[:, None])[:, None, :], float("-inf"))
         p = torch.softmax(s, dim=-1)
+        if safe_softmax:                      # "no NaN out of attention": a row of NaN weights becomes zeros
+            p = torch.nan_to_num(p, nan=0.0)
         p = p if probs_dtype is None else p.to(probs_dtype).to(acc)
         out[b] = torch.einsum("qht,tc->qhc", p, kv[:, :kv_lora_rank])
     return out.to(q_abs.dtype)
@@ -92,6 +103,12 @@ def _attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, *, causal_sh
 def mla_decode_attn_control(q_abs, cache, block_table, seq_lens, scale: float, kv_lora_rank: int):
     """No bug: the helper the causal row plants its bug in (test_planted_bugs checks it certifies)."""
     return _attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank)
+
+
+def mla_decode_attn_safe_softmax(q_abs, cache, block_table, seq_lens, scale: float, kv_lora_rank: int):
+    """A "safe" softmax that turns NaN weights into zeros (written for rows with every key masked): a
+    NaN or infinite query comes out as zeros instead of NaN."""
+    return _attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, safe_softmax=True)
 
 
 def mla_decode_attn_causal_off_by_one(q_abs, cache, block_table, seq_lens, scale: float, kv_lora_rank: int):
