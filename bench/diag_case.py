@@ -3,7 +3,6 @@ worst elements, and the fused outputs (first call, and on the refreshed-inputs r
 for a CPU-side analysis. Usage: python3 bench/diag_case.py OUT CASE_JSON [CASE_JSON ...]"""
 from __future__ import annotations
 
-import json
 import sys
 
 import torch

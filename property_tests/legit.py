@@ -52,7 +52,7 @@ def _norm_fp32(mix: torch.Tensor, norm_w, norm_eps: float, wd) -> torch.Tensor:
 
 
 def attn_res_rmsnorm(t: dict, p: dict) -> dict[str, dict[str, torch.Tensor]]:
-    from references.attn_res import attn_res_mix_online, fold_partials
+    from references.attn_res import attn_res_mix_online, attn_res_probs, fold_partials
     from references.primitives import rms_norm
     wd = t["prefix"].dtype
     pref = t["prefix"] + (t["delta"] if "delta" in t else fold_partials(t["deltas"]))   # bitwise: the declared fold
@@ -65,7 +65,6 @@ def attn_res_rmsnorm(t: dict, p: dict) -> dict[str, dict[str, torch.Tensor]]:
     # the exact mix of the stored (rounded) p, rounded as the reference rounds (mix, norm, weight): the
     # best a kernel can do with p pinned bitwise; its distance to the fp64 oracle (unrounded p) is the
     # shared rounding of p through the scores, which the fused kernel showed at wide_range fp16 k3
-    from references.attn_res import attn_res_probs
     probs = attn_res_probs(src.double(), t["res_norm_w"].double(), t["res_proj_w"].double(), p["eps"])
     mix = torch.matmul(probs.unsqueeze(1), src.double()).squeeze(1).to(wd)
     out["exact_on_rounded_p"] = rms_norm(mix, t["norm_w"], p["norm_eps"])

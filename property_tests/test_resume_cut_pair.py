@@ -29,7 +29,12 @@ def attn_res_rmsnorm_wrong_past_batch_4(**kw):
 
     out = attn_res_rmsnorm(**kw)
     return out * 1.01 if out.shape[0] > 4 else out
-RUN = ["run", "--ops", OP, "--device", "cpu", "--profile", "ci", "--examples", "12", "--seed", "4", "--no-isolate"]
+def _run_args(seed: int) -> list[str]:
+    return ["run", "--ops", OP, "--device", "cpu", "--profile", "ci", "--examples", "12", "--seed", str(seed),
+            "--no-isolate"]
+
+
+RUN = _run_args(4)
 
 # The cut: the process dies right after the k-th case line, as when a device call's time limit kills it.
 CUT = """import os, sys
@@ -111,8 +116,7 @@ def _resume_and_compare(tmp_path, monkeypatch, candidate: str, k: int | None, rc
 
 def test_a_cut_pair_resumes_case_by_case(tmp_path, monkeypatch):
     # seed 7: a draw with a vacuous case among its first 12 (replayed as vacuous, not as judged)
-    run = [("7" if a == "4" and RUN[i - 1] == "--seed" else a) for i, a in enumerate(RUN)]
-    evaluated = _resume_and_compare(tmp_path, monkeypatch, "reference", k=5, rc=0, run=run)
+    evaluated = _resume_and_compare(tmp_path, monkeypatch, "reference", k=5, rc=0, run=_run_args(7))
     verdict, cases = _entry(tmp_path / "cut", "reference")
     assert verdict["status"] == "pass" and verdict["worst_ratio"]
     assert len(evaluated) == verdict["cases_run"] - 5 > 0

@@ -11,6 +11,7 @@ Known harness gaps are listed in GAPS: bug -> why the harness does not reject it
 from __future__ import annotations
 
 P = "property_tests.planted"
+FP16_SAFETY_CLAMP = 65504.0 - 1000       # finfo(fp16).max - 1000: T5's clamp_value, the fp16 builds' overflow guard
 
 CATALOGUE: list[tuple[str, str, str, str]] = [
     # ---- skinny_gemm

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from property_tests.planted import FP16_SAFETY_CLAMP
 from property_tests.planted._cache import TensorKeyed
 from references.kda import gated_rms_norm, in_proj_layout, kda_in_proj
 from references.primitives import linear, silu
@@ -130,7 +131,7 @@ def kda_decode_state_fp16_clamp(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w,
     """The new state clamped to +-(finfo(fp16).max - 1000) (an fp16 build's overflow guard kept on
     every dtype): right while |state| < 64504, wrong on the range_edges dist's huge rows."""
     return _decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w,
-                   state, lower_bound, l2_eps, norm_eps, state_clamp=torch.finfo(torch.float16).max - 1000)
+                   state, lower_bound, l2_eps, norm_eps, state_clamp=FP16_SAFETY_CLAMP)
 
 
 def kda_decode_resets_nonfinite_state(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log,

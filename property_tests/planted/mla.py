@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from references.mla import causal_visible, mla_decode_attn, paged_cache_read, mla_q_absorb
+from property_tests.planted import FP16_SAFETY_CLAMP
+from references.mla import causal_visible, mla_decode_attn, mla_q_absorb, mla_qkv_a, paged_cache_read
 from references.primitives import acc_dtype, linear
 
 # ---------------------------------------------------------------------------------- mla_qkv_a
@@ -27,9 +28,7 @@ def mla_qkv_a_norm_without_eps(x, w_qkv_a, q_a_norm_w, kv_a_norm_w, eps: float):
 def mla_qkv_a_fp16_activation_clamp(x, w_qkv_a, q_a_norm_w, kv_a_norm_w, eps: float):
     """The fp16 build's input clamp (+-64504, T5's clamp_value) kept on every dtype: bf16 / fp32 rows past
     it are clipped before the projection."""
-    from references.mla import mla_qkv_a
-    big = torch.finfo(torch.float16).max - 1000
-    return mla_qkv_a(x.clamp(-big, big), w_qkv_a, q_a_norm_w, kv_a_norm_w, eps)
+    return mla_qkv_a(x.clamp(-FP16_SAFETY_CLAMP, FP16_SAFETY_CLAMP), w_qkv_a, q_a_norm_w, kv_a_norm_w, eps)
 
 
 # ---------------------------------------------------------------------------------- mla_q_absorb
