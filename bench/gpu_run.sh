@@ -22,12 +22,13 @@ NG=$(nvidia-smi -L | wc -l)
   python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda, 'gpus', torch.cuda.device_count())"
   echo "commit $VERIFY_GIT_COMMIT"; } > "$R/env.txt" 2>&1
 CERT_S=${CERT_S:-520}; BENCH_S=${BENCH_S:-300}
+ISO=--no-isolate; [ -n "${CERT_ISOLATE:-}" ] && ISO="--case-timeout ${CERT_ISOLATE}"   # CERT_ISOLATE=S: each case in a worker, a hang past S seconds fails it
 cmd_for() { case $1 in        # job name -> "limit command..."
   cert_*) local op=${1#cert_}; echo "$CERT_S python3 -m verify.cli run --ops $op --candidate fused --device cuda \
-            --profile release --no-isolate ${CERT_ARGS:-} --out $R/cert_$op --junit $R/cert_$op/junit.xml" ;;
+            --profile release $ISO ${CERT_ARGS:-} --out $R/cert_$op --junit $R/cert_$op/junit.xml" ;;
   smoke) echo "$CERT_S python3 -m verify.cli run --candidate fused --device cuda --profile quick --no-isolate \
             ${CERT_ARGS:-} --out $R/smoke" ;;   # minutes: every fused op, quick profile (before a long release run)
-  certall) echo "$CERT_S python3 -m verify.cli run --candidate fused --device cuda --profile release --no-isolate \
+  certall) echo "$CERT_S python3 -m verify.cli run --candidate fused --device cuda --profile release $ISO \
             --jobs ${CERT_JOBS:-8} --shards ${CERT_SHARDS:-4} ${CERT_ARGS:-} --out $R/certall --junit $R/certall/junit.xml" ;;
   wave1a) echo "$BENCH_S python3 bench/bench_wave1a.py --out $R/wave1a --ops ${WAVE1A_OPS:-dequant,cache}" ;;
   wave1b) echo "$BENCH_S python3 -m bench.bench_wave1b --out $R/wave1b ${WAVE1B_ARGS:-}" ;;
