@@ -13,7 +13,7 @@ from verify.case import Case
 from verify.cases import get_profile
 from verify.certify import RunOptions, certify_op, draw_cases
 from verify.registry import get_op
-from verify.verdict import FAIL, CaseVerdict
+from verify.verdict import FAIL, VACUOUS, CaseVerdict
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -90,6 +90,28 @@ def test_a_judged_failure_outside_the_draw_fails_the_op():
     bad = CaseVerdict("skinny_gemm", "reference", stray, FAIL, "compare:y", "planted: judged by a shard", (), 0.1)
     v = certify_op(op, Candidate("reference"), opts, judged=[bad])
     assert v.status == FAIL and "planted: judged by a shard" in v.reason
+
+
+def test_the_dry_draw_deals_the_cases_a_real_run_judges():
+    """A vacuous case is a draw like a pass, so the shards' dry deal foresees every case a real run
+    judges (before this, each vacuous case sent hypothesis down another path and the op's own child
+    judged the rest alone: H200 session 23, kda_decode's finishing child cut after 450 s)."""
+    op = get_op("attn_res_rmsnorm")
+    opts = RunOptions(device="cpu", profile=get_profile("ci"), seed=7, examples=12)
+    dealt = draw_cases(op, Candidate("reference"), opts)
+    judged: list[CaseVerdict] = []
+    certify_op(op, Candidate("reference"), RunOptions(**{**opts.__dict__, "on_case": judged.append}))
+    assert any(v.status == VACUOUS for v in judged[:-1])           # a vacuous case before the last one
+    assert [v.case for v in judged] == dealt
+
+
+def test_an_op_whose_every_case_is_vacuous_fails():
+    op = get_op("skinny_gemm")
+    opts = RunOptions(device="cpu", profile=get_profile("quick"), examples=3,
+                      evaluator=lambda name, case, label, device, strided_run=True: CaseVerdict(
+                          name, label, case.to_json(), VACUOUS, "inputs", "planted: oracle all zeros", (), 0.0))
+    v = certify_op(op, Candidate("reference"), opts)
+    assert v.status == FAIL and "every drawn case was vacuous" in v.reason
 
 
 def test_shards_need_jobs(tmp_path):

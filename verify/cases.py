@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from verify.case import Case
 from verify.opdef import OpDef
+from verify.values import EDGE_DISTS
 
 CONFIG_ORDER = ("tiny", "small", "k3")      # shrink toward the smallest config
 
@@ -186,7 +187,6 @@ def dist_sweep_cases(op: OpDef, profile: Profile, seed: int, drawn: set[str]) ->
     not: their specials sit in some rows and some inputs only, and a drawn case can hold none that
     matters (one row, a layout with one source: a planted NaN-skipping AttnRes mix was certified while
     its only nonfinite draws were such cases)."""
-    from verify.values import EDGE_DISTS
     if not profile.dist_sweep:
         return []
     drawn = set(drawn) - set(EDGE_DISTS)

@@ -12,7 +12,6 @@ from typing import Callable, Sequence
 
 from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis import seed as hyp_seed
-from hypothesis.errors import Unsatisfiable
 
 from verify.candidates import Candidate, CandidateImportError, CandidateUnavailable
 from verify.case import Case
@@ -146,9 +145,9 @@ def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions, judged: Sequen
               phases=[Phase.explicit, Phase.generate] + ([Phase.shrink] if profile.shrink else []))
     @given(case_strategy(op, profile, opts.tps, opts.device))
     def prop(case: Case):
+        # a vacuous case counts as a draw (no reject()): the draw sequence then depends on no verdict
+        # but a failure, so the cases `run --shards` deals from a dry draw are the ones this run judges
         v = run_one(case)
-        if v.status == VACUOUS:
-            reject()
         if v.status == XPASS or (v.status == FAIL and v not in waived_fail):
             raise _CaseFailed(v)
 
@@ -157,7 +156,7 @@ def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions, judged: Sequen
         hyp_seed(opts.seed + sum(map(ord, op.name)))(prop)()
     except _CaseFailed as e:
         failure = e.verdict
-    except Unsatisfiable:
+    if failure is None and seen and all(v.status == VACUOUS for v in seen):
         failure = CaseVerdict(op.name, label, "", FAIL, "inputs", "every drawn case was vacuous")
     if failure is None and fatal:
         failure = fatal[0]
@@ -219,8 +218,9 @@ def _summarise(op, label, opts, seen, failure, waived_fail, seconds, scope: str 
 
 def draw_cases(op: OpDef, candidate: Candidate, opts: RunOptions) -> list[str]:
     """The cases a certification of this pair would judge, in order, without judging any (every draw
-    answers pass): what `run --shards` deals out to its children. Where a real run rejects a vacuous
-    case, hypothesis may draw differently afterwards; the run that finishes the pair judges those."""
+    answers pass): what `run --shards` deals out to its children. A vacuous case is a draw like a
+    pass, so a real run draws the same cases up to its first failure; only the dist sweep, which
+    skips dists drawn in judged cases, can add a case here (a dist drawn only vacuously)."""
     drawn: list[str] = []
 
     def dry(op_name, case, label, device, strided_run=True) -> CaseVerdict:

@@ -19,6 +19,13 @@ def ulp(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.exp2(exp.clamp_min(_MIN_EXP.get(dtype, -126)) - mant)
 
 
+def baseline_error(base_rows: torch.Tensor, oracle_rows: torch.Tensor) -> torch.Tensor:
+    """|base - oracle| where both are finite, else 0: a non-finite element (the reference overflowed,
+    or a NaN row) is no witness of rounding noise. Used unsplit (compare_derived) and split (split.py)."""
+    both = torch.isfinite(base_rows) & torch.isfinite(oracle_rows)
+    return torch.where(both, (base_rows - oracle_rows).abs(), torch.zeros_like(oracle_rows))
+
+
 def _rows(t: torch.Tensor, row_ndim: int = 1, device=None) -> torch.Tensor:
     """Rows to judge, in float64 on `device` (the oracle's: judging stays where the tensors are; a
     GPU judges a 170 MB state in milliseconds where a CPU takes seconds): the last `row_ndim` dims
@@ -140,7 +147,7 @@ def compare_derived(name: str, cand: torch.Tensor, oracle: torch.Tensor, base: t
     rounds_to_inf = fin_o & ~torch.isfinite(o_wd) & (c == o_wd.to(torch.float64))
     bad = (~fin_o & ~same_special) | (fin_o & ~torch.isfinite(c) & ~rounds_to_inf)
     err_c = torch.where(fin_o & ~rounds_to_inf & torch.isfinite(c), (c - o0).abs(), torch.zeros_like(o0))
-    err_b = torch.where(fin_o & torch.isfinite(b), (b - o0).abs(), torch.zeros_like(o0))
+    err_b = baseline_error(b, o)
     if baseline_err_rows is None:
         err_b_rows = err_b.amax(-1)
     else:

@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 
 from verify.case import Case
-from verify.values import GENERIC_DISTS
+from verify.values import EDGE_DISTS, GENERIC_DISTS
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class OpDef:
     fused: str | None = None                    # "fused.module:function" of our CuTe DSL candidate
     dtypes: tuple[str, ...] = ("bfloat16", "float16", "float32")
     configs: tuple[str, ...] = ("tiny", "small", "k3")
-    dists: tuple[str, ...] = GENERIC_DISTS
+    dists: tuple[str, ...] = GENERIC_DISTS + EDGE_DISTS   # ops without a defined result for NaN inputs declare their own
     max_batch: int = 64
     tie_scores: Callable[[OpInputs], torch.Tensor] | None = None   # fp64 selection scores, tie-aware ops
     reweigh: Callable[[OpInputs, torch.Tensor], dict[str, torch.Tensor]] | None = None  # ids -> reference outputs for them

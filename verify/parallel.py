@@ -15,7 +15,7 @@ compiles, input building and the harness's host work run in K processes instead 
 child's CPU thread pools share the host's cores (`child_threads`). When the
 K have exited, their case lines are joined into OUT/jobs/OP/run.jsonl and the op's own child runs
 with `--resume`: hypothesis replays the judged cases from that memo, judges any case the dry draw
-did not foresee (a draw after a vacuous case can differ), shrinks a failure and writes the op's
+did not foresee (a dist-sweep case for a dist drawn only vacuously), shrinks a failure and writes the op's
 verdict, exactly as an unsharded run would. On --resume each shard goes on with the list it was
 dealt (`_recorded_deal`), and reading the joined log counts a case two shards both judged once.
 """

@@ -12,11 +12,10 @@ def _row_err(a: torch.Tensor, o: torch.Tensor, row_ndim: int = 1) -> torch.Tenso
     finite (as compare_derived takes it unsplit): a row with a NaN or infinity elsewhere keeps the
     error of its finite elements (a NaN max here became a zero row error, a tolerance of the median
     rule alone: the fused kda_decode failed a split nonfinite case on its ordinary ulps)."""
-    from verify.compare import _rows
+    from verify.compare import _rows, baseline_error
 
-    a, o = _rows(a, row_ndim), _rows(o, row_ndim, a.device)
-    err = torch.where(torch.isfinite(a) & torch.isfinite(o), (a - o).abs(), torch.zeros_like(a))
-    return err.amax(-1)
+    a = _rows(a, row_ndim)
+    return baseline_error(a, _rows(o, row_ndim, a.device)).amax(-1)
 
 
 def run_split(op, case, fn, inputs, inputs64, oracle, base, spec, device, verdict):

@@ -83,11 +83,11 @@ def draw(gen: torch.Generator, shape, dist: str = "normal", *, scale: float = 1.
         sparse[rows] = True
         x = torch.where(sparse, torch.where(neg, -0.0, 0.0).to(torch.float64), x)
     elif dist == "small_rows" and len(shape) >= 1 and shape[0] > 0:
-        x = x * row_scales(gen, shape[0]).view((shape[0],) + (1,) * (len(shape) - 1))
+        x = x * _per_row(row_scales(gen, shape[0]), shape)
     elif dist == "wide_range":
         x = x * torch.exp2(torch.randint(-12, 13, shape, generator=gen).to(torch.float64))
     elif dist == "range_edges" and len(shape) >= 1 and shape[0] > 0:
-        x = x * range_edge_scales(gen, shape[0], range_dtype or dtype).view((shape[0],) + (1,) * (len(shape) - 1))
+        x = x * _per_row(range_edge_scales(gen, shape[0], range_dtype or dtype), shape)
     elif dist == "nonfinite" and len(shape) >= 1 and shape[0] > 0 and x.numel():
         rows = row_classes(gen if row_seed is None else generator(row_seed, NONFINITE_SALT), shape[0])
         x = place_nonfinite(gen, x, rows)
@@ -96,6 +96,11 @@ def draw(gen: torch.Generator, shape, dist: str = "normal", *, scale: float = 1.
         sign = torch.where(torch.rand(shape, generator=gen) < 0.5, -1.0, 1.0).to(torch.float64)
         x = _E2M1[idx] * sign * 0.5
     return (x * scale).to(dtype)
+
+
+def _per_row(scales: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """One scale per row (dim 0) of a tensor of `shape`, viewed to broadcast over the other dims."""
+    return scales.view((shape[0],) + (1,) * (len(shape) - 1))
 
 
 def row_scales(gen: torch.Generator, n_rows: int) -> torch.Tensor:

@@ -80,7 +80,8 @@ def attn_res_out_magnitude(inputs: OpInputs, cand: dict | None = None) -> dict[s
     src = torch.cat([d["blocks"][:, :p["n_blocks"]], (d["prefix"] + delta).unsqueeze(1)], dim=1)
     probs = attn_res_probs(src, d["res_norm_w"], d["res_proj_w"], p["eps"])
     keys = src * torch.rsqrt(src.pow(2).mean(-1, keepdim=True) + p["eps"])
-    score_mag = (keys * (d["res_norm_w"] * d["res_proj_w"].reshape(-1))).norm(dim=-1)      # A_s [B, S]
+    query = d["res_norm_w"] * d["res_proj_w"].reshape(-1)
+    score_mag = (keys * query).norm(dim=-1)                                                  # A_s [B, S]
     mix = torch.matmul(probs.unsqueeze(1), src).squeeze(1)
     r = torch.rsqrt(mix.pow(2).mean(-1, keepdim=True) + p["norm_eps"])
     spread = torch.matmul((probs * score_mag).unsqueeze(1), (src - mix.unsqueeze(1)).abs()).squeeze(1)
@@ -91,7 +92,7 @@ def attn_res_out_magnitude(inputs: OpInputs, cand: dict | None = None) -> dict[s
     pv = src[:, -1]
     p2 = pv.pow(2).sum(-1)
     flat = torch.where(p2 > 0, pv.pow(2).norm(dim=-1) / p2.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
-    score_p = (keys[:, -1] * (d["res_norm_w"] * d["res_proj_w"].reshape(-1))).sum(-1)
+    score_p = (keys[:, -1] * query).sum(-1)
     ds_p = (score_mag[:, -1] + score_p.abs() * flat) / math.sqrt(3.0)
     terms = terms + (probs[:, -1] * ds_p).unsqueeze(-1) * (pv - mix).abs()
     return {"out": terms * r * d["norm_w"].abs()}
@@ -150,7 +151,7 @@ OPS = [
         signature=_SIG.format(delta="delta[B,D] wd"),
         batch_dims={"prefix": 0, "delta": 0, "blocks": 0, "out": 0},
         split=replicated_split(), fused="fused.attn_res_rmsnorm:attn_res_rmsnorm",
-        dists=GENERIC_DISTS + EDGE_DISTS, notes=_NOTES, knob_sweep=SCORE_SWEEP, magnitudes=attn_res_out_magnitude,
+        notes=_NOTES, knob_sweep=SCORE_SWEEP, magnitudes=attn_res_out_magnitude,
     ),
     OpDef(
         name="allreduce_attn_res_rmsnorm", family="attn_res",

@@ -19,7 +19,7 @@ from references.kda_tp import (combine_kda_decode, combine_kda_in_proj, shard_kd
 from verify.case import Case
 from verify.opdef import OpDef, OpInputs, RankShard, SplitRule
 from verify.ops.common_splits import scalar_param
-from verify.values import EDGE_DISTS, GENERIC_DISTS, draw, generator, row_scales
+from verify.values import draw, generator, row_scales
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float64": torch.float64}
@@ -214,7 +214,6 @@ KDA_IN_PROJ = OpDef(
     batch_dims={"x": 0, **{name: 0 for name in _IN_PROJ_OUT}},
     split=_split_rule("column", shard_kda_in_proj, combine_kda_in_proj,
                       "none: q,k,v,z,beta,f_b columns by head, f_a replicated; concatenated"),
-    dists=GENERIC_DISTS + EDGE_DISTS,
     cpu_ok=False,
     notes=("k3 merged weight is [49376, 7168] (0.7 GB bf16, 2.8 GB as the fp64 oracle): run k3 on a large "
            "host or the device; tiny/small have the same structure."),
@@ -237,7 +236,6 @@ KDA_DECODE = OpDef(
     split=_split_rule("heads", shard_kda_decode, combine_kda_decode,
                       "none: heads are independent; y, conv_state, state concatenated by head"),
     fused="fused.kda_decode:kda_decode",
-    dists=GENERIC_DISTS + EDGE_DISTS,
     magnitudes=decode_state_magnitude,
     max_batch=DECODE_MAX_BATCH,
     notes=(f"batch capped at {DECODE_MAX_BATCH}: at k3 the fp32 state is 6 MiB per sequence and the oracle "

@@ -14,7 +14,7 @@ from references.config import get_config
 from verify.case import Case
 from verify.opdef import OpDef, OpInputs, RankShard, SplitRule
 from verify.ops.common_splits import scalar_param
-from verify.values import EDGE_DISTS, GENERIC_DISTS, draw, generator
+from verify.values import draw, generator
 
 _WORKING_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                    "float64": torch.float64}
@@ -277,21 +277,21 @@ def head_split(n_heads_of, shard_dims: dict[str, int], out_dims: dict[str, int])
 _NOTE_TOKENS = "batch = decode tokens (rows)."
 OPS: list[OpDef] = [
     OpDef(
-        name="mla_qkv_a", dists=GENERIC_DISTS + EDGE_DISTS, family="mla", reference="references.mla:mla_qkv_a", make_inputs=make_qkv_a_inputs,
+        name="mla_qkv_a", family="mla", reference="references.mla:mla_qkv_a", make_inputs=make_qkv_a_inputs,
         outputs=("q_c", "kv_c", "k_rot"),
         signature=("x[B,D] wd\nw_qkv_a[q_lora+kv_lora+rope, D] wd\nq_a_norm_w[q_lora] wd\nkv_a_norm_w[kv_lora] wd\n"
                    "eps: float (1e-6 HF / 1e-5 vLLM)\n-> q_c[B,q_lora] wd, kv_c[B,kv_lora] wd, k_rot[B,rope] wd"),
         batch_dims={"x": 0, "q_c": 0, "kv_c": 0, "k_rot": 0}, split=replicated_split(),
         notes=_NOTE_TOKENS + " eps drawn from {1e-6, 1e-5} unless the `eps` knob is set."),
     OpDef(
-        name="mla_q_absorb", dists=GENERIC_DISTS + EDGE_DISTS, family="mla", reference="references.mla:mla_q_absorb", make_inputs=make_q_absorb_inputs,
+        name="mla_q_absorb", family="mla", reference="references.mla:mla_q_absorb", make_inputs=make_q_absorb_inputs,
         outputs=("q_abs",),
         signature="q_c[B,q_lora] wd\nw_q_b[H*(Dh+rope), q_lora] wd\nw_uk[H,Dh,kv_lora] wd\n-> q_abs[B,H,kv_lora+rope] wd",
         batch_dims={"q_c": 0, "q_abs": 0},
         split=head_split(lambda i: i.tensors["w_uk"].shape[0], {"w_q_b": 0, "w_uk": 0}, {"q_abs": 1}),
         magnitudes=q_absorb_magnitude, notes=_NOTE_TOKENS),
     OpDef(
-        name="mla_cache_write", dists=GENERIC_DISTS + EDGE_DISTS, family="mla", reference="references.mla:mla_cache_write",
+        name="mla_cache_write", family="mla", reference="references.mla:mla_cache_write",
         make_inputs=make_cache_write_inputs, outputs=(), state=("cache",),
         signature="latent[N,C] wd\ncache[P,page,C] wd (state)\nslot_mapping[N] int64 (-1 = padding)\n-> None",
         batch_dims={"latent": 0, "slot_mapping": 0}, split=replicated_split(state=("cache",)),
@@ -300,7 +300,7 @@ OPS: list[OpDef] = [
               "knob cache='large' (in every run): a cache of 2^16 + N slots, the written ones straddling slot 2^16. "
               "Half the padded slots hold a negative other than -1."),
     OpDef(
-        name="mla_decode_attn", dists=GENERIC_DISTS + EDGE_DISTS, family="mla", reference="references.mla:mla_decode_attn",
+        name="mla_decode_attn", family="mla", reference="references.mla:mla_decode_attn",
         make_inputs=make_decode_attn_inputs, outputs=("o_latent",),
         signature=("q_abs[B,Q,H,C] wd (Q = 1..8 query tokens per sequence)\ncache[P,page,C] wd\n"
                    "block_table[B,max_pages] int32 (-1 padded)\nseq_lens[B] int32 (>= Q)\nscale: float (192^-0.5)\n"
@@ -313,7 +313,7 @@ OPS: list[OpDef] = [
                "(k3: 4 x 64 = 256) because the float64 oracle costs B*Q*H*L*C*4 flops (~15 GFLOP at k3, B=64, Q=8); "
                "page-boundary lengths still cover every page-aligned split boundary up to that length.")),
     OpDef(
-        name="mla_out_gate", dists=GENERIC_DISTS + EDGE_DISTS, family="mla", reference="references.mla:mla_out_gate", make_inputs=make_out_gate_inputs,
+        name="mla_out_gate", family="mla", reference="references.mla:mla_out_gate", make_inputs=make_out_gate_inputs,
         outputs=("o",),
         signature="o_latent[B,H,kv_lora] wd\nw_uv[H,Dh,kv_lora] wd\nx[B,D] wd\nw_g[H*Dh,D] wd\n-> o[B,H*Dh] wd",
         batch_dims={"o_latent": 0, "x": 0, "o": 0},

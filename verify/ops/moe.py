@@ -16,7 +16,7 @@ from verify.ops.common_splits import (RMS_EPS_DRAWS, activation, gen_for, norm_w
                                       scalar_param, weight, working_dtype)
 from verify.ops.moe_splits import MOE_EXPERTS_TP_SPLIT, SHARED_EXPERTS_SPLIT
 from verify.ops.mxfp4 import mxfp4_weight
-from verify.values import EDGE_DISTS, GENERIC_DISTS
+from verify.values import GENERIC_DISTS
 
 ROUTER_BIAS_STD = 0.1          # e_score_correction_bias: small next to the sigmoid's (0, 1) range
 ROUTED_SCALES = (2.827, 0.5)   # routed_scale besides the config's 1.0 (Kimi's routed_scaling_factor ~2.827)
@@ -239,7 +239,7 @@ OPS = [
         make_inputs=make_latent_norm_up_inputs, outputs=("out",),
         signature="y_latent[B,L] wd, norm_w[L] wd, w_up[D,L] wd, shared_out[B,D] wd, eps: float -> out[B,D] wd",
         batch_dims={"y_latent": 0, "shared_out": 0, "out": 0},
-        split=replicated_split(), dists=GENERIC_DISTS + EDGE_DISTS,
+        split=replicated_split(),
         notes="Replicated: runs after the one all-reduce of (latent partial, shared partial).",
     ),
     OpDef(
@@ -248,7 +248,7 @@ OPS = [
         signature=("x[B,D] wd, w_gate_up[2I,D] wd ([gate; up]), w_down[D,I] wd, situ_beta: float, "
                    "situ_linear_beta: float -> y[B,D] wd"),
         batch_dims={"x": 0, "y": 0},
-        split=SHARED_EXPERTS_SPLIT, dists=GENERIC_DISTS + EDGE_DISTS,
+        split=SHARED_EXPERTS_SPLIT,
         notes="Column (gate/up rows) then row (down columns) split; partial [B,D] per rank, rank-order "
               "fp32 fold. k3 weights are 12288x7168 + 7168x6144 (about 1 GB upcast to float64).",
     ),
