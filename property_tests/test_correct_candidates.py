@@ -28,11 +28,12 @@ CORRECT = Profile("correct_tiny", SEEDS, ("tiny",), 16, True, False, True)
 def _certify(op_name: str, candidate: str, seeds: int):
     op = all_ops()[op_name]
     load_spec(op_name)
-    # hypothesis may draw a case twice (judged once): ask for 10% more so `seeds` distinct ones are judged
-    v = certify_op(op, Candidate(candidate), RunOptions(device="cpu", profile=CORRECT, examples=seeds + seeds // 10))
+    # hypothesis may draw a case twice (judged once), and a vacuous case counts as a draw (session 23):
+    # ask for 20% more so `seeds` distinct non-vacuous ones are judged
+    v = certify_op(op, Candidate(candidate), RunOptions(device="cpu", profile=CORRECT, examples=seeds + seeds // 5))
     assert v.status in (PASS, WAIVED), (f"correct candidate {candidate!r} rejected for {op_name} after "
                                         f"{v.cases_run} cases: {v.reason}\n  repro: {v.repro}")
-    # `seeds` distinct cases were judged (vacuous draws are redrawn, not counted)
+    # `seeds` distinct non-vacuous cases were judged
     assert v.cases_run - v.cases_vacuous >= seeds, f"only {v.cases_run - v.cases_vacuous} non-vacuous cases"
     return v
 
