@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from verify.candidates import Candidate
@@ -100,7 +101,7 @@ def test_the_dry_draw_deals_the_cases_a_real_run_judges():
     opts = RunOptions(device="cpu", profile=get_profile("ci"), seed=7, examples=12)
     dealt = draw_cases(op, Candidate("reference"), opts)
     judged: list[CaseVerdict] = []
-    certify_op(op, Candidate("reference"), RunOptions(**{**opts.__dict__, "on_case": judged.append}))
+    certify_op(op, Candidate("reference"), replace(opts, on_case=judged.append))
     assert any(v.status == VACUOUS for v in judged[:-1])           # a vacuous case before the last one
     assert [v.case for v in judged] == dealt
 

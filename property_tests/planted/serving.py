@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from property_tests.planted._cache import TensorKeyed
+from property_tests.planted.kda import _decode as _kda_rows
 from references.attn_res import attn_res_rmsnorm as _attn_res_ref
 from references.gemm import skinny_gemm as _gemm_ref
-from references.kda import kda_decode as _kda_ref
 from references.mla import mla_cache_write as _cache_write_ref
 from references.mla import mla_decode_attn as _decode_attn_ref
 from references.mxfp4 import mxfp4_dequant as _dequant_ref
@@ -61,15 +61,8 @@ def kda_decode_merged_qkv_stride(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w
     if merged:
         qkv = torch.as_strided(q_raw, (B, 3 * C), (3 * C, 1))
         q_raw, k_raw, v_raw = qkv[:, :C], qkv[:, C:2 * C], qkv[:, 2 * C:]
-    ys = []                                 # one batch row at a time: bits independent of the batch
-    for b in range(state.shape[0]):
-        row = lambda t: t[b:b + 1].contiguous()   # noqa: E731
-        cs, st = row(conv_state), row(state)
-        ys.append(_kda_ref(row(q_raw), row(k_raw), row(v_raw), row(g_raw), row(beta_raw), row(z), conv_w, cs, A_log,
-                           dt_bias, o_norm_w, st, lower_bound, l2_eps, norm_eps))
-        conv_state[b:b + 1].copy_(cs)
-        state[b:b + 1].copy_(st)
-    return torch.cat(ys)
+    return _kda_rows(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, conv_state, A_log, dt_bias, o_norm_w, state,
+                     lower_bound, l2_eps, norm_eps)
 
 
 def mla_cache_write_consecutive_run_wraps(latent, cache, slot_mapping):
