@@ -66,13 +66,14 @@ class _Placed:
     inputs' (and state's) views start that many elements past an aligned base; outputs stay aligned."""
 
     def __init__(self, fn, op: OpDef, inputs: OpInputs, expected: dict[str, torch.Tensor], device,
-                 strided: bool = False, offset: int = 0, out_offset: int = 0):
+                 strided: bool = False, offset: int = 0, out_offset: int = 0, use_out: bool = True,
+                 owned: bool = False):
         self.op, self.device, self.expected = op, device, expected
-        self.inputs = {k: guards.place(k, v, device, strided=strided, offset=offset)
+        self.inputs = {k: guards.place(k, v, device, strided=strided, offset=offset, owned=owned)
                        for k, v in inputs.tensors.items()}
         self.outs: dict[str, guards.Guarded] = {}
         self.kwargs = {k: g.view for k, g in self.inputs.items()}
-        if op.outputs and guards.accepts_out(fn):
+        if use_out and op.outputs and guards.accepts_out(fn):
             self.outs = {n: guards.place(n, expected[n], device, strided=False, poison=True, offset=out_offset)
                          for n in op.outputs}
             self.kwargs["out"] = tuple(self.outs[n].view for n in op.outputs) if len(op.outputs) > 1 \
@@ -109,9 +110,10 @@ class _Placed:
 
 
 def guarded_call(fn, op: OpDef, inputs: OpInputs, expected: dict[str, torch.Tensor], device,
-                 strided: bool = False, offset: int = 0, out_offset: int = 0) -> guards.CallResult:
+                 strided: bool = False, offset: int = 0, out_offset: int = 0, use_out: bool = True,
+                 owned: bool = False) -> guards.CallResult:
     """Call the candidate once with every tensor in a canary buffer; check what it did."""
-    placed = _Placed(fn, op, inputs, expected, device, strided, offset, out_offset)
+    placed = _Placed(fn, op, inputs, expected, device, strided, offset, out_offset, use_out, owned)
     before = process_state.process_state(device)
     try:
         returned = placed.call(fn, inputs.params)
@@ -288,8 +290,8 @@ def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu"
         if all(c.ok for c in run):
             kept.append(_keep(op, label, first.results))
             run += _extra_runs(op, spec, case, fn_v, inputs, base, first.results, oracle, inputs64, device,
-                                  binds_claims(candidate), strided_run, refresh=not label, dinputs=dinputs,
-                                  kept=kept[-1], candidate=candidate)
+                                  binds_claims(candidate), strided_run, dinputs=dinputs,
+                                  kept=kept[-1], candidate=candidate + label)
             held = outputs_kept(kept, "the later calls of this case")
             # a reused output buffer also garbles the later comparisons: it is the reason to report
             run = [held] + run if not held.ok else run + [held]
@@ -372,7 +374,11 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
                                     "; ".join(c.detail for c in res if not c.ok) or "within tolerance after permutation"))
     other = refreshed_inputs(op, case, inputs) if refresh else None
     if refresh:
+        from verify import serving_guards
+
         checks.append(refreshed_inputs_check(op, spec, fn, inputs, other, device))
+        checks.append(serving_guards.partial_refresh_check(op, spec, fn, inputs, other, device))
+        checks.append(serving_guards.state_chain_check(op, spec, fn, inputs, base, other, device))
         if (op.name, candidate) not in _WARMED and other is not None:
             _WARMED.add((op.name, candidate))
             checks.append(warmed_up_check(op, spec, fn, dinputs, other[1], device))
@@ -401,6 +407,10 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
         checks.append(_same_as_first("guard:strided_inputs", "strided/offset views", strided.results, first, op,
                                      spec, strict, oracle, base, inputs, inputs64))
     checks += misaligned_inputs_checks(op, spec, fn, dinputs, base, first, oracle, inputs, inputs64, device, strict)
+    from verify import serving_guards
+
+    checks += serving_guards.call_form_checks(op, spec, fn, dinputs, base, first, oracle, inputs, inputs64, device,
+                                              strict)
     checks += inference_mode_checks(op, spec, fn, dinputs, base, first, oracle, inputs, inputs64, device, strict)
     return checks
 
@@ -568,8 +578,8 @@ def refreshed_inputs_check(op: OpDef, spec: ToleranceSpec, fn, inputs: OpInputs,
     placed = _Placed(fn, op, inputs, base2, device)
     try:
         placed.call(fn, inputs.params)
-        for k, g in placed.inputs.items():
-            g.view.copy_(inputs2.tensors[k].to(device))
+        for k, g in placed.inputs.items():     # through .data: no _version bump, as a graph replay,
+            g.view.data.copy_(inputs2.tensors[k].to(device))   # a DLPack or IPC alias writes
         for g in placed.outs.values():
             g.view.fill_(guards.poison_value(g.view.dtype))
         returned = placed.call(fn, inputs2.params)

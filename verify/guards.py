@@ -61,10 +61,15 @@ def _int_like(t: torch.Tensor) -> torch.dtype:
 
 
 def place(name: str, value: torch.Tensor, device, strided: bool = False, poison: bool = False,
-          offset: int = 0) -> Guarded:
+          offset: int = 0, owned: bool = False) -> Guarded:
     """Copy `value` into a canary-padded buffer on `device`; strided=True pads every row too.
     offset=k starts the view k elements past its usual start (CANARY_PAD elements into a fresh
-    buffer: at least 64 bytes, so 16-byte aligned): a base misaligned by k x element_size bytes."""
+    buffer: at least 64 bytes, so 16-byte aligned): a base misaligned by k x element_size bytes.
+    owned=True: a contiguous tensor that owns its whole storage, no canaries (what an engine's own
+    allocations look like: a kernel that takes such an input for a dead temporary writes into it)."""
+    if owned:
+        view = value.to(device).clone(memory_format=torch.contiguous_format)
+        return Guarded(name, view, view, view.clone())
     shape = tuple(value.shape)
     last = shape[-1] if shape else 1
     row_pad = 3 if strided and len(shape) >= 1 else 0

@@ -241,14 +241,18 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "q, k, v as column slices of one merged buffer read with an assumed row stride of 3C"),
     ("mla_cache_write", f"{P}.serving:mla_cache_write_consecutive_run_wraps", "compare:cache",
      "consecutive slots written as one run into the first slot's page, wrapping at its end"),
-    ("skinny_gemm", f"{P}.serving:skinny_gemm_donates_x_storage", "guard:inputs_unchanged",
+    ("skinny_gemm", f"{P}.serving:skinny_gemm_donates_x_storage", "guard:no_aliasing|inputs that own their whole storage",
      "y written into an x that owns its whole storage (buffer donation)"),
-    ("mxfp4_dequant", f"{P}.serving:mxfp4_dequant_fingerprint_memo", "guard:refreshed_inputs",
+    ("mxfp4_dequant", f"{P}.serving:mxfp4_dequant_fingerprint_memo", "guard:partial_refresh",
      "a dequant memo validated by the first and last rows: a partial weight update is missed"),
     ("mla_decode_attn", f"{P}.serving:mla_decode_attn_plan_per_seq_lens", "guard:refreshed_inputs",
      "a split-KV plan per seq_lens tensor: lengths grown in place are not seen"),
-    ("skinny_gemm", f"{P}.serving:skinny_gemm_out_none_unzeroed", "guard:out_omitted",
+    ("skinny_gemm", f"{P}.serving:skinny_gemm_out_none_unzeroed", "guard:outputs_written|a call without out=",
      "the out=None path accumulates split-K partials into torch.empty"),
+    ("skinny_gemm", f"{P}.serving:skinny_gemm_out_none_drops_k_tail", "guard:out_omitted|a call without out=",
+     "the allocating path (out=None) launches a config that drops a 16-wide K chunk"),
+    ("skinny_gemm", f"{P}.serving:skinny_gemm_owned_x_fast_path", "guard:owned_inputs|own their whole storage",
+     "a fast path for an x at the start of its own allocation drops the K tail"),
     ("skinny_gemm", f"{P}.serving:skinny_gemm_split_k_over_threads", "guard:thread_count",
      "CPU split-K over get_num_threads() chunks drops the K % T remainder"),
     ("skinny_gemm", f"{P}.serving:skinny_gemm_shared_workspace", "guard:concurrent_calls",
@@ -293,20 +297,8 @@ GAPS: dict[str, tuple[str, str | None]] = {
     # where |x|^2 ~ l2_eps = 1e-6: the small_rows distribution of verify/values.py draws such q/k rows).
     #
     # Open: session 23's red-team probe (serving-engine calls; results/gpu/targets.md says each guard)
-    "attn_res_rmsnorm_stale_prefix_shadow": ("no call is fed the state its previous call wrote (every call "
-                                             "starts from freshly placed state)", None),
-    "skinny_gemm_version_keyed_prepack": ("refreshed inputs are written with copy_, which bumps _version; a "
-                                          "graph replay or DLPack write does not", None),
     "kda_decode_merged_qkv_stride": ("inputs never share one buffer (kda_in_proj's merged output)", None),
-    "mla_cache_write_consecutive_run_wraps": ("slot mappings are drawn as random permutations, never as "
-                                              "consecutive runs across a page boundary", None),
-    "skinny_gemm_donates_x_storage": ("every input sits inside a canary buffer: none owns its storage", None),
-    "mxfp4_dequant_fingerprint_memo": ("the refreshed-inputs run rewrites whole tensors, never a part", None),
     "mla_decode_attn_plan_per_seq_lens": ("the refreshed-inputs run keeps integer inputs (seq_lens, "
                                           "block_table) as they were", None),
-    "skinny_gemm_out_none_unzeroed": ("a candidate that takes out= is always called with it", None),
-    "skinny_gemm_split_k_over_threads": ("every call runs at the process's one intra-op thread count", None),
     "skinny_gemm_shared_workspace": ("calls come from one host thread at a time", None),
-    "skinny_gemm_variant_stale_prepack": ("the refreshed-inputs and warmed-up runs judge the default launch "
-                                          "only (evaluate: refresh=not label)", None),
 }

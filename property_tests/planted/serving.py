@@ -167,3 +167,22 @@ def skinny_gemm_shared_workspace(x, w):
         acc = _WORKSPACES[key] = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
     torch.matmul(x.float(), w.float().T, out=acc)
     return acc.to(x.dtype, copy=True)
+
+
+def skinny_gemm_out_none_drops_k_tail(x, w, *, out=None):
+    """Destination-passing kernel whose allocating path (out=None, the engine's first call before it
+    owns a buffer) launches another tile config that stops a 16-wide K chunk early."""
+    if out is None:
+        k = x.shape[1] - 16
+        return (x[:, :k].float() @ w[:, :k].float().T).to(x.dtype)
+    out.copy_(_gemm_ref(x, w))
+    return out
+
+
+def skinny_gemm_owned_x_fast_path(x, w):
+    """A fast path for an x at the start of its own allocation (an engine's activation buffer, never
+    a slice) that drops the K tail; every harness input sits at an offset inside a canary buffer."""
+    if x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size():
+        k = x.shape[1] - 16
+        return (x[:, :k].float() @ w[:, :k].float().T).to(x.dtype)
+    return _gemm_ref(x, w)

@@ -146,6 +146,14 @@ def make_cache_write_inputs(case: Case) -> OpInputs:
         # offset in 16 bits writes over a low slot (certified while every drawn cache held < 200 slots)
         n_pages = -(-(LARGE_CACHE_SLOTS + n) // page)
         slots = LARGE_CACHE_SLOTS - n + torch.randperm(2 * n, generator=g)[:n].to(torch.int64)
+    elif n >= 2 and torch.rand(1, generator=g).item() < 1 / 3:
+        # a run of consecutive slots across a page boundary (a prefill chunk, or one sequence's draft
+        # tokens), no padding: a fast path for runs that wraps at the page's end was certified while
+        # every drawn mapping was a random permutation
+        h = max(1, n // 2)                                       # slots before the boundary
+        lo, hi = -(-h // page), (n_pages * page - n + h) // page     # boundaries j * page the run fits around
+        start = page * int(torch.randint(lo, hi + 1, (1,), generator=g)) - h
+        return _cache_write_inputs(case, n_pages, page, width, start + torch.arange(n, dtype=torch.int64))
     else:
         slots = torch.randperm(n_pages * page, generator=g)[:n].to(torch.int64)
     padding = torch.rand(n, generator=g) < 0.15      # padding tokens of a CUDA-graph batch
@@ -153,8 +161,12 @@ def make_cache_write_inputs(case: Case) -> OpInputs:
     # (a kernel that skips only -1 was certified while every padded slot held -1)
     other = torch.rand(n, generator=g) < 0.5
     slots[padding] = torch.where(other, -torch.randint(2, 2**31, (n,), generator=g), torch.full((n,), -1))[padding]
+    return _cache_write_inputs(case, n_pages, page, width, slots)
+
+
+def _cache_write_inputs(case: Case, n_pages: int, page: int, width: int, slots: torch.Tensor) -> OpInputs:
     # The cache starts full of other values, so a write to a wrong slot or a stray write shows.
-    return OpInputs(tensors={"latent": _activation(case, 21, (n, width)),
+    return OpInputs(tensors={"latent": _activation(case, 21, (slots.shape[0], width)),
                              "cache": draw(generator(case.seed, 22), (n_pages, page, width), "normal",
                                            dtype=working_dtype(case)),
                              "slot_mapping": slots})
