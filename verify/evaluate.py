@@ -258,6 +258,7 @@ def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu"
                   spec: ToleranceSpec | None = None, strided_run: bool = True) -> CaseVerdict:
     """The whole pipeline for one case; never raises for a candidate's failure."""
     t0 = time.perf_counter()
+    _CASE_MEMO.clear()
     spec = spec or load_spec(op.name)
 
     def verdict(status, stage="", reason="", checks=()):
@@ -490,8 +491,26 @@ def _misaligned_run(op, spec, fn, dinputs, base, first, oracle, inputs, inputs64
     return checks + [_same_as_first(name, where, run.results, first, op, spec, strict, oracle, base, inputs, inputs64)]
 
 
+# Within one case, what every launch variant's later runs share (the other seed's values, their oracle
+# and baseline): computed once, not once per variant. Keyed by object identity; the objects are kept.
+_CASE_MEMO: dict[tuple, tuple[object, object]] = {}
+
+
+def case_memo(key: tuple, keep: tuple, compute):
+    """compute() once per case for `key` (ids of the objects in `keep`, which the memo holds alive)."""
+    hit = _CASE_MEMO.get(key)
+    if hit is None:
+        hit = _CASE_MEMO[key] = (keep, compute())
+    return hit[1]
+
+
 def _judged_on(op: OpDef, spec: ToleranceSpec, inputs2: OpInputs, device) -> tuple[OpInputs, dict, dict] | None:
     """(oracle inputs, oracle, baseline) for other values of a case, or None where they are vacuous."""
+    return case_memo(("judged", op.name, id(inputs2), str(device)), (inputs2,),
+                     lambda: _judged_on_now(op, spec, inputs2, device))
+
+
+def _judged_on_now(op: OpDef, spec: ToleranceSpec, inputs2: OpInputs, device) -> tuple[OpInputs, dict, dict] | None:
     from verify.candidates import reference_fn
 
     inputs64_2 = to_oracle(inputs2)
@@ -539,7 +558,12 @@ def warmed_up_check(op: OpDef, spec: ToleranceSpec, fn, dinputs: OpInputs, input
 def refreshed_inputs(op: OpDef, case: Case, first: OpInputs) -> tuple[int | None, OpInputs] | None:
     """(seed, inputs) of another seed of this case with the same tensor shapes, dtypes and params;
     where no seed within REFRESH_SEEDS draws them (an op whose shapes depend on the seed), (None,
-    this case's inputs with its float tensors rescaled); None if nothing differs."""
+    this case's inputs with its float tensors rescaled); None if nothing differs. The same objects for
+    every launch variant of the case (case_memo)."""
+    return case_memo(("refreshed", op.name, id(first)), (first,), lambda: _refreshed_inputs_now(op, case, first))
+
+
+def _refreshed_inputs_now(op: OpDef, case: Case, first: OpInputs) -> tuple[int | None, OpInputs] | None:
     from dataclasses import replace
 
     want = {k: (tuple(v.shape), v.dtype) for k, v in first.tensors.items()}

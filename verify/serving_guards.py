@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from verify import guards
-from verify.evaluate import (_Placed, _call_failures, _judged_on, _one_line, _same_as_first, guarded_call, judge)
+from verify.evaluate import (_Placed, _call_failures, _judged_on, _one_line, _same_as_first, case_memo, guarded_call,
+                             judge)
 from verify.opdef import OpDef, OpInputs
 from verify.specs import ToleranceSpec
 from verify.verdict import Check
@@ -82,7 +83,8 @@ def partial_refresh_check(op: OpDef, spec: ToleranceSpec, fn, inputs: OpInputs, 
     name = "guard:partial_refresh"
     if found is None:
         return Check(name, True, "not run: no other values with this case's shapes could be drawn")
-    mixed, changed = _mixed(op, inputs, found[1])
+    mixed, changed = case_memo(("mixed", op.name, id(inputs), id(found[1])), (inputs, found[1]),
+                               lambda: _mixed(op, inputs, found[1]))
     if not changed:
         return Check(name, True, "not run: no tensor of 3 or more rows to rewrite in part")
     judged = _judged_on(op, spec, mixed, device)
