@@ -31,7 +31,8 @@ GUARDS = ("guard:output_type", "guard:no_aliasing", "guard:inputs_unchanged", "g
           "guard:outputs_written", "guard:deterministic", "guard:batch_position", "guard:refreshed_inputs",
           "guard:strided_inputs", "guard:misaligned_inputs", "guard:outputs_kept", "guard:process_state",
           "guard:output_layout", "guard:warmed_up", "guard:inference_mode", "guard:partial_refresh",
-          "guard:state_chain", "guard:out_omitted", "guard:owned_inputs", "guard:thread_count")
+          "guard:state_chain", "guard:out_omitted", "guard:owned_inputs", "guard:thread_count",
+          "guard:merged_inputs")
 _TABLE: list[tuple[str, str, str, str]] = []
 # quick, over every dtype of the op instead of the working dtype only (still no shrinking)
 # Fixed here, not the CLI's quick profile (which trims guard runs to fit its time budget): every

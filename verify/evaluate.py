@@ -67,10 +67,12 @@ class _Placed:
 
     def __init__(self, fn, op: OpDef, inputs: OpInputs, expected: dict[str, torch.Tensor], device,
                  strided: bool = False, offset: int = 0, out_offset: int = 0, use_out: bool = True,
-                 owned: bool = False):
+                 owned: bool = False, merged: bool = False):
         self.op, self.device, self.expected = op, device, expected
         self.inputs = {k: guards.place(k, v, device, strided=strided, offset=offset, owned=owned)
                        for k, v in inputs.tensors.items()}
+        for group in guards.merge_groups(inputs.tensors, op.state) if merged else ():
+            self.inputs.update(guards.place_merged(group, inputs.tensors, device))
         self.outs: dict[str, guards.Guarded] = {}
         self.kwargs = {k: g.view for k, g in self.inputs.items()}
         if use_out and op.outputs and guards.accepts_out(fn):
@@ -111,9 +113,9 @@ class _Placed:
 
 def guarded_call(fn, op: OpDef, inputs: OpInputs, expected: dict[str, torch.Tensor], device,
                  strided: bool = False, offset: int = 0, out_offset: int = 0, use_out: bool = True,
-                 owned: bool = False) -> guards.CallResult:
+                 owned: bool = False, merged: bool = False) -> guards.CallResult:
     """Call the candidate once with every tensor in a canary buffer; check what it did."""
-    placed = _Placed(fn, op, inputs, expected, device, strided, offset, out_offset, use_out, owned)
+    placed = _Placed(fn, op, inputs, expected, device, strided, offset, out_offset, use_out, owned, merged)
     before = process_state.process_state(device)
     try:
         returned = placed.call(fn, inputs.params)

@@ -93,6 +93,35 @@ def place(name: str, value: torch.Tensor, device, strided: bool = False, poison:
     return Guarded(name, buf, view, buf.clone())
 
 
+MERGE_PAD = 8            # canary elements closing each row of a merged buffer (its row stride is no sum of widths)
+
+
+def merge_groups(tensors: dict[str, torch.Tensor], exclude: tuple[str, ...] = ()) -> list[list[str]]:
+    """Inputs a merged projection would return side by side: two or more of one dtype and the same
+    leading dims (kda_decode's q, k, v, g, beta, z), in signature order; state and 1-d tensors left out."""
+    groups: dict[tuple, list[str]] = {}
+    for k, v in tensors.items():
+        if k not in exclude and v.dim() >= 2:
+            groups.setdefault((v.dtype, tuple(v.shape[:-1])), []).append(k)
+    return [g for g in groups.values() if len(g) >= 2]
+
+
+def place_merged(names: list[str], tensors: dict[str, torch.Tensor], device) -> dict[str, Guarded]:
+    """The tensors `names` as adjacent column slices of one buffer, in order, each row closed by
+    MERGE_PAD canary elements: the layout of a merged projection's output (kda_in_proj's q|k|v|g|...)."""
+    lead = tuple(tensors[names[0]].shape[:-1])
+    widths = [tensors[n].shape[-1] for n in names]
+    buf = torch.empty(lead + (sum(widths) + MERGE_PAD,), dtype=tensors[names[0]].dtype, device=device)
+    _canary_fill(buf)
+    views, off = {}, 0
+    for n, w in zip(names, widths):
+        views[n] = buf[..., off:off + w]
+        views[n].copy_(tensors[n].to(device))
+        off += w
+    before = buf.clone()
+    return {n: Guarded(n, buf, v, before) for n, v in views.items()}
+
+
 def storage_span(t: torch.Tensor) -> tuple[int, int]:
     st = t.untyped_storage()
     return st.data_ptr(), st.data_ptr() + st.nbytes()

@@ -237,7 +237,7 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "a p shadow reused when the caller passes back the prefix it wrote: stale after a block write"),
     ("skinny_gemm", f"{P}.serving:skinny_gemm_version_keyed_prepack", "guard:refreshed_inputs",
      "prepacked weights rebuilt on w._version: writes that bump no version are missed"),
-    ("kda_decode", f"{P}.serving:kda_decode_merged_qkv_stride", "guard:merged_inputs",
+    ("kda_decode", f"{P}.serving:kda_decode_merged_qkv_stride", "guard:merged_inputs|side by side in one buffer",
      "q, k, v as column slices of one merged buffer read with an assumed row stride of 3C"),
     ("mla_cache_write", f"{P}.serving:mla_cache_write_consecutive_run_wraps", "compare:cache",
      "consecutive slots written as one run into the first slot's page, wrapping at its end"),
@@ -297,7 +297,6 @@ GAPS: dict[str, tuple[str, str | None]] = {
     # where |x|^2 ~ l2_eps = 1e-6: the small_rows distribution of verify/values.py draws such q/k rows).
     #
     # Open: session 23's red-team probe (serving-engine calls; results/gpu/targets.md says each guard)
-    "kda_decode_merged_qkv_stride": ("inputs never share one buffer (kda_in_proj's merged output)", None),
     "mla_decode_attn_plan_per_seq_lens": ("the refreshed-inputs run keeps integer inputs (seq_lens, "
                                           "block_table) as they were", None),
     "skinny_gemm_shared_workspace": ("calls come from one host thread at a time", None),
