@@ -616,16 +616,24 @@ def refreshed_inputs_check(op: OpDef, spec: ToleranceSpec, fn, inputs: OpInputs,
     if not bad:
         bad = [c for c in judge(op, spec, results, oracle2, base2, inputs2, inputs64_2) if not c.ok]
     if bad:
-        # Stale state, or simply wrong on these values? A first call on them in fresh buffers tells.
-        fresh = guarded_call(fn, op, inputs2, base2, device)
-        fresh_ok = not fresh.error and all(c.ok for c in fresh.checks)
-        if fresh_ok:
-            plain = [c for c in judge(op, spec, fresh.results, oracle2, base2, inputs2, inputs64_2) if not c.ok]
-            if plain:
-                return Check(plain[0].name, False, f"on the values of {where} (same shapes; drawn by "
-                             f"the refreshed-inputs run), in fresh buffers too: {plain[0].detail}",
-                             plain[0].metrics, plain[0].worst)
-        return Check(name, False, f"new values ({where}) written into the same input buffers, in place, "
-                     "after a first call: " + "; ".join(f"{c.name}: {c.detail}" for c in bad)
-                     + (" (the same values in fresh buffers pass)" if fresh_ok else ""))
+        return stale_or_wrong(name, op, spec, fn, inputs2, judged, device, bad,
+                              f"new values ({where}) written into the same input buffers, in place, after a first call",
+                              f"the values of {where} (same shapes; drawn by the refreshed-inputs run)")
     return Check(name, True, "new values in the same buffers judged like a first call")
+
+
+def stale_or_wrong(name: str, op: OpDef, spec: ToleranceSpec, fn, values: OpInputs, judged, device,
+                   bad: list[Check], later: str, values_are: str) -> Check:
+    """A later call failed (`bad`) on `values` (judged: _judged_on(values)): stale state, or simply wrong
+    on these values? A first call on them in fresh buffers tells which. `later` says what the failed
+    call was, `values_are` what the values are."""
+    inputs64_2, oracle2, base2 = judged
+    fresh = guarded_call(fn, op, values, base2, device)
+    fresh_ok = not fresh.error and all(c.ok for c in fresh.checks)
+    if fresh_ok:
+        plain = [c for c in judge(op, spec, fresh.results, oracle2, base2, values, inputs64_2) if not c.ok]
+        if plain:
+            return Check(plain[0].name, False, f"on {values_are}, in fresh buffers too: {plain[0].detail}",
+                         plain[0].metrics, plain[0].worst)
+    return Check(name, False, f"{later}: " + "; ".join(f"{c.name}: {c.detail}" for c in bad)
+                 + (" (the same values in fresh buffers pass)" if fresh_ok else ""))

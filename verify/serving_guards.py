@@ -26,7 +26,7 @@ import torch
 
 from verify import guards
 from verify.evaluate import (_Placed, _call_failures, _judged_on, _one_line, _same_as_first, case_memo, guarded_call,
-                             judge)
+                             judge, stale_or_wrong)
 from verify.opdef import OpDef, OpInputs
 from verify.specs import ToleranceSpec
 from verify.verdict import Check
@@ -49,21 +49,6 @@ def _mixed(op: OpDef, first: OpInputs, other: OpInputs) -> tuple[OpInputs, list[
     return OpInputs(tensors, dict(first.params)), changed
 
 
-def _fresh_verdict(name: str, op, spec, fn, values: OpInputs, judged, device, where: str, bad: list[Check]) -> Check:
-    """A later call failed on `values`: stale state, or simply wrong on them? A first call on them in
-    fresh buffers tells which."""
-    inputs64_2, oracle2, base2 = judged
-    fresh = guarded_call(fn, op, values, base2, device)
-    fresh_ok = not fresh.error and all(c.ok for c in fresh.checks)
-    if fresh_ok:
-        plain = [c for c in judge(op, spec, fresh.results, oracle2, base2, values, inputs64_2) if not c.ok]
-        if plain:
-            return Check(plain[0].name, False, f"on {where}, in fresh buffers too: {plain[0].detail}",
-                         plain[0].metrics, plain[0].worst)
-    return Check(name, False, f"{where}: " + "; ".join(f"{c.name}: {c.detail}" for c in bad)
-                 + (" (the same values in fresh buffers pass)" if fresh_ok else ""))
-
-
 def _second_call(name, op, spec, fn, placed: _Placed, values: OpInputs, judged, device, where: str) -> Check:
     """Call again on what `placed` now holds (`values`), outputs poisoned; judge against `judged`."""
     inputs64_2, oracle2, base2 = judged
@@ -78,7 +63,7 @@ def _second_call(name, op, spec, fn, placed: _Placed, values: OpInputs, judged, 
     bad = [c for c in out_checks + placed.unwritten(results) if not c.ok]
     bad = bad or [c for c in judge(op, spec, results, oracle2, base2, values, inputs64_2) if not c.ok]
     if bad:
-        return _fresh_verdict(name, op, spec, fn, values, judged, device, where, bad)
+        return stale_or_wrong(name, op, spec, fn, values, judged, device, bad, where, where)
     return Check(name, True, f"{where}: judged like a first call")
 
 
