@@ -7,10 +7,10 @@ import sys
 
 import torch
 
-from verify.candidates import Candidate
-from verify.case import Case
-from verify.evaluate import evaluate_case, launch_variants, on_device, refreshed_inputs
-from verify.registry import get_op
+from verify.judge.candidates import Candidate
+from verify.model.case import Case
+from verify.judge.pipeline import evaluate_case, launch_variants, on_device, refreshed_inputs
+from verify.ops.registry import get_op
 
 
 def main() -> None:

@@ -16,8 +16,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fused import skinny_gemm as sg  # noqa: E402
 from fused import skinny_gemm_wgmma as wg  # noqa: E402
-from verify.case import Case  # noqa: E402
-from verify.registry import get_op  # noqa: E402
+from verify.model.case import Case  # noqa: E402
+from verify.ops.registry import get_op  # noqa: E402
 
 CASES = [(42, 824708, "float16", "normal"), (1, 824708, "float16", "normal"), (54, 384246, "float16", "heavy_tailed"),
          (37, 821934, "float16", "zero_rows"), (62, 62, "float16", "outliers"), (13, 31118, "float16", "normal"),

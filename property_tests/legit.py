@@ -128,11 +128,11 @@ SPEC = "spec"
 def judge_legit(op_name: str, case, element_floor: float | None | str = SPEC) -> dict[str, float]:
     """Worst ratio (error / tolerance) of every legitimate evaluation of the case under the op's spec
     bounds and magnitudes, with the spec's element floor or `element_floor`; > 1 would reject it."""
-    from verify.candidates import reference_fn
-    from verify.compare import compare_derived
-    from verify.evaluate import run_plain, to_oracle
-    from verify.registry import get_op
-    from verify.specs import load_spec
+    from verify.judge.candidates import reference_fn
+    from verify.judge.compare import compare_derived
+    from verify.judge.pipeline import run_plain, to_oracle
+    from verify.ops.registry import get_op
+    from verify.model.specs import load_spec
     op, spec = get_op(op_name), load_spec(op_name)
     inputs = op.make_inputs(case)
     inputs64 = to_oracle(inputs)
@@ -152,8 +152,8 @@ def judge_legit(op_name: str, case, element_floor: float | None | str = SPEC) ->
 
 
 def main() -> None:
-    from verify.case import Case
-    from verify.registry import get_op
+    from verify.model.case import Case
+    from verify.ops.registry import get_op
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("op", choices=sorted(LEGIT))
     ap.add_argument("--seeds", type=int, default=20)

@@ -79,7 +79,7 @@ def test_jobs_with_changed_since_carry_the_unchanged_ops(tmp_path):
 def test_children_share_the_cores(tmp_path, monkeypatch):
     """Each child's CPU thread pools get cores // jobs threads (unset, 16 torch children on a 32-core
     host each start 32 OpenMP threads); a value the user set passes through unchanged."""
-    from verify import parallel
+    from verify.run import pool as parallel
     for v in parallel.THREAD_VARS:
         monkeypatch.delenv(v, raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))

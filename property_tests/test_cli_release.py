@@ -72,7 +72,7 @@ def test_bad_usage_exits_2_with_one_line(args, words):
 
 
 def test_sanitize_without_sanitizer_or_gpu_says_so():
-    from verify.sanitize import unavailable_reason
+    from verify.run.sanitize import unavailable_reason
 
     why = unavailable_reason()
     if why is None:
@@ -82,7 +82,7 @@ def test_sanitize_without_sanitizer_or_gpu_says_so():
 
 
 def test_sanitizer_report_is_parsed():
-    from verify.sanitize import parse_report
+    from verify.run.sanitize import parse_report
 
     text = """========= COMPUTE-SANITIZER
 ========= Invalid __global__ write of size 4 bytes

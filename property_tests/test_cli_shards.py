@@ -9,12 +9,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from verify.candidates import Candidate
-from verify.case import Case
-from verify.cases import get_profile
-from verify.certify import RunOptions, certify_op, draw_cases
-from verify.registry import get_op
-from verify.verdict import FAIL, VACUOUS, CaseVerdict
+from verify.judge.candidates import Candidate
+from verify.model.case import Case
+from verify.plan.draw import get_profile
+from verify.run.runner import RunOptions, certify_op, draw_cases
+from verify.ops.registry import get_op
+from verify.model.verdict import FAIL, VACUOUS, CaseVerdict
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -152,10 +152,10 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 if sys.argv[2] == "after":
     import many_constants  # noqa: F401  (a local module full of integer constants)
-from verify.candidates import Candidate
-from verify.cases import get_profile
-from verify.certify import RunOptions, draw_cases
-from verify.registry import get_op
+from verify.judge.candidates import Candidate
+from verify.plan.draw import get_profile
+from verify.run.runner import RunOptions, draw_cases
+from verify.ops.registry import get_op
 opts = RunOptions(device="cpu", profile=get_profile("release"), examples=120)
 print(json.dumps(draw_cases(get_op("attn_res_rmsnorm"), Candidate("reference"), opts)))
 """
@@ -181,7 +181,7 @@ def test_the_draw_does_not_depend_on_the_modules_imported(tmp_path):
 def test_a_case_logged_twice_counts_once(tmp_path):
     """Two shards of different deals may both judge a case: reading the log counts it once, and where
     the two verdicts differ the failing one stands."""
-    from verify.runlog import RunLog, read
+    from verify.run.runlog import RunLog, read
 
     op = get_op("skinny_gemm")
     opts = RunOptions(device="cpu", profile=get_profile("quick"), examples=3)

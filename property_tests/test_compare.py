@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from verify.compare import compare_bitwise, compare_derived, compare_tie_aware_ids, ulp, vacuous_reason
+from verify.judge.compare import compare_bitwise, compare_derived, compare_tie_aware_ids, ulp, vacuous_reason
 
 DT = st.sampled_from([torch.bfloat16, torch.float16, torch.float32])
 

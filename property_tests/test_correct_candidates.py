@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import pytest
 
-from verify.candidates import Candidate
-from verify.cases import Profile
-from verify.certify import RunOptions, certify_op
-from verify.registry import all_ops
-from verify.specs import load_spec
-from verify.verdict import PASS, WAIVED
+from verify.judge.candidates import Candidate
+from verify.plan.draw import Profile
+from verify.run.runner import RunOptions, certify_op
+from verify.ops.registry import all_ops
+from verify.model.specs import load_spec
+from verify.model.verdict import PASS, WAIVED
 
 SEEDS = 200
 SEEDS_CI = 10

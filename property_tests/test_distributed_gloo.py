@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from verify.distributed import certify_distributed  # noqa: E402
-from verify.registry import get_op  # noqa: E402
+from verify.run.distributed import certify_distributed  # noqa: E402
+from verify.ops.registry import get_op  # noqa: E402
 
 OP = "allreduce_attn_res_rmsnorm"
 

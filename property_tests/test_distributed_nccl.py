@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from verify.distributed import COLLECTIVE_OPS, certify_distributed
-from verify.registry import get_op
+from verify.run.distributed import COLLECTIVE_OPS, certify_distributed
+from verify.ops.registry import get_op
 
 pytestmark = pytest.mark.multi_gpu(2)
 

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from property_tests.legit import LEGIT, judge_legit
-from verify.case import Case
-from verify.registry import get_op
+from verify.model.case import Case
+from verify.ops.registry import get_op
 
 SHARP_SCORES = (("n_blocks", 7), ("score_scale", 64.0))       # attn_res's knob-sweep case
 
@@ -31,10 +31,10 @@ def test_legitimate_evaluations_pass_the_element_rule(op_name, seed, config, dty
 def test_the_element_rule_is_what_rejects_a_per_row_fixed_point_store(op_name, dtype):
     """A store with one exponent per row (every element a multiple of 2^-p x its row's maximum) passes
     the row rule and fails the element rule: the test can fail, and the rule is the reason."""
-    from verify.candidates import reference_fn
-    from verify.compare import compare_derived
-    from verify.evaluate import run_plain, to_oracle
-    from verify.specs import load_spec
+    from verify.judge.candidates import reference_fn
+    from verify.judge.compare import compare_derived
+    from verify.judge.pipeline import run_plain, to_oracle
+    from verify.model.specs import load_spec
     op, spec = get_op(op_name), load_spec(op_name)
     out = op.outputs[0]
     case = Case(op_name, 3, 16, "small", dtype, "normal")

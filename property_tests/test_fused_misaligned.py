@@ -13,9 +13,9 @@ import torch
 
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
 
-from verify.case import Case  # noqa: E402
-from verify.guards import place  # noqa: E402
-from verify.registry import get_op  # noqa: E402
+from verify.model.case import Case  # noqa: E402
+from verify.judge.guards.placement import place  # noqa: E402
+from verify.ops.registry import get_op  # noqa: E402
 
 
 def _aligned(**tensors):

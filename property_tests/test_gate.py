@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from verify import gate
-from verify.certificate import op_sources
+from verify.record import gate
+from verify.record.certificate import op_sources
 from verify.cli import main
-from verify.registry import get_op
+from verify.ops.registry import get_op
 
 OPS = [get_op("skinny_gemm"), get_op("router_topk")]
 
@@ -88,7 +88,7 @@ def test_cli_exit_codes_and_json(tmp_path, capsys):
 def _with_files(name, old_hash_of=None, drop=None, extra=None):
     """A certificate entry's per-file hashes as `build` writes them, with one file's hash changed
     (as if it was judged on other bytes), one file missing, or one file the tree no longer has."""
-    from verify.certificate import source_files
+    from verify.record.certificate import source_files
     files = dict(source_files(get_op(name)))
     if old_hash_of:
         files[old_hash_of] = "0" * 64
@@ -122,8 +122,8 @@ def test_certificates_record_each_source_file_hash():
     closure, reference closure, spec, registry entry, harness modules), by path from the repo root."""
     import hashlib
 
-    from verify import certificate
-    from verify.verdict import OpVerdict
+    from verify.record import certificate
+    from verify.model.verdict import OpVerdict
     ops = {"skinny_gemm": get_op("skinny_gemm")}
     cert = certificate.build([OpVerdict("skinny_gemm", "fused", "pass")], ops, {}, "cpu")
     files = cert["ops"]["skinny_gemm"]["source_files"]
@@ -141,7 +141,7 @@ def test_without_file_hashes_git_names_the_files_since_the_certificates_commit(t
     over the op's files names what changed since, committed or not; an unknown commit names none."""
     import subprocess
 
-    from verify import certificate
+    from verify.record import certificate
     git = ["git", "-C", str(tmp_path), "-c", "user.email=t@t", "-c", "user.name=t"]
     (tmp_path / "fused").mkdir()
     (tmp_path / "fused" / "k.py").write_text("a = 1\n")
@@ -167,7 +167,7 @@ def test_carried_entries_gain_the_file_hashes_of_their_unchanged_sources():
     """`--changed-since` carries an op whose sources are unchanged; an entry from a certificate older
     than the per-file hashes gets the tree's (its sources equal the tree's, so its files do), and an
     entry that has them keeps its own."""
-    from verify.certificate import carry_forward, source_files
+    from verify.record.certificate import carry_forward, source_files
     old = _cert("2026-11-30T00:00:00+00:00", ops=("skinny_gemm",))
     carried, changed = carry_forward(old, {"skinny_gemm": OPS[0]}, ["fused"])
     assert changed == [] and carried["skinny_gemm"]["source_files"] == source_files(OPS[0])
@@ -189,7 +189,7 @@ def test_carried_entries_gain_the_file_hashes_of_their_unchanged_sources():
 def test_a_malformed_certificate_is_named_not_a_traceback(tmp_path, body, words):
     """`load` (behind check, report, diff and --changed-since) checks the fields they read (session 18's
     probe: valid JSON of the wrong shape gave AttributeError / TypeError from inside the gate)."""
-    from verify import certificate
+    from verify.record import certificate
     p = tmp_path / "c.json"
     p.write_text(body)
     with pytest.raises(ValueError, match=words.replace("(", r"\(")) as e:

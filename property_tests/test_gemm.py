@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from references.gemm import skinny_gemm
-from verify.case import Case
-from verify.cases import PROFILES, Profile, drawn_dtypes, knob_sweep_cases
+from verify.model.case import Case
+from verify.plan.draw import PROFILES, Profile, drawn_dtypes, knob_sweep_cases
 from verify.ops.gemm import KNOB_PROJECTIONS, OPS, off_tile, projection_shape
 
 GEMM = OPS[0]
@@ -63,7 +63,7 @@ def test_knob_sweep_runs_the_off_tile_shape_in_every_profile():
         assert all(200 <= c.seed < 300 for c in cases) and len({c.seed for c in cases}) == len(cases)
     off = Profile("x", 4, ("tiny",), 16, False, False, True, knob_sweep=False)
     assert knob_sweep_cases(GEMM, off, 0, None) == []
-    from verify.registry import get_op
+    from verify.ops.registry import get_op
     assert knob_sweep_cases(get_op("mla_qkv_a"), PROFILES["release"], 0, None) == []
 
 
@@ -94,8 +94,8 @@ def test_fp32_spec_accepts_other_summation_orders_and_rejects_bf16_partials(conf
     floor (measured: up to 23 fp32 ulps of the row maximum for strided BLAS at K = 12288): every
     legitimate fp32 order passes, while partial sums rounded to bf16 (a kernel that keeps its
     split-K partials in the activation dtype) fail."""
-    from verify.compare import compare_derived
-    from verify.specs import load_spec
+    from verify.judge.compare import compare_derived
+    from verify.model.specs import load_spec
 
     case = Case("skinny_gemm", seed, 1 + (seed * 7) % 64, config, "float32", dist)
     t = OPS[0].make_inputs(case).tensors

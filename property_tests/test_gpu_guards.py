@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verify.case import Case
-from verify.evaluate import evaluate_case
-from verify.registry import get_op
+from verify.model.case import Case
+from verify.judge.pipeline import evaluate_case
+from verify.ops.registry import get_op
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CASE = Case("skinny_gemm", 7, 5, "small", "bfloat16", "normal", 1)
@@ -71,7 +71,7 @@ def _scratch_gemm(per_stream: bool):
 
 def _concurrent_guard(opname: str, case: Case):
     """The fused kernel's verdict on `case` and its guard:concurrent check (None if not run)."""
-    from verify.candidates import Candidate
+    from verify.judge.candidates import Candidate
     op = get_op(opname)
     v = evaluate_case(op, case, Candidate("fused").resolve(op, "cuda"), "fused", "cuda")
     return v, {c.name: c for c in v.checks}.get("guard:concurrent")
@@ -128,7 +128,7 @@ def test_fused_kernels_compute_on_misaligned_inputs(op_name):
     kernels give the first run's bits at inputs, and out= buffers, one element past a 16-byte boundary,
     not a refusal (the
     TVM-FFI call would raise 'Misaligned Tensor data' for an argument compiled 16-byte aligned)."""
-    from verify.candidates import Candidate
+    from verify.judge.candidates import Candidate
     op = get_op(op_name)
     fn = Candidate("fused").resolve(op, "cuda")
     case = Case(op_name, 11, 5, "small", "bfloat16", "normal", 1)

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from references.primitives import linear
-from verify.case import Case
-from verify.evaluate import evaluate_case
-from verify.opdef import OpDef, OpInputs
-from verify.specs import parse_spec
-from verify.values import draw, generator
+from verify.model.case import Case
+from verify.judge.pipeline import evaluate_case
+from verify.model.opdef import OpDef, OpInputs
+from verify.model.specs import parse_spec
+from verify.model.values import draw, generator
 
 
 def _inputs(case):
@@ -228,7 +228,7 @@ def flushes_then_raises(x, w):
     (wrong_shape, "guard:output_type", "shape"),
 ])
 def test_guard_rejects(fn, stage, needle):
-    from verify.process_state import process_state
+    from verify.judge.process_state import process_state
 
     before = process_state("cpu")
     v = evaluate_case(TOY, CASE, fn, fn.__name__, spec=SPEC)
@@ -257,7 +257,7 @@ def test_a_bitwise_guard_names_the_elements_that_differ():
 
     from rich.console import Console
 
-    from verify.reporters.terminal import print_case
+    from verify.record.reporters.terminal import print_case
 
     v = evaluate_case(TOY, CASE, strided_last_bit, "fused", spec=SPEC)
     check = next(c for c in v.checks if c.name == "guard:strided_inputs")
@@ -283,7 +283,7 @@ def test_correct_candidate_passes_every_guard(seed):
 
 def test_place_offset_misaligns_the_base_and_keeps_the_canaries():
     """offset=1: contiguous, one element past a 16-byte boundary; a write just before it is seen."""
-    from verify.guards import place
+    from verify.judge.guards.placement import place
 
     for dt in (torch.bfloat16, torch.float32, torch.uint8, torch.int64):
         value = torch.arange(12).reshape(3, 4).to(dt)
@@ -313,7 +313,7 @@ def test_a_refusal_of_misaligned_out_buffers_passes_and_is_recorded():
 
 
 def test_the_quick_profile_skips_the_misaligned_run():
-    from verify.cases import get_profile
+    from verify.plan.draw import get_profile
 
     assert not get_profile("quick").strided_run
     v = evaluate_case(TOY, CASE, rounds_base_down, "fused", spec=SPEC, strided_run=False)
@@ -325,7 +325,7 @@ def test_misaligned_state_is_judged_on_a_state_op():
     candidate that writes through the cache's base rounded down to 16 bytes is rejected (its rows
     land one element early: the cache, judged bitwise, differs from the first run's)."""
     from references.mla import mla_cache_write
-    from verify.registry import get_op
+    from verify.ops.registry import get_op
 
     def rounds_cache_down(latent, cache, slot_mapping):
         back = (cache.data_ptr() % 16) // cache.element_size()
@@ -346,8 +346,8 @@ def test_misaligned_state_is_judged_on_a_state_op():
 def test_refreshed_inputs_keep_shapes_and_params_and_change_values():
     """Every registered op gets other values with this case's shapes: another seed's, or (ops whose
     shapes follow the seed, like the paged MLA ones) its own float inputs rescaled, indices kept."""
-    from verify.evaluate import refreshed_inputs
-    from verify.registry import all_ops
+    from verify.judge.pipeline import refreshed_inputs
+    from verify.ops.registry import all_ops
 
     for name, op in all_ops().items():
         case = Case(name, 3, min(5, op.max_batch), op.configs[0], op.dtypes[0], op.dists[0], 1)
@@ -367,7 +367,7 @@ def test_refreshed_inputs_catch_a_stale_cache_on_a_paged_op():
     """A memo of the output keyed by the cache tensor object, on an op whose shapes follow the seed
     (the rescaled-values path): rejected by the refreshed-inputs guard, and the reference passes it."""
     from references.mla import mla_decode_attn
-    from verify.registry import get_op
+    from verify.ops.registry import get_op
 
     memo = {}
 

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from references.kda import (gated_delta_step, kda_attention_step, kda_decode, kda_gate, kda_in_proj,
                             short_conv_update)
 from references.primitives import l2_normalize
-from verify.case import Case
+from verify.model.case import Case
 from verify.ops.kda import make_kda_attention_step_inputs, make_kda_decode_inputs
-from verify.values import draw, generator
+from verify.model.values import draw, generator
 
 FAST = settings(max_examples=8, deadline=None)
 seeds = st.integers(0, 2**31 - 1)
@@ -252,7 +252,7 @@ def test_state_magnitude_covers_an_order_change_in_fp32():
     """An fp32 evaluation in another order stays within the state's derived fp32 bound once the floor
     is scaled by the running-error magnitude; without it, rows whose conv cancels fail (so the sweep
     does reach them); and the magnitude is never below the result itself."""
-    from verify.compare import compare_derived
+    from verify.judge.compare import compare_derived
     from verify.ops.kda import decode_state_magnitude
 
     without = []
@@ -278,7 +278,7 @@ def test_compiled_kda_decode_cancelling_conv_row_is_accepted():
     the conv's terms. Since session 21 zero_rows also zeroes elements inside the other rows, so the
     case's draw differs: the test takes the case's most cancelling state row (its magnitude over its
     max |oracle|, rows below 1e-3 of the tensor's maximum left out) and judges the same two moves."""
-    from verify.compare import compare_derived, ulp
+    from verify.judge.compare import compare_derived, ulp
     from verify.ops.kda import decode_state_magnitude
 
     case = Case.from_json('{"batch":14,"config":"tiny","dist":"zero_rows","dtype":"float32","extra":[],'

@@ -18,7 +18,7 @@ from references.config import SMALL, TINY
 from references.layers import (LayerState, decode_steps, kda_layer, layer_kind_of, mla_layer, new_layer_state,
                                next_slots)
 from references.weights import FP32_PARAMS, make_layer_weights
-from verify.compare import compare_tie_aware_ids
+from verify.judge.compare import compare_tie_aware_ids
 
 U_BF16 = 2.0 ** -8
 STEPS, BATCH, TIME_LIMIT_S = 32, 4, 30.0

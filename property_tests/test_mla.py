@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from references.config import get_config
 from references.mla import (mla_attention_expanded, mla_cache_write, mla_decode_attn, mla_decode_attn_split_kv,
                             mla_out_gate, mla_q_absorb, mla_qkv_a, mla_uv_project, shard_heads)
-from verify.case import Case
+from verify.model.case import Case
 from verify.ops.mla import OPS, make_cache_write_inputs, make_decode_attn_inputs, make_qkv_a_inputs
 
 F64 = torch.float64
@@ -230,9 +230,9 @@ def test_decode_attn_fp32_accepts_other_orders_by_their_magnitude(seed, monkeypa
     same evaluations exceed the tolerance on outlier rows), while TF32 scores still fail (the catalogue)."""
     import dataclasses
 
-    import verify.registry as registry
+    import verify.ops.registry as registry
     from property_tests.legit import judge_legit
-    from verify.case import Case
+    from verify.model.case import Case
     case = Case("mla_decode_attn", seed, 1 + 13 * seed, "tiny", "float32", "outliers")
     assert max(judge_legit("mla_decode_attn", case).values()) <= 1.0
     op = registry.get_op("mla_decode_attn")

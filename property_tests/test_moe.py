@@ -10,7 +10,7 @@ from references.moe import (dense_mlp, l2_prefetch, latent_norm_up, moe_experts_
                             moe_experts_mxfp4_grouped, shared_experts)
 from references.mxfp4 import mxfp4_dequant
 from references.primitives import linear, rms_norm, situ_and_mul
-from verify.case import Case
+from verify.model.case import Case
 from verify.ops.moe import OPS
 
 EXPERTS = next(op for op in OPS if op.name == "moe_experts_mxfp4")

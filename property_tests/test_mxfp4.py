@@ -157,10 +157,10 @@ def test_bad_input_names_the_argument(call, error, arg):
 def test_off_tile_in_dim_is_an_odd_number_of_groups(config, want):
     """mxfp4_dequant's knob-sweep shape: I an odd multiple of the 32-wide group (no 64-column tile
     divides it) at or above the config's latent; an int knob still sets I; the sweep runs it."""
-    from verify.case import Case
-    from verify.cases import PROFILES, knob_sweep_cases
+    from verify.model.case import Case
+    from verify.plan.draw import PROFILES, knob_sweep_cases
     from verify.ops.mxfp4 import in_dim
-    from verify.registry import get_op
+    from verify.ops.registry import get_op
     case = Case("mxfp4_dequant", 0, 3, config, "bfloat16", extra=(("in_dim", "off_tile"),))
     I = in_dim(case)
     assert I == want and I % GROUP == 0 and (I // GROUP) % 2 == 1
@@ -174,9 +174,9 @@ def test_off_tile_in_dim_is_an_odd_number_of_groups(config, want):
 def test_exhaustive_codes_pair_every_scale_byte_with_every_code():
     """The knob-sweep case codes='exhaustive': each row holds all 256 scale bytes, each group the 16
     codes twice, so fp16 output reaches subnormals, overflow and NaN; it runs in every output dtype."""
-    from verify.case import Case
-    from verify.cases import PROFILES, drawn_dtypes, knob_sweep_cases
-    from verify.registry import get_op
+    from verify.model.case import Case
+    from verify.plan.draw import PROFILES, drawn_dtypes, knob_sweep_cases
+    from verify.ops.registry import get_op
     from references.mxfp4 import mxfp4_dequant
     op = get_op("mxfp4_dequant")
     t = op.make_inputs(Case("mxfp4_dequant", 4, 3, "tiny", "float16", extra=(("codes", "exhaustive"),))).tensors

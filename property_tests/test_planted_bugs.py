@@ -20,12 +20,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from property_tests.planted import ALL_DTYPES, CATALOGUE, EXAMPLES, FP32_ONLY, FULL_BATCH, GAPS  # noqa: E402
-from verify.candidates import Candidate  # noqa: E402
-from verify.cases import Profile  # noqa: E402
-from verify.certify import RunOptions, certify_op  # noqa: E402
-from verify.registry import all_ops, get_op  # noqa: E402
-from verify.specs import SpecError, load_spec  # noqa: E402
-from verify.verdict import FAIL  # noqa: E402
+from verify.judge.candidates import Candidate  # noqa: E402
+from verify.plan.draw import Profile  # noqa: E402
+from verify.run.runner import RunOptions, certify_op  # noqa: E402
+from verify.ops.registry import all_ops, get_op  # noqa: E402
+from verify.model.specs import SpecError, load_spec  # noqa: E402
+from verify.model.verdict import FAIL  # noqa: E402
 
 GUARDS = ("guard:output_type", "guard:no_aliasing", "guard:inputs_unchanged", "guard:canaries",
           "guard:outputs_written", "guard:deterministic", "guard:batch_position", "guard:refreshed_inputs",
@@ -127,8 +127,8 @@ def test_catalogue_covers_every_op_and_guard():
 def test_planted_candidates_have_the_reference_signature():
     import inspect
 
-    from verify.candidates import reference_fn
-    from verify.registry import import_callable
+    from verify.judge.candidates import reference_fn
+    from verify.ops.registry import import_callable
 
     for op_name, candidate, _, _ in CATALOGUE:
         if op_name not in all_ops():

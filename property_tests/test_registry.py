@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verify.case import Case
-from verify.registry import UnknownOpError, all_ops, get_op, import_callable
-from verify.specs import SPEC_DIR, load_spec
+from verify.model.case import Case
+from verify.ops.registry import UnknownOpError, all_ops, get_op, import_callable
+from verify.model.specs import SPEC_DIR, load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 # shared/OPS.md, "Op pairs": every row must be registered.
@@ -102,7 +102,7 @@ def test_unknown_op_names_near_matches():
 
 def test_import_callable_errors_are_one_line():
     for bad, msg in [("nope", "not of the form"), ("no_such_mod_xyz:f", "cannot import module"),
-                     ("verify.registry:nothing", "has no attribute"), ("verify.registry:__doc__", "not callable")]:
+                     ("verify.ops.registry:nothing", "has no attribute"), ("verify.ops.registry:__doc__", "not callable")]:
         with pytest.raises(ImportError, match=msg) as e:
             import_callable(bad)
         assert "\n" not in str(e.value)

@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from verify import certificate  # noqa: E402
+from verify.record import certificate  # noqa: E402
 from verify.cli import main  # noqa: E402
-from verify.registry import get_op  # noqa: E402
+from verify.ops.registry import get_op  # noqa: E402
 
 OP = "attn_res_rmsnorm"
 P = "property_tests.planted_release:"
@@ -91,16 +91,16 @@ def test_resume_after_a_killed_run(tmp_path):
 
 
 def test_waived_case_that_passes_fails_the_run(monkeypatch):
-    from verify import certify
-    from verify.candidates import Candidate
-    from verify.cases import get_profile
-    from verify.specs import Waiver, load_spec
+    from verify.run import runner as certify
+    from verify.judge.candidates import Candidate
+    from verify.plan.draw import get_profile
+    from verify.model.specs import Waiver, load_spec
 
     spec = load_spec(OP).model_copy(deep=True)
     spec.waivers.append(Waiver(candidate="reference", match={"dtype": "bfloat16"}, reason="planted stale waiver",
                                expected_error="none: it passes"))
     monkeypatch.setattr(certify, "load_spec", lambda name: spec)
-    from verify.registry import get_op
+    from verify.ops.registry import get_op
 
     v = certify.certify_op(get_op(OP), Candidate("reference"),
                            certify.RunOptions(profile=get_profile("quick"), examples=2))
@@ -220,10 +220,10 @@ def _dtype_scoped_candidate(declared):
 def test_candidate_declared_dtypes_scope_the_draws():
     import json
 
-    from verify.candidates import parse_candidate
-    from verify.cases import PROFILES
-    from verify.certify import RunOptions, certify_op
-    from verify.registry import get_op
+    from verify.judge.candidates import parse_candidate
+    from verify.plan.draw import PROFILES
+    from verify.run.runner import RunOptions, certify_op
+    from verify.ops.registry import get_op
 
     seen = []
     label = _dtype_scoped_candidate(("bfloat16", "float16"))
@@ -236,10 +236,10 @@ def test_candidate_declared_dtypes_scope_the_draws():
 
 
 def test_candidate_declaring_no_drawn_dtype_is_skipped_and_undeclared_raise_fails():
-    from verify.candidates import parse_candidate
-    from verify.cases import PROFILES
-    from verify.certify import RunOptions, certify_op
-    from verify.registry import get_op
+    from verify.judge.candidates import parse_candidate
+    from verify.plan.draw import PROFILES
+    from verify.run.runner import RunOptions, certify_op
+    from verify.ops.registry import get_op
 
     op = get_op("mxfp4_dequant")
     quick = PROFILES["quick"]                       # draws the op's first dtype only: bfloat16

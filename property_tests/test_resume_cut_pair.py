@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from verify import certificate, certify  # noqa: E402
+from verify.record import certificate  # noqa: E402
+from verify.run import runner as certify  # noqa: E402
 from verify.cli import EXIT_USAGE, main  # noqa: E402
 
 OP = "attn_res_rmsnorm"      # fast on a CPU, compared by tolerance (ratios), one vacuous draw at seed 4 (seed 3 had one before small_rows joined the dists)
@@ -38,7 +39,7 @@ RUN = _run_args(4)
 
 # The cut: the process dies right after the k-th case line, as when a device call's time limit kills it.
 CUT = """import os, sys
-from verify import runlog
+from verify.run import runlog
 k, written, write_case = int(sys.argv[1]), [0], runlog.RunLog.case
 def case_then_cut(self, v):
     write_case(self, v)
@@ -133,10 +134,10 @@ def test_a_failed_case_before_the_cut_still_fails_the_pair(tmp_path, monkeypatch
 
 
 def test_a_failed_case_before_the_cut_fails_without_evaluating_again(tmp_path, monkeypatch):
-    from verify.candidates import Candidate
-    from verify.cases import PROFILES
-    from verify.registry import get_op
-    from verify.runlog import read
+    from verify.judge.candidates import Candidate
+    from verify.plan.draw import PROFILES
+    from verify.ops.registry import get_op
+    from verify.run.runlog import read
 
     _cut_run(tmp_path, 1, "--candidate", BUG, "--profile", "quick")   # no shrinking: the failure is final
     judged = read(tmp_path / "run.jsonl").partial[(OP, BUG)]
@@ -168,7 +169,7 @@ def test_resume_refuses_a_log_written_with_other_settings(tmp_path, capsys, flag
 def test_resume_refuses_a_log_judged_by_another_harness(tmp_path, capsys, monkeypatch):
     """Cases judged by another version of the guards and comparison are not mixed into one
     certificate with cases judged by this one."""
-    from verify import certificate
+    from verify.record import certificate
 
     _cut_run(tmp_path, 2, "--candidate", "reference")
     monkeypatch.setattr(certificate, "harness_hash", lambda: "1" * 64)

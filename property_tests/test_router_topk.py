@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from references.moe import router_choice_scores, router_topk
-from verify.case import Case
+from verify.model.case import Case
 from verify.ops.moe import OPS
 
 ROUTER = next(op for op in OPS if op.name == "router_topk")
@@ -110,7 +110,7 @@ def test_any_fp32_order_of_the_logits_errs_by_ulps_of_the_terms(dist):
 
 
 def test_weights_magnitude_bounds_the_weights_and_scales_a_cancelling_row():
-    from verify.compare import compare_derived
+    from verify.judge.compare import compare_derived
     from verify.ops.moe import router_weights_magnitude
 
     op = next(o for o in OPS if o.name == "router_topk")
@@ -130,7 +130,7 @@ def test_weights_magnitude_bounds_the_weights_and_scales_a_cancelling_row():
 
 
 # ----------------------------------------------------------------------------------------------
-# weights of ids that failed the ids check (verify.evaluate.judge)
+# weights of ids that failed the ids check (verify.judge.pipeline.judge)
 
 
 def lowest_ids_right_weights(x, w_gate, bias, top_k: int, routed_scale: float):
@@ -154,8 +154,8 @@ def one_id_out_of_range(x, w_gate, bias, top_k: int, routed_scale: float):
 def test_weights_of_failed_ids_are_judged_at_the_candidates_ids(dtype):
     """Weights right for the candidate's own wrong ids fail nothing but the ids: the weights check
     is not reported ~1e5x over tolerance against the reference's weights for other experts."""
-    from verify.evaluate import evaluate_case
-    from verify.specs import load_spec
+    from verify.judge.pipeline import evaluate_case
+    from verify.model.specs import load_spec
 
     case = Case("router_topk", 5, 6, "tiny", dtype, "normal")
     v = evaluate_case(ROUTER, case, lowest_ids_right_weights, "user.module:fn", spec=load_spec("router_topk"))
@@ -166,8 +166,8 @@ def test_weights_of_failed_ids_are_judged_at_the_candidates_ids(dtype):
 
 
 def test_weights_of_malformed_ids_fail_unjudged():
-    from verify.evaluate import evaluate_case
-    from verify.specs import load_spec
+    from verify.judge.pipeline import evaluate_case
+    from verify.model.specs import load_spec
 
     case = Case("router_topk", 5, 6, "tiny", "float32", "normal")
     v = evaluate_case(ROUTER, case, one_id_out_of_range, "user.module:fn", spec=load_spec("router_topk"))
@@ -186,6 +186,6 @@ def test_weights_of_malformed_ids_fail_unjudged():
     (torch.tensor([[0, 1], [3, 2]]), None),
 ])
 def test_malformed_ids_says_why(ids, why):
-    from verify.compare import malformed_ids
+    from verify.judge.compare import malformed_ids
 
     assert malformed_ids(ids, (2, 2), 4) == why

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from verify.specs import SpecError, load_spec, parse_spec
+from verify.model.specs import SpecError, load_spec, parse_spec
 
 GOOD = '''op = "x"
 derivation = "the reference rounds once to bf16 after an fp32 sum over K; k=2 covers another order"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from references.attn_res import allreduce_attn_res_rmsnorm, fold_partials
-from verify.case import Case
+from verify.model.case import Case
 from verify.ops.attn_res import OPS
 from verify.ops.common_splits import split_mismatches
 

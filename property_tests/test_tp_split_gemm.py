@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verify.case import Case
+from verify.model.case import Case
 from verify.ops.common_splits import fold_ranks, run_reference, run_split, split_mismatches
 from verify.ops.gemm import OPS, SKINNY_GEMM_COLUMN_SPLIT, SKINNY_GEMM_ROW_SPLIT
 

@@ -13,10 +13,10 @@ import torch
 from references.config import get_config
 from references.kda import kda_attention_step, kda_decode, kda_in_proj
 from references.kda_tp import combine_kda_attention_step, shard_kda_attention_step
-from verify.case import Case
-from verify.opdef import OpInputs
+from verify.model.case import Case
+from verify.model.opdef import OpInputs
 from verify.ops.kda import KDA_DECODE, KDA_IN_PROJ, make_kda_attention_step_inputs
-from verify.registry import get_op
+from verify.ops.registry import get_op
 
 TPS = (1, 2, 4, 8, 16)
 CONFIGS = ("tiny", "small")
@@ -130,11 +130,11 @@ def test_split_baseline_error_ignores_nonfinite_elements():
     nonfinite kda_decode case below at T = 4 by 1.9x)."""
     import torch
 
-    from verify.candidates import reference_fn
-    from verify.case import Case
-    from verify.evaluate import evaluate_case
-    from verify.registry import get_op
-    from verify.split import _row_err
+    from verify.judge.candidates import reference_fn
+    from verify.model.case import Case
+    from verify.judge.pipeline import evaluate_case
+    from verify.ops.registry import get_op
+    from verify.judge.split import _row_err
     a = torch.tensor([[1.0, float("nan"), 3.0], [float("inf"), 2.0, 2.5]])
     o = torch.tensor([[1.5, 2.0, 3.0], [float("inf"), 2.25, float("nan")]], dtype=torch.float64)
     assert _row_err(a, o).tolist() == [0.5, 0.25]

@@ -8,9 +8,9 @@ from hypothesis import given, settings, strategies as st
 
 from references.config import get_config
 from references.mla import mla_attention_step, mla_attention_step_tp, sum_partials_rank_order
-from verify.case import Case
+from verify.model.case import Case
 from verify.ops.mla import OPS, make_decode_attn_inputs, paged_layout
-from verify.registry import import_callable
+from verify.ops.registry import import_callable
 
 TPS = (1, 2, 4, 8, 16)
 OP = {op.name: op for op in OPS}

@@ -6,7 +6,7 @@ import torch
 
 from references.moe import (moe_tp_shard_width, renormalise, router_choice_scores, router_topk,
                             router_topk_scores_split)
-from verify.case import Case
+from verify.model.case import Case
 from verify.ops.common_splits import split_mismatches
 from verify.ops.moe import OPS
 from verify.ops.moe_splits import MOE_EXPERTS_EP_SPLIT, shard_moe_intermediate, shard_shared_experts

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from verify.case import Case
+from verify.model.case import Case
 from verify.ops.common_splits import run_reference, run_split, same_bits
 from verify.ops.mxfp4 import OPS
 

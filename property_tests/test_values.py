@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from verify.case import Case
-from verify.cases import PROFILES, Profile, dist_sweep_cases
-from verify.registry import get_op
-from verify.values import DISTS, EDGE_DISTS, GENERIC_DISTS, SMALL_ROW_K, draw, generator, row_scales
+from verify.model.case import Case
+from verify.plan.draw import PROFILES, Profile, dist_sweep_cases
+from verify.ops.registry import get_op
+from verify.model.values import DISTS, EDGE_DISTS, GENERIC_DISTS, SMALL_ROW_K, draw, generator, row_scales
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -126,7 +126,7 @@ def test_zero_rows_hold_both_signed_zeros():
 def test_batch_sweep_hits_the_dispatch_boundaries():
     """Every profile but quick runs M = 1, 2, 3, each power of two and the one above, and the largest
     two, unsplit, at the profile's largest config; seeds apart from the other sweeps'."""
-    from verify.cases import batch_sweep_cases, sweep_batches
+    from verify.plan.draw import batch_sweep_cases, sweep_batches
     assert sweep_batches(64) == [1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 33, 48, 63, 64]
     assert sweep_batches(16) == [1, 2, 3, 4, 5, 6, 8, 9, 12, 15, 16] and sweep_batches(1) == [1]
     gemm = get_op("skinny_gemm")
@@ -190,7 +190,7 @@ def test_range_edges_rows_sit_past_fp16_range_for_wide_exponent_dtypes(dtype):
     """Rows are the normal draw times 2^0, 2^huge or 2^tiny, exact in the dtype; bf16 / fp32 rows pass
     fp16's largest finite value and fall below its smallest subnormal, fp16's stay finite and reach
     its subnormals."""
-    from verify.values import RANGE_EDGE_K
+    from verify.model.values import RANGE_EDGE_K
     x = draw(generator(7, 3), (60, 64), "range_edges", dtype=dtype)
     ref = torch.randn((60, 64), generator=generator(7, 3), dtype=torch.float64)
     assert bool(torch.isfinite(x).all())
@@ -218,7 +218,7 @@ def test_nonfinite_rows_share_classes_across_tensors(dtype):
     """nonfinite: rows classed from the case seed, the same for every tensor of the case; a finite row
     is finite in every tensor, a non-finite row holds at most one special per tensor, of its class, and
     some tensors of a row hold one while others do not (AttnRes-like several inputs)."""
-    from verify.values import NONFINITE_SALT, row_classes
+    from verify.model.values import NONFINITE_SALT, row_classes
     B = 8
     cls = row_classes(generator(42, NONFINITE_SALT), B)
     assert (cls == 0).any() and (cls != 0).any()
@@ -240,7 +240,7 @@ def test_nonfinite_rows_share_classes_across_tensors(dtype):
 
 
 def test_nonfinite_single_row_is_always_nonfinite_and_edge_dists_always_swept():
-    from verify.values import EDGE_DISTS, NONFINITE_SALT, row_classes
+    from verify.model.values import EDGE_DISTS, NONFINITE_SALT, row_classes
     assert all(int(row_classes(generator(s, NONFINITE_SALT), 1)[0]) != 0 for s in range(50))
     gemm = get_op("skinny_gemm")
     assert set(EDGE_DISTS) <= set(gemm.dists)

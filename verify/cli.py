@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _op_or_usage(name: str):
-    from verify.registry import UnknownOpError, get_op
+    from verify.ops.registry import UnknownOpError, get_op
 
     try:
         return get_op(name)
@@ -127,7 +127,7 @@ def _op_or_usage(name: str):
 
 
 def _classes(op) -> dict[str, str]:
-    from verify.specs import SpecError, load_spec
+    from verify.model.specs import SpecError, load_spec
 
     try:
         return {n: o.klass for n, o in load_spec(op.name).outputs.items()}
@@ -136,7 +136,7 @@ def _classes(op) -> dict[str, str]:
 
 
 def cmd_list(args) -> int:
-    from verify.registry import all_ops
+    from verify.ops.registry import all_ops
 
     rows = [{"op": op.name, "family": op.family, "reference": op.reference, "fused": op.fused,
              "classes": _classes(op), "split": op.split.kind if op.split else None} for op in all_ops().values()]
@@ -150,7 +150,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_describe(args) -> int:
-    from verify.specs import SpecError, load_spec
+    from verify.model.specs import SpecError, load_spec
 
     op = _op_or_usage(args.op)
     try:
@@ -188,7 +188,7 @@ def _resolve_device(requested: str | None) -> str:
 
 
 def _candidates(text: str | None, device: str) -> list:
-    from verify.candidates import CandidateImportError, import_checked, is_tainted, parse_candidate
+    from verify.judge.candidates import CandidateImportError, import_checked, is_tainted, parse_candidate
 
     labels = (text or "fused,compiled").split(",")
     out = []
@@ -208,7 +208,7 @@ def restrict_profile(profile, configs: str | None, dtypes: str | None):
     """--configs / --dtypes narrow a profile (e.g. the real K3 shapes only on a GPU run)."""
     import dataclasses
 
-    from verify.cases import CONFIG_ORDER
+    from verify.plan.draw import CONFIG_ORDER
 
     if configs:
         wanted = tuple(c.strip() for c in configs.split(",") if c.strip())
@@ -257,8 +257,8 @@ def _check_out_paths(args) -> None:
 
 
 def _run_setup(args):
-    from verify.cases import get_profile, validate_tp
-    from verify.registry import UnknownOpError, select_ops
+    from verify.plan.draw import get_profile, validate_tp
+    from verify.ops.registry import UnknownOpError, select_ops
 
     try:
         ops = select_ops(args.ops)
@@ -272,7 +272,7 @@ def _run_setup(args):
                         ("--tp", args.tp)):
         if value is not None and not [v for v in value.split(",") if v.strip()]:
             raise UsageError(f"{flag} {value!r}: names nothing (an empty run would certify nothing)")
-    from verify.values import SEED_MODULUS
+    from verify.model.values import SEED_MODULUS
     if not 0 <= args.seed < SEED_MODULUS:
         raise UsageError(f"--seed {args.seed}: must be in 0..{SEED_MODULUS - 1}")
     if not (math.isfinite(args.case_timeout) and 0 < args.case_timeout <= MAX_CASE_TIMEOUT_S):
@@ -297,14 +297,14 @@ def _run_setup(args):
 def cmd_run(args) -> int:
     from rich.console import Console
 
-    from verify import certificate
-    from verify.certify import run_all
-    from verify.runlog import RunLog, settings_mismatch
+    from verify.record import certificate
+    from verify.run.runner import run_all
+    from verify.run.runlog import RunLog, settings_mismatch
 
     console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 160)
     ops, profile, tps = _run_setup(args)
     if args.sanitize:
-        from verify.sanitize import unavailable_reason
+        from verify.run.sanitize import unavailable_reason
 
         why = unavailable_reason()
         if why:
@@ -351,10 +351,10 @@ def cmd_run(args) -> int:
 
 def _finish_run(args, verdicts, options, device, cases, console, carried, where: str) -> int:
     """Failures, the certificate (and JUnit), the summary table; the exit status."""
-    from verify import certificate
-    from verify.registry import all_ops
-    from verify.reporters.terminal import print_failure, print_skips, summary_table
-    from verify.verdict import FAIL, XPASS
+    from verify.record import certificate
+    from verify.ops.registry import all_ops
+    from verify.record.reporters.terminal import print_failure, print_skips, summary_table
+    from verify.model.verdict import FAIL, XPASS
 
     for v in verdicts:
         if v.status in (FAIL, XPASS):
@@ -362,7 +362,7 @@ def _finish_run(args, verdicts, options, device, cases, console, carried, where:
     cert = certificate.build(verdicts, all_ops(), options, device, cases, carried)
     path = certificate.write(cert, Path(args.out))
     if args.junit:
-        from verify.reporters.junit import write_junit
+        from verify.record.reporters.junit import write_junit
 
         write_junit(verdicts, args.junit)
     console.print(summary_table(verdicts))
@@ -377,12 +377,12 @@ def _finish_run(args, verdicts, options, device, cases, console, carried, where:
 
 def _run_jobs(args, ops, candidates, device, options, console, carried: dict, profile, tps) -> int:
     """run --jobs N (verify/parallel.py): children per op group, one merged certificate."""
-    from verify.parallel import run_jobs
+    from verify.run.pool import run_jobs
 
     dealt = None
     if args.shards > 1:
-        from verify.certify import RunOptions, draw_cases
-        from verify.candidates import Candidate
+        from verify.run.runner import RunOptions, draw_cases
+        from verify.judge.candidates import Candidate
 
         opts = RunOptions(device=device, profile=profile, seed=args.seed, tps=tps, examples=args.examples)
         dealt = {o.name: {c.label: draw_cases(o, Candidate(c.label), opts) for c in candidates} for o in ops}
@@ -402,8 +402,8 @@ def _run_jobs(args, ops, candidates, device, options, console, carried: dict, pr
 
 
 def cmd_report(args) -> int:
-    from verify import certificate
-    from verify.reporters.html import write_report
+    from verify.record import certificate
+    from verify.record.reporters.html import write_report
 
     try:
         cert = certificate.load(args.certificate)
@@ -415,8 +415,8 @@ def cmd_report(args) -> int:
 
 
 def cmd_diff(args) -> int:
-    from verify import certificate
-    from verify.diff import diff, render_text
+    from verify.record import certificate
+    from verify.record.diff import diff, render_text
 
     try:
         old, new = certificate.load(args.old), certificate.load(args.new)
@@ -428,8 +428,9 @@ def cmd_diff(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from verify import certificate, gate
-    from verify.registry import UnknownOpError, select_ops
+    from verify.record import certificate
+    from verify.record import gate
+    from verify.ops.registry import UnknownOpError, select_ops
 
     certs = []
     for path in args.certificates:
@@ -473,8 +474,8 @@ def _check_case(case, op) -> None:
     import dataclasses
 
     from references.config import CONFIGS
-    from verify.case import Case
-    from verify.values import DISTS, SEED_MODULUS
+    from verify.model.case import Case
+    from verify.model.values import DISTS, SEED_MODULUS
 
     def bad(field, why):
         raise UsageError(f"CASE {field}: {why} (op {op.name})")
@@ -516,10 +517,10 @@ def _check_case(case, op) -> None:
 def cmd_repro(args) -> int:
     from rich.console import Console
 
-    from verify.case import Case
-    from verify.certify import replay
-    from verify.reporters.terminal import print_case
-    from verify.verdict import PASS
+    from verify.model.case import Case
+    from verify.run.runner import replay
+    from verify.record.reporters.terminal import print_case
+    from verify.model.verdict import PASS
 
     try:
         if not isinstance(json.loads(args.case), dict):
@@ -533,7 +534,7 @@ def cmd_repro(args) -> int:
     _check_case(case, op)
     device = _resolve_device(args.device)
     cand = _candidates(args.candidate, device)[0]
-    from verify.candidates import CandidateUnavailable
+    from verify.judge.candidates import CandidateUnavailable
 
     try:
         v = replay(op, case, cand, device)

@@ -55,11 +55,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def vk_certify(request):
     """Certify a candidate ('module:attr', a callable, 'compiled', 'fused') for one op; fail with the report."""
-    from verify.candidates import Candidate
-    from verify.cases import get_profile
-    from verify.certify import RunOptions, certify_op
-    from verify.registry import get_op
-    from verify.verdict import FAIL, SKIP, XPASS
+    from verify.judge.candidates import Candidate
+    from verify.plan.draw import get_profile
+    from verify.run.runner import RunOptions, certify_op
+    from verify.ops.registry import get_op
+    from verify.model.verdict import FAIL, SKIP, XPASS
 
     def run(op_name: str, candidate, profile: str | None = None, device: str | None = None, **kw):
         import torch

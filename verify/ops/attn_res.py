@@ -13,11 +13,11 @@ import torch
 
 from references.attn_res import MAX_SOURCES, attn_res_probs
 from references.config import get_config
-from verify.case import Case
-from verify.opdef import OpDef, OpInputs
+from verify.model.case import Case
+from verify.model.opdef import OpDef, OpInputs
 from verify.ops.common_splits import (FOLD_ORDER, RMS_EPS_DRAWS, activation, gen_for, norm_weight,
                                       replicated_split, scalar_param, working_dtype)
-from verify.values import EDGE_DISTS, GENERIC_DISTS, draw
+from verify.model.values import EDGE_DISTS, GENERIC_DISTS, draw
 
 BLOCK_SLOTS = MAX_SOURCES - 1          # blocks[B, 8, D]
 DEFAULT_PARTIALS = 4                   # partial deltas of the all-reduce when the case is unsplit (tp=1)

@@ -10,9 +10,9 @@ import zlib
 import torch
 
 from references.primitives import fold_ranks  # noqa: F401  (re-exported for the splits)
-from verify.case import Case
-from verify.opdef import OpInputs, RankShard, SplitRule
-from verify.values import draw, generator
+from verify.model.case import Case
+from verify.model.opdef import OpInputs, RankShard, SplitRule
+from verify.model.values import draw, generator
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float64": torch.float64}
@@ -118,7 +118,7 @@ def sum_outputs_combine(names: tuple[str, ...]):
 
 def run_reference(op, inputs: OpInputs, fn=None) -> dict[str, torch.Tensor]:
     """Run op's reference (or fn) on a copy of inputs; return {output name: tensor, state name: after}."""
-    from verify.registry import import_callable
+    from verify.ops.registry import import_callable
     fn = fn or import_callable(op.reference)
     tensors = {k: v.clone() for k, v in inputs.tensors.items()}
     result = fn(**tensors, **inputs.params)

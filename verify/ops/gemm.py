@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from references.config import get_config
-from verify.case import Case
-from verify.opdef import OpDef, OpInputs, RankShard, SplitRule
+from verify.model.case import Case
+from verify.model.opdef import OpDef, OpInputs, RankShard, SplitRule
 from verify.ops.common_splits import (FOLD_ORDER, activation, check_divides, sum_outputs_combine, weight,
                                       working_dtype)
 

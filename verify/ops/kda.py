@@ -16,10 +16,10 @@ from references.kda import kda_gate
 from references.primitives import silu
 from references.kda_tp import (combine_kda_decode, combine_kda_in_proj, shard_kda_decode,
                                shard_kda_in_proj)
-from verify.case import Case
-from verify.opdef import OpDef, OpInputs, RankShard, SplitRule
+from verify.model.case import Case
+from verify.model.opdef import OpDef, OpInputs, RankShard, SplitRule
 from verify.ops.common_splits import scalar_param
-from verify.values import draw, generator, row_scales
+from verify.model.values import draw, generator, row_scales
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float64": torch.float64}

@@ -13,8 +13,8 @@ import torch
 from references.config import get_config
 from references.layers import BLOCK_SLOTS, layer_kind_of
 from references.weights import make_layer_weights
-from verify.case import Case
-from verify.opdef import OpDef, OpInputs
+from verify.model.case import Case
+from verify.model.opdef import OpDef, OpInputs
 from verify.ops.common_splits import activation, gen_for, working_dtype
 from verify.ops.kda import starting_state
 

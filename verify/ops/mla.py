@@ -11,10 +11,10 @@ import math
 import torch
 
 from references.config import get_config
-from verify.case import Case
-from verify.opdef import OpDef, OpInputs, RankShard, SplitRule
+from verify.model.case import Case
+from verify.model.opdef import OpDef, OpInputs, RankShard, SplitRule
 from verify.ops.common_splits import scalar_param
-from verify.values import draw, generator
+from verify.model.values import draw, generator
 
 _WORKING_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                    "float64": torch.float64}

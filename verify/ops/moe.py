@@ -10,13 +10,13 @@ import torch
 
 from references.config import get_config
 from references.moe import router_choice_scores, renormalise
-from verify.case import Case
-from verify.opdef import OpDef, OpInputs
+from verify.model.case import Case
+from verify.model.opdef import OpDef, OpInputs
 from verify.ops.common_splits import (RMS_EPS_DRAWS, activation, gen_for, norm_weight, replicated_split,
                                       scalar_param, weight, working_dtype)
 from verify.ops.moe_splits import MOE_EXPERTS_TP_SPLIT, SHARED_EXPERTS_SPLIT
 from verify.ops.mxfp4 import mxfp4_weight
-from verify.values import GENERIC_DISTS
+from verify.model.values import GENERIC_DISTS
 
 ROUTER_BIAS_STD = 0.1          # e_score_correction_bias: small next to the sigmoid's (0, 1) range
 ROUTED_SCALES = (2.827, 0.5)   # routed_scale besides the config's 1.0 (Kimi's routed_scaling_factor ~2.827)

@@ -14,7 +14,7 @@ import torch
 
 from references.moe import expert_ranges, moe_tp_shard_width
 from references.mxfp4 import GROUP, SCALE_BIAS
-from verify.opdef import OpInputs, RankShard, SplitRule
+from verify.model.opdef import OpInputs, RankShard, SplitRule
 from verify.ops.common_splits import FOLD_ORDER, check_divides, check_tp, sum_outputs_combine
 
 _EXPERT_WEIGHTS = ("w13_packed", "w13_scale", "w2_packed", "w2_scale")

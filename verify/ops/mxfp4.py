@@ -11,10 +11,10 @@ import torch
 
 from references.config import get_config
 from references.mxfp4 import GROUP, pack_fp4, quantize_mxfp4_ct, quantize_mxfp4_ocp
-from verify.case import Case
-from verify.opdef import OpDef, OpInputs, RankShard, SplitRule
+from verify.model.case import Case
+from verify.model.opdef import OpDef, OpInputs, RankShard, SplitRule
 from verify.ops.common_splits import check_tp, gen_for
-from verify.values import GENERIC_DISTS, draw
+from verify.model.values import GENERIC_DISTS, draw
 
 E2M1_CODE_RMS = math.sqrt((0 + 0.25 + 1 + 2.25 + 4 + 9 + 16 + 36) / 8)   # rms of uniformly drawn codes
 QUANTIZE_MAX_ELEMS = 1 << 22      # above this, draw codes directly (quantising fp64 draws costs GBs at k3)

@@ -93,8 +93,8 @@ def run_jobs(argv: list[str], op_names: list[str], candidates: list[str], jobs: 
     """Run the children and merge. Returns (op verdicts in the order of op_names x candidates,
     (op, candidate) -> case records, one line per child that did not exit 0 or 1). `dealt`:
     op -> candidate -> drawn cases, to split over `shards` children per op first."""
-    from verify.runlog import LOG_NAME, read
-    from verify.verdict import FAIL, OpVerdict
+    from verify.run.runlog import LOG_NAME, read
+    from verify.model.verdict import FAIL, OpVerdict
 
     gpus = visible_gpus(device)
     jobs_dir = out / "jobs"

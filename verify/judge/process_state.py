@@ -19,7 +19,7 @@ from operator import attrgetter
 import torch
 import torch.utils.deterministic  # fill_uninitialized_memory below
 
-from verify.verdict import Check
+from verify.model.verdict import Check
 
 UNDOABLE = "cannot be undone in this process"
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from verify.opdef import OpDef
-from verify.registry import import_callable
+from verify.model.opdef import OpDef
+from verify.ops.registry import import_callable
 
 BUILTIN = ("reference", "compiled", "fused")
 
@@ -57,7 +57,7 @@ def import_checked(path: str, device: str):
     theirs), a torch function or Tensor method replaced, a mode left entered, a default changed."""
     import sys
 
-    from verify import process_state as ps
+    from verify.judge import process_state as ps
 
     mod = path.split(":", 1)[0]
     if mod in _IMPORT_TAINT:
@@ -92,7 +92,7 @@ def compiled_fn(op_name: str):
     """torch.compile of the reference: a fused implementation nobody here wrote (inductor on CPU)."""
     import torch._inductor.config as inductor_config
 
-    from verify.registry import get_op
+    from verify.ops.registry import get_op
 
     # Keep every bf16/fp16 rounding the reference writes (e.g. prefix + delta, then a fold): by
     # default inductor fuses through them in fp32, which no bitwise-class output can survive.

@@ -12,7 +12,7 @@ class Case:
     batch: int
     config: str = "small"        # references.config name: tiny | small | k3
     dtype: str = "bfloat16"      # working dtype of the activations
-    dist: str = "normal"         # verify.values distribution name
+    dist: str = "normal"         # verify.model.values distribution name
     tp: int = 1                  # tensor-parallel degree for split cases (1 = unsplit)
     extra: tuple = field(default=())   # op-specific knobs as sorted (key, value) pairs
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from verify.verdict import FAIL, PASS, SKIP, VACUOUS, WAIVED, XPASS, CaseVerdict, OpVerdict
+from verify.model.verdict import FAIL, PASS, SKIP, VACUOUS, WAIVED, XPASS, CaseVerdict, OpVerdict
 
 STYLE = {PASS: "green", FAIL: "bold red", SKIP: "yellow", WAIVED: "cyan", XPASS: "bold magenta"}
 WORD = {PASS: "certified", FAIL: "FAILED", SKIP: "skipped", WAIVED: "waived", XPASS: "waiver stale"}

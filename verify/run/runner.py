@@ -13,15 +13,15 @@ from typing import Callable, Sequence
 from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis import seed as hyp_seed
 
-from verify.candidates import Candidate, CandidateImportError, CandidateUnavailable
-from verify.case import Case
-from verify.cases import (Profile, batch_sweep_cases, case_strategy, dist_sweep_cases, drawn_dtypes, knob_sweep_cases,
+from verify.judge.candidates import Candidate, CandidateImportError, CandidateUnavailable
+from verify.model.case import Case
+from verify.plan.draw import (Profile, batch_sweep_cases, case_strategy, dist_sweep_cases, drawn_dtypes, knob_sweep_cases,
                           tp_sweep_cases)
-from verify.evaluate import evaluate_case
-from verify.opdef import OpDef
-from verify.specs import SpecError, load_spec
-from verify.worker import FATAL_STAGES
-from verify.verdict import FAIL, PASS, SKIP, VACUOUS, WAIVED, XPASS, CaseVerdict, OpVerdict
+from verify.judge.pipeline import evaluate_case
+from verify.model.opdef import OpDef
+from verify.model.specs import SpecError, load_spec
+from verify.run.worker import FATAL_STAGES
+from verify.model.verdict import FAIL, PASS, SKIP, VACUOUS, WAIVED, XPASS, CaseVerdict, OpVerdict
 
 
 class _CaseFailed(Exception):
@@ -258,7 +258,7 @@ def run_all(args, ops, candidates, profile, tps, device, log, console) -> tuple[
     Returns the op verdicts and (op, candidate) -> compact case records for the certificate."""
     from rich.progress import Progress
 
-    from verify.runlog import case_record
+    from verify.run.runlog import case_record
 
     prev = log.previous
     cases: dict[tuple[str, str], list[dict]] = {k: list(v) for k, v in prev.cases.items()}
@@ -268,7 +268,7 @@ def run_all(args, ops, candidates, profile, tps, device, log, console) -> tuple[
         cases.setdefault((v.op, v.candidate), []).append(case_record(v))
 
     if args.distributed:
-        from verify.distributed import certify_distributed, collective_ops
+        from verify.run.distributed import certify_distributed, collective_ops
 
         chosen = ops if args.ops else collective_ops(ops)
         verdicts = []
@@ -280,7 +280,7 @@ def run_all(args, ops, candidates, profile, tps, device, log, console) -> tuple[
         return verdicts, cases
     runner = None
     if not args.no_isolate and not args.sanitize:
-        from verify.worker import IsolatedRunner
+        from verify.run.worker import IsolatedRunner
 
         runner = IsolatedRunner(case_timeout=args.case_timeout)
     opts = RunOptions(device=device, profile=profile, seed=args.seed, tps=tps, examples=args.examples,
@@ -310,7 +310,7 @@ def run_all(args, ops, candidates, profile, tps, device, log, console) -> tuple[
                     if done is not None:
                         v = done
                     elif args.sanitize:
-                        from verify.sanitize import sanitize_op
+                        from verify.run.sanitize import sanitize_op
 
                         v = sanitize_op(op, cand.label, args.sanitize, args.seed)
                     else:

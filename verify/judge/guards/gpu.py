@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from verify.evaluate import _one_line, _Placed, guarded_call, run_plain
-from verify.opdef import OpInputs
-from verify.verdict import Check
+from verify.judge.pipeline import _one_line, _Placed, guarded_call, run_plain
+from verify.model.opdef import OpInputs
+from verify.model.verdict import Check
 
 SLEEP_CYCLES = 50_000_000      # ~25-30 ms of the caller's stream at H100/H200 clocks
 
 
 def _same(a: dict, b: dict) -> list[str]:
-    from verify.compare import compare_bitwise
+    from verify.judge.compare import compare_bitwise
 
     return [n for n in a if not compare_bitwise(n, b[n], a[n]).ok]
 
@@ -102,7 +102,7 @@ def concurrent_check(fn, op, dinputs: OpInputs, other: OpInputs, base: dict, fir
     while sequential calls, a single side-stream call and a graph replay all pass; one whose CTAs
     spin on other CTAs of the same launch can deadlock when the other launch holds SMs (the
     per-case timeout reports that when candidates run isolated, the default)."""
-    from verify.candidates import reference_fn
+    from verify.judge.candidates import reference_fn
 
     name = "guard:concurrent"
     # The other call is held to the other values' own reference: a hole (poison left in an output)

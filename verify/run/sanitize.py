@@ -63,8 +63,8 @@ def parse_report(text: str) -> tuple[int, list[str]]:
 
 
 def sanitize_cases(op, seed: int, n: int = 2) -> list:
-    from verify.case import Case
-    from verify.cases import CONFIG_ORDER
+    from verify.model.case import Case
+    from verify.plan.draw import CONFIG_ORDER
 
     config = next(c for c in CONFIG_ORDER if c in op.configs)
     return [Case(op.name, seed + i, min(3 + 2 * i, op.max_batch), config, op.dtypes[0], op.dists[i % len(op.dists)])
@@ -72,7 +72,7 @@ def sanitize_cases(op, seed: int, n: int = 2) -> list:
 
 
 def sanitize_op(op, candidate: str, tool: str, seed: int = 0, timeout: float = 600.0, n_cases: int = 2):
-    from verify.verdict import FAIL, PASS, SKIP, OpVerdict
+    from verify.model.verdict import FAIL, PASS, SKIP, OpVerdict
 
     if tool not in TOOLS:
         raise ValueError(f"--sanitize {tool!r}: choose one of {', '.join(TOOLS)}")
@@ -83,7 +83,7 @@ def sanitize_op(op, candidate: str, tool: str, seed: int = 0, timeout: float = 6
         req = Path(tmp, "requests.jsonl")
         req.write_text("".join(json.dumps({"candidate": candidate, "device": "cuda", "case": c.to_json()}) + "\n"
                                for c in cases))
-        worker = [sys.executable, "-m", "verify.worker", "--batch", str(req)]
+        worker = [sys.executable, "-m", "verify.run.worker", "--batch", str(req)]
         try:
             warm = subprocess.run(worker, capture_output=True, text=True, timeout=timeout)
             run = subprocess.run([find_sanitizer(), "--tool", tool, "--report-api-errors", "no", "--print-limit", "50",

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from verify.evaluate import guarded_call, judge, run_plain
-from verify.verdict import FAIL, PASS, Check
+from verify.judge.pipeline import guarded_call, judge, run_plain
+from verify.model.verdict import FAIL, PASS, Check
 
 
 def _row_err(a: torch.Tensor, o: torch.Tensor, row_ndim: int = 1) -> torch.Tensor:
@@ -12,7 +12,7 @@ def _row_err(a: torch.Tensor, o: torch.Tensor, row_ndim: int = 1) -> torch.Tenso
     finite (as compare_derived takes it unsplit): a row with a NaN or infinity elsewhere keeps the
     error of its finite elements (a NaN max here became a zero row error, a tolerance of the median
     rule alone: the fused kda_decode failed a split nonfinite case on its ordinary ulps)."""
-    from verify.compare import _rows, baseline_error
+    from verify.judge.compare import _rows, baseline_error
 
     a = _rows(a, row_ndim)
     return baseline_error(a, _rows(o, row_ndim, a.device)).amax(-1)
@@ -21,7 +21,7 @@ def _row_err(a: torch.Tensor, o: torch.Tensor, row_ndim: int = 1) -> torch.Tenso
 def run_split(op, case, fn, inputs, inputs64, oracle, base, spec, device, verdict):
     """The candidate runs per rank on its shard; the combined result is judged against the unsplit
     oracle, with the baseline error the larger of the unsplit and the split reference's own error."""
-    from verify.candidates import reference_fn
+    from verify.judge.candidates import reference_fn
 
     if op.split is None:
         return verdict(FAIL, "split", f"op {op.name} declares no split rule but the case asks for T={case.tp}")

@@ -5,9 +5,9 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from verify.case import Case
-from verify.opdef import OpDef
-from verify.values import EDGE_DISTS
+from verify.model.case import Case
+from verify.model.opdef import OpDef
+from verify.model.values import EDGE_DISTS
 
 CONFIG_ORDER = ("tiny", "small", "k3")      # shrink toward the smallest config
 

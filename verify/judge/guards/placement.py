@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verify.verdict import Check
+from verify.model.verdict import Check
 
 CANARY_PAD = 64          # elements of canary on each side of every tensor
 

@@ -7,11 +7,13 @@ import traceback
 
 import torch
 
-from verify import compare, guards, process_state
-from verify.case import Case
-from verify.opdef import OpDef, OpInputs
-from verify.specs import ToleranceSpec, load_spec
-from verify.verdict import FAIL, PASS, VACUOUS, CaseVerdict, Check
+from verify.judge import compare
+from verify.judge.guards import placement as guards
+from verify.judge import process_state
+from verify.model.case import Case
+from verify.model.opdef import OpDef, OpInputs
+from verify.model.specs import ToleranceSpec, load_spec
+from verify.model.verdict import FAIL, PASS, VACUOUS, CaseVerdict, Check
 
 
 class CandidateError(Exception):
@@ -267,8 +269,8 @@ def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu"
         return CaseVerdict(op.name, candidate, case.to_json(), status, stage, reason, tuple(checks),
                            time.perf_counter() - t0)
 
-    from verify.candidates import reference_fn
-    from verify.split import run_split
+    from verify.judge.candidates import reference_fn
+    from verify.judge.split import run_split
 
     ref = reference_fn(op)
     inputs = op.make_inputs(case)
@@ -334,7 +336,7 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
     """Second run (determinism), permuted batch (position independence), new values in the same
     buffers (no state kept across calls), strided/offset views, a misaligned base (those two not
     without `strided_run`). `kept`: _keep of `first`."""
-    from verify.candidates import reference_fn
+    from verify.judge.candidates import reference_fn
 
     dinputs = dinputs if dinputs is not None else inputs      # the same values, already on the device
     checks = []
@@ -377,7 +379,7 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
                                     "; ".join(c.detail for c in res if not c.ok) or "within tolerance after permutation"))
     other = refreshed_inputs(op, case, inputs) if refresh else None
     if refresh:
-        from verify import serving_guards
+        from verify.judge.guards import serving as serving_guards
 
         checks.append(refreshed_inputs_check(op, spec, fn, inputs, other, device))
         checks.append(serving_guards.partial_refresh_check(op, spec, fn, inputs, other, device))
@@ -386,7 +388,7 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
             _WARMED.add((op.name, candidate))
             checks.append(warmed_up_check(op, spec, fn, dinputs, other[1], device))
     if str(device).startswith("cuda") and spec.claims.deterministic:
-        from verify.gpu_guards import concurrent_check, cuda_graph_check, side_stream_check, stream_order_check
+        from verify.judge.guards.gpu import concurrent_check, cuda_graph_check, side_stream_check, stream_order_check
 
         checks += [side_stream_check(fn, op, dinputs, base, first, device), cuda_graph_check(fn, op, dinputs, first, device)]
         if other is not None:
@@ -410,7 +412,7 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
         checks.append(_same_as_first("guard:strided_inputs", "strided/offset views", strided.results, first, op,
                                      spec, strict, oracle, base, inputs, inputs64))
     checks += misaligned_inputs_checks(op, spec, fn, dinputs, base, first, oracle, inputs, inputs64, device, strict)
-    from verify import serving_guards
+    from verify.judge.guards import serving as serving_guards
 
     checks += serving_guards.call_form_checks(op, spec, fn, dinputs, base, first, oracle, inputs, inputs64, device,
                                               strict)
@@ -513,7 +515,7 @@ def _judged_on(op: OpDef, spec: ToleranceSpec, inputs2: OpInputs, device) -> tup
 
 
 def _judged_on_now(op: OpDef, spec: ToleranceSpec, inputs2: OpInputs, device) -> tuple[OpInputs, dict, dict] | None:
-    from verify.candidates import reference_fn
+    from verify.judge.candidates import reference_fn
 
     inputs64_2 = to_oracle(inputs2)
     oracle2 = run_plain(reference_fn(op), op, inputs64_2, device)

@@ -45,7 +45,7 @@ def _entries(certs: list[tuple[str, dict]], op: str, candidate: str):
 
 def op_state(op, certs: list[tuple[str, dict]], candidate: str, profile: str | None = None,
              device: str | None = None) -> OpState:
-    from verify.certificate import op_sources
+    from verify.record.certificate import op_sources
 
     found = [f for f in _entries(certs, op.name, candidate)
              if (profile is None or f[1].get("options", {}).get("profile") == profile)
@@ -70,7 +70,7 @@ def op_state(op, certs: list[tuple[str, dict]], candidate: str, profile: str | N
 def _what_changed(op, cert: dict, entry: dict, now: dict) -> str:
     """The source groups that changed since a stale verdict and the files behind them: from the
     certificate's per-file hashes, else from git since the commit it names."""
-    from verify.certificate import changed_files_since, source_change, source_files
+    from verify.record.certificate import changed_files_since, source_change, source_files
 
     old_files = entry.get("source_files")
     text = source_change(entry.get("sources") or {}, now, old_files,

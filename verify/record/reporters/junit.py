@@ -4,7 +4,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from verify.verdict import FAIL, SKIP, XPASS, OpVerdict
+from verify.model.verdict import FAIL, SKIP, XPASS, OpVerdict
 
 
 def write_junit(verdicts: list[OpVerdict], path: str | Path) -> Path:

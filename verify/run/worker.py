@@ -1,13 +1,13 @@
 """Fault isolation: candidates run in a worker subprocess that speaks JSON lines.
 
 Only small records cross the pipe: the parent sends {op, candidate, device, case}; the worker rebuilds
-every input from the case record, runs the whole pipeline (verify.evaluate) and answers with the case
+every input from the case record, runs the whole pipeline (verify.judge.pipeline) and answers with the case
 verdict. A candidate that raises gives an ordinary failing verdict; one that hangs past the per-case
 timeout, exits the process (os._exit, SIGSEGV) or leaves a sticky CUDA error gets a failing verdict
 naming that, and the worker is restarted for the next case.
 
-    python -m verify.worker            # serve requests on stdin (used by IsolatedRunner)
-    python -m verify.worker --batch F  # evaluate the JSONL requests in F, verdicts on stdout (sanitizer)
+    python -m verify.run.worker            # serve requests on stdin (used by IsolatedRunner)
+    python -m verify.run.worker --batch F  # evaluate the JSONL requests in F, verdicts on stdout (sanitizer)
 """
 from __future__ import annotations
 
@@ -28,12 +28,12 @@ READY_TIMEOUT_S = 180.0
 
 def _serve_one(req: dict) -> dict:
     """Evaluate one request inside the worker; never raises."""
-    from verify.case import Case
-    from verify.candidates import Candidate, CandidateUnavailable
-    from verify.certify import safe_evaluate
-    from verify.registry import get_op
-    from verify.specs import load_spec
-    from verify.verdict import FAIL, SKIP, CaseVerdict
+    from verify.model.case import Case
+    from verify.judge.candidates import Candidate, CandidateUnavailable
+    from verify.run.runner import safe_evaluate
+    from verify.ops.registry import get_op
+    from verify.model.specs import load_spec
+    from verify.model.verdict import FAIL, SKIP, CaseVerdict
 
     case = Case.from_json(req["case"])
     label, device = req["candidate"], req.get("device", "cpu")
@@ -70,7 +70,7 @@ def batch(path: str) -> None:
 
 
 def verdict_from_dict(d: dict):
-    from verify.verdict import CaseVerdict, Check
+    from verify.model.verdict import CaseVerdict, Check
 
     checks = tuple(Check(c["name"], c["ok"], c.get("detail", ""), c.get("metrics", {}),
                          tuple(tuple(w) if isinstance(w, list) else w for w in c.get("worst", ())))
@@ -103,7 +103,7 @@ class _Worker:
         self._err = tempfile.TemporaryFile()
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "verify.worker"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "verify.run.worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._err, env=env)
         self._buf = b""
         msg = self._read_line(READY_TIMEOUT_S)
@@ -157,7 +157,7 @@ class _Worker:
 
     # -- one case -------------------------------------------------------------------------------
     def evaluate(self, op_name: str, case, label: str, device: str, strided_run: bool = True):
-        from verify.verdict import FAIL, CaseVerdict
+        from verify.model.verdict import FAIL, CaseVerdict
 
         if self.proc is None or self.proc.poll() is not None:
             self._start()
@@ -206,8 +206,8 @@ class IsolatedRunner:
         return sum(w.restarts for w in self.workers.values())
 
     def evaluate(self, op_name: str, case, label: str, device: str, strided_run: bool = True):
-        from verify.process_state import UNDOABLE
-        from verify.verdict import CaseVerdict
+        from verify.judge.process_state import UNDOABLE
+        from verify.model.verdict import CaseVerdict
 
         worker = self.workers.setdefault(label, _Worker(self.case_timeout, self.env))
         v = worker.evaluate(op_name, case, label, device, strided_run)
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         batch(argv[1])
         return 0
     if argv:
-        print("usage: python -m verify.worker [--batch REQUESTS.jsonl]", file=sys.stderr)
+        print("usage: python -m verify.run.worker [--batch REQUESTS.jsonl]", file=sys.stderr)
         return 2
     serve()
     return 0

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from verify import guards
-from verify.evaluate import (_Placed, _call_failures, _judged_on, _one_line, _same_as_first, case_memo, guarded_call,
+from verify.judge.guards import placement as guards
+from verify.judge.pipeline import (_Placed, _call_failures, _judged_on, _one_line, _same_as_first, case_memo, guarded_call,
                              judge, stale_or_wrong)
-from verify.opdef import OpDef, OpInputs
-from verify.specs import ToleranceSpec
-from verify.verdict import Check
+from verify.model.opdef import OpDef, OpInputs
+from verify.model.specs import ToleranceSpec
+from verify.model.verdict import Check
 
 INDEX_DTYPES = (torch.int32, torch.int64)     # indices and lengths: a row-wise mix of two draws is no valid case
 OTHER_THREADS = (3, 5)                       # thread counts that divide no power-of-two work split

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from verify.verdict import Check
+from verify.model.verdict import Check
 
 _MANTISSA = {torch.float64: 52, torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 _MIN_EXP = {torch.float64: -1022, torch.float32: -126, torch.bfloat16: -126, torch.float16: -14}

@@ -6,7 +6,7 @@ import functools
 import importlib
 import pkgutil
 
-from verify.opdef import OpDef
+from verify.model.opdef import OpDef
 
 
 class UnknownOpError(ValueError):

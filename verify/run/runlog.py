@@ -20,7 +20,7 @@ RESUME_SETTINGS = ("device", "profile", "configs", "dtypes", "seed", "examples",
 
 def case_record(v) -> dict:
     """The small per-case summary kept in the certificate: where it ran and how close it came."""
-    from verify.case import Case
+    from verify.model.case import Case
 
     rec = {"status": v.status, "stage": v.stage, "seconds": round(v.seconds, 4)}
     if v.case:
@@ -40,8 +40,8 @@ def case_record(v) -> dict:
 
 
 def op_verdict_from_dict(d: dict):
-    from verify.verdict import OpVerdict
-    from verify.worker import verdict_from_dict
+    from verify.model.verdict import OpVerdict
+    from verify.run.worker import verdict_from_dict
 
     d = dict(d)
     d.pop("carried_from", None)
@@ -54,8 +54,8 @@ def op_verdict_from_dict(d: dict):
 def case_verdict_from_line(obj: dict):
     """The CaseVerdict a case line records. A pass keeps only its record: its comparisons come back
     from the record's ratios, which is all an op verdict summarises of a passing case."""
-    from verify.verdict import CaseVerdict, Check
-    from verify.worker import verdict_from_dict
+    from verify.model.verdict import CaseVerdict, Check
+    from verify.run.worker import verdict_from_dict
 
     if obj.get("verdict"):
         return verdict_from_dict(obj["verdict"])

@@ -35,8 +35,8 @@ def collective_ops(ops) -> list:
 
 def dist_cases(op, seed: int, T: int, n: int = 2) -> list:
     """An order-sensitive case where the op draws one, then plain cases; small config, working dtype."""
-    from verify.case import Case
-    from verify.cases import CONFIG_ORDER
+    from verify.model.case import Case
+    from verify.plan.draw import CONFIG_ORDER
 
     config = next(c for c in CONFIG_ORDER if c in op.configs)
     dists = (["order_sensitive"] if "order_sensitive" in op.dists else []) + [d for d in op.dists if d != "order_sensitive"]
@@ -73,8 +73,8 @@ def _allreduce_sum(dist, t):
 
 
 def _run_shard(fn, op, shard, device):
-    from verify.evaluate import guarded_call, run_plain
-    from verify.candidates import reference_fn
+    from verify.judge.pipeline import guarded_call, run_plain
+    from verify.judge.candidates import reference_fn
 
     expected = run_plain(reference_fn(op), op, shard, device)
     res = guarded_call(fn, op, shard, expected, device)
@@ -88,8 +88,8 @@ def _run_shard(fn, op, shard, device):
 
 def _attn_res_form(dist, op, fn, inputs, rank, T, device, reduce):
     import torch
-    from verify.evaluate import run_plain
-    from verify.opdef import OpInputs
+    from verify.judge.pipeline import run_plain
+    from verify.model.opdef import OpInputs
 
     t = {k: v.to(device) for k, v in inputs.tensors.items()}
     mine = t["deltas"][rank]
@@ -140,10 +140,10 @@ def _generic_form(dist, op, fn, inputs, rank, T, device, reduce):
 
 def judge_distributed(op, case, combined, device, fn=None) -> tuple[str, str, list]:
     """(status, reason, checks) of the combined result against the unsplit oracle and declared order."""
-    from verify.candidates import reference_fn
-    from verify.compare import compare_bitwise
-    from verify.evaluate import derived_vacuity, judge, run_plain, to_oracle
-    from verify.specs import SpecError, load_spec
+    from verify.judge.candidates import reference_fn
+    from verify.judge.compare import compare_bitwise
+    from verify.judge.pipeline import derived_vacuity, judge, run_plain, to_oracle
+    from verify.model.specs import SpecError, load_spec
 
     inputs = op.make_inputs(case)
     ref = reference_fn(op)
@@ -180,9 +180,9 @@ def rank_main(rank: int, world: int, backend: str, store: str, request: dict, re
     import torch
     import torch.distributed as dist
 
-    from verify.candidates import Candidate, CandidateUnavailable
-    from verify.case import Case
-    from verify.registry import get_op
+    from verify.judge.candidates import Candidate, CandidateUnavailable
+    from verify.model.case import Case
+    from verify.ops.registry import get_op
 
     device = "cpu"
     if backend == "nccl":
@@ -222,7 +222,7 @@ def run_group(cases: list, candidate: str, backend: str, world: int, timeout: fl
         req = json.dumps({"cases": [(c.to_json(), m) for c, m in cases], "candidate": candidate,
                           "timeout": timeout})
         logs = [open(os.path.join(tmp, f"rank{r}.log"), "w+") for r in range(world)]
-        procs = [subprocess.Popen([sys.executable, "-m", "verify.distributed", str(r), str(world), backend, store,
+        procs = [subprocess.Popen([sys.executable, "-m", "verify.run.distributed", str(r), str(world), backend, store,
                                    req, result], stdout=logs[r], stderr=subprocess.STDOUT) for r in range(world)]
         deadline, why = time.monotonic() + timeout, ""
         for r, p in enumerate(procs):
@@ -250,8 +250,8 @@ def certify_distributed(ops, candidate: str, backend: str, tps: list[int], seed:
                         timeout: float = 600.0) -> list:
     """One rank group per T over every op, case and reduce mode; OpVerdicts labelled
     '<candidate>/<backend>' (plus '/<mode>' for a deliberately wrong reduction)."""
-    from verify.verdict import FAIL, PASS, SKIP, OpVerdict
-    from verify.worker import verdict_from_dict
+    from verify.model.verdict import FAIL, PASS, SKIP, OpVerdict
+    from verify.run.worker import verdict_from_dict
 
     def label(m):
         return f"{candidate}/{backend}" + ("" if m == "fold" else f"/{m}")

@@ -14,11 +14,11 @@ from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 
-from verify.opdef import OpDef
-from verify.specs import SPEC_DIR
-from verify.verdict import OpVerdict
+from verify.model.opdef import OpDef
+from verify.model.specs import SPEC_DIR
+from verify.model.verdict import OpVerdict
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FORMAT = "verify-kernels/certificate/v1"
 
 
@@ -126,37 +126,22 @@ def sha256_closure(path: Path | None, root: Path = ROOT,
     return h.hexdigest()
 
 
-# The harness: every verify/ module that the certification paths import, transitively (at module
-# level or inside functions): how cases are drawn, run, isolated, judged, sharded, resumed and
-# counted. A verdict from another version of any of them is not carried forward. The registry
-# entries (verify/ops/) are hashed per op family instead; the reporting side (cli, gate, diff,
-# certificate, report templates) is not part of it.
-HARNESS_ROOTS = ("certify", "parallel", "distributed", "sanitize", "values")   # values: via the registry
-NOT_HARNESS = ("verify.certificate", "verify.cli", "verify.gate", "verify.diff")
+# The harness: the stages that draw cases, build inputs, judge and run them (verify/model, plan,
+# judge, run). A verdict from another version of any of their modules is not carried forward. The
+# registry entries (verify/ops/) are hashed per op family instead; the recording side (record/, cli)
+# is not part of it.
+HARNESS_PACKAGES = ("model", "plan", "judge", "run")
 
 
 def harness_files() -> list[Path]:
-    """The harness modules (HARNESS_ROOTS and what they import from verify/), sorted."""
-    seen: set[Path] = set()
-    todo = [ROOT / "verify" / f"{r}.py" for r in HARNESS_ROOTS]
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
-        for name in _project_imports(p, ("verify",)):
-            if name in NOT_HARNESS or name.startswith(("verify.ops", "verify.reporters")):
-                continue
-            f = ROOT.joinpath(*name.split(".")).with_suffix(".py")
-            if f.is_file():
-                todo.append(f)
-    return sorted(seen)
+    """Every module of the harness stages (HARNESS_PACKAGES), sorted."""
+    return sorted(p for pkg in HARNESS_PACKAGES for p in (ROOT / "verify" / pkg).rglob("*.py"))
 
 
 def harness_hash() -> str:
     h = hashlib.sha256()
     for p in harness_files():
-        h.update(p.name.encode())
+        h.update(str(p.relative_to(ROOT)).encode())
         h.update(p.read_bytes())
     return h.hexdigest()
 
@@ -230,7 +215,7 @@ def changed_files_since(commit: str | None, op: OpDef, root: Path | None = None)
 
 
 def _waivers(op_name: str) -> list[dict]:
-    from verify.specs import SpecError, load_spec
+    from verify.model.specs import SpecError, load_spec
 
     try:
         return [w.model_dump() for w in load_spec(op_name).waivers]

@@ -38,7 +38,7 @@ def _worst(v: dict | None) -> dict[str, float]:
 
 
 def diff(old: dict, new: dict) -> CertDiff:
-    from verify.certificate import op_verdicts
+    from verify.record.certificate import op_verdicts
 
     a, b = op_verdicts(old), op_verdicts(new)
     out = CertDiff()
@@ -83,7 +83,7 @@ def _sources_change(op: str, ea: dict, eb: dict) -> Change | None:
     """The source groups (reference, fused, spec, registry, harness) whose hashes differ between two
     entries of one op, with the files behind them where both entries keep per-file hashes ('+' a
     file only NEW depends on, '-' one only OLD did)."""
-    from verify.certificate import source_change
+    from verify.record.certificate import source_change
 
     text = source_change(ea.get("sources") or {}, eb.get("sources") or {}, ea.get("source_files"),
                          eb.get("source_files"))

@@ -10,7 +10,7 @@ import base64
 import io
 from pathlib import Path
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates"
 
 
 def _rows(cert: dict) -> list[dict]:

@@ -12,7 +12,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-SPEC_DIR = Path(__file__).resolve().parent.parent / "tolerance_specs"
+SPEC_DIR = Path(__file__).resolve().parents[2] / "tolerance_specs"
 
 
 class SpecError(ValueError):

@@ -6,8 +6,8 @@ from typing import Any, Callable
 
 import torch
 
-from verify.case import Case
-from verify.values import EDGE_DISTS, GENERIC_DISTS
+from verify.model.case import Case
+from verify.model.values import EDGE_DISTS, GENERIC_DISTS
 
 
 @dataclass(frozen=True)
