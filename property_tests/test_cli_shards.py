@@ -11,7 +11,7 @@ from pathlib import Path
 
 from verify.judge.candidates import Candidate
 from verify.model.case import Case
-from verify.plan.draw import get_profile
+from verify.model.profile import get_profile
 from verify.run.runner import RunOptions, certify_op, draw_cases
 from verify.ops.registry import get_op
 from verify.model.verdict import FAIL, VACUOUS, CaseVerdict
@@ -153,7 +153,7 @@ sys.path.insert(0, sys.argv[1])
 if sys.argv[2] == "after":
     import many_constants  # noqa: F401  (a local module full of integer constants)
 from verify.judge.candidates import Candidate
-from verify.plan.draw import get_profile
+from verify.model.profile import get_profile
 from verify.run.runner import RunOptions, draw_cases
 from verify.ops.registry import get_op
 opts = RunOptions(device="cpu", profile=get_profile("release"), examples=120)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from verify.judge.candidates import Candidate
-from verify.plan.draw import Profile
+from verify.model.profile import Profile
 from verify.run.runner import RunOptions, certify_op
 from verify.ops.registry import all_ops
 from verify.model.specs import load_spec

@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 from references.gemm import skinny_gemm
 from verify.model.case import Case
-from verify.plan.draw import PROFILES, Profile, drawn_dtypes, knob_sweep_cases
+from verify.model.profile import PROFILES, Profile, drawn_dtypes
+from verify.plan.draw import knob_sweep_cases
 from verify.ops.gemm import KNOB_PROJECTIONS, OPS, off_tile, projection_shape
 
 GEMM = OPS[0]

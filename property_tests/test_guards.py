@@ -313,7 +313,7 @@ def test_a_refusal_of_misaligned_out_buffers_passes_and_is_recorded():
 
 
 def test_the_quick_profile_skips_the_misaligned_run():
-    from verify.plan.draw import get_profile
+    from verify.model.profile import get_profile
 
     assert not get_profile("quick").strided_run
     v = evaluate_case(TOY, CASE, rounds_base_down, "fused", spec=SPEC, strided_run=False)

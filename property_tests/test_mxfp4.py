@@ -158,7 +158,8 @@ def test_off_tile_in_dim_is_an_odd_number_of_groups(config, want):
     """mxfp4_dequant's knob-sweep shape: I an odd multiple of the 32-wide group (no 64-column tile
     divides it) at or above the config's latent; an int knob still sets I; the sweep runs it."""
     from verify.model.case import Case
-    from verify.plan.draw import PROFILES, knob_sweep_cases
+    from verify.model.profile import PROFILES
+    from verify.plan.draw import knob_sweep_cases
     from verify.ops.mxfp4 import in_dim
     from verify.ops.registry import get_op
     case = Case("mxfp4_dequant", 0, 3, config, "bfloat16", extra=(("in_dim", "off_tile"),))
@@ -175,7 +176,8 @@ def test_exhaustive_codes_pair_every_scale_byte_with_every_code():
     """The knob-sweep case codes='exhaustive': each row holds all 256 scale bytes, each group the 16
     codes twice, so fp16 output reaches subnormals, overflow and NaN; it runs in every output dtype."""
     from verify.model.case import Case
-    from verify.plan.draw import PROFILES, drawn_dtypes, knob_sweep_cases
+    from verify.model.profile import PROFILES, drawn_dtypes
+    from verify.plan.draw import knob_sweep_cases
     from verify.ops.registry import get_op
     from references.mxfp4 import mxfp4_dequant
     op = get_op("mxfp4_dequant")

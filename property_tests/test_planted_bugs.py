@@ -21,7 +21,7 @@ if str(ROOT) not in sys.path:
 
 from property_tests.planted import ALL_DTYPES, CATALOGUE, EXAMPLES, FP32_ONLY, FULL_BATCH, GAPS  # noqa: E402
 from verify.judge.candidates import Candidate  # noqa: E402
-from verify.plan.draw import Profile  # noqa: E402
+from verify.model.profile import Profile  # noqa: E402
 from verify.run.runner import RunOptions, certify_op  # noqa: E402
 from verify.ops.registry import all_ops, get_op  # noqa: E402
 from verify.model.specs import SpecError, load_spec  # noqa: E402

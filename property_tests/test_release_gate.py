@@ -93,7 +93,7 @@ def test_resume_after_a_killed_run(tmp_path):
 def test_waived_case_that_passes_fails_the_run(monkeypatch):
     from verify.run import runner as certify
     from verify.judge.candidates import Candidate
-    from verify.plan.draw import get_profile
+    from verify.model.profile import get_profile
     from verify.model.specs import Waiver, load_spec
 
     spec = load_spec(OP).model_copy(deep=True)
@@ -221,7 +221,7 @@ def test_candidate_declared_dtypes_scope_the_draws():
     import json
 
     from verify.judge.candidates import parse_candidate
-    from verify.plan.draw import PROFILES
+    from verify.model.profile import PROFILES
     from verify.run.runner import RunOptions, certify_op
     from verify.ops.registry import get_op
 
@@ -237,7 +237,7 @@ def test_candidate_declared_dtypes_scope_the_draws():
 
 def test_candidate_declaring_no_drawn_dtype_is_skipped_and_undeclared_raise_fails():
     from verify.judge.candidates import parse_candidate
-    from verify.plan.draw import PROFILES
+    from verify.model.profile import PROFILES
     from verify.run.runner import RunOptions, certify_op
     from verify.ops.registry import get_op
 

@@ -135,7 +135,7 @@ def test_a_failed_case_before_the_cut_still_fails_the_pair(tmp_path, monkeypatch
 
 def test_a_failed_case_before_the_cut_fails_without_evaluating_again(tmp_path, monkeypatch):
     from verify.judge.candidates import Candidate
-    from verify.plan.draw import PROFILES
+    from verify.model.profile import PROFILES
     from verify.ops.registry import get_op
     from verify.run.runlog import read
 

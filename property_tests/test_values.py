@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from verify.model.case import Case
-from verify.plan.draw import PROFILES, Profile, dist_sweep_cases
+from verify.model.profile import PROFILES, Profile
+from verify.plan.draw import dist_sweep_cases
 from verify.ops.registry import get_op
 from verify.model.values import DISTS, EDGE_DISTS, GENERIC_DISTS, SMALL_ROW_K, draw, generator, row_scales
 

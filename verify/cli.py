@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 class UsageError(Exception):
@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("old", metavar="OLD.json")
     di.add_argument("new", metavar="NEW.json")
     di.add_argument("--json", action="store_true", help="machine-readable output")
+    me = sub.add_parser("merge", help="join the outputs of `run --shard I/N` runs of one plan into one certificate")
+    me.add_argument("dirs", metavar="DIR", nargs="+", help="output directories of the shards")
+    me.add_argument("--out", default="verify-out", help="directory for certificate.json (default: verify-out)")
+    me.add_argument("--json", action="store_true", help="print the certificate JSON on stdout")
+    me.add_argument("--junit", default=None, metavar="FILE", help="also write JUnit XML")
     ck = sub.add_parser("check", help="which certificate still holds for this tree (the release gate)")
     ck.add_argument("certificates", metavar="CERT.json", nargs="+",
                     help="certificates to look in; per op, the newest verdict whose sources match the tree counts")
@@ -94,13 +99,11 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
     run.add_argument("--sanitize", default=None, choices=["memcheck", "racecheck", "synccheck", "initcheck"],
                      help="run each op's GPU cases under compute-sanitizer with this tool")
     run.add_argument("--jobs", type=int, default=1, metavar="N",
-                     help="certify up to N ops at once, each in a child run (one GPU each where several are "
-                          "visible); their logs under OUT/jobs/, one merged certificate")
-    run.add_argument("--shards", type=int, default=1, metavar="K",
-                     help="with --jobs: deal each op's drawn cases to K children that judge them at once (on "
-                          "the op's GPU: kernel compiles and host work run in parallel), then one child replays "
-                          "their verdicts and finishes the op, shrinking included")
-    run.add_argument("--case-list", default=None, help=argparse.SUPPRESS)    # a --shards child's cases
+                     help="judge the plan's N slices at once in N child processes (one GPU each where several "
+                          "are visible; their logs under OUT/shards/), one certificate")
+    run.add_argument("--shard", default=None, metavar="I/N",
+                     help="judge only slice I of N of the plan (0 <= I < N) into OUT; join the N outputs with "
+                          "`verify-kernels merge`")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     try:
         return {"list": cmd_list, "describe": cmd_describe, "run": cmd_run, "repro": cmd_repro,
-                "report": cmd_report, "diff": cmd_diff, "check": cmd_check}[args.command](args)
+                "report": cmd_report, "diff": cmd_diff, "check": cmd_check,
+                "merge": cmd_merge}[args.command](args)
     except UsageError as e:
         print(f"verify-kernels: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -208,7 +212,7 @@ def restrict_profile(profile, configs: str | None, dtypes: str | None):
     """--configs / --dtypes narrow a profile (e.g. the real K3 shapes only on a GPU run)."""
     import dataclasses
 
-    from verify.plan.draw import CONFIG_ORDER
+    from verify.model.profile import CONFIG_ORDER
 
     if configs:
         wanted = tuple(c.strip() for c in configs.split(",") if c.strip())
@@ -257,7 +261,7 @@ def _check_out_paths(args) -> None:
 
 
 def _run_setup(args):
-    from verify.plan.draw import get_profile, validate_tp
+    from verify.model.profile import get_profile, validate_tp
     from verify.ops.registry import UnknownOpError, select_ops
 
     try:
@@ -288,18 +292,29 @@ def _run_setup(args):
         raise UsageError(f"--jobs {jobs}: must be 1 or more")
     if jobs > 1 and set(modes) & {"distributed", "sanitize"}:
         raise UsageError(f"--jobs and --{(set(modes) & {'distributed', 'sanitize'}).pop()} cannot be combined")
-    shards = getattr(args, "shards", 1)
-    if shards < 1 or (shards > 1 and jobs < 2):
-        raise UsageError(f"--shards {shards}: needs 1 or more, and --jobs N >= 2 to run the shards at once")
+    args.shard_of = _shard(args.shard)
+    if args.shard_of != (0, 1) and (jobs > 1 or set(modes) & {"distributed", "sanitize", "changed_since"}):
+        raise UsageError("--shard judges one slice of a plain run; it cannot be combined with --jobs, "
+                         "--distributed, --sanitize or --changed-since")
     return ops, profile, tps
+
+
+def _shard(text: str | None) -> tuple[int, int]:
+    if text is None:
+        return (0, 1)
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise UsageError(f"--shard {text!r}: expected I/N, e.g. 0/2") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise UsageError(f"--shard {text}: needs N >= 1 and 0 <= I < N")
+    return i, n
 
 
 def cmd_run(args) -> int:
     from rich.console import Console
 
     from verify.record import certificate
-    from verify.run.runner import run_all
-    from verify.run.runlog import RunLog, settings_mismatch
 
     console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 160)
     ops, profile, tps = _run_setup(args)
@@ -322,44 +337,83 @@ def cmd_run(args) -> int:
         ops = [o for o in ops if o.name in changed]
         console.print(f"changed since {args.changed_since}: {', '.join(changed) or 'nothing'}; "
                       f"carried forward: {', '.join(carried) or 'nothing'}")
-    options = {"profile": profile.name, "configs": list(profile.configs),
-               "dtypes": None if profile.dtypes is None else list(profile.dtypes), "seed": args.seed,
-               "examples": args.examples, "tp": tps, "device": device,
-               "candidates": [c.label for c in candidates], "ops": [o.name for o in ops],
-               "isolated": not args.no_isolate, "case_timeout": args.case_timeout, "distributed": args.distributed,
-               "sanitize": args.sanitize, "changed_since": args.changed_since,
-               "harness": certificate.harness_hash()}
-    if args.jobs > 1:
-        return _run_jobs(args, ops, candidates, device, options, console, carried, profile, tps)
+    if args.distributed or args.sanitize:
+        return _run_special(args, ops, candidates, device, tps, console, carried)
+    from verify.record.merge import assemble
+    from verify.run.execute import PlanMismatch, run_jobs, run_slice
+    from verify.run.runner import RunConfig, build_plan
+
+    cfg = RunConfig(tuple(o.name for o in ops), tuple(c.label for c in candidates), device, profile, args.seed,
+                    None if tps is None else tuple(tps), args.examples, not args.no_isolate, args.case_timeout,
+                    certificate.harness_hash())
+    plan = build_plan(cfg, ops, candidates)
+    out = Path(args.out)
+    console.print(f"plan {plan.id}: {len(plan.cases)} cases over {len(plan.pairs)} op/candidate pairs "
+                  f"({out / 'plan.json'})")
     try:
-        log = RunLog(Path(args.out), resume=args.resume)
-    except ValueError as e:
+        if args.jobs > 1:
+            judged, problems = run_jobs(plan, cfg, out, args.jobs, args.resume)
+            for line in problems:
+                console.print(f"[bold red]{line}[/]")
+        else:
+            judged = run_slice(plan, cfg, out, args.shard_of, args.resume)
+    except PlanMismatch as e:
         raise UsageError(f"--resume: {e}") from None
-    differs = settings_mismatch(log.previous.options, options)
-    if differs:
-        log.close()
-        raise UsageError(f"--resume: {log.path} was written with other settings ({differs}); "
-                         "rerun with the log's settings, or without --resume")
-    log.start(options)
-    try:
-        verdicts, cases = run_all(args, ops, candidates, profile, tps, device, log, console)
-    finally:
-        log.close()
-    return _finish_run(args, verdicts, options, device, cases, console, carried,
-                       f"{len(carried)} ops carried; log {log.path}")
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: every case judged so far is kept in {out / 'run.jsonl'}; continue with\n"
+              f"  verify-kernels {' '.join(args.argv)} --resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if args.shard_of != (0, 1):
+        mine = [judged.verdicts[pc.index] for pc in plan.slice(*args.shard_of) if pc.index in judged.verdicts]
+        bad = [v for v in mine if v.status in ("fail", "unexpected_pass")]
+        i, n = args.shard_of
+        console.print(f"shard {i}/{n} of plan {plan.id}: {len(mine)} cases judged, {len(bad)} failed; "
+                      f"join the {n} outputs with: verify-kernels merge DIR...")
+        return EXIT_FAIL if bad else EXIT_OK
+    verdicts, cert = assemble(plan, judged, carried, {"jobs": args.jobs})
+    return _finish_run(args, verdicts, cert, console, f"{len(carried)} ops carried; log {out / 'run.jsonl'}")
 
 
-def _finish_run(args, verdicts, options, device, cases, console, carried, where: str) -> int:
+def _run_special(args, ops, candidates, device, tps, console, carried) -> int:
+    """--distributed (one process per rank, real collectives) and --sanitize (compute-sanitizer):
+    each draws its own few cases per op; the verdicts go straight into the certificate."""
+    from verify.ops.registry import all_ops
+    from verify.record import certificate
+    from verify.run.runlog import case_record
+
+    cases: dict = {}
+
+    def on_case(v) -> None:
+        cases.setdefault((v.op, v.candidate), []).append(case_record(v))
+
+    verdicts = []
+    if args.distributed:
+        from verify.run.distributed import certify_distributed, collective_ops
+
+        chosen = ops if args.ops else collective_ops(ops)
+        for cand in candidates:
+            verdicts += certify_distributed(chosen, cand.label, args.distributed, tps or [2, 4], args.seed,
+                                            on_case=on_case)
+    else:
+        from verify.run.sanitize import sanitize_op
+
+        verdicts = [sanitize_op(op, cand.label, args.sanitize, args.seed) for op in ops for cand in candidates]
+    options = {"device": device, "seed": args.seed, "tp": tps, "distributed": args.distributed,
+               "sanitize": args.sanitize, "candidates": [c.label for c in candidates], "ops": [o.name for o in ops],
+               "harness": certificate.harness_hash()}
+    cert = certificate.build(verdicts, all_ops(), options, device, cases, carried)
+    return _finish_run(args, verdicts, cert, console, f"{len(carried)} ops carried")
+
+
+def _finish_run(args, verdicts, cert, console, where: str) -> int:
     """Failures, the certificate (and JUnit), the summary table; the exit status."""
     from verify.record import certificate
-    from verify.ops.registry import all_ops
     from verify.record.reporters.terminal import print_failure, print_skips, summary_table
     from verify.model.verdict import FAIL, XPASS
 
     for v in verdicts:
         if v.status in (FAIL, XPASS):
             print_failure(console, v)
-    cert = certificate.build(verdicts, all_ops(), options, device, cases, carried)
     path = certificate.write(cert, Path(args.out))
     if args.junit:
         from verify.record.reporters.junit import write_junit
@@ -375,30 +429,19 @@ def _finish_run(args, verdicts, options, device, cases, console, carried, where:
     return EXIT_FAIL if failed else EXIT_OK
 
 
-def _run_jobs(args, ops, candidates, device, options, console, carried: dict, profile, tps) -> int:
-    """run --jobs N (verify/parallel.py): children per op group, one merged certificate."""
-    from verify.run.pool import run_jobs
+def cmd_merge(args) -> int:
+    from rich.console import Console
 
-    dealt = None
-    if args.shards > 1:
-        from verify.run.runner import RunOptions, draw_cases
-        from verify.judge.candidates import Candidate
+    from verify.record.merge import MergeError, assemble, load_shards
 
-        opts = RunOptions(device=device, profile=profile, seed=args.seed, tps=tps, examples=args.examples)
-        dealt = {o.name: {c.label: draw_cases(o, Candidate(c.label), opts) for c in candidates} for o in ops}
-    verdicts, cases, problems = run_jobs(getattr(args, "argv", None) or sys.argv[1:], [o.name for o in ops],
-                                         [c.label for c in candidates], args.jobs, device, Path(args.out), console,
-                                         dealt, args.shards)
-    for line in problems:
-        console.print(f"[bold red]{line}[/]")
-    usage = [p for p in problems if "exited with status 2:" in p]
-    if usage:
-        first = Path(usage[0].rsplit("see ", 1)[-1])      # that child's log (an op's, or a shard's)
-        tail = first.read_text().strip().splitlines()[-1:] if first.exists() else []
-        raise UsageError(f"--jobs: the child runs refused the command ({'; '.join(tail) or usage[0]})")
-    return _finish_run(args, verdicts, dict(options, jobs=args.jobs, shards=args.shards), device, cases, console,
-                       carried,
-                       f"{len(carried)} ops carried; {args.jobs} jobs, logs {Path(args.out) / 'jobs'}")
+    _check_out_paths(args)
+    try:
+        plan, judged = load_shards([Path(d) for d in args.dirs])
+    except MergeError as e:
+        raise UsageError(f"merge: {e}") from None
+    verdicts, cert = assemble(plan, judged)
+    console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 160)
+    return _finish_run(args, verdicts, cert, console, f"merged {len(args.dirs)} outputs of plan {plan.id}")
 
 
 def cmd_report(args) -> int:

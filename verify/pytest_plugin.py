@@ -56,7 +56,7 @@ def pytest_collection_modifyitems(config, items):
 def vk_certify(request):
     """Certify a candidate ('module:attr', a callable, 'compiled', 'fused') for one op; fail with the report."""
     from verify.judge.candidates import Candidate
-    from verify.plan.draw import get_profile
+    from verify.model.profile import get_profile
     from verify.run.runner import RunOptions, certify_op
     from verify.ops.registry import get_op
     from verify.model.verdict import FAIL, SKIP, XPASS

@@ -259,8 +259,9 @@ def _bitwise_same(tag: str, a: dict, b: dict) -> Check:
 
 
 def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu",
-                  spec: ToleranceSpec | None = None, strided_run: bool = True) -> CaseVerdict:
-    """The whole pipeline for one case; never raises for a candidate's failure."""
+                  spec: ToleranceSpec | None = None, strided_run: bool = True, warmup: bool = False) -> CaseVerdict:
+    """The whole pipeline for one case; never raises for a candidate's failure. `warmup`: also run
+    guard:warmed_up (the plan marks a few cases of each op and candidate for it)."""
     t0 = time.perf_counter()
     _CASE_MEMO.clear()
     spec = spec or load_spec(op.name)
@@ -296,7 +297,7 @@ def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu"
             kept.append(_keep(op, label, first.results))
             run += _extra_runs(op, spec, case, fn_v, inputs, base, first.results, oracle, inputs64, device,
                                   binds_claims(candidate), strided_run, dinputs=dinputs,
-                                  kept=kept[-1], candidate=candidate + label)
+                                  kept=kept[-1], warmup=warmup)
             held = outputs_kept(kept, "the later calls of this case")
             # a reused output buffer also garbles the later comparisons: it is the reason to report
             run = [held] + run if not held.ok else run + [held]
@@ -306,6 +307,35 @@ def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu"
         if bad:
             return verdict(FAIL, bad[0].name, bad[0].detail, checks)
     return verdict(PASS, checks=checks)
+
+
+def judge_case(op: OpDef, case: Case, fn, candidate: str, device: str, spec: ToleranceSpec | None = None,
+               strided_run: bool = True, warmup: bool = False) -> CaseVerdict:
+    """evaluate_case, with any failure outside the candidate (input builder, reference) as a verdict.
+    With $VERIFY_CPROFILE_DIR set, the case runs under cProfile and its stats are written there as
+    <op>-<config>-<seed>-<batch>-tp<T>.pstats (where a certification run spends its time)."""
+    import os
+
+    t0 = time.perf_counter()
+    try:
+        if os.environ.get("VERIFY_CPROFILE_DIR"):
+            import cProfile
+            from pathlib import Path
+
+            out = Path(os.environ["VERIFY_CPROFILE_DIR"])
+            out.mkdir(parents=True, exist_ok=True)
+            prof = cProfile.Profile()
+            try:
+                return prof.runcall(evaluate_case, op, case, fn, candidate, device, spec, strided_run, warmup)
+            finally:
+                prof.dump_stats(out / f"{op.name}-{case.config}-{case.seed}-{case.batch}-tp{case.tp}.pstats")
+        return evaluate_case(op, case, fn, candidate, device, spec, strided_run=strided_run, warmup=warmup)
+    except Exception as e:
+        tb = traceback.extract_tb(e.__traceback__)[-1]
+        where = f"{tb.filename.rsplit('/', 1)[-1]}:{tb.lineno}"
+        return CaseVerdict(op.name, candidate, case.to_json(), FAIL, "harness",
+                           f"{type(e).__name__}: {str(e)[:300]} (at {where}; inputs or reference failed)",
+                           (), time.perf_counter() - t0)
 
 
 def launch_variants(fn, inputs: OpInputs) -> list[tuple[str, object]]:
@@ -332,7 +362,7 @@ def binds_claims(candidate: str) -> bool:
 
 def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, device, strict: bool = True,
                 strided_run: bool = True, refresh: bool = True, dinputs: OpInputs | None = None,
-                kept: tuple[str, dict, dict] | None = None, candidate: str = "") -> list[Check]:
+                kept: tuple[str, dict, dict] | None = None, warmup: bool = False) -> list[Check]:
     """Second run (determinism), permuted batch (position independence), new values in the same
     buffers (no state kept across calls), strided/offset views, a misaligned base (those two not
     without `strided_run`). `kept`: _keep of `first`."""
@@ -384,8 +414,7 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
         checks.append(refreshed_inputs_check(op, spec, fn, inputs, other, device))
         checks.append(serving_guards.partial_refresh_check(op, spec, fn, inputs, other, device))
         checks.append(serving_guards.state_chain_check(op, spec, fn, inputs, base, other, device))
-        if (op.name, candidate) not in _WARMED and other is not None:
-            _WARMED.add((op.name, candidate))
+        if warmup and other is not None:
             checks.append(warmed_up_check(op, spec, fn, dinputs, other[1], device))
     if str(device).startswith("cuda") and spec.claims.deterministic:
         from verify.judge.guards.gpu import concurrent_check, cuda_graph_check, side_stream_check, stream_order_check
@@ -526,15 +555,14 @@ def _judged_on_now(op: OpDef, spec: ToleranceSpec, inputs2: OpInputs, device) ->
 
 REFRESH_SEEDS = 2        # other seeds tried for a case with the same shapes and static params
 WARMUP_CALLS = 100       # calls of one shape before guard:warmed_up judges the next
-_WARMED: set[tuple[str, str]] = set()     # (op, candidate) pairs this process has warmed up once
 
 
 def warmed_up_check(op: OpDef, spec: ToleranceSpec, fn, dinputs: OpInputs, inputs2: OpInputs, device) -> Check:
     """guard:warmed_up: WARMUP_CALLS calls of one shape, then a call on other values in fresh buffers,
     judged. A case calls the candidate a dozen times, but a serving process calls it millions: a
     wrapper that captures a CUDA graph, swaps in an autotuned variant or caches a plan after N calls
-    of a shape is judged only if N is reached. Once per op and candidate in a process (a cost of
-    WARMUP_CALLS calls); a counter above WARMUP_CALLS still goes unseen."""
+    of a shape is judged only if N is reached. On the cases the plan marks (a cost of WARMUP_CALLS
+    calls each); a counter above WARMUP_CALLS still goes unseen."""
     name = "guard:warmed_up"
     judged = _judged_on(op, spec, inputs2, device)
     if judged is None:

@@ -1,21 +1,17 @@
-"""Case strategies (hypothesis) and the dev/quick/ci/release profiles. Public and validated."""
+"""Case strategies (hypothesis) and the explicit sweeps: what cases a plan lists for one op."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
 from verify.model.case import Case
 from verify.model.opdef import OpDef
+from verify.model.profile import CONFIG_ORDER, Profile, drawn_dtypes, op_tps
 from verify.model.values import EDGE_DISTS
-
-CONFIG_ORDER = ("tiny", "small", "k3")      # shrink toward the smallest config
 
 
 def _draw_without_local_constants() -> None:
-    """A seed must draw the same cases in every process: `run --shards` deals from the parent's dry
-    draw, the op's own child and `--resume` draw again, and a certificate's cases are reproducible
-    from its seed. Hypothesis (6.131+) mixes integer and float constants found in the source of every
+    """A seed must draw the same plan in every process: a shard, a resumed run and a merge each
+    plan again and must agree, and a certificate's cases are reproducible from its seed. Hypothesis (6.131+) mixes integer and float constants found in the source of every
     imported non-site-packages module into its draws, so the draw depended on what the process had
     imported (on the device, the CuTe DSL bundle is unpacked outside site-packages). Its global
     constants stay; the local pool is kept empty. Checked by
@@ -31,63 +27,6 @@ def _draw_without_local_constants() -> None:
 
 
 _draw_without_local_constants()
-
-
-@dataclass(frozen=True)
-class Profile:
-    name: str
-    examples: int            # hypothesis examples per op and candidate
-    configs: tuple[str, ...]
-    max_batch: int
-    all_dtypes: bool         # False: the op's first (working) dtype only
-    shrink: bool
-    tp_sweep: bool           # one explicit case per T in the op's tp_values
-    dtypes: tuple[str, ...] | None = None   # restrict working dtypes (None: as all_dtypes says)
-    sweep_tps: tuple[int, ...] | None = None  # T values of the sweep (None: all the op declares)
-    compile_heavy: bool = True               # also run torch.compile on ops marked compile_heavy
-    strided_run: bool = True                 # the strided/offset-views guard run (a recompile for inductor)
-    dist_sweep: bool = True                  # one explicit case per op dist the hypothesis draw missed
-    knob_sweep: bool = True                  # the op's knob_sweep cases (knob_sweep_cases)
-    batch_sweep: bool = True                 # the dispatch-boundary batch sizes (batch_sweep_cases)
-
-
-PROFILES = {
-    # quick: the default job; must finish in minutes on a 2-core CPU with the compiled candidate.
-    "quick": Profile("quick", 4, ("tiny", "small"), 16, False, False, True, sweep_tps=(4,), compile_heavy=False,
-                     strided_run=False, dist_sweep=False, batch_sweep=False),
-    "ci": Profile("ci", 25, ("tiny", "small"), 64, True, True, True),
-    "release": Profile("release", 200, ("tiny", "small", "k3"), 64, True, True, True),
-}
-
-
-def get_profile(name: str) -> Profile:
-    if name not in PROFILES:
-        raise ValueError(f"--profile {name!r} is unknown; choose one of {', '.join(PROFILES)}")
-    return PROFILES[name]
-
-
-def validate_tp(tps: list[int] | None) -> list[int] | None:
-    if tps is None:
-        return None
-    for t in tps:
-        if t not in (1, 2, 4, 8, 16):
-            raise ValueError(f"--tp {t}: tensor-parallel degree must be one of 1, 2, 4, 8, 16")
-    return tps
-
-
-def op_tps(op: OpDef, tps: list[int] | None) -> list[int]:
-    if op.split is None:
-        return [1]
-    allowed = [t for t in op.split.tp_values if tps is None or t in tps]
-    return allowed or [1]
-
-
-def drawn_dtypes(op: OpDef, profile: Profile) -> list[str]:
-    """The working dtypes this profile draws for the op."""
-    dtypes = list(op.dtypes) if profile.all_dtypes else [op.dtypes[0]]
-    if profile.dtypes is not None:
-        dtypes = [d for d in op.dtypes if d in profile.dtypes] or [op.dtypes[0]]
-    return dtypes
 
 
 def case_strategy(op: OpDef, profile: Profile, tps: list[int] | None = None, device: str = "cpu"):
@@ -176,22 +115,46 @@ def knob_sweep_cases(op: OpDef, profile: Profile, seed: int, tps: list[int] | No
     return out
 
 
-def dist_sweep_cases(op: OpDef, profile: Profile, seed: int, drawn: set[str]) -> list[Case]:
-    """One explicit case per dist of the op that the hypothesis draw did not reach (`drawn`: the dists of
-    its non-vacuous cases). The draw picks the dist with sampled_from, about uniformly over op.dists, so
-    a run of n examples misses a given one of d dists with probability ~(1 - 1/d)^n: ~5% for 6 dists at
-    25 examples (measured 10 of 200 hypothesis seeds), and the seed per op is fixed, so an op can miss
-    one for good (kda_decode's 25-example draw at seed 0 never drew small_rows). Unsplit (T = 1), the
-    first config, B = min(8, max_batch) rows (several per-row regimes of zero_rows / small_rows), the
-    working dtypes taken in turn. The edge dists (values.EDGE_DISTS) get their case whether drawn or
-    not: their specials sit in some rows and some inputs only, and a drawn case can hold none that
-    matters (one row, a layout with one source: a planted NaN-skipping AttnRes mix was certified while
-    its only nonfinite draws were such cases)."""
+def dist_sweep_cases(op: OpDef, profile: Profile, seed: int) -> list[Case]:
+    """One explicit case per dist of the op, whatever the draw reached. The draw picks the dist with
+    sampled_from, so a run of n examples misses a given one of d dists with probability
+    ~(1 - 1/d)^n (~5% for 6 dists at 25 examples), and a dist drawn only in vacuous cases, or one whose
+    specials (values.EDGE_DISTS: NaN, inf, range edges in some rows) sit where they do not matter,
+    would go unjudged. Unsplit (T = 1), the first config, B = min(8, max_batch) rows (several per-row
+    regimes of zero_rows / small_rows), the working dtypes taken in turn."""
     if not profile.dist_sweep:
         return []
-    drawn = set(drawn) - set(EDGE_DISTS)
     config = next((c for c in CONFIG_ORDER if c in op.configs and c in profile.configs), op.configs[0])
     batch = max(1, min(8, op.max_batch, profile.max_batch))
     dtypes = drawn_dtypes(op, profile)
     return [Case(op.name, seed + DIST_SWEEP_SEED + i, batch, config, dtypes[i % len(dtypes)], dist, 1)
-            for i, dist in enumerate(op.dists) if dist not in drawn]
+            for i, dist in enumerate(op.dists)]
+
+
+def drawn_cases(op: OpDef, profile: Profile, seed: int, tps: list[int] | None = None,
+                examples: int | None = None) -> list[Case]:
+    """The hypothesis draw of `examples` (default: the profile's) cases for one op, in draw order,
+    without repeats. Deterministic for (op, profile, seed, tps): nothing is judged while drawing."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hyp_seed
+
+    out: dict[str, Case] = {}
+
+    @settings(max_examples=examples or profile.examples, deadline=None, database=None, derandomize=False,
+              suppress_health_check=list(HealthCheck), phases=[Phase.generate])
+    @given(case_strategy(op, profile, tps))
+    def collect(case: Case):
+        out.setdefault(case.to_json(), case)
+
+    hyp_seed(seed + sum(map(ord, op.name)))(collect)()
+    return list(out.values())
+
+
+def planned_cases(op: OpDef, profile: Profile, seed: int, tps: list[int] | None = None,
+                  examples: int | None = None) -> list[Case]:
+    """Every case a run lists for one op: the draw, then the T, dist, knob and batch sweeps; each
+    case once, in that order."""
+    cases = (drawn_cases(op, profile, seed, tps, examples) + tp_sweep_cases(op, profile, seed, tps)
+             + dist_sweep_cases(op, profile, seed) + knob_sweep_cases(op, profile, seed, tps)
+             + batch_sweep_cases(op, profile, seed))
+    return list({c.to_json(): c for c in cases}.values())

@@ -36,7 +36,7 @@ def collective_ops(ops) -> list:
 def dist_cases(op, seed: int, T: int, n: int = 2) -> list:
     """An order-sensitive case where the op draws one, then plain cases; small config, working dtype."""
     from verify.model.case import Case
-    from verify.plan.draw import CONFIG_ORDER
+    from verify.model.profile import CONFIG_ORDER
 
     config = next(c for c in CONFIG_ORDER if c in op.configs)
     dists = (["order_sensitive"] if "order_sensitive" in op.dists else []) + [d for d in op.dists if d != "order_sensitive"]
@@ -251,7 +251,7 @@ def certify_distributed(ops, candidate: str, backend: str, tps: list[int], seed:
     """One rank group per T over every op, case and reduce mode; OpVerdicts labelled
     '<candidate>/<backend>' (plus '/<mode>' for a deliberately wrong reduction)."""
     from verify.model.verdict import FAIL, PASS, SKIP, OpVerdict
-    from verify.run.worker import verdict_from_dict
+    from verify.run.runlog import verdict_from_dict
 
     def label(m):
         return f"{candidate}/{backend}" + ("" if m == "fold" else f"/{m}")

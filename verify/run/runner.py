@@ -1,34 +1,257 @@
-"""Certify candidates op by op: hypothesis draws cases, shrinks failures, waivers are applied."""
+"""Run a plan: judge its cases (all of them, a slice, or those a log lacks), shrink a failing case, and
+summarise each op/candidate pair's case verdicts into its op verdict.
+
+The summary reads the case verdicts in plan order only, so a run, its resume, and the merge of its
+shards give the same op verdicts. Shrinking starts from a failing case and only re-judges smaller
+cases of it (batch, config, dtype, T toward the smallest), in the process that found the failure.
+"""
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 import time
-import traceback
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Callable, Sequence
-
-from hypothesis import HealthCheck, Phase, given, reject, settings
-from hypothesis import seed as hyp_seed
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable
 
 from verify.judge.candidates import Candidate, CandidateImportError, CandidateUnavailable
+from verify.judge.pipeline import judge_case
 from verify.model.case import Case
-from verify.plan.draw import (Profile, batch_sweep_cases, case_strategy, dist_sweep_cases, drawn_dtypes, knob_sweep_cases,
-                          tp_sweep_cases)
-from verify.judge.pipeline import evaluate_case
 from verify.model.opdef import OpDef
+from verify.model.profile import CONFIG_ORDER, Profile, drawn_dtypes
 from verify.model.specs import SpecError, load_spec
-from verify.run.worker import FATAL_STAGES
 from verify.model.verdict import FAIL, PASS, SKIP, VACUOUS, WAIVED, XPASS, CaseVerdict, OpVerdict
+from verify.plan.plan import FAIL as PLAN_FAIL
+from verify.plan.plan import JUDGE, PairScope, Plan, PlannedCase, make_plan
+
+FATAL_STAGES = ("timeout", "crash")     # after one, the pair's later cases in this process are not judged
+SHRINK_STEPS = 12                        # re-judged cases at most when shrinking one failure
 
 
-class _CaseFailed(Exception):
-    def __init__(self, verdict: CaseVerdict):
-        super().__init__(verdict.reason)
-        self.verdict = verdict
+@dataclass(frozen=True)
+class RunConfig:
+    """The settings of one run, frozen: what the CLI parses into and every library function takes."""
+    ops: tuple[str, ...]
+    candidates: tuple[str, ...]
+    device: str = "cpu"
+    profile: Profile | None = None
+    seed: int = 0
+    tps: tuple[int, ...] | None = None
+    examples: int | None = None
+    isolate: bool = True
+    case_timeout: float = 120.0
+    harness: str = ""            # the judging code's hash (record.certificate.harness_hash), kept in the plan
 
+    def plan_options(self) -> dict:
+        p = self.profile
+        return {"ops": list(self.ops), "candidates": list(self.candidates), "device": self.device,
+                "profile": p.name, "configs": list(p.configs), "dtypes": None if p.dtypes is None else list(p.dtypes),
+                "seed": self.seed, "tp": None if self.tps is None else list(self.tps), "examples": self.examples,
+                "harness": self.harness}
+
+
+# -- planning --------------------------------------------------------------------------------------
+
+def pair_scope(op: OpDef, candidate: Candidate, profile: Profile, device: str) -> PairScope:
+    """Whether a pair can be judged here, before any case: its spec loads, its candidate resolves (a
+    fused kernel needs a GPU: a skip), and the working dtypes its module declares (DTYPES)."""
+    label = candidate.label
+    try:
+        load_spec(op.name)
+    except SpecError as e:
+        return PairScope(PLAN_FAIL, f"spec: {e}")
+    if label == "compiled" and op.compile_heavy and not profile.compile_heavy:
+        return PairScope("skip", f"torch.compile of {op.name} takes minutes on a CPU; not in the "
+                                 f"{profile.name} profile (run --profile ci)")
+    try:
+        fn = candidate.resolve(op, device)
+    except CandidateUnavailable as e:
+        return PairScope("skip", str(e))
+    except CandidateImportError as e:
+        return PairScope(PLAN_FAIL, f"candidate: {e}")
+    declared = getattr(sys.modules.get(getattr(fn, "__module__", ""), None), "DTYPES", None)
+    if declared is None:
+        return PairScope()
+    drawn = drawn_dtypes(op, profile)
+    keep = [d for d in drawn if d in declared]
+    left = [d for d in drawn if d not in declared]
+    why = f"{fn.__module__} declares DTYPES = {', '.join(declared)}"
+    if not keep:
+        return PairScope("skip", f"not drawn: {', '.join(left)} ({why})")
+    if not left:
+        return PairScope()
+    return PairScope(JUDGE, "", replace(profile, dtypes=tuple(keep)), f"scope: {', '.join(left)} not drawn ({why})")
+
+
+def build_plan(cfg: RunConfig, ops: list[OpDef], candidates: list[Candidate]) -> Plan:
+    scopes = {(op.name, c.label): pair_scope(op, c, cfg.profile, cfg.device) for op in ops for c in candidates}
+    return make_plan(ops, [c.label for c in candidates], cfg.profile, cfg.seed,
+                     None if cfg.tps is None else list(cfg.tps), cfg.examples, scopes, cfg.plan_options())
+
+
+# -- judging ---------------------------------------------------------------------------------------
+
+class InProcess:
+    """Judges cases in this process (run --no-isolate, tests): candidates resolved once per pair."""
+
+    def __init__(self, candidates: dict[str, Candidate] | None = None):
+        self.candidates = candidates or {}
+        self._fns: dict[tuple[str, str, str], object] = {}
+
+    def evaluate(self, op: OpDef, case: Case, label: str, device: str, strided_run: bool = True,
+                 warmup: bool = False) -> CaseVerdict:
+        key = (op.name, label, device)
+        if key not in self._fns:
+            self._fns[key] = self.candidates.get(label, Candidate(label)).resolve(op, device)
+        return judge_case(op, case, self._fns[key], label, device, load_spec(op.name), strided_run, warmup)
+
+    def close(self) -> None:
+        pass
+
+
+def judge_cases(entries: Iterable[PlannedCase], ops: dict[str, OpDef], device: str, evaluator,
+                on_verdict: Callable[[PlannedCase, CaseVerdict], None],
+                on_shrunk: Callable[[PlannedCase, CaseVerdict], None] | None = None,
+                profile: Profile | None = None) -> None:
+    """Judge each planned case; every verdict goes to on_verdict as it comes. After a hang or a crash
+    (FATAL_STAGES) the pair's later cases here are recorded as skipped (each would cost a timeout).
+    A failing case is shrunk when `profile.shrink` and on_shrunk is given."""
+    fatal: dict[tuple[str, str], int] = {}
+    for pc in entries:
+        op, case = ops[pc.op], Case.from_json(pc.case)
+        pair = (pc.op, pc.candidate)
+        if pair in fatal:
+            on_verdict(pc, CaseVerdict(pc.op, pc.candidate, pc.case, SKIP, "not judged",
+                                       f"case #{fatal[pair]} of this pair hung or crashed; its later cases here "
+                                       "were not judged"))
+            continue
+        v = evaluator.evaluate(op, case, pc.candidate, device, pc.strided_run, pc.warmup)
+        v = replace(v, case=pc.case)
+        on_verdict(pc, v)
+        if v.status == FAIL and v.stage in FATAL_STAGES:
+            fatal[pair] = pc.index
+        elif v.status == FAIL and on_shrunk is not None and profile is not None and profile.shrink \
+                and not _waiver(op.name, pc.candidate, case):
+            small = shrink(op, case, pc, device, evaluator, profile)
+            if small is not None:
+                on_shrunk(pc, small)
+
+
+def _smaller(op: OpDef, case: Case, profile: Profile) -> list[Case]:
+    """Smaller cases of one case, simplest first: T = 1, batch 1 then halved, smaller configs, the
+    working dtype. The seed and dist stay (they are what the case is about)."""
+    out = []
+    if case.tp > 1:
+        out.append(replace(case, tp=1))
+    for b in (1, case.batch // 2):
+        if 1 <= b < case.batch:
+            out.append(replace(case, batch=b))
+    for cfg in CONFIG_ORDER[:CONFIG_ORDER.index(case.config)] if case.config in CONFIG_ORDER else ():
+        if cfg in op.configs:
+            out.append(replace(case, config=cfg))
+    first = drawn_dtypes(op, profile)[0]
+    if case.dtype != first:
+        out.append(replace(case, dtype=first))
+    return out
+
+
+def shrink(op: OpDef, case: Case, pc: PlannedCase, device: str, evaluator, profile: Profile) -> CaseVerdict | None:
+    """Greedy shrinking of a failing case: take the first smaller case that still fails, repeat, at
+    most SHRINK_STEPS judged cases. None when no smaller case fails."""
+    best, steps = None, 0
+    progress = True
+    while progress and steps < SHRINK_STEPS:
+        progress = False
+        for small in _smaller(op, Case.from_json(best.case) if best else case, profile):
+            if steps >= SHRINK_STEPS:
+                break
+            steps += 1
+            v = evaluator.evaluate(op, small, pc.candidate, device, pc.strided_run, False)
+            if v.status == FAIL and v.stage not in FATAL_STAGES:
+                best, progress = replace(v, case=small.to_json()), True
+                break
+    return best
+
+
+# -- summarising -----------------------------------------------------------------------------------
+
+def _waiver(op_name: str, label: str, case: Case):
+    try:
+        spec = load_spec(op_name)
+    except SpecError:
+        return None
+    return next((w for w in spec.waivers if w.applies(label, case)), None)
+
+
+def repro_command(case: Case, candidate: str, device: str) -> str:
+    return f"verify-kernels repro {shlex.quote(case.to_json())} --candidate {shlex.quote(candidate)} --device {device}"
+
+
+@dataclass
+class Judged:
+    """Case verdicts of one plan by index, and the shrunk form of those that failed."""
+    verdicts: dict[int, CaseVerdict] = field(default_factory=dict)
+    shrunk: dict[int, CaseVerdict] = field(default_factory=dict)
+
+
+def summarise(plan: Plan, judged: Judged, device: str) -> list[OpVerdict]:
+    """One op verdict per pair of the plan, from its case verdicts in plan order: the first failing
+    (or waived-but-passing) case fails it; a pair whose every case was vacuous fails; a pair with
+    cases not yet judged fails as incomplete."""
+    out = []
+    for pair in plan.pairs:
+        if pair.status != JUDGE:
+            out.append(OpVerdict(pair.op, pair.candidate, SKIP if pair.status == "skip" else FAIL, reason=pair.reason))
+            continue
+        seen, failure, waived = [], None, []
+        missing = [i for i in pair.cases if i not in judged.verdicts]
+        for i in pair.cases:
+            v = judged.verdicts.get(i)
+            if v is None:
+                continue
+            seen.append(v)
+            w = _waiver(pair.op, pair.candidate, Case.from_json(v.case))
+            if w is not None and v.status == FAIL:
+                waived.append(v)
+            elif w is not None and v.status == PASS and failure is None:
+                failure = CaseVerdict(v.op, v.candidate, v.case, XPASS, "waiver",
+                                      f"waived case now passes; remove the waiver ({w.reason})")
+            elif v.status == FAIL and failure is None:
+                failure = judged.shrunk.get(i, v)
+                if i in judged.shrunk:
+                    failure = replace(failure, reason=f"{failure.reason} (shrunk from {Case.from_json(v.case).short()})")
+        if failure is None and missing:
+            failure = CaseVerdict(pair.op, pair.candidate, "", FAIL, "incomplete",
+                                  f"{len(missing)} of {len(pair.cases)} planned cases have no verdict "
+                                  "(a cut run: --resume, or merge every shard)")
+        if failure is None and seen and all(v.status == VACUOUS for v in seen):
+            failure = CaseVerdict(pair.op, pair.candidate, "", FAIL, "inputs", "every planned case was vacuous")
+        out.append(_op_verdict(pair, seen, failure, waived, device))
+    return out
+
+
+def _op_verdict(pair, seen: list[CaseVerdict], failure, waived, device: str) -> OpVerdict:
+    worst: dict[str, float] = {}
+    for v in seen:
+        for c in v.checks:
+            r = c.metrics.get("ratio")
+            if r is not None and c.name.startswith("compare:"):
+                worst[c.name[8:]] = max(worst.get(c.name[8:], 0.0), r)
+    counts = dict(cases_run=sum(v.status != SKIP for v in seen), cases_passed=sum(v.status == PASS for v in seen),
+                  cases_vacuous=sum(v.status == VACUOUS for v in seen), worst_ratio=worst,
+                  seconds=sum(v.seconds for v in seen))
+    scope = pair.scope
+    if failure is not None:
+        status = XPASS if failure.status == XPASS else FAIL
+        repro = repro_command(Case.from_json(failure.case), pair.candidate, device) if failure.case else ""
+        return OpVerdict(pair.op, pair.candidate, status, reason=f"{failure.stage}: {failure.reason}",
+                         failure=failure, repro=repro, **counts)
+    if waived:
+        return OpVerdict(pair.op, pair.candidate, WAIVED, reason=f"{len(waived)} waived cases failed as expected"
+                         + (f"; {scope}" if scope else ""), **counts)
+    return OpVerdict(pair.op, pair.candidate, PASS, reason=scope, details=(scope,) if scope else (), **counts)
+
+
+# -- one pair, in one call (the pytest plugin, tests) ----------------------------------------------
 
 @dataclass
 class RunOptions:
@@ -38,296 +261,31 @@ class RunOptions:
     tps: list[int] | None = None
     on_case: Callable[[CaseVerdict], None] | None = None     # called for every case as it completes
     examples: int | None = None                               # override profile.examples
-    evaluator: Callable | None = None     # (op_name, case, label, device) -> CaseVerdict; None = in-process
+    evaluator: object | None = None       # .evaluate(op, case, label, device, strided_run, warmup); None: in-process
 
 
-def repro_command(case: Case, candidate: str, device: str) -> str:
-    return f"verify-kernels repro {shlex.quote(case.to_json())} --candidate {shlex.quote(candidate)} --device {device}"
-
-
-def safe_evaluate(op: OpDef, case: Case, fn, candidate: str, device: str, spec, strided_run: bool = True) -> CaseVerdict:
-    """evaluate_case, with any failure outside the candidate (input builder, reference) as a verdict."""
+def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions) -> OpVerdict:
+    """Plan, judge and summarise one op/candidate pair in this process (or opts.evaluator)."""
     t0 = time.perf_counter()
-    try:
-        if os.environ.get("VERIFY_CPROFILE_DIR"):
-            return _profiled(op, case, fn, candidate, device, spec, strided_run)
-        return evaluate_case(op, case, fn, candidate, device, spec, strided_run=strided_run)
-    except Exception as e:
-        tb = traceback.extract_tb(e.__traceback__)[-1]
-        where = f"{tb.filename.rsplit('/', 1)[-1]}:{tb.lineno}"
-        return CaseVerdict(op.name, candidate, case.to_json(), FAIL, "harness",
-                           f"{type(e).__name__}: {str(e)[:300]} (at {where}; inputs or reference failed)",
-                           (), time.perf_counter() - t0)
+    cfg = RunConfig((op.name,), (candidate.label,), opts.device, opts.profile, opts.seed,
+                    None if opts.tps is None else tuple(opts.tps), opts.examples)
+    scope = pair_scope(op, candidate, opts.profile, opts.device)
+    plan = make_plan([op], [candidate.label], opts.profile, opts.seed, opts.tps, opts.examples,
+                     {(op.name, candidate.label): scope}, {"ops": [op.name]})
+    judged = Judged()
 
-
-def _profiled(op: OpDef, case: Case, fn, candidate: str, device: str, spec, strided_run: bool) -> CaseVerdict:
-    """evaluate_case under cProfile, the stats written to $VERIFY_CPROFILE_DIR/<op>-<seed>-<batch>.pstats
-    (where a certification run spends its time: `python -m pstats` or bench/profile_summary.py)."""
-    import cProfile
-
-    out = Path(os.environ["VERIFY_CPROFILE_DIR"])
-    out.mkdir(parents=True, exist_ok=True)
-    prof = cProfile.Profile()
-    try:
-        return prof.runcall(evaluate_case, op, case, fn, candidate, device, spec, strided_run=strided_run)
-    finally:
-        prof.dump_stats(out / f"{op.name}-{case.config}-{case.seed}-{case.batch}-tp{case.tp}.pstats")
-
-
-def _judge(op: OpDef, case: Case, fn, label: str, opts: RunOptions, spec, strided_run: bool) -> CaseVerdict:
-    """One case, by the run's evaluator (an isolated worker) or in this process."""
-    if opts.evaluator is not None:
-        return opts.evaluator(op.name, case, label, opts.device, strided_run=strided_run)
-    return safe_evaluate(op, case, fn, label, opts.device, spec, strided_run)
-
-
-def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions, judged: Sequence[CaseVerdict] = ()) -> OpVerdict:
-    """Draw, judge and summarise cases of one op/candidate pair. `judged`: the case verdicts a cut run
-    already logged for this pair with the same settings (run --resume); hypothesis draws the same cases
-    for the same seed, so they replay from the memo and only the cases not yet judged are evaluated."""
-    t0 = time.perf_counter()
-    label = candidate.label
-    try:
-        spec = load_spec(op.name)
-    except SpecError as e:
-        return OpVerdict(op.name, label, FAIL, reason=f"spec: {e}")
-    if candidate.label == "compiled" and op.compile_heavy and not opts.profile.compile_heavy:
-        return OpVerdict(op.name, label, SKIP, reason=f"torch.compile of {op.name} takes minutes on a CPU; "
-                                                      "not in the quick profile (run --profile ci)")
-    try:
-        fn = candidate.resolve(op, opts.device)
-    except CandidateUnavailable as e:
-        return OpVerdict(op.name, label, SKIP, reason=str(e))
-    except CandidateImportError as e:
-        return OpVerdict(op.name, label, FAIL, reason=f"candidate: {e}")
-    profile, scope = _candidate_scope(op, fn, opts.profile)
-    if profile is None:
-        return OpVerdict(op.name, label, SKIP, reason=scope)
-    seen: list[CaseVerdict] = []
-    waived_fail: list[CaseVerdict] = []       # failures a spec waiver expects
-
-    done: dict[str, CaseVerdict] = {}       # case json -> verdict: hypothesis replays and shrinks reuse it
-    fatal: list[CaseVerdict] = []           # a hang or crash: stop drawing (each would cost a timeout)
-
-    def record(v: CaseVerdict) -> CaseVerdict:
-        """Memoise and count a judged case; what a draw of it returns (a waived pass: XPASS)."""
-        done[v.case] = v
-        if v.status == FAIL and v.stage in FATAL_STAGES:
-            fatal.append(v)
-        seen.append(v)
-        waiver = next((w for w in spec.waivers if w.applies(label, Case.from_json(v.case))), None)
-        if waiver is not None and v.status == FAIL:
-            waived_fail.append(v)
-        elif waiver is not None and v.status == PASS:
-            done[v.case] = CaseVerdict(v.op, label, v.case, XPASS, "waiver",
-                                       f"waived case now passes; remove the waiver ({waiver.reason})")
-        return done[v.case]
-
-    for v in judged:          # already in the log: counted once here, never evaluated or logged again
-        record(v)
-
-    def run_one(case: Case) -> CaseVerdict:
-        key = case.to_json()
-        if key in done:
-            return done[key]          # prop raises, from one place, so hypothesis sees one failure origin
-        if fatal:
-            reject()
-        v = _judge(op, case, fn, label, opts, spec, profile.strided_run)
-        if v.case != key:     # the memo is keyed by the case as drawn
-            v = replace(v, case=key)
-        judged_now = record(v)
+    def on_verdict(pc, v):
+        judged.verdicts[pc.index] = v
         if opts.on_case:
             opts.on_case(v)
-        return judged_now
 
-    @settings(max_examples=opts.examples or profile.examples, deadline=None, database=None,
-              derandomize=False, suppress_health_check=list(HealthCheck), report_multiple_bugs=False,
-              phases=[Phase.explicit, Phase.generate] + ([Phase.shrink] if profile.shrink else []))
-    @given(case_strategy(op, profile, opts.tps, opts.device))
-    def prop(case: Case):
-        # a vacuous case counts as a draw (no reject()): the draw sequence then depends on no verdict
-        # but a failure, so the cases `run --shards` deals from a dry draw are the ones this run judges
-        v = run_one(case)
-        if v.status == XPASS or (v.status == FAIL and v not in waived_fail):
-            raise _CaseFailed(v)
-
-    failure = None
-    try:
-        hyp_seed(opts.seed + sum(map(ord, op.name)))(prop)()
-    except _CaseFailed as e:
-        failure = e.verdict
-    if failure is None and seen and all(v.status == VACUOUS for v in seen):
-        failure = CaseVerdict(op.name, label, "", FAIL, "inputs", "every drawn case was vacuous")
-    if failure is None and fatal:
-        failure = fatal[0]
-    if failure is None:
-        # a judged case this draw sequence did not reach (dealt by --shards from a dry draw that went
-        # another way after a vacuous case) still counts: every judged case must pass
-        failure = next((v for v in seen if v.status in (FAIL, XPASS) and v not in waived_fail), None)
-    if failure is None:
-        drawn = {Case.from_json(v.case).dist for v in seen if v.case and v.status != VACUOUS}
-        for case in (tp_sweep_cases(op, profile, opts.seed, opts.tps)
-                     + dist_sweep_cases(op, profile, opts.seed, drawn)
-                     + knob_sweep_cases(op, profile, opts.seed, opts.tps)
-                     + batch_sweep_cases(op, profile, opts.seed)):
-            v = run_one(case)
-            if v.status == XPASS or (v.status == FAIL and v not in waived_fail):
-                failure = v
-                break
-    seconds = time.perf_counter() - t0 + sum(v.seconds for v in judged)     # a resumed pair's whole cost
-    return _summarise(op, label, opts, seen, failure, waived_fail, seconds, scope)
-
-
-def _candidate_scope(op: OpDef, fn, profile: Profile) -> tuple[Profile | None, str]:
-    """A candidate's module may declare the working dtypes it implements (`DTYPES = ("bfloat16",
-    ...)`, like `variants()`): the others are not drawn, and the verdict says so. (None, reason)
-    when the candidate implements none of the dtypes this run draws."""
-    declared = getattr(sys.modules.get(getattr(fn, "__module__", ""), None), "DTYPES", None)
-    if declared is None:
-        return profile, ""
-    drawn = drawn_dtypes(op, profile)
-    keep = [d for d in drawn if d in declared]
-    left = [d for d in drawn if d not in declared]
-    why = f"{fn.__module__} declares DTYPES = {', '.join(declared)}"
-    if not keep:
-        return None, f"not drawn: {', '.join(left)} ({why})"
-    if not left:
-        return profile, ""
-    return replace(profile, dtypes=tuple(keep)), f"scope: {', '.join(left)} not drawn ({why})"
-
-
-def _summarise(op, label, opts, seen, failure, waived_fail, seconds, scope: str = "") -> OpVerdict:
-    worst: dict[str, float] = {}
-    for v in seen:
-        for c in v.checks:
-            r = c.metrics.get("ratio")
-            if r is not None and c.name.startswith("compare:"):
-                worst[c.name[8:]] = max(worst.get(c.name[8:], 0.0), r)
-    counts = dict(cases_run=len(seen), cases_passed=sum(v.status == PASS for v in seen),
-                  cases_vacuous=sum(v.status == VACUOUS for v in seen), worst_ratio=worst, seconds=seconds)
-    if failure is not None:
-        status = XPASS if failure.status == XPASS else FAIL
-        repro = repro_command(Case.from_json(failure.case), label, opts.device) if failure.case else ""
-        return OpVerdict(op.name, label, status, reason=f"{failure.stage}: {failure.reason}", failure=failure,
-                         repro=repro, **counts)
-    if waived_fail:
-        return OpVerdict(op.name, label, WAIVED, reason=f"{len(waived_fail)} waived cases failed as expected"
-                         + (f"; {scope}" if scope else ""), **counts)
-    return OpVerdict(op.name, label, PASS, reason=scope, details=(scope,) if scope else (), **counts)
-
-
-def draw_cases(op: OpDef, candidate: Candidate, opts: RunOptions) -> list[str]:
-    """The cases a certification of this pair would judge, in order, without judging any (every draw
-    answers pass): what `run --shards` deals out to its children. A vacuous case is a draw like a
-    pass, so a real run draws the same cases up to its first failure; only the dist sweep, which
-    skips dists drawn in judged cases, can add a case here (a dist drawn only vacuously)."""
-    drawn: list[str] = []
-
-    def dry(op_name, case, label, device, strided_run=True) -> CaseVerdict:
-        return CaseVerdict(op_name, label, case.to_json(), PASS, "", "", (), 0.0)
-
-    v = certify_op(op, candidate, replace(opts, evaluator=dry, on_case=lambda c: drawn.append(c.case)))
-    if v.status == SKIP or (v.status == FAIL and not drawn):
-        return []
-    return drawn
-
-
-def judge_listed(op: OpDef, candidate: Candidate, cases: list[str], opts: RunOptions,
-                 judged: set[str] = frozenset()) -> int:
-    """Judge exactly these cases (a `--shards` child); each verdict goes to opts.on_case. Cases in
-    `judged` (its own log, on --resume) are skipped. Returns how many were judged now."""
-    fn = candidate.resolve(op, opts.device)
-    spec = load_spec(op.name)
-    n = 0
-    for text in cases:
-        if text in judged:
-            continue
-        v = _judge(op, Case.from_json(text), fn, candidate.label, opts, spec, opts.profile.strided_run)
-        opts.on_case(replace(v, case=text))
-        n += 1
-    return n
+    evaluator = opts.evaluator or InProcess({candidate.label: candidate})
+    judge_cases(plan.cases, {op.name: op}, cfg.device, evaluator, on_verdict,
+                lambda pc, v: judged.shrunk.__setitem__(pc.index, v), opts.profile)
+    v = summarise(plan, judged, opts.device)[0]
+    return replace(v, seconds=time.perf_counter() - t0)
 
 
 def replay(op: OpDef, case: Case, candidate: Candidate, device: str) -> CaseVerdict:
     fn = candidate.resolve(op, device)
-    return safe_evaluate(op, case, fn, candidate.label, device, load_spec(op.name))
-
-
-def run_all(args, ops, candidates, profile, tps, device, log, console) -> tuple[list[OpVerdict], dict]:
-    """Every op x candidate of a `run`, by mode; each verdict goes to the run log as it completes.
-    Returns the op verdicts and (op, candidate) -> compact case records for the certificate."""
-    from rich.progress import Progress
-
-    from verify.run.runlog import case_record
-
-    prev = log.previous
-    cases: dict[tuple[str, str], list[dict]] = {k: list(v) for k, v in prev.cases.items()}
-
-    def on_case(v: CaseVerdict) -> None:
-        log.case(v)
-        cases.setdefault((v.op, v.candidate), []).append(case_record(v))
-
-    if args.distributed:
-        from verify.run.distributed import certify_distributed, collective_ops
-
-        chosen = ops if args.ops else collective_ops(ops)
-        verdicts = []
-        for cand in candidates:
-            verdicts += certify_distributed(chosen, cand.label, args.distributed, tps or [2, 4], args.seed,
-                                            on_case=on_case)
-        for v in verdicts:
-            log.op(v)
-        return verdicts, cases
-    runner = None
-    if not args.no_isolate and not args.sanitize:
-        from verify.run.worker import IsolatedRunner
-
-        runner = IsolatedRunner(case_timeout=args.case_timeout)
-    opts = RunOptions(device=device, profile=profile, seed=args.seed, tps=tps, examples=args.examples,
-                      on_case=on_case, evaluator=runner.evaluate if runner else None)
-    if getattr(args, "case_list", None):       # a --shards child: judge the cases dealt to it, no verdict
-        import json
-
-        listed = json.loads(Path(args.case_list).read_text())
-        try:
-            for op in ops:
-                for cand in candidates:
-                    done = {v.case for v in prev.partial.get((op.name, cand.label), [])}
-                    n = judge_listed(op, cand, listed.get(op.name, {}).get(cand.label, []), opts, done)
-                    console.print(f"{op.name} / {cand.label}: judged {n} listed cases")
-        finally:
-            if runner is not None:
-                runner.close()
-        return [], cases
-    verdicts = []
-    try:
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("certifying", total=len(ops) * len(candidates))
-            for op in ops:
-                for cand in candidates:
-                    progress.update(task, description=f"{op.name} / {cand.label}")
-                    done = prev.op_verdicts.get((op.name, cand.label))
-                    if done is not None:
-                        v = done
-                    elif args.sanitize:
-                        from verify.run.sanitize import sanitize_op
-
-                        v = sanitize_op(op, cand.label, args.sanitize, args.seed)
-                    else:
-                        judged = prev.partial.get((op.name, cand.label), [])
-                        if prev.repeated_lines:
-                            console.print(f"{op.name} / {cand.label}: {prev.repeated_lines} case lines of "
-                                          "cases already logged (shards of two deals), each case counted once")
-                        if judged:
-                            console.print(f"{op.name} / {cand.label}: {len(judged)} cases judged earlier (a cut "
-                                          f"run, or --shards children) are replayed from {log.path}")
-                            cases[(op.name, cand.label)] = [case_record(c) for c in judged]
-                        v = certify_op(op, cand, opts, judged)
-                    if done is None:
-                        log.op(v)
-                    verdicts.append(v)
-                    progress.advance(task)
-    finally:
-        if runner is not None:
-            runner.close()
-    return verdicts, cases
+    return judge_case(op, case, fn, candidate.label, device, load_spec(op.name))

@@ -64,7 +64,7 @@ def parse_report(text: str) -> tuple[int, list[str]]:
 
 def sanitize_cases(op, seed: int, n: int = 2) -> list:
     from verify.model.case import Case
-    from verify.plan.draw import CONFIG_ORDER
+    from verify.model.profile import CONFIG_ORDER
 
     config = next(c for c in CONFIG_ORDER if c in op.configs)
     return [Case(op.name, seed + i, min(3 + 2 * i, op.max_batch), config, op.dtypes[0], op.dists[i % len(op.dists)])

@@ -20,7 +20,6 @@ import sys
 import tempfile
 import time
 
-FATAL_STAGES = ("timeout", "crash")     # the op stops drawing cases after one of these
 CUDA_STICKY = ("cuda error", "illegal memory access", "cudaerror", "device-side assert", "unspecified launch failure",
                "misaligned address", "cuda_error")
 READY_TIMEOUT_S = 180.0
@@ -30,7 +29,7 @@ def _serve_one(req: dict) -> dict:
     """Evaluate one request inside the worker; never raises."""
     from verify.model.case import Case
     from verify.judge.candidates import Candidate, CandidateUnavailable
-    from verify.run.runner import safe_evaluate
+    from verify.judge.pipeline import judge_case
     from verify.ops.registry import get_op
     from verify.model.specs import load_spec
     from verify.model.verdict import FAIL, SKIP, CaseVerdict
@@ -40,7 +39,8 @@ def _serve_one(req: dict) -> dict:
     try:
         op = get_op(case.op)
         fn = Candidate(label).resolve(op, device)
-        v = safe_evaluate(op, case, fn, label, device, load_spec(op.name), req.get("strided_run", True))
+        v = judge_case(op, case, fn, label, device, load_spec(op.name), req.get("strided_run", True),
+                       req.get("warmup", False))
     except CandidateUnavailable as e:
         v = CaseVerdict(case.op, label, req["case"], SKIP, "candidate", str(e))
     except BaseException as e:  # SystemExit from a candidate, or import failures: a verdict, not a dead worker
@@ -67,16 +67,6 @@ def batch(path: str) -> None:
     for line in open(path):
         if line.strip():
             print(json.dumps(_serve_one(json.loads(line)), default=str), flush=True)
-
-
-def verdict_from_dict(d: dict):
-    from verify.model.verdict import CaseVerdict, Check
-
-    checks = tuple(Check(c["name"], c["ok"], c.get("detail", ""), c.get("metrics", {}),
-                         tuple(tuple(w) if isinstance(w, list) else w for w in c.get("worst", ())))
-                   for c in d.get("checks", ()))
-    return CaseVerdict(d["op"], d["candidate"], d["case"], d["status"], d.get("stage", ""), d.get("reason", ""),
-                       checks, d.get("seconds", 0.0))
 
 
 def _signal_name(rc: int) -> str:
@@ -156,14 +146,15 @@ class _Worker:
         return json.loads(line)
 
     # -- one case -------------------------------------------------------------------------------
-    def evaluate(self, op_name: str, case, label: str, device: str, strided_run: bool = True):
+    def evaluate(self, op, case, label: str, device: str, strided_run: bool = True, warmup: bool = False):
         from verify.model.verdict import FAIL, CaseVerdict
 
+        op_name = getattr(op, "name", op)
         if self.proc is None or self.proc.poll() is not None:
             self._start()
         t0 = time.perf_counter()
         req = {"op": op_name, "candidate": label, "device": device, "case": case.to_json(),
-               "strided_run": strided_run}
+               "strided_run": strided_run, "warmup": warmup}
         try:
             self.proc.stdin.write((json.dumps(req) + "\n").encode())
             self.proc.stdin.flush()
@@ -185,6 +176,8 @@ class _Worker:
             self._restart()
             return fail("crash", f"worker process {how} while running the candidate; restarted"
                                  + (f"; stderr: {tail}" if tail else ""))
+        from verify.run.runlog import verdict_from_dict
+
         v = verdict_from_dict(msg["verdict"])
         if v.status == FAIL and any(s in v.reason.lower() for s in CUDA_STICKY):
             self._restart()     # a CUDA error poisons the context: later cases need a fresh process
@@ -205,12 +198,12 @@ class IsolatedRunner:
     def restarts(self) -> int:
         return sum(w.restarts for w in self.workers.values())
 
-    def evaluate(self, op_name: str, case, label: str, device: str, strided_run: bool = True):
+    def evaluate(self, op, case, label: str, device: str, strided_run: bool = True, warmup: bool = False):
         from verify.judge.process_state import UNDOABLE
         from verify.model.verdict import CaseVerdict
 
         worker = self.workers.setdefault(label, _Worker(self.case_timeout, self.env))
-        v = worker.evaluate(op_name, case, label, device, strided_run)
+        v = worker.evaluate(op, case, label, device, strided_run, warmup)
         if UNDOABLE in v.reason or any(UNDOABLE in c.detail for c in v.checks):
             worker._restart()
             v = CaseVerdict(v.op, v.candidate, v.case, v.status, v.stage,
