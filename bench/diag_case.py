@@ -9,7 +9,9 @@ import torch
 
 from verify.judge.candidates import Candidate
 from verify.model.case import Case
-from verify.judge.pipeline import evaluate_case, launch_variants, on_device, refreshed_inputs
+from verify.judge.calls import on_device
+from verify.judge.context import refreshed_inputs
+from verify.judge.pipeline import evaluate_case, launch_variants
 from verify.ops.registry import get_op
 
 

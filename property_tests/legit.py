@@ -130,7 +130,7 @@ def judge_legit(op_name: str, case, element_floor: float | None | str = SPEC) ->
     bounds and magnitudes, with the spec's element floor or `element_floor`; > 1 would reject it."""
     from verify.judge.candidates import reference_fn
     from verify.judge.compare import compare_derived
-    from verify.judge.pipeline import run_plain, to_oracle
+    from verify.judge.calls import run_plain, to_oracle
     from verify.ops.registry import get_op
     from verify.model.specs import load_spec
     op, spec = get_op(op_name), load_spec(op_name)

@@ -33,7 +33,7 @@ def test_the_element_rule_is_what_rejects_a_per_row_fixed_point_store(op_name, d
     the row rule and fails the element rule: the test can fail, and the rule is the reason."""
     from verify.judge.candidates import reference_fn
     from verify.judge.compare import compare_derived
-    from verify.judge.pipeline import run_plain, to_oracle
+    from verify.judge.calls import run_plain, to_oracle
     from verify.model.specs import load_spec
     op, spec = get_op(op_name), load_spec(op_name)
     out = op.outputs[0]

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
 
 from verify.model.case import Case  # noqa: E402
-from verify.judge.guards.placement import place  # noqa: E402
+from verify.judge.placement import place  # noqa: E402
 from verify.ops.registry import get_op  # noqa: E402
 
 

@@ -283,7 +283,7 @@ def test_correct_candidate_passes_every_guard(seed):
 
 def test_place_offset_misaligns_the_base_and_keeps_the_canaries():
     """offset=1: contiguous, one element past a 16-byte boundary; a write just before it is seen."""
-    from verify.judge.guards.placement import place
+    from verify.judge.placement import place
 
     for dt in (torch.bfloat16, torch.float32, torch.uint8, torch.int64):
         value = torch.arange(12).reshape(3, 4).to(dt)
@@ -346,7 +346,7 @@ def test_misaligned_state_is_judged_on_a_state_op():
 def test_refreshed_inputs_keep_shapes_and_params_and_change_values():
     """Every registered op gets other values with this case's shapes: another seed's, or (ops whose
     shapes follow the seed, like the paged MLA ones) its own float inputs rescaled, indices kept."""
-    from verify.judge.pipeline import refreshed_inputs
+    from verify.judge.context import refreshed_inputs
     from verify.ops.registry import all_ops
 
     for name, op in all_ops().items():

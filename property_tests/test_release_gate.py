@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -49,45 +48,11 @@ def test_planted_candidates_fail_alone_and_the_run_goes_on(tmp_path, monkeypatch
         assert v["failure"]["stage"] == stage, (cand, v["reason"])
         assert words in v["reason"], (cand, v["reason"])
         assert "verify-kernels repro" in v["repro"]
-    log = _log(tmp_path)
-    ops_logged = {(r["op"], r["candidate"]) for r in log if r["kind"] == "op"}
-    assert ops_logged == {(OP, c) for c in cands}
-    cases_logged = [r for r in log if r["kind"] == "case"]
-    for c in cands:   # every case the op verdict counted is in the log
+    cases_logged = [r for r in _log(tmp_path) if r["kind"] == "case"]
+    for c in cands:   # every case the op verdict counted is in the log (after a hang: the rest not judged)
         n = verdicts[c]["cases_run"]
-        assert sum(r["candidate"] == c for r in cases_logged) == n >= 1
+        assert sum(r["candidate"] == c and r["record"]["status"] != "skip" for r in cases_logged) == n >= 1
     assert (tmp_path / "junit.xml").read_text().count("<failure") == len(PLANTED)
-
-
-SECOND = "kda_layer"
-
-
-def test_resume_after_a_killed_run(tmp_path):
-    # the second op is a whole layer (seconds a case), so the kill lands before it finishes
-    cmd = [sys.executable, "-m", "verify.cli", "run", "--ops", f"{OP},{SECOND}", "--candidate",
-           "reference", "--examples", "3", "--no-isolate", "--out", str(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    log = tmp_path / "run.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if log.exists() and '"kind":"op"' in log.read_text():
-            proc.kill()
-            break
-        time.sleep(0.01)
-    proc.wait()
-    first = _log(tmp_path)
-    finished = [r for r in first if r["kind"] == "op"]
-    assert [r["op"] for r in finished] == [OP], "kill the run after the first op verdict"
-    assert not (tmp_path / "certificate.json").exists()
-    rc = subprocess.run(cmd + ["--resume"], cwd=ROOT, capture_output=True, text=True).returncode
-    assert rc == 0
-    after = _log(tmp_path)
-    assert after[:len(first)] == first                                       # appended, nothing lost
-    assert [r["op"] for r in after if r["kind"] == "op"] == [OP, SECOND]
-    assert not any(r["kind"] == "case" and r["op"] == OP for r in after[len(first):])   # not rerun
-    cert = certificate.load(tmp_path / "certificate.json")
-    assert set(cert["ops"]) == {OP, SECOND}
-    assert len(cert["ops"][OP]["cases"]["reference"]) == cert["ops"][OP]["verdicts"]["reference"]["cases_run"]
 
 
 def test_waived_case_that_passes_fails_the_run(monkeypatch):
@@ -127,7 +92,7 @@ def test_changed_since_certifies_only_the_changed_op(base_cert, tmp_path, monkey
     rc = main(["run", "--ops", f"{OP},allreduce_attn_res_rmsnorm", "--candidate", "reference", "--examples", "2",
                "--no-isolate", "--changed-since", str(base_cert), "--out", str(tmp_path)])
     assert rc == 0
-    assert [r["op"] for r in _log(tmp_path) if r["kind"] == "op"] == ["allreduce_attn_res_rmsnorm"]
+    assert {r["op"] for r in _log(tmp_path) if r["kind"] == "case"} == {"allreduce_attn_res_rmsnorm"}
     cert = certificate.load(tmp_path / "certificate.json")
     assert "carried_from" in cert["ops"][OP]["verdicts"]["reference"]
     assert "carried_from" not in cert["ops"]["allreduce_attn_res_rmsnorm"]["verdicts"]["reference"]
@@ -259,19 +224,21 @@ def test_changed_since_recertifies_everything_after_a_harness_change(base_cert, 
     rc = main(["run", "--ops", f"{OP},allreduce_attn_res_rmsnorm", "--candidate", "reference", "--examples", "2",
                "--no-isolate", "--changed-since", str(base_cert), "--out", str(tmp_path)])
     assert rc == 0
-    assert sorted(r["op"] for r in _log(tmp_path) if r["kind"] == "op") == sorted([OP, "allreduce_attn_res_rmsnorm"])
+    assert {r["op"] for r in _log(tmp_path) if r["kind"] == "case"} == {OP, "allreduce_attn_res_rmsnorm"}
     cert = certificate.load(tmp_path / "certificate.json")
     assert all("carried_from" not in e["verdicts"]["reference"] for e in cert["ops"].values())
 
 
 def test_the_harness_hash_covers_every_module_that_draws_runs_judges_or_counts_cases():
     """A verdict depends on how its cases were drawn, run, isolated, judged, sharded, resumed and
-    counted: session 11's over-counted kda_decode certificate came from parallel.py, which the hash
-    did not cover. The reporting side stays out, so a report template does not stale a verdict."""
-    names = {p.stem for p in certificate.harness_files()}
-    assert names >= {"case", "cases", "values", "evaluate", "guards", "gpu_guards", "compare", "specs",
-                     "split", "certify", "parallel", "runlog", "worker", "candidates", "distributed"}
-    assert not names & {"cli", "gate", "diff", "certificate", "pytest_plugin"}
+    counted (an over-counting bug once sat in the code that spread a run over processes, outside the
+    hash). The recording side stays out, so a report template does not stale a verdict."""
+    names = {str(p.relative_to(certificate.ROOT / "verify")) for p in certificate.harness_files()}
+    assert names >= {"model/case.py", "model/values.py", "model/specs.py", "plan/draw.py", "plan/plan.py",
+                     "judge/pipeline.py", "judge/compare.py", "judge/split.py", "judge/candidates.py",
+                     "judge/guards/placement.py", "judge/guards/gpu.py", "run/runner.py", "run/execute.py",
+                     "run/runlog.py", "run/worker.py", "run/distributed.py"}
+    assert not any(n.startswith(("record/", "ops/")) or n in ("cli.py", "pytest_plugin.py") for n in names)
 
 
 def test_source_hash_covers_the_modules_a_kernel_imports(tmp_path):

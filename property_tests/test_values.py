@@ -101,16 +101,15 @@ def test_kda_decode_small_rows_reach_l2_eps_after_the_conv(config):
     assert float(other.tensors["k_raw"].abs().amax()) > 0.5
 
 
-def test_dist_sweep_covers_the_dists_the_draw_missed():
+def test_dist_sweep_lists_every_dist_whatever_the_draw_reached():
     op = get_op("kda_decode")
-    cases = dist_sweep_cases(op, PROFILES["ci"], 0, {"normal", "zero_rows"})
-    assert [c.dist for c in cases] == [d for d in op.dists if d not in ("normal", "zero_rows")]
+    cases = dist_sweep_cases(op, PROFILES["ci"], 0)
+    assert [c.dist for c in cases] == list(op.dists)
     assert all(c.tp == 1 and c.batch == 8 for c in cases) and len({c.seed for c in cases}) == len(cases)
-    assert [c.dist for c in dist_sweep_cases(op, PROFILES["ci"], 0, set(op.dists))] == list(EDGE_DISTS)
-    assert dist_sweep_cases(op, PROFILES["quick"], 0, set()) == []        # quick stays within its budget
+    assert dist_sweep_cases(op, PROFILES["quick"], 0) == []        # quick stays within its budget
     off = Profile("x", 4, ("tiny",), 16, False, False, True, dist_sweep=False)
-    assert dist_sweep_cases(op, off, 0, set()) == []
-    assert math.isclose(len(dist_sweep_cases(op, PROFILES["release"], 0, set())), len(op.dists))
+    assert dist_sweep_cases(op, off, 0) == []
+    assert math.isclose(len(dist_sweep_cases(op, PROFILES["release"], 0)), len(op.dists))
 
 
 def test_zero_rows_hold_both_signed_zeros():
@@ -245,6 +244,6 @@ def test_nonfinite_single_row_is_always_nonfinite_and_edge_dists_always_swept():
     assert all(int(row_classes(generator(s, NONFINITE_SALT), 1)[0]) != 0 for s in range(50))
     gemm = get_op("skinny_gemm")
     assert set(EDGE_DISTS) <= set(gemm.dists)
-    swept = {c.dist for c in dist_sweep_cases(gemm, PROFILES["ci"], 0, set(gemm.dists))}
-    assert swept == set(EDGE_DISTS), "edge dists get their sweep case even when drawn"
+    swept = {c.dist for c in dist_sweep_cases(gemm, PROFILES["ci"], 0)}
+    assert set(EDGE_DISTS) <= swept, "edge dists get their sweep case"
     assert not set(EDGE_DISTS) & set(get_op("router_topk").dists), "no declared choice over NaN scores"

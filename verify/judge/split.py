@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from verify.judge.pipeline import guarded_call, judge, run_plain
+from verify.judge.calls import guarded_call, run_plain
+from verify.judge.classes import judge_outputs as judge
 from verify.model.verdict import FAIL, PASS, Check
 
 

@@ -73,7 +73,7 @@ def _allreduce_sum(dist, t):
 
 
 def _run_shard(fn, op, shard, device):
-    from verify.judge.pipeline import guarded_call, run_plain
+    from verify.judge.calls import guarded_call, run_plain
     from verify.judge.candidates import reference_fn
 
     expected = run_plain(reference_fn(op), op, shard, device)
@@ -88,7 +88,7 @@ def _run_shard(fn, op, shard, device):
 
 def _attn_res_form(dist, op, fn, inputs, rank, T, device, reduce):
     import torch
-    from verify.judge.pipeline import run_plain
+    from verify.judge.calls import run_plain
     from verify.model.opdef import OpInputs
 
     t = {k: v.to(device) for k, v in inputs.tensors.items()}
@@ -142,7 +142,8 @@ def judge_distributed(op, case, combined, device, fn=None) -> tuple[str, str, li
     """(status, reason, checks) of the combined result against the unsplit oracle and declared order."""
     from verify.judge.candidates import reference_fn
     from verify.judge.compare import compare_bitwise
-    from verify.judge.pipeline import derived_vacuity, judge, run_plain, to_oracle
+    from verify.judge.calls import run_plain, to_oracle
+    from verify.judge.classes import derived_vacuity, judge_outputs as judge
     from verify.model.specs import SpecError, load_spec
 
     inputs = op.make_inputs(case)

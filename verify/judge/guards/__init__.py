@@ -1,0 +1,24 @@
+"""The guards a launch of a candidate must pass after its first call was judged, in the order they
+run. Each is a function of the case context (verify.judge.context.CaseContext) returning its checks
+([] where it does not apply); the pipeline stops at the first guard that fails. The first call's own
+checks (output types, aliasing, canaries, inputs unchanged, process state, poison left in outputs)
+are verify.judge.placement's, made by every guarded call."""
+from __future__ import annotations
+
+from verify.judge.guards import (batch_position, determinism, gpu, inference_mode, outputs, refresh, serving,
+                                 views)
+
+LATER_GUARDS = (
+    determinism.second_run,            # guard:deterministic (and a second call handing back the same storage)
+    batch_position.check,              # guard:batch_position
+    refresh.refreshed_inputs,          # guard:refreshed_inputs
+    serving.partial_refresh,           # guard:partial_refresh
+    serving.state_chain,               # guard:state_chain
+    refresh.warmed_up,                 # guard:warmed_up (cases the plan marks)
+    gpu.check,                         # guard:side_stream, cuda_graph, stream_order, concurrent (CUDA)
+    outputs.outputs_kept_so_far,       # guard:outputs_kept, before the runs that could hide it
+    views.strided_inputs,              # guard:strided_inputs        } not in the quick profile
+    views.misaligned_inputs,           # guard:misaligned_inputs     }
+    serving.call_forms,                # guard:out_omitted, owned_inputs, merged_inputs, thread_count
+    inference_mode.check,              # guard:inference_mode
+)

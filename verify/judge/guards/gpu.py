@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from verify.judge.pipeline import _one_line, _Placed, guarded_call, run_plain
+from verify.judge.calls import Placed, guarded_call, one_line, run_plain
 from verify.model.opdef import OpInputs
 from verify.model.verdict import Check
 
@@ -68,7 +68,7 @@ def stream_order_check(fn, op, dinputs: OpInputs, other: OpInputs, base: dict, f
     before the values arrive and answers for the other ones; with no device-wide synchronize
     in between, the plain guarded calls could not see it."""
     name = "guard:stream_order"
-    placed = _Placed(fn, op, other, base, device)            # the other values, on the current stream
+    placed = Placed(fn, op, other, base, device)            # the other values, on the current stream
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     try:
@@ -78,7 +78,7 @@ def stream_order_check(fn, op, dinputs: OpInputs, other: OpInputs, base: dict, f
                 g.view.copy_(dinputs.tensors[k])             # ordered after the sleep, on `side`
             returned = placed.call(fn, dinputs.params)
     except Exception as e:
-        return Check(name, False, f"a call on a busy caller's stream raised {_one_line(e)}")
+        return Check(name, False, f"a call on a busy caller's stream raised {one_line(e)}")
     results, checks = placed.outputs(returned)
     bad = [c for c in checks + placed.unwritten(results) if not c.ok]
     if bad:
@@ -92,7 +92,7 @@ def stream_order_check(fn, op, dinputs: OpInputs, other: OpInputs, base: dict, f
 CONCURRENT_ROUNDS = 3
 
 
-def concurrent_check(fn, op, dinputs: OpInputs, other: OpInputs, base: dict, first: dict, device) -> Check:
+def concurrent_check(fn, op, dinputs: OpInputs, other: OpInputs, base: dict, first: dict, device, reference) -> Check:
     """guard:concurrent: two calls in flight at once, each on tensors of its own: this case's values
     on a low-priority stream, another case's (same shapes) on a high-priority one, both held back by
     equal sleeps so they start together, in CONCURRENT_ROUNDS rounds with the second start moved a
@@ -102,13 +102,11 @@ def concurrent_check(fn, op, dinputs: OpInputs, other: OpInputs, base: dict, fir
     while sequential calls, a single side-stream call and a graph replay all pass; one whose CTAs
     spin on other CTAs of the same launch can deadlock when the other launch holds SMs (the
     per-case timeout reports that when candidates run isolated, the default)."""
-    from verify.judge.candidates import reference_fn
-
     name = "guard:concurrent"
     # The other call is held to the other values' own reference: a hole (poison left in an output)
     # is NaN where that reference is finite, and the other values may give NaN where this case's
     # do not (an E8M0 scale of 0xFF, say).
-    base2 = run_plain(reference_fn(op), op, other, device)
+    base2 = run_plain(reference, op, other, device)
     alone = guarded_call(fn, op, other, base2, device)           # the other values' own bits, sequential
     if alone.error:
         return Check(name, False, f"a call on another case's values raised {alone.error}")
@@ -116,8 +114,8 @@ def concurrent_check(fn, op, dinputs: OpInputs, other: OpInputs, base: dict, fir
     cur = torch.cuda.current_stream()
     low, high = torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-1)
     for r in range(CONCURRENT_ROUNDS):
-        a = _Placed(fn, op, dinputs, base, device)
-        b = _Placed(fn, op, other, base2, device)
+        a = Placed(fn, op, dinputs, base, device)
+        b = Placed(fn, op, other, base2, device)
         low.wait_stream(cur)
         high.wait_stream(cur)
         try:
@@ -129,7 +127,7 @@ def concurrent_check(fn, op, dinputs: OpInputs, other: OpInputs, base: dict, fir
                 ret_b = b.launch(fn, other.params)
             torch.cuda.synchronize()
         except Exception as e:
-            return Check(name, False, f"two calls in flight on two streams raised {_one_line(e)}")
+            return Check(name, False, f"two calls in flight on two streams raised {one_line(e)}")
         for label, placed, ret, want in (("this case", a, ret_a, first), ("the other case", b, ret_b, second)):
             results, checks = placed.outputs(ret)
             bad = [c for c in checks + placed.unwritten(results) if not c.ok]
@@ -141,3 +139,17 @@ def concurrent_check(fn, op, dinputs: OpInputs, other: OpInputs, base: dict, fir
                              f"same time on another stream (round {r}): state shared across calls (one "
                              "workspace, counter or buffer for all streams) mixes their data")
     return Check(name, True, f"{CONCURRENT_ROUNDS} rounds of two calls in flight on two streams: each bitwise its own")
+
+
+def check(ctx) -> list[Check]:
+    """The GPU guards of one launch (on a CUDA device, where the spec claims determinism)."""
+    if not str(ctx.device).startswith("cuda") or not ctx.spec.claims.deterministic:
+        return []
+    out = [side_stream_check(ctx.fn, ctx.op, ctx.dinputs, ctx.base, ctx.first, ctx.device),
+           cuda_graph_check(ctx.fn, ctx.op, ctx.dinputs, ctx.first, ctx.device)]
+    other = ctx.refreshed()
+    if other is not None:
+        out.append(stream_order_check(ctx.fn, ctx.op, ctx.dinputs, other[1], ctx.base, ctx.first, ctx.device))
+        out.append(concurrent_check(ctx.fn, ctx.op, ctx.dinputs, other[1], ctx.base, ctx.first, ctx.device,
+                                    ctx.reference))
+    return out

@@ -1,5 +1,5 @@
-"""Guards for the ways a serving engine calls a kernel that one plain call does not (session 23's
-red-team probe; property_tests/planted/serving.py plants a bug for each):
+"""Guards for the ways a serving engine calls a kernel that one plain call does not
+(property_tests/planted/serving.py plants a bug for each):
 
 - guard:partial_refresh: new values written into the interior rows of the inputs only (a weight sync
   streamed in row chunks, one expert reloaded): a memo validated by a fingerprint of some rows, or
@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from verify.judge.guards import placement as guards
-from verify.judge.pipeline import (_Placed, _call_failures, _judged_on, _one_line, _same_as_first, case_memo, guarded_call,
-                             judge, stale_or_wrong)
+from verify.judge.calls import Placed, call_failures, guarded_call, one_line
+from verify.judge import placement as guards
+from verify.judge.guards.refresh import stale_or_wrong
 from verify.model.opdef import OpDef, OpInputs
-from verify.model.specs import ToleranceSpec
 from verify.model.verdict import Check
 
 INDEX_DTYPES = (torch.int32, torch.int64)     # indices and lengths: a row-wise mix of two draws is no valid case
@@ -49,113 +48,107 @@ def _mixed(op: OpDef, first: OpInputs, other: OpInputs) -> tuple[OpInputs, list[
     return OpInputs(tensors, dict(first.params)), changed
 
 
-def _second_call(name, op, spec, fn, placed: _Placed, values: OpInputs, judged, device, where: str) -> Check:
+def _second_call(ctx, name, placed: Placed, values: OpInputs, judged, where: str) -> Check:
     """Call again on what `placed` now holds (`values`), outputs poisoned; judge against `judged`."""
     inputs64_2, oracle2, base2 = judged
     placed.expected = base2                   # what poison is read against: these values' reference
     for g in placed.outs.values():
         g.view.fill_(guards.poison_value(g.view.dtype))
     try:
-        returned = placed.call(fn, values.params)
+        returned = placed.call(ctx.fn, values.params)
     except Exception as e:  # the candidate's own failure is a verdict
-        return Check(name, False, f"{where}: the call raised {_one_line(e)}")
+        return Check(name, False, f"{where}: the call raised {one_line(e)}")
     results, out_checks = placed.outputs(returned)
     bad = [c for c in out_checks + placed.unwritten(results) if not c.ok]
-    bad = bad or [c for c in judge(op, spec, results, oracle2, base2, values, inputs64_2) if not c.ok]
+    bad = bad or [c for c in ctx.judge(results, oracle2, base2, values, inputs64_2) if not c.ok]
     if bad:
-        return stale_or_wrong(name, op, spec, fn, values, judged, device, bad, where, where)
+        return stale_or_wrong(ctx, name, values, judged, bad, where, where)
     return Check(name, True, f"{where}: judged like a first call")
 
 
-def partial_refresh_check(op: OpDef, spec: ToleranceSpec, fn, inputs: OpInputs, found, device) -> Check:
-    """guard:partial_refresh (module doc). `found`: evaluate.refreshed_inputs(...)."""
-    name = "guard:partial_refresh"
+def partial_refresh(ctx) -> list[Check]:
+    """guard:partial_refresh (module doc)."""
+    name, op, found = "guard:partial_refresh", ctx.op, ctx.refreshed()
     if found is None:
-        return Check(name, True, "not run: no other values with this case's shapes could be drawn")
-    mixed, changed = case_memo(("mixed", op.name, id(inputs), id(found[1])), (inputs, found[1]),
-                               lambda: _mixed(op, inputs, found[1]))
+        return [Check(name, True, "not run: no other values with this case's shapes could be drawn")]
+    mixed, changed = ctx.memoised(("mixed",), lambda: _mixed(op, ctx.inputs, found[1]))
     if not changed:
-        return Check(name, True, "not run: no tensor of 3 or more rows to rewrite in part")
-    judged = _judged_on(op, spec, mixed, device)
+        return [Check(name, True, "not run: no tensor of 3 or more rows to rewrite in part")]
+    judged = ctx.judged_on(mixed, ("mixed",))
     if judged is None:
-        return Check(name, True, "not run: the partly rewritten case is vacuous")
-    placed = _Placed(fn, op, inputs, judged[2], device)
+        return [Check(name, True, "not run: the partly rewritten case is vacuous")]
+    placed = Placed(ctx.fn, op, ctx.inputs, judged[2], ctx.device)
     try:
-        placed.call(fn, inputs.params)
+        placed.call(ctx.fn, ctx.inputs.params)
     except Exception as e:  # the candidate's own failure is a verdict
-        return Check(name, False, f"the first call raised {_one_line(e)}")
+        return [Check(name, False, f"the first call raised {one_line(e)}")]
     for k, g in placed.inputs.items():
         if k in op.state:                      # the first call moved the state: the mix's, whole
-            g.view.data.copy_(mixed.tensors[k].to(device))
+            g.view.data.copy_(mixed.tensors[k].to(ctx.device))
         elif k in changed:                     # rows 1..n-2 only, as a streamed weight sync writes
-            g.view.data[1:-1].copy_(mixed.tensors[k][1:-1].to(device))
-    return _second_call(name, op, spec, fn, placed, mixed, judged, device,
-                        f"new values written into rows 1..n-2 of {', '.join(changed)} after a first call")
+            g.view.data[1:-1].copy_(mixed.tensors[k][1:-1].to(ctx.device))
+    return [_second_call(ctx, name, placed, mixed, judged,
+                         f"new values written into rows 1..n-2 of {', '.join(changed)} after a first call")]
 
 
-def state_chain_check(op: OpDef, spec: ToleranceSpec, fn, inputs: OpInputs, base: dict, found, device) -> Check:
+def state_chain(ctx) -> list[Check]:
     """guard:state_chain (module doc): the second call's reference runs from the state the candidate's
-    first call wrote, so the step is judged alone. `base`: the case's baseline (the outputs' shapes);
-    `found`: evaluate.refreshed_inputs(...)."""
-    name = "guard:state_chain"
+    first call wrote, so the step is judged alone."""
+    name, op, found = "guard:state_chain", ctx.op, ctx.refreshed()
     if not op.state:
-        return Check(name, True, "not run: the op keeps no state")
+        return [Check(name, True, "not run: the op keeps no state")]
     if found is None:
-        return Check(name, True, "not run: no other step inputs with this case's shapes could be drawn")
+        return [Check(name, True, "not run: no other step inputs with this case's shapes could be drawn")]
     step2 = found[1]
-    placed = _Placed(fn, op, inputs, base, device)
+    placed = Placed(ctx.fn, op, ctx.inputs, ctx.base, ctx.device)
     try:
-        placed.call(fn, inputs.params)
+        placed.call(ctx.fn, ctx.inputs.params)
     except Exception as e:  # the candidate's own failure is a verdict
-        return Check(name, False, f"the first call raised {_one_line(e)}")
+        return [Check(name, False, f"the first call raised {one_line(e)}")]
     chained = OpInputs({k: placed.inputs[k].view.detach().cpu().clone() if k in op.state else step2.tensors[k]
-                        for k in inputs.tensors}, dict(step2.params))
+                        for k in ctx.inputs.tensors}, dict(step2.params))
     try:
-        judged = _judged_on(op, spec, chained, device)
+        judged = ctx.judged_on(chained)        # the chained state is this launch's own: not memoised
     except (ValueError, RuntimeError, IndexError) as e:    # a step the reference refuses (a full cache)
-        return Check(name, True, f"not run: the reference refuses the chained step ({_one_line(e)})")
+        return [Check(name, True, f"not run: the reference refuses the chained step ({one_line(e)})")]
     if judged is None:
-        return Check(name, True, "not run: the chained step is vacuous")
+        return [Check(name, True, "not run: the chained step is vacuous")]
     for k, g in placed.inputs.items():
         if k not in op.state:
-            g.view.copy_(step2.tensors[k].to(device))
-    return _second_call(name, op, spec, fn, placed, chained, judged, device,
-                        "a second step on the state the first call wrote, in the same buffers")
+            g.view.copy_(step2.tensors[k].to(ctx.device))
+    return [_second_call(ctx, name, placed, chained, judged,
+                         "a second step on the state the first call wrote, in the same buffers")]
 
 
-def call_form_checks(op: OpDef, spec: ToleranceSpec, fn, dinputs: OpInputs, base: dict, first: dict, oracle: dict,
-                     inputs: OpInputs, inputs64: OpInputs, device, strict: bool) -> list[Check]:
-    """guard:out_omitted, guard:owned_inputs and guard:thread_count (module doc): each must give the first
-    call's results."""
+def call_forms(ctx) -> list[Check]:
+    """guard:out_omitted, guard:owned_inputs, guard:merged_inputs and guard:thread_count (module doc):
+    each must give the first call's results. Not in the quick profile (with the strided runs)."""
+    if not ctx.strided_run:
+        return []
     checks = []
-    if op.outputs and guards.accepts_out(fn):
-        checks += _form_run("guard:out_omitted", "a call without out=", op, spec, fn, dinputs, base, first, oracle,
-                            inputs, inputs64, device, strict, use_out=False)
-    checks += _form_run("guard:owned_inputs", "inputs that own their whole storage", op, spec, fn, dinputs, base,
-                        first, oracle, inputs, inputs64, device, strict, owned=True)
-    if guards.merge_groups(dinputs.tensors, op.state):
-        checks += _form_run("guard:merged_inputs", "inputs side by side in one buffer (a merged projection's output)",
-                            op, spec, fn, dinputs, base, first, oracle, inputs, inputs64, device, strict,
-                            refusals=("contiguous", "stride"), merged=True)
+    if ctx.op.outputs and guards.accepts_out(ctx.fn):
+        checks += _form_run(ctx, "guard:out_omitted", "a call without out=", use_out=False)
+    checks += _form_run(ctx, "guard:owned_inputs", "inputs that own their whole storage", owned=True)
+    if guards.merge_groups(ctx.dinputs.tensors, ctx.op.state):
+        checks += _form_run(ctx, "guard:merged_inputs", "inputs side by side in one buffer (a merged projection's "
+                            "output)", refusals=("contiguous", "stride"), merged=True)
     prev = torch.get_num_threads()
     threads = OTHER_THREADS[0] if prev != OTHER_THREADS[0] else OTHER_THREADS[1]
     torch.set_num_threads(threads)
     try:
-        checks += _form_run("guard:thread_count", f"{threads} intra-op threads (the process runs {prev})", op, spec,
-                            fn, dinputs, base, first, oracle, inputs, inputs64, device, strict)
+        checks += _form_run(ctx, "guard:thread_count", f"{threads} intra-op threads (the process runs {prev})")
     finally:
         torch.set_num_threads(prev)
     return checks
 
 
-def _form_run(name, where, op, spec, fn, dinputs, base, first, oracle, inputs, inputs64, device, strict,
-              refusals: tuple[str, ...] = (), **call) -> list[Check]:
-    run = guarded_call(fn, op, dinputs, base, device, **call)
-    checks, complete = _call_failures(run, first, where)
+def _form_run(ctx, name, where, refusals: tuple[str, ...] = (), **call) -> list[Check]:
+    run = guarded_call(ctx.fn, ctx.op, ctx.dinputs, ctx.base, ctx.device, **call)
+    checks, complete = call_failures(run, ctx.first, where)
     if run.error and not checks and any(w in run.error.lower() for w in refusals):
         return [Check(name, True, f"{where}: refused: {run.error}")]
     if run.error:
         return checks + [Check(name, False, f"{where}: raised {run.error}")]
     if not complete:
         return checks + [Check(name, False, f"{where}: the outputs are incomplete")]
-    return checks + [_same_as_first(name, where, run.results, first, op, spec, strict, oracle, base, inputs, inputs64)]
+    return checks + [ctx.same_as_first(name, where, run.results)]
