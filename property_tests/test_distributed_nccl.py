@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from verify.run.distributed import COLLECTIVE_OPS, certify_distributed
-from verify.ops.registry import get_op
+from verify.ops.registry import all_ops, get_op
+from verify.run.distributed import certify_distributed, collective_ops
+
+COLLECTIVE_OPS = [op.name for op in collective_ops(list(all_ops().values()))]
 
 pytestmark = pytest.mark.multi_gpu(2)
 

@@ -66,6 +66,10 @@ class OpDef:
     # knob sets the draw never reaches by itself, each run as explicit cases in every profile (cases.
     # knob_sweep_cases), e.g. skinny_gemm's off-tile projection: {"proj": "off_tile"}
     knob_sweep: tuple[dict, ...] = ()
+    # how `run --distributed` runs the op over real ranks: None (no collective of its own: only a split
+    # whose combine sums runs there), "split" (shard, run per rank, gather, combine), or a form of
+    # verify/run/distributed.py's FORMS ("gathered_partials", "gathered_scores")
+    collective: str | None = None
     compile_heavy: bool = False                 # torch.compile of the reference takes minutes on a CPU
     cpu_ok: bool = True                         # reference practical on CPU at the k3 config
     notes: str = ""

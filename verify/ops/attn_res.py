@@ -154,7 +154,7 @@ OPS = [
         notes=_NOTES, knob_sweep=SCORE_SWEEP, magnitudes=attn_res_out_magnitude,
     ),
     OpDef(
-        name="allreduce_attn_res_rmsnorm", family="attn_res",
+        name="allreduce_attn_res_rmsnorm", family="attn_res", collective="gathered_partials",
         reference="references.attn_res:allreduce_attn_res_rmsnorm",
         make_inputs=make_allreduce_attn_res_rmsnorm_inputs, outputs=("out",), state=("prefix", "blocks"),
         signature=_SIG.format(delta="deltas[T,B,D] wd (partials, summed rank 0..T-1 in fp32)"),

@@ -205,7 +205,7 @@ def make_l2_prefetch_inputs(case: Case) -> OpInputs:
 
 OPS = [
     OpDef(
-        name="router_topk", family="moe", reference="references.moe:router_topk",
+        name="router_topk", family="moe", reference="references.moe:router_topk", collective="gathered_scores",
         make_inputs=make_router_topk_inputs, outputs=("ids", "weights"),
         signature=("x[B,D] wd, w_gate[E,D] wd, bias[E] fp32, top_k: int, routed_scale: float "
                    "-> ids[B,k] int64 (descending choice, lower id first on ties), weights[B,k] fp32"),
@@ -218,7 +218,7 @@ OPS = [
               "builds a tie group at the k-th place (exact copies and 1-ulp differences).",
     ),
     OpDef(
-        name="moe_experts_mxfp4", family="moe", reference="references.moe:moe_experts_mxfp4",
+        name="moe_experts_mxfp4", family="moe", reference="references.moe:moe_experts_mxfp4", collective="split",
         make_inputs=make_moe_experts_inputs, outputs=("y",),
         signature=("z[B,L] wd, ids[B,k] int64, weights[B,k] fp32, w13_packed[E,2I,L/2] u8, "
                    "w13_scale[E,2I,L/32] u8, w2_packed[E,L,I/2] u8, w2_scale[E,L,I/32] u8, "
@@ -243,7 +243,7 @@ OPS = [
         notes="Replicated: runs after the one all-reduce of (latent partial, shared partial).",
     ),
     OpDef(
-        name="shared_experts", family="moe", reference="references.moe:shared_experts",
+        name="shared_experts", family="moe", reference="references.moe:shared_experts", collective="split",
         make_inputs=make_shared_experts_inputs, outputs=("y",),
         signature=("x[B,D] wd, w_gate_up[2I,D] wd ([gate; up]), w_down[D,I] wd, situ_beta: float, "
                    "situ_linear_beta: float -> y[B,D] wd"),

@@ -23,14 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
-COLLECTIVE_OPS = ("allreduce_attn_res_rmsnorm", "router_topk", "moe_experts_mxfp4", "shared_experts")
 SUM_KINDS = ("partial_sum", "row", "experts")
 MODES = ("fold", "allreduce", "reverse", "residual_first")
 
 
 def collective_ops(ops) -> list:
-    """Ops with a collective: the named ones plus any whose split sums across ranks."""
-    return [op for op in ops if op.name in COLLECTIVE_OPS or (op.split is not None and op.split.kind in SUM_KINDS)]
+    """Ops with a collective: those whose registry entry declares one, and any whose split sums across ranks."""
+    return [op for op in ops if op.collective is not None or (op.split is not None and op.split.kind in SUM_KINDS)]
 
 
 def dist_cases(op, seed: int, T: int, n: int = 2) -> list:
@@ -123,7 +122,7 @@ def _router_form(dist, op, fn, inputs, rank, T, device, reduce):
     return {"ids": ids, "weights": renormalise(s, ids, inputs.params["routed_scale"])}
 
 
-FORMS = {"allreduce_attn_res_rmsnorm": _attn_res_form, "router_topk": _router_form}
+FORMS = {"gathered_partials": _attn_res_form, "gathered_scores": _router_form}     # OpDef.collective
 
 
 def _generic_form(dist, op, fn, inputs, rank, T, device, reduce):
@@ -152,7 +151,7 @@ def judge_distributed(op, case, combined, device, fn=None) -> tuple[str, str, li
     oracle, base = run_plain(ref, op, inputs64, device), run_plain(ref, op, inputs, device)
     cand = {n: combined[n].to(device) for n in op.outputs + op.state}
     declared = base
-    if op.name not in FORMS:    # the declared order is the fold over the reference's own per-rank results
+    if op.collective not in FORMS:    # the declared order is the fold over the reference's own per-rank results
         declared = op.split.combine([run_plain(ref, op, s, device) for s in op.split.shard(inputs, case.tp)], inputs)
     checks = []
     try:
@@ -195,7 +194,7 @@ def rank_main(rank: int, world: int, backend: str, store: str, request: dict, re
     for item, reduce in request["cases"]:
         case, t0 = Case.from_json(item), time.perf_counter()
         op = get_op(case.op)
-        form = FORMS.get(op.name, _generic_form)
+        form = FORMS.get(op.collective, _generic_form)
         try:
             fn = Candidate(request["candidate"]).resolve(op, "cuda" if backend == "nccl" else "cpu")
             combined = form(dist, op, fn, op.make_inputs(case), rank, world, device, reduce)
@@ -266,7 +265,7 @@ def certify_distributed(ops, candidate: str, backend: str, tps: list[int], seed:
                     for op in ops for m in reduces]
     per: dict[tuple[str, str], list] = {(op.name, m): [] for op in ops for m in reduces}
     for T in tps:
-        cases = [(c, m) for op in ops if op.split is not None or op.name in FORMS
+        cases = [(c, m) for op in ops if op.split is not None or op.collective in FORMS
                  for c in dist_cases(op, seed, T, cases_per_op) for m in reduces]
         for r in run_group(cases, candidate, backend, T, timeout) if cases else []:
             d = {"op": json.loads(r["case"])["op"], "candidate": label(r["reduce"]), "case": r["case"],
