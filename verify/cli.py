@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     me.add_argument("--out", default="verify-out", help="directory for certificate.json (default: verify-out)")
     me.add_argument("--json", action="store_true", help="print the certificate JSON on stdout")
     me.add_argument("--junit", default=None, metavar="FILE", help="also write JUnit XML")
+    me.add_argument("--changed-since", default=None, metavar="OLD.json",
+                    help="carry forward from OLD.json the ops the shards did not judge (as their runs did)")
     ck = sub.add_parser("check", help="which certificate still holds for this tree (the release gate)")
     ck.add_argument("certificates", metavar="CERT.json", nargs="+",
                     help="certificates to look in; per op, the newest verdict whose sources match the tree counts")
@@ -293,9 +295,9 @@ def _run_setup(args):
     if jobs > 1 and set(modes) & {"distributed", "sanitize"}:
         raise UsageError(f"--jobs and --{(set(modes) & {'distributed', 'sanitize'}).pop()} cannot be combined")
     args.shard_of = _shard(args.shard)
-    if args.shard_of != (0, 1) and (jobs > 1 or set(modes) & {"distributed", "sanitize", "changed_since"}):
+    if args.shard_of != (0, 1) and (jobs > 1 or set(modes) & {"distributed", "sanitize"}):
         raise UsageError("--shard judges one slice of a plain run; it cannot be combined with --jobs, "
-                         "--distributed, --sanitize or --changed-since")
+                         "--distributed or --sanitize")
     return ops, profile, tps
 
 
@@ -439,9 +441,21 @@ def cmd_merge(args) -> int:
         plan, judged = load_shards([Path(d) for d in args.dirs])
     except MergeError as e:
         raise UsageError(f"merge: {e}") from None
-    verdicts, cert = assemble(plan, judged)
+    carried = {}
+    if args.changed_since:
+        from verify.ops.registry import all_ops
+        from verify.record import certificate
+
+        try:
+            old = certificate.load(args.changed_since)
+        except ValueError as e:
+            raise UsageError(f"--changed-since: {e}") from None
+        unjudged = {n: o for n, o in all_ops().items() if n not in plan.options.get("ops", ())}
+        carried, _ = certificate.carry_forward(old, unjudged, list(plan.options.get("candidates", ())))
+    verdicts, cert = assemble(plan, judged, carried)
     console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 160)
-    return _finish_run(args, verdicts, cert, console, f"merged {len(args.dirs)} outputs of plan {plan.id}")
+    return _finish_run(args, verdicts, cert, console, f"merged {len(args.dirs)} outputs of plan {plan.id}; "
+                       f"{len(carried)} ops carried")
 
 
 def cmd_report(args) -> int:
