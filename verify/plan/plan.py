@@ -2,9 +2,10 @@
 judges, written to OUT/plan.json before any case is judged.
 
 Judging a case depends on that case alone, so every way of spreading a run is a slice of this list:
-`--jobs`, `--resume` (the cases without a verdict in the log) and `run --shard I/N` (every N-th case,
-from the I-th: the ops interleave, so shards cost about the same). `merge` joins the verdicts of
-shards of one plan, recognised by its id (a hash of everything in it).
+`--jobs`, `--resume` (the cases without a verdict in the log) and `run --shard I/N` (the I-th of N
+contiguous blocks of equal size: a block holds one or two ops, so a process compiles the kernels of
+those only). `merge` joins the verdicts of shards of one plan, recognised by its id (a hash of
+everything in it).
 """
 from __future__ import annotations
 
@@ -69,10 +70,11 @@ class Plan:
         return Plan(self.options, self.pairs, self.cases, self.format, hashlib.sha256(body.encode()).hexdigest()[:16])
 
     def slice(self, shard: int = 0, shards: int = 1) -> list[PlannedCase]:
-        """The cases shard `shard` of `shards` judges: every shards-th case from the shard-th."""
+        """The cases shard `shard` of `shards` judges: the shard-th of `shards` contiguous blocks."""
         if not 0 <= shard < shards:
             raise ValueError(f"--shard {shard}/{shards}: I must be in 0..N-1")
-        return list(self.cases[shard::shards])
+        n = len(self.cases)
+        return list(self.cases[shard * n // shards:(shard + 1) * n // shards])
 
     def pair(self, op: str, candidate: str) -> PairPlan:
         return next(p for p in self.pairs if p.op == op and p.candidate == candidate)
