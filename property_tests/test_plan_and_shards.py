@@ -15,6 +15,7 @@ from verify.model.profile import get_profile
 from verify.model.verdict import FAIL, PASS, VACUOUS, CaseVerdict
 from verify.ops.registry import get_op
 from verify.plan.plan import PairScope, make_plan
+from verify.record.compare import judged_view as _judged
 from verify.run.runner import InProcess, Judged, summarise
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,17 +33,6 @@ def _cli(args, cwd, check_rc=None):
     if check_rc is not None:
         assert r.returncode == check_rc, r.stdout + r.stderr
     return r
-
-
-def _judged(cert: dict) -> dict:
-    """What must agree between two certificates of one plan: per op, its sources and, per candidate,
-    the verdict and every case record (timings left out)."""
-    out = {}
-    for op, e in cert["ops"].items():
-        verdicts = {c: {k: v for k, v in d.items() if k != "seconds"} for c, d in e["verdicts"].items()}
-        cases = {c: [{k: v for k, v in r.items() if k != "seconds"} for r in rs] for c, rs in e["cases"].items()}
-        out[op] = (e["sources"], verdicts, cases)
-    return out
 
 
 def _cert(d: Path) -> dict:
