@@ -103,6 +103,9 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
     run.add_argument("--jobs", type=int, default=1, metavar="N",
                      help="judge the plan's N slices at once in N child processes (one GPU each where several "
                           "are visible; their logs under OUT/shards/), one certificate")
+    run.add_argument("--threads", type=int, default=0, metavar="N",
+                     help="torch intra-op threads for every case (default: torch's here); part of the plan, "
+                          "since CPU BLAS results depend on it")
     run.add_argument("--shard", default=None, metavar="I/N",
                      help="judge only slice I of N of the plan (0 <= I < N) into OUT; join the N outputs with "
                           "`verify-kernels merge`")
@@ -289,6 +292,8 @@ def _run_setup(args):
     modes = [m for m in ("resume", "changed_since", "distributed", "sanitize") if getattr(args, m)]
     if len(set(modes) - {"resume"}) > 1:
         raise UsageError(f"--{modes[0].replace('_', '-')} and --{modes[1].replace('_', '-')} cannot be combined")
+    if getattr(args, "threads", 0) < 0:
+        raise UsageError(f"--threads {args.threads}: must be 1 or more (0: torch's default)")
     jobs = getattr(args, "jobs", 1)
     if jobs < 1:
         raise UsageError(f"--jobs {jobs}: must be 1 or more")
@@ -347,7 +352,7 @@ def cmd_run(args) -> int:
 
     cfg = RunConfig(tuple(o.name for o in ops), tuple(c.label for c in candidates), device, profile, args.seed,
                     None if tps is None else tuple(tps), args.examples, not args.no_isolate, args.case_timeout,
-                    certificate.harness_hash())
+                    certificate.harness_hash(), args.threads)
     plan = build_plan(cfg, ops, candidates)
     out = Path(args.out)
     console.print(f"plan {plan.id}: {len(plan.cases)} cases over {len(plan.pairs)} op/candidate pairs "

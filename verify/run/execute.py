@@ -54,12 +54,12 @@ class Progress:
             self._bar.stop()
 
 
-def _evaluator(cfg: RunConfig):
+def _evaluator(cfg: RunConfig, threads: int):
     if cfg.isolate:
         from verify.run.worker import IsolatedRunner
 
-        return IsolatedRunner(case_timeout=cfg.case_timeout)
-    return InProcess()
+        return IsolatedRunner(case_timeout=cfg.case_timeout, threads=threads)
+    return InProcess(threads=threads)
 
 
 def prepare_out(plan: Plan, out: Path, resume: bool) -> None:
@@ -88,7 +88,7 @@ def run_slice(plan: Plan, cfg: RunConfig, out: Path, shard: tuple[int, int] = (0
     log.start(plan.id, shard, {"isolated": cfg.isolate, "case_timeout": cfg.case_timeout})
     ops = {o: get_op(o) for o in {pc.op for pc in todo}}
     progress = Progress(len(todo), label if shard == (0, 1) else f"{label} shard {shard[0]}/{shard[1]}")
-    evaluator = _evaluator(cfg)
+    evaluator = _evaluator(cfg, plan.options.get("threads", 0))
     try:
         judge_cases(todo, ops, cfg.device, evaluator, lambda pc, v: (log.case(pc.index, v), progress.step(pc, v)),
                     log.shrunk, cfg.profile)
@@ -122,12 +122,9 @@ def visible_gpus(device: str) -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def child_env(jobs: int, gpu: str | None) -> dict[str, str]:
-    """A child's environment: its share of the CPU threads, and its GPU where several are visible."""
+def child_env(gpu: str | None) -> dict[str, str]:
+    """A child's environment: its GPU where several are visible. (Its thread count is the plan's.)"""
     env = dict(os.environ)
-    threads = str(max(1, (os.cpu_count() or 1) // jobs))
-    env.setdefault("OMP_NUM_THREADS", threads)
-    env.setdefault("MKL_NUM_THREADS", threads)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     return env
@@ -147,7 +144,7 @@ def run_jobs(plan: Plan, cfg: RunConfig, out: Path, jobs: int, resume: bool = Fa
                 "--case-timeout", str(cfg.case_timeout)] + ([] if cfg.isolate else ["--no-isolate"]) \
             + (["--resume"] if resume else [])
         console = open(d / "console.log", "w")
-        procs.append((i, d, subprocess.Popen(argv, env=child_env(jobs, gpus[i % len(gpus)] if gpus else None),
+        procs.append((i, d, subprocess.Popen(argv, env=child_env(gpus[i % len(gpus)] if gpus else None),
                                              stdout=console, stderr=subprocess.STDOUT), console))
     problems = []
     for i, d, proc, console in procs:
@@ -190,7 +187,7 @@ def config_of(plan: Plan, isolate: bool = True, case_timeout: float = 120.0) -> 
                       dtypes=None if o.get("dtypes") is None else tuple(o["dtypes"]))
     return RunConfig(tuple(o["ops"]), tuple(o["candidates"]), o["device"], profile, o["seed"],
                      None if o.get("tp") is None else tuple(o["tp"]), o.get("examples"), isolate, case_timeout,
-                     o.get("harness", ""))
+                     o.get("harness", ""), o.get("threads", 0))
 
 
 if __name__ == "__main__":

@@ -40,13 +40,21 @@ class RunConfig:
     isolate: bool = True
     case_timeout: float = 120.0
     harness: str = ""            # the judging code's hash (record.certificate.harness_hash), kept in the plan
+    threads: int = 0             # torch intra-op threads for every case (0: torch's default here): CPU BLAS
+                                 # bits depend on it, so every slice of a plan runs with the plan's count
 
     def plan_options(self) -> dict:
         p = self.profile
         return {"ops": list(self.ops), "candidates": list(self.candidates), "device": self.device,
                 "profile": p.name, "configs": list(p.configs), "dtypes": None if p.dtypes is None else list(p.dtypes),
                 "seed": self.seed, "tp": None if self.tps is None else list(self.tps), "examples": self.examples,
-                "harness": self.harness}
+                "harness": self.harness, "threads": self.threads or _default_threads()}
+
+
+def _default_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 # -- planning --------------------------------------------------------------------------------------
@@ -93,12 +101,17 @@ def build_plan(cfg: RunConfig, ops: list[OpDef], candidates: list[Candidate]) ->
 class InProcess:
     """Judges cases in this process (run --no-isolate, tests): candidates resolved once per pair."""
 
-    def __init__(self, candidates: dict[str, Candidate] | None = None):
+    def __init__(self, candidates: dict[str, Candidate] | None = None, threads: int = 0):
         self.candidates = candidates or {}
+        self.threads = threads
         self._fns: dict[tuple[str, str, str], object] = {}
 
     def evaluate(self, op: OpDef, case: Case, label: str, device: str, strided_run: bool = True,
                  warmup: bool = False) -> CaseVerdict:
+        if self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)
         key = (op.name, label, device)
         if key not in self._fns:
             self._fns[key] = self.candidates.get(label, Candidate(label)).resolve(op, device)

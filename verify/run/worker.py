@@ -36,6 +36,10 @@ def _serve_one(req: dict) -> dict:
 
     case = Case.from_json(req["case"])
     label, device = req["candidate"], req.get("device", "cpu")
+    if req.get("threads"):               # the plan's intra-op thread count (CPU BLAS bits depend on it)
+        import torch
+
+        torch.set_num_threads(req["threads"])
     try:
         op = get_op(case.op)
         fn = Candidate(label).resolve(op, device)
@@ -80,9 +84,9 @@ def _signal_name(rc: int) -> str:
 class _Worker:
     """Runs cases in a worker subprocess; restarts it after a hang, a crash or a sticky CUDA error."""
 
-    def __init__(self, case_timeout: float = 120.0, env: dict | None = None):
+    def __init__(self, case_timeout: float = 120.0, env: dict | None = None, threads: int = 0):
         self.case_timeout = float(case_timeout)
-        self.env = env
+        self.env, self.threads = env, threads
         self.proc: subprocess.Popen | None = None
         self._buf = b""
         self._err = None
@@ -154,7 +158,7 @@ class _Worker:
             self._start()
         t0 = time.perf_counter()
         req = {"op": op_name, "candidate": label, "device": device, "case": case.to_json(),
-               "strided_run": strided_run, "warmup": warmup}
+               "strided_run": strided_run, "warmup": warmup, "threads": self.threads}
         try:
             self.proc.stdin.write((json.dumps(req) + "\n").encode())
             self.proc.stdin.flush()
@@ -190,8 +194,8 @@ class IsolatedRunner:
     registered over one of torch's, a changed config) reaches another's reference runs; a worker whose
     candidate changed what cannot be put back is replaced before its next case."""
 
-    def __init__(self, case_timeout: float = 120.0, env: dict | None = None):
-        self.case_timeout, self.env = float(case_timeout), env
+    def __init__(self, case_timeout: float = 120.0, env: dict | None = None, threads: int = 0):
+        self.case_timeout, self.env, self.threads = float(case_timeout), env, threads
         self.workers: dict[str, _Worker] = {}
 
     @property
@@ -202,7 +206,7 @@ class IsolatedRunner:
         from verify.judge.process_state import UNDOABLE
         from verify.model.verdict import CaseVerdict
 
-        worker = self.workers.setdefault(label, _Worker(self.case_timeout, self.env))
+        worker = self.workers.setdefault(label, _Worker(self.case_timeout, self.env, self.threads))
         v = worker.evaluate(op, case, label, device, strided_run, warmup)
         if UNDOABLE in v.reason or any(UNDOABLE in c.detail for c in v.checks):
             worker._restart()
