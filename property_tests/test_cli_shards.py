@@ -51,7 +51,7 @@ def test_sharded_run_equals_a_serial_run(tmp_path):
 def test_sharded_worst_ratio_is_the_worst_launch_variants(tmp_path):
     """A case judges every launch variant a candidate declares; the sharded run's certificate reports
     the worst variant's err / tol, as the serial run does (the case log line once kept only the last
-    variant's ratio, so the sharded certificate under-reported: H200 session 12)."""
+    variant's ratio, so the sharded certificate under-reported)."""
     cand = "property_tests.planted_release.gemm_variants:skinny_gemm"
     common = ["--ops", "skinny_gemm", "--candidate", cand, "--profile", "ci", "--examples", "8", "--no-isolate"]
     serial = _cli(common + ["--out", "serial"], tmp_path)
@@ -96,7 +96,7 @@ def test_a_judged_failure_outside_the_draw_fails_the_op():
 def test_the_dry_draw_deals_the_cases_a_real_run_judges():
     """A vacuous case is a draw like a pass, so the shards' dry deal foresees every case a real run
     judges (before this, each vacuous case sent hypothesis down another path and the op's own child
-    judged the rest alone: H200 session 23, kda_decode's finishing child cut after 450 s)."""
+    judged the rest alone: on the H200 kda_decode's finishing child was cut after 450 s)."""
     op = get_op("attn_res_rmsnorm")
     opts = RunOptions(device="cpu", profile=get_profile("ci"), seed=7, examples=12)
     dealt = draw_cases(op, Candidate("reference"), opts)

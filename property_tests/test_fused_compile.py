@@ -1,4 +1,4 @@
-"""Every wave-1a CuTe DSL kernel compiles for sm_90a on a CPU-only machine, for each static
+"""Every CuTe DSL kernel of skinny_gemm, mxfp4_dequant, mla_cache_write and router_topk compiles for sm_90a on a CPU-only machine, for each static
 configuration and variant it supports; a new batch size reuses the compiled kernel; numerics are
 checked on a CUDA device only (skipped here with the reason, never counted as passed)."""
 import os
@@ -150,7 +150,7 @@ def test_router_topk_compiles_every_variant(E, k, D):
 def test_router_topk_select_loads_everything_before_the_first_sigmoid(ptx_of, S):
     """Every logit partial and bias load precedes the first IEEE division: behind a division's
     slow-path branch ptxas does not hoist loads, and the round trips then run one after another
-    (H200, session 7: the top-k kernel 3.55 -> 2.59 us at B = 1 when this was fixed)."""
+    (H200: the top-k kernel 3.55 -> 2.59 us at B = 1 when this was fixed)."""
     ptx = ptx_of(f"from fused import router_topk as fr; fr._compile(896, 16, 1, {S}, 4, 'threshold')")
     body = ptx[ptx.index(".entry"):]
     first_div = min(body.index(op) for op in ("rcp.rn.f32", "div.rn.f32") if op in body)

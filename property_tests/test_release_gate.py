@@ -266,7 +266,7 @@ def test_changed_since_recertifies_everything_after_a_harness_change(base_cert, 
 
 def test_the_harness_hash_covers_every_module_that_draws_runs_judges_or_counts_cases():
     """A verdict depends on how its cases were drawn, run, isolated, judged, sharded, resumed and
-    counted: session 11's over-counted kda_decode certificate came from parallel.py, which the hash
+    counted: an over-counted kda_decode certificate once came from parallel.py, which the hash
     did not cover. The reporting side stays out, so a report template does not stale a verdict."""
     names = {p.stem for p in certificate.harness_files()}
     assert names >= {"case", "cases", "values", "evaluate", "guards", "gpu_guards", "compare", "specs",

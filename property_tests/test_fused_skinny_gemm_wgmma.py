@@ -235,7 +235,7 @@ def test_wgmma_spread_fold_ptx(ptx_of):
 @pytest.mark.parametrize("fold,coop", [("spread", True), ("vec", False), ("last", False)])
 def test_wgmma_only_the_spread_fold_launches_cooperatively(ir_of, fold, coop):
     """"spread" CTAs spin on their split peers: launched as a plain grid, two of them on two streams
-    can each be placed in part and wait forever (H200, session 8: bench_streams' stress hung the
+    can each be placed in part and wait forever (H200: a two-stream stress test hung the
     plain launch within 40 s and ran 640 cooperative rounds in 1.3 s). The cooperative launch makes
     the driver place the whole grid at once; the other folds never wait and launch plainly."""
     ir = ir_of("from fused import skinny_gemm_wgmma as wg; "
@@ -510,10 +510,10 @@ def test_tiled_defaults_give_the_plain_variants_bits(K, N):
 @pytest.mark.gpu
 @needs_gpu
 def test_two_spread_launches_on_two_streams_do_not_wait_on_each_other():
-    """bench_streams' stress in a child with a time limit: a filler matmul, a spread GEMM on a
+    """A two-stream stress test in a child with a time limit: a filler matmul, a spread GEMM on a
     low-priority stream, another on a high-priority stream after a delay swept over the filler's
     run, 640 rounds; both results bitwise equal to the first. Launched as plain grids this hung
-    (H200, session 8); a hang here is the child killed at the limit."""
+    (H200); a hang here is the child killed at the limit."""
     import os
     import subprocess
     import sys

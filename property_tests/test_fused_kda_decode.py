@@ -1,6 +1,7 @@
-"""Wave 1b fused kernels (attn_res_rmsnorm, kda_decode): every static configuration compiles for
-sm_90a on a machine without a GPU; the compile cache does not recompile for a new batch size; the
-wrappers reject bad arguments by name. GPU numerics are in the `gpu`-marked tests (skipped here).
+"""fused/kda_decode.py: every static configuration compiles for sm_90a on a machine without a GPU;
+the PTX issues its loads in the order the launch variants claim; the dispatcher's picks fit the SM;
+the wrapper rejects bad arguments by name. GPU numerics are in the `gpu`-marked tests (skipped here,
+never counted as passed).
 """
 from __future__ import annotations
 
@@ -16,14 +17,7 @@ from fused import runtime
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-ATTN_D = (7168, 256, 64)
-ATTN_NBLOCKS = range(0, 9)
 KDA_DH = (128, 64, 32, 16)
-
-
-def _attn():
-    from fused import attn_res_rmsnorm
-    return attn_res_rmsnorm
 
 
 def _kda():
@@ -36,27 +30,6 @@ def _kda_code(cfg) -> str:
     its constructor call as text ("KdaConfig(4, True)")."""
     expr = cfg if isinstance(cfg, str) else repr(cfg)
     return f"from fused import kda_decode as m; m._compile('bfloat16', 128, 4, m.{expr})"
-
-
-def _attn_code(nb: int, cfg) -> str:
-    """Code that compiles attn_res_rmsnorm at D = 7168, bf16, `nb` blocks for an AttnResConfig."""
-    return f"from fused import attn_res_rmsnorm as m; m._compile('bfloat16', 7168, {nb}, m.{cfg!r})"
-
-
-@pytest.mark.parametrize("D", ATTN_D)
-def test_attn_res_rmsnorm_compiles_every_variant(D):
-    m = _attn()
-    for cfg in m.AttnResConfig.all_configs(D):
-        for nb in (0, 8):
-            assert runtime.compile_for_cpu_check("attn_res_rmsnorm", "bfloat16", D, nb, cfg) is not None
-
-
-@pytest.mark.parametrize("n_blocks", ATTN_NBLOCKS)
-def test_attn_res_rmsnorm_compiles_every_source_count(n_blocks):
-    m = _attn()
-    for dtype in ("bfloat16", "float16"):
-        cfg = m.AttnResConfig.for_shape(7168)
-        assert runtime.compile_for_cpu_check("attn_res_rmsnorm", dtype, 7168, n_blocks, cfg) is not None
 
 
 @pytest.mark.parametrize("Dh", KDA_DH)
@@ -72,7 +45,7 @@ def test_kda_decode_compiles_every_variant(Dh):
 def test_kda_decode_issues_every_global_load_before_the_first_barrier(ptx_of, warps):
     """The kernel's small-batch speed rests on it: state rows, conv and gate operands, beta and
     the gated RMSNorm's z and o_norm_w all in flight before the first barrier, so no DRAM round
-    trip sits between the barriers or after them (session 6 moved z / o_norm_w / beta there)."""
+    trip sits between the barriers or after them."""
     ptx = ptx_of(_kda_code(f"KdaConfig({warps})"))
     body = ptx[ptx.index(".entry"):]
     first_barrier = body.index("bar.sync") if "bar.sync" in body else body.index("barrier.sync")
@@ -85,7 +58,7 @@ def test_kda_decode_issues_every_global_load_before_the_first_barrier(ptx_of, wa
 def test_kda_decode_early_conv_issues_every_load_before_the_first_division(ptx_of, warps):
     """early_conv: every global load precedes the first IEEE division / exp (the SiLU's slow-path
     branch would keep later items' loads behind it); the plain 4-warp kernel, which the early
-    4-warp variant replaced in the dispatcher, does not (the measured difference, session 8)."""
+    4-warp variant replaced in the dispatcher, does not (the measured difference on the H200)."""
     def loads_after_first_division(cfg):
         ptx = ptx_of(_kda_code(f"KdaConfig({cfg})"))
         body = ptx[ptx.index(".entry"):]
@@ -106,30 +79,18 @@ def test_kda_decode_row_chunks_cut_the_shuffles(ptx_of):
     assert ".local" not in ptx_of(_kda_code("KdaConfig(4, True, row_chunk=8)"))
 
 
-def _ctas_per_sm_by_registers(regs: int, warps: int) -> int:
-    """CTAs an sm_90 SM holds by registers: each of its 4 sub-partitions has 16 K registers for the warps
-    dealt to it, registers go to a warp in units of 256 (8 per thread). Nsight Compute's "Block Limit
-    Registers" follows this rule (session 16: 1 block at 134 registers x 7 warps, where the SM's 64 K
-    alone would fit 2)."""
-    per_warp = -(-regs // 8) * 8 * 32
-    c = 0
-    while -(-(c + 1) * warps // 4) * per_warp <= 16384:
-        c += 1
-    return c
-
-
-def test_kda_decode_picks_fit_the_ctas_per_sm_they_are_picked_for(ptx_of, ptxas_regs):
+def test_kda_decode_picks_fit_the_ctas_per_sm_they_are_picked_for(ptx_of, ptxas_regs, ctas_per_sm):
     """From 265 to 3 x 132 heads the dispatcher counts on one wave of 3 CTAs per SM (4 warps): its pick
-    must fit 3 x 128 threads in the 64 K registers of an SM (<= 170 each). Session 15 found the row-chunked
-    4-warp kernel at 194 registers (2 CTAs per SM; 12 % slower at 384 heads), which is why it is not picked
+    must fit 3 x 128 threads in the 64 K registers of an SM (<= 170 each). The row-chunked
+    4-warp kernel takes 194 registers (2 CTAs per SM; 12 % slower at 384 heads), which is why it is not picked
     there. Up to 264 heads (<= 2 per SM) the pick must fit 2 CTAs per SM; nothing may spill."""
     k = _kda()
     for heads, ctas in ((264, 2), (265, 3), (396, 3)):
         cfg = k.KdaConfig.for_shape(128, heads)
         regs, spills = ptxas_regs(ptx_of(_kda_code(cfg)))
-        assert _ctas_per_sm_by_registers(regs, cfg.num_warps) >= ctas and spills == 0, (heads, cfg.name, regs, spills)
+        assert ctas_per_sm(regs, cfg.num_warps) >= ctas and spills == 0, (heads, cfg.name, regs, spills)
     chunked = ptx_of(_kda_code("KdaConfig(4, True, row_chunk=8)"))
-    assert _ctas_per_sm_by_registers(ptxas_regs(chunked)[0], 4) < 3        # the reason above, still true
+    assert ctas_per_sm(ptxas_regs(chunked)[0], 4) < 3        # the reason above, still true
 
 
 def test_kda_decode_row_chunk_is_checked_and_only_used_where_a_row_spans_the_warp():
@@ -164,7 +125,7 @@ def test_kda_decode_operands_first_puts_the_chain_loads_ahead_of_the_state(ptx_o
 def test_kda_decode_persistent_launch_streams_state_through_the_ring(ptx_of):
     """The persistent launch: each head's state arrives by one bulk async copy completing on an
     mbarrier (not by the threads' own loads), the registers are fitted to 3 resident CTAs per SM,
-    and every operand load of a head is issued before its state wait (session 9, f1 order)."""
+    and every operand load of a head is issued before its state wait."""
     ptx = ptx_of(_kda_code("KdaConfig(4, True, 1, 3)"))
     body = ptx[ptx.index(".entry"):]
     assert re.search(r"cp\.async\.bulk\.shared::(cta|cluster)\.global\.mbarrier::complete_tx::bytes", body)
@@ -177,7 +138,7 @@ def test_kda_decode_persistent_launch_streams_state_through_the_ring(ptx_of):
 
 
 def test_kda_decode_dispatch_takes_the_persistent_launch_between_one_and_three_waves():
-    """The session-9 measurements behind for_shape (H200, 132 SMs): the persistent launch won at
+    """The H200 measurements behind for_shape (132 SMs): the persistent launch won at
     768 and 1152 heads, lost at 384 (one wave of the one-CTA kernel) and at 1536 and more."""
     k = _kda()
     pick = lambda n, sms=132: k.KdaConfig.for_shape(128, n, sms).name
@@ -187,114 +148,6 @@ def test_kda_decode_dispatch_takes_the_persistent_launch_between_one_and_three_w
     assert pick(768, sms=78) == "w4e" and pick(300, sms=78) == "w4ep1c3"    # waves of the device's SMs
     with pytest.raises(ValueError, match="early_conv"):
         k.KdaDecode(None, 128, 4, k.KdaConfig(4, False, 1, 3))
-
-
-def test_cache_key_has_no_batch_dimension(ir_of):
-    """The batch is a dynamic dim: the compile key holds only dtype, D, n_blocks and variant, and the
-    kernel is compiled for any batch: prefix / delta / out are (?, D) and blocks (?, ?, D) in its host IR."""
-    import inspect
-    m = _attn()
-    assert list(inspect.signature(m._compile).parameters) == ["dtype", "D", "n_blocks", "cfg"]
-    ir = ir_of("from fused import attn_res_rmsnorm as m; m._compile('bfloat16', 256, 3, m.AttnResConfig.for_shape(256))")
-    assert '"(?,256):(256,1)"' in ir and '"(?,?,256):' in ir
-
-
-@pytest.mark.parametrize("threads,cluster,nb", [(448, 2, 7), (224, 4, 8), (448, 1, 5), (256, 1, 3)])
-def test_attn_res_rmsnorm_writes_the_state_first_and_sums_thread_minor(ptx_of, threads, cluster, nb):
-    """Session 14 (H200, results/gpu/targets.md): the state (prefix / block slot) is stored before the
-    first CTA barrier, so its writes overlap the reductions; and the block sums' buffer is thread-minor:
-    each thread's 2S partials go to red[k, tid] at byte offsets k * threads * 4 from its own word. The
-    column-major layout (offsets k * 4 from tid * 2S * 4) put gcd(2S, 32) lanes in one bank, 16 at
-    n_blocks = 7, and cost 1.1-2 us."""
-    ptx = ptx_of(_attn_code(nb, _attn().AttnResConfig(threads, cluster)))
-    body = ptx[ptx.index(".entry"):]
-    first_bar = body.index("bar.sync")
-    head = body[:first_bar]
-    assert head.count("st.global") >= 2 and "st.global" in body[first_bar:]     # state first, out last
-    S2 = 2 * (nb + 1)
-    offsets = {int(o or 0) for o in re.findall(r"st\.shared\.b32\s+\[%r\d+(?:\+(\d+))?\]", head)}
-    assert offsets == {k * threads * 4 for k in range(S2)}, sorted(offsets)
-
-
-@pytest.mark.parametrize("threads,cluster,nb", [(224, 4, 8), (448, 2, 5), (128, 8, 3)])
-def test_attn_res_rmsnorm_cluster_pushes_its_partial_sums(ptx_of, threads, cluster, nb):
-    """A cluster's partial sums travel by st.async (each CTA pushes its 2S + 1 sums into every CTA's
-    shared memory, itself included, each store completing its bytes on the receiver's mbarrier) and
-    are read locally once the CTA's own mbarrier completes: no DSMEM load, one cluster barrier (at
-    entry, arrived relaxed after the mbarriers' init and its fence, waited before the first push), two
-    mbarrier waits with cluster-scope acquire, two CTA barriers, and no closing barrier."""
-    ptx = ptx_of(_attn_code(nb, _attn().AttnResConfig(threads, cluster)))
-    body = ptx[ptx.index(".entry"):]
-    S2 = 2 * (nb + 1)
-    assert "ld.shared::cluster" not in body and "st.shared::cluster" not in body
-    assert body.count("st.async.shared::cluster.mbarrier::complete_tx::bytes") == cluster * (S2 + 1)
-    assert body.count("barrier.cluster.wait") == 1 and body.count("barrier.cluster.arrive.relaxed") == 1
-    assert body.count("barrier.cluster.arrive") == 1
-    assert body.index("fence.mbarrier_init") < body.index("barrier.cluster.arrive.relaxed") < body.index("bar.sync")
-    assert body.index("barrier.cluster.wait") < body.index("mbarrier.arrive.expect_tx")   # arrives after it
-    assert body.count("mbarrier.arrive.expect_tx") == 2 and body.count("mbarrier.init") == 2
-    assert body.index("barrier.cluster.wait") < body.index("st.async")        # waits before a push
-    waits = [m.start() for m in re.finditer(r"mbarrier\.try_wait\.parity\.acquire\.cluster", body)]
-    assert len(waits) == 2 and body.count("mbarrier.try_wait") == 2
-    assert body.count("bar.sync") == 2
-    assert "st.global" in body[waits[-1]:]                                    # out written after the last
-    first_reduction = body[waits[0]:]
-    assert first_reduction.count("shfl.sync.idx") >= S2     # the rank sums shared by shuffles, not by smem
-
-
-def test_attn_res_rmsnorm_cluster_picks_fit_two_ctas_per_sm(ptx_of, ptxas_regs):
-    """Up to B = 32 the dispatcher spreads a row over a 4-CTA cluster: 128 CTAs at B = 32. With one CTA
-    per SM the H200 holds only 30 such clusters at once (Nsight Compute's "Max Active Clusters", session
-    16: the push kernel at 134 registers took 9.1 us at B = 32, 8 blocks, against 6.4 for the last
-    certified one), so the pick must fit 2 CTAs per SM, with no spills."""
-    assert _ctas_per_sm_by_registers(134, 7) == 1 and _ctas_per_sm_by_registers(115, 7) == 2
-    assert _ctas_per_sm_by_registers(168, 4) == 3 and _ctas_per_sm_by_registers(194, 4) == 2
-    for nb in (6, 8):
-        cfg = _attn().AttnResConfig.for_shape(7168, 16, 32, nb)
-        assert cfg.cluster_n == 4
-        regs, spills = ptxas_regs(ptx_of(_attn_code(nb, cfg)))
-        assert _ctas_per_sm_by_registers(regs, cfg.num_threads // 32) >= 2 and spills == 0, (nb, regs, spills)
-
-
-def test_attn_res_rmsnorm_dispatch_by_blocks():
-    """The measured rule (H200, D = 7168; session 16 with the pushed cluster sums): one CTA of 448 threads
-    for 0 blocks at every B; 4 x 224 up to B = 32 and 2 x 448 beyond otherwise; never a one-CTA launch
-    over 512 threads (fp32 rows)."""
-    A = _attn().AttnResConfig
-    one, c4, c2 = A(448, 1), A(224, 4), A(448, 2)
-    for B in (1, 8, 16, 31):
-        assert A.for_shape(7168, 16, B, 0) == one
-        assert all(A.for_shape(7168, 16, B, nb) == c4 for nb in range(1, 9))
-    for B in (32, 48, 64):
-        assert A.for_shape(7168, 16, B, 0) == one
-        assert all(A.for_shape(7168, 16, B, nb) == (c4 if B == 32 else c2) for nb in range(1, 9))
-    assert all(A.for_shape(7168, 32, B, nb).num_threads <= 512 for B in range(1, 65) for nb in range(9))
-
-
-def test_configs_are_frozen_and_cover_the_dispatch():
-    a, k = _attn(), _kda()
-    for D in ATTN_D:        # every batch's pick is a certified variant
-        for bits in (16, 32):
-            picks = {a.AttnResConfig.for_shape(D, bits, B, nb) for B in range(1, 65) for nb in range(9)}
-            assert picks <= set(a.AttnResConfig.all_configs(D, bits)), (D, bits)
-    for Dh in KDA_DH:
-        for sms in (132, 114, 78):      # H200 / H100 PCIe / H20: the persistent range moves with the SMs
-            picks = {k.KdaConfig.for_shape(Dh, n, sms) for n in range(1, 6145)}
-            assert picks <= set(k.KdaConfig.all_configs()), (Dh, sms)
-    with pytest.raises(Exception):
-        a.AttnResConfig(128).num_threads = 64
-
-
-def test_attn_res_rmsnorm_rejects_bad_arguments_by_name():
-    m = _attn()
-    B, D = 2, 64
-    t = lambda *s: torch.zeros(*s, dtype=torch.bfloat16)
-    good = dict(prefix=t(B, D), delta=t(B, D), blocks=t(B, 9, D), res_norm_w=t(D), res_proj_w=t(D),
-                norm_w=t(D), n_blocks=2, block_write=-1, eps=1e-5, norm_eps=1e-5)
-    for key, bad, word in (("n_blocks", 9, "n_blocks"), ("block_write", 9, "block_write"),
-                           ("delta", t(B, D + 8), "delta"), ("norm_w", t(D).float(), "norm_w")):
-        with pytest.raises((ValueError, TypeError), match=f"^{word}"):
-            m.attn_res_rmsnorm(**{**good, key: bad})
 
 
 def test_kda_decode_rejects_bad_arguments_by_name():
@@ -313,28 +166,17 @@ def test_kda_decode_rejects_bad_arguments_by_name():
             m.kda_decode(**{**good, key: bad})
 
 
+def test_kda_decode_configs_are_frozen_and_cover_the_dispatch():
+    k = _kda()
+    for Dh in KDA_DH:
+        for sms in (132, 114, 78):      # H200 / H100 PCIe / H20: the persistent range moves with the SMs
+            picks = {k.KdaConfig.for_shape(Dh, n, sms) for n in range(1, 6145)}
+            assert picks <= set(k.KdaConfig.all_configs()), (Dh, sms)
+    with pytest.raises(Exception):
+        k.KdaConfig(4).num_warps = 8
+
+
 # ------------------------------------------------------------------------------------------ GPU
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("nb,bw", [(0, -1), (3, 3), (8, -1)])
-def test_attn_res_rmsnorm_matches_oracle_on_gpu(nb, bw):
-    from references.attn_res import attn_res_rmsnorm as ref
-    m = _attn()
-    g = torch.Generator(device="cuda").manual_seed(nb)
-    B, D = 5, 7168
-    rn = lambda *s: torch.randn(*s, generator=g, device="cuda")
-    inp = dict(prefix=rn(B, D).bfloat16(), delta=rn(B, D).bfloat16(), blocks=rn(B, 9, D).bfloat16(),
-               res_norm_w=(1 + 0.2 * rn(D)).bfloat16(), res_proj_w=(rn(D) / 30).bfloat16(),
-               norm_w=(1 + 0.2 * rn(D)).bfloat16(), n_blocks=nb, block_write=bw, eps=1e-5, norm_eps=1e-5)
-    cl = lambda d, f: {k: (f(v) if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
-    o_in, b_in, f_in = cl(inp, torch.Tensor.double), cl(inp, torch.Tensor.clone), cl(inp, torch.Tensor.clone)
-    oracle, base, out = ref(**o_in), ref(**b_in), m.attn_res_rmsnorm(**f_in)
-    ec = (out.double() - oracle).abs().amax(-1)
-    eb = (base.double() - oracle).abs().amax(-1)
-    assert bool((ec <= 2 * eb + oracle.abs().amax(-1) * 2.0 ** -7).all())
-    assert torch.equal(f_in["prefix"], b_in["prefix"]) and torch.equal(f_in["blocks"], b_in["blocks"])
-
 
 def _kda_gpu_inputs(B: int, H: int, Dh: int, seed: int, W: int = 4) -> dict:
     """kda_decode's arguments on the GPU: bf16 activations, fp32 weights and state, K3 constants."""
@@ -361,7 +203,7 @@ def test_kda_decode_matches_oracle_on_gpu(B, H, Dh, variant):
     """Every launch variant (None: the dispatcher's pick) against the fp64 oracle; g16 puts 2-3 heads
     on each persistent CTA (the ring refilled, its phase flipped). The state bound below is this
     test's own per-row rule, not the harness's derived class: at 8 x 96 heads (98,304 rows) it fails
-    for every variant, the certified one-CTA kernels too (session 9), so the large shape is checked
+    for every variant, the certified one-CTA kernels too, so the large shape is checked
     bitwise against the one-CTA kernel instead (next test) and by the certification."""
     from references.kda import kda_decode as ref
     m = _kda()
@@ -408,7 +250,7 @@ def test_kda_decode_row_chunks_are_bitwise_the_per_row_butterflies_on_gpu(B, H, 
 @pytest.mark.parametrize("B,H,Dh", [(8, 96, 128), (5, 12, 128), (7, 6, 64), (9, 4, 16)])
 def test_kda_decode_persistent_launch_is_bitwise_the_one_cta_kernel_on_gpu(B, H, Dh):
     """bf16: the persistent launch (full grid and 16 CTAs) does the early-conv kernel's arithmetic in
-    its order, so y, state and conv_state are its bits (session 9 measured it, bench_versions)."""
+    its order, so y, state and conv_state are its bits."""
     m = _kda()
     inp = _kda_gpu_inputs(B, H, Dh, seed=B * H)
     runs = {}
