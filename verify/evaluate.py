@@ -50,7 +50,7 @@ def run_plain(fn, op: OpDef, inputs: OpInputs, device) -> dict[str, torch.Tensor
 
 class CandidateExit(RuntimeError):
     """A candidate raised SystemExit: an in-process run (--no-isolate) judges it a failure and goes on,
-    where it used to end the whole run with no certificate (session 18's probe)."""
+    rather than end the whole run with no certificate."""
 
 
 def _one_line(e: BaseException) -> str:

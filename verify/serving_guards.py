@@ -1,5 +1,5 @@
-"""Guards for the ways a serving engine calls a kernel that one plain call does not (session 23's
-red-team probe; property_tests/planted/serving.py plants a bug for each):
+"""Guards for the ways a serving engine calls a kernel that one plain call does not
+(property_tests/planted/serving.py plants a bug for each):
 
 - guard:partial_refresh: new values written into the interior rows of the inputs only (a weight sync
   streamed in row chunks, one expert reloaded): a memo validated by a fingerprint of some rows, or
