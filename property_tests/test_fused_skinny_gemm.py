@@ -21,7 +21,7 @@ GEMM_SHAPES = [(7168, 49152), (7168, 6144), (12288, 7168), (1536, 7168), (7168, 
 
 @pytest.mark.parametrize("K,N", GEMM_SHAPES, ids=[f"{k}to{n}" for k, n in GEMM_SHAPES])
 def test_skinny_gemm_compiles_every_variant(K, N):
-    """The SIMT variants; the wgmma ones compile in test_fused_compile_wgmma.py."""
+    """The SIMT variants; the wgmma ones compile in test_fused_skinny_gemm_wgmma.py."""
     from fused import skinny_gemm as sg
     from fused.skinny_gemm_wgmma import SkinnyGemmWgmmaConfig
     for cfg in sg.all_configs(N, K):
