@@ -5,8 +5,9 @@ same 16-byte column vectors of all sources, so the op is: issue every load (pref
 n_blocks block rows, the three weights), form p = wd(prefix + delta), one reduction of
 (sum x^2, sum x*w) per source over the CTA (and the cluster, through DSMEM), softmax in registers,
 mix, round to wd, a second reduction for the RMSNorm, write out/blocks/prefix.
-HBM bytes = (n_blocks + 4 (+1 block write)) * D * elem per row; measured latency-bound (~5-10 us,
-results/gpu/wave1b.md).
+HBM bytes = (n_blocks + 4 (+1 block write)) * D * elem per row: a latency-bound chain of loads
+and two reductions, not a bandwidth-bound one. The batch is a dynamic dim: one compile per (dtype, D,
+n_blocks, variant); `AttnResConfig.all_configs()` lists every variant the dispatcher may pick.
 """
 from __future__ import annotations
 
@@ -34,15 +35,11 @@ class AttnResConfig:
 
     @staticmethod
     def for_shape(D: int, elem_bits: int = 16, B: int = 64, n_blocks: int = MAX_BLOCKS) -> "AttnResConfig":
-        """Picks measured best on the H200 at D=7168 (session 14, results/gpu/s14-2026-11-30/
-        call4_attn_nb: every n_blocks 0..8 at B = 1..64; session 16, call 4, with the pushed cluster
-        sums): one CTA of n_vec / 2 threads (two vectors each, no cluster barrier) for n_blocks = 0
-        (B = 64: 3.56 us against 3.81 for 2 CTAs); otherwise 4 CTAs x 224 threads per row up to
-        B=32, 2 x 448 beyond (from 1 to 5 blocks at B = 32..64 the cluster is 0.5-6 % faster than
-        one CTA since session 16; the one-CTA pick spills or starves at 6-8 sources: 10.8 us at B=64,
-        n_blocks = 8, against 7.9). The one-CTA rule needs n_vec >= 512 and at most 512 threads (fp32
-        rows at D = 7168 would need 896). Rows under 512 vectors (small test D) keep one CTA beyond
-        B=32, as before."""
+        """The fastest variant measured on the H200 at D = 7168 over every n_blocks 0..8 and B = 1..64:
+        one CTA of n_vec / 2 threads (two vectors each, no cluster barrier) for n_blocks = 0;
+        otherwise 4 CTAs x 224 threads per row up to B = 32, 2 x 448 beyond (a one-CTA launch spills
+        or starves at 6-8 sources). The one-CTA rule needs n_vec >= 512 and at most 512 threads (fp32
+        rows at D = 7168 would need 896). Rows under 512 vectors (small D) keep one CTA beyond B = 32."""
         n_vec = D // (128 // elem_bits)
         half = -(-n_vec // 64) * 32                     # n_vec / 2 threads, a multiple of 32
         if n_vec >= 512 and half <= 512 and n_blocks == 0:
@@ -206,9 +203,8 @@ class AttnResRMSNorm:
         pushes it into tot[rank, col0 + k] of every CTA of the cluster (st.async, each completing bytes
         on the receiver's mbarrier 0), every thread waits on its own CTA's mbarrier 0 (no cluster
         barrier), and lane k adds tot[r, col0 + k] in rank order from its own shared memory.
-        (Three 5-step butterflies of all n values per warp, the earlier form, cost ~270 shuffles per
-        thread for n = 18: most of the kernel's issue slots, Nsight Compute session 6. Pulling the
-        peers' sums after the barrier, session 14, cost a DSMEM round trip and a closing barrier.)"""
+        (Butterflies of all n values in every warp would cost ~270 shuffles per thread at n = 18;
+        pulling the peers' sums after a barrier would cost a DSMEM round trip and a closing barrier.)"""
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         tidx = cute.arch.thread_idx()[0]
         for k in cutlass.range_constexpr(n):
@@ -237,7 +233,7 @@ class AttnResRMSNorm:
             self.wait_pushes(mbar, 0)   # every CTA's n sums are in this CTA's tot
             # lane k adds sum k over the ranks, then every lane takes the n sums by shuffles: a rank
             # sum per value in every thread held 4n loaded words at once (134 registers at n = 18 with
-            # 4 CTAs: one CTA per SM where 2 were wanted, H200 session 16)
+            # 4 CTAs: one CTA per SM where 2 were wanted)
             t = self.rank_sum(tot, col0 + cutlass.min(lane, n - 1))
             for k in cutlass.range_constexpr(n):
                 vals[k] = cute.arch.shuffle_sync(t, offset=k)

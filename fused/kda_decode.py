@@ -1,51 +1,35 @@
-"""Fused KDA decode step, one launch (docs/ARCHITECTURE.md `kda_decode`).
+"""Fused KDA decode step in one launch: `references.kda.kda_decode`'s math, state updated in place.
 
-One CTA per (head, sequence). The fp32 state [V, K] of the head (64 KiB at Dh=128) is the bytes
-that matter: every thread issues its state-row loads first, then the CTA does the three short
-convs (+ conv-state shift), SiLU, gate and beta while those loads are in flight. Rows of the
-state are independent: a group of Dh/4 lanes owns one row (4 fp32 per lane), decays it, takes
-k.S and q.S_new with group shuffles, writes it back. o (rounded to wd) goes through smem to the
-gated RMSNorm. Bytes: 2 * 4 * Dh^2 per head for the state, ~15 * Dh * elem for the rest.
+Computes, per sequence and head: the three short causal convs of q, k, v over the conv state
+(window W, the state shifted by one token) + SiLU; q, k L2-normalised (q scaled by Dh^-1/2); the
+gate alpha = exp(lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))) per key channel;
+beta = sigmoid(beta_raw); on the fp32 state S [V, K]: S' = S Diag(alpha), u = beta (v - S' k),
+S = S' + u k^T, o = S q (rounded to the working dtype); y = RMSNorm(o) * o_norm_w * sigmoid(z).
 
-The RMSNorm's operands (z, o_norm_w) and beta are loaded at entry with the state, so no load is
-left behind the barriers: on the H200 (session 6, results/gpu/s6-2026-11-30/kda_fast.md) that took
-T = 8 (12 heads) from 5.17 to 4.72 us at B = 1 and 20.2 to 18.6 us at B = 32, T = 1 from 7.59 to
-6.98 us at B = 1, bitwise equal to the kernel that loaded them last.
-`early_conv` variants also load every conv and gate operand at entry into registers (in the conv
-loop, the IEEE division of each item's SiLU kept ptxas from hoisting the next item's loads; with 4
-warps a thread has 4 items). Same arithmetic instructions, but not always the same bits as the
-plain variant: ptxas pairs the mul/add into FMAs per build (session 8: fp16 state differed at 8 and
-16 warps, bf16 and the 4-warp fp16 build were bitwise), so each is certified on its own.
+Layout: q_raw, k_raw, v_raw, g_raw, z [B, H*Dh] and beta_raw [B, H] in the working dtype (bf16 or
+fp16); conv_w [3, H*Dh, W] and conv_state [B, 3, H*Dh, W-1]; A_log [H], dt_bias [H*Dh], o_norm_w
+[Dh] in fp32; state [B, H, Dh, Dh] fp32. The batch is a dynamic dim: one compile per (dtype, Dh, W,
+variant).
 
-The persistent launch (`stages` > 0; the dispatcher's pick from one to three waves of the 4-warp
-kernel, e.g. 768 heads): min(heads, 3 x SMs) CTAs walk the heads n = c, c + G, ...; each head's state
-comes into a shared-memory ring slot by one bulk async copy (mbarrier), is read into registers, and
-the slot is refilled with the head `stages` on before the update starts, so the next state read
-overlaps this head's chain and its state writes. With one CTA per head the CTAs of a wave run their
-chains in step and the DRAM idles between their reads and writes: on the H200 (session 9) 768 heads
-went from 77.7 to 82.7 % of copy bandwidth (T = 1, B = 8) and from 78.6 to 83.1 % (T = 8, B = 64)
-(results/gpu/s9-2026-11-30/call3_kda_versions).
-Per head it is the early_conv kernel's arithmetic in its order (bitwise equal at bf16).
-
-`operands_first` (one CTA per head, early_conv): the conv, gate and norm operands are loaded before
-the state rows instead of after them. With 8 warps and row chunks (`w8er8f`, the pick up to 264
-heads) that took T = 8, B = 8 from 6.79 to 6.39 us; with 4 warps it was no faster, and at 384 heads
-slower (session 15). Bitwise the same as without it.
-
-`row_chunk` > 1 (Dh = 128): a warp reduces the two dot products
-(k.S, q.S_new) of 8 of its state rows at a time through one transposed shuffle reduction instead of one
-5-step butterfly per row: 121 shuffles per thread at 4 warps instead of 337. Nsight Compute (session 15)
-had short-scoreboard waits on the shuffles and their adds at 20-25 % of the warps' stall samples.
-The additions pair lanes as the butterflies do, so the sums, u and o are bitwise the per-row loop's
-(H200, session 15: 160 bitwise checks against the certified source). It is 5-8 % faster where the
-chain is the time (T = 8, B = 1 / 8: 4.72 -> 4.38 us, 7.16 -> 6.74 us; results/gpu/s15-2026-11-30/), and
-slower at 384 heads (18.9 against 16.8 us: ptxas takes more registers, and 3 CTAs no longer fit an SM).
-
-Measured and dropped (code in git history): a head split over a 2..8-CTA cluster by state rows
-(session 4: no gain at T = 8, B = 1, up to 2.6x slower elsewhere); 8 or 16 lanes per state row
-instead of Dh/4 (fewer shuffles; session 6: within +-5 % at small B, up to 33 % slower at B = 32);
-persistent launches with one CTA per SM and a 2- or 3-deep ring, or the ring slot refilled only
-after the update, or the next head's operands prefetched into L2 (session 9: 64-77 % at 768 heads).
+Launch: one CTA per (head, sequence), grid (H, B). A group of Dh/4 lanes owns one state row (4 fp32
+per lane), decays it, takes k.S and q.S_new with group shuffles and writes it back; o goes through
+shared memory to the gated RMSNorm. Every state-row load and the conv, gate and norm operands are
+issued at entry, before the first barrier, so the convs and gates run while the state is in flight.
+Variants (`KdaConfig`; `all_configs()` lists every one the dispatcher may pick, each certified):
+- `num_warps` 4 / 8 / 16 per CTA;
+- `early_conv`: the conv and gate operands loaded into registers at entry rather than in the conv
+  loop (a SiLU's IEEE division keeps ptxas from hoisting the next item's loads); ptxas may pair
+  mul/add into FMAs differently per build, so its bits can differ from the plain variant's;
+- `stages` > 0, the persistent launch: min(heads, ctas_per_sm x SMs) CTAs walk the heads
+  n = c, c + G, ...; each head's state arrives in a shared-memory ring slot by one bulk async copy
+  (mbarrier) and the slot is refilled with the head `stages` on before the update starts, so the
+  next read overlaps this head's chain; per head it is the early_conv kernel's arithmetic;
+- `row_chunk` > 1 (Dh = 128): a warp reduces k.S and q.S_new of `row_chunk` rows at once through one
+  transposed shuffle reduction (121 shuffles per thread at 4 warps instead of 337), pairing lanes as
+  the per-row butterflies do, so the bits are the per-row loop's;
+- `operands_first` (one CTA per head, early_conv): the conv, gate and norm operands loaded before the
+  state rows; bitwise the same as without it.
+`KdaConfig.for_shape` picks by head count (B x H) and the device's SM count (see its docstring).
 """
 from __future__ import annotations
 
@@ -101,13 +85,11 @@ class KdaConfig:
 
     @staticmethod
     def for_shape(Dh: int, n_heads_total: int = 0, sms: int = 132) -> "KdaConfig":
-        """Up to 264 heads: 8 warps with 8-row transposed reductions and the chain's operands loaded
-        ahead of the state (session 15, 12 to 192 heads: 8-13 % faster than the 16-warp kernel that
-        was the pick; at 384 heads 2 % slower than w4e). Up to one
-        wave of the 4-warp kernel (3 CTAs per SM): 4 warps with the conv operands loaded at entry
-        (H200, session 8: 2-12 % faster than 8 warps). From one to three such waves: the persistent
-        4-warp launch (session 9: 768 heads 30.2 vs 32.2 us, 1152 heads 44.2 vs 44.5 us; at 1536
-        heads and more the one-CTA-per-head kernel is 2-5 % faster again). `sms`: the device's."""
+        """The fastest variant measured on the H200 for `n_heads_total` (B x H) heads: Dh < 128, 4 warps;
+        up to 264 heads, 8 warps with 8-row transposed reductions and the chain's operands loaded
+        ahead of the state; up to one wave of the 4-warp kernel (3 CTAs per SM), 4 warps with the
+        conv operands loaded at entry; from one to three such waves, the persistent 4-warp launch;
+        beyond, one CTA per head again. `sms`: the device's SM count."""
         if Dh < 128:
             return KdaConfig(4)
         if n_heads_total <= 264:

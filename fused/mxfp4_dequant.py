@@ -9,11 +9,9 @@ the output dtype and the launch shape only, not on O or I.
 Stores, by variant: "word" launches store each word's 16 bytes from the thread (a warp writes 32 x
 16 bytes contiguous per unit). "bulk" launches (bf16, the default there) put them in shared memory
 and thread 0 writes the CTA's whole contiguous span (16 KB at 256 x 4) with one bulk async copy
-(cp.async.bulk global <- shared, dynamic size: the grid's last span may be short). On the H200
-(session 7, results/gpu/targets.md) the bulk store took [7168, 2048] from 79.4 % to 82.2 % of copy
-bandwidth and [3072, 3584] from 71.9 % to 77.8 %; spans of 32-64 KB double-buffered were slower
-(60-68 %), an L2 evict_first hint +0.4 % (left out: the GEMM that reads the weights next may hit
-them in L2).
+(cp.async.bulk global <- shared, dynamic size: the grid's last span may be short); on the H200 it
+is the faster store (results/performance.md). No L2 eviction hint: the GEMM that reads the weights
+next may hit them in L2.
 
 Value of code c (low nibble = even column; bit 3 = sign, bits 0-2 = magnitude m): the fp32 word
 `sign << 31 | m << 22` holds E2M1(m) * 2^-126 exactly (m = 1 is the subnormal 2^-127, m >= 2 has
@@ -23,11 +21,6 @@ its overflow to inf. The float64 reference rounds the same exact value once to t
 the kernel's one rounding (fp32 -> output, RNE) matches it bit for bit. fp32 multiplies keep
 subnormals here (no flush-to-zero). Scale byte 0xFF selects the output dtype's canonical NaN
 constant, so NaN bits do not depend on the hardware's NaN propagation. Code 0x8 is -0.0.
-
-Measured on the H200 and dropped (results/gpu/targets.md, session 5; the code is in git history
-before session 5's cleanup): 16-byte group loads (2.4x slower: 64-byte-strided stores half-fill
-sectors), a persistent grid (6 % slower), streaming cache hints (0.5 % faster, within the noise of
-two runs; still under the 80 % target).
 """
 from dataclasses import dataclass
 

@@ -5,29 +5,25 @@ partials ws[S, B, E] (bf16 products are exact in fp32; fp32 accumulation); (2) t
 the S partials in order s = 0..S-1 (IEEE fp32 adds), then selects the top k of
 choice = sigmoid(logit) + bias (by rank above a bound; by k rounds of argmax in the other variants).
 
+Layout: x [B, D] and w_gate [E, D] in the working dtype (bf16 or fp16), bias [E] fp32; returns ids
+[B, k] int64 in descending choice (ties to the lower id) and weights [B, k] fp32, renormalised and
+times routed_scale. The batch is a dynamic dim; k <= 32.
+
 The logits GEMM (`logits_config`), by token count M:
 - M <= SIMT_MAX: the SIMT GEMV (S = 1, IEEE FMA chains).
 - above: the wgmma kernel (`wgmma_logits_config`: 64 weight rows per CTA, 14 x 8 CTAs at E = 896,
   each column block's 8 split-K CTAs one cluster folding their partials by skinny_gemm's "cpush",
-  so the top-k kernel reads fp32 logits; session 17: "cpush" took 0.5-0.6 us off the bf16 GEMM at
-  this shape against in-cluster folds with barriers. The session-8 form, 14 x 9 CTAs each writing
-  its split-K partial for the top-k kernel to fold, stays a certified variant) with `fresh_acc`: each k-tile's 4
-  wgmma chain from zero, added to the fp32 accumulator with IEEE adds. Where it does not apply (E
-  not a multiple of 64): the mma.sync kernel with split-K over S CTAs (`split_for`, so 56 x S CTAs
-  fill the 132 SMs at E = 896) and `fresh_acc` (each mma.sync sums its 16 products into zeroed
-  fragments that are added to the fp32 accumulator with IEEE adds); it stays a certified variant.
-  H200, session 8 (results/gpu/s8-2026-11-30/call2_router): the wgmma partials GEMM took 5.67-7.20
-  us at B = 8-64 against the mma.sync kernel's 5.96-14.40, and the whole op 9.26-9.42 us at B = 2-16
-  against 9.54-10.47; the SIMT GEMV stays at B = 1 (8.61 against 9.14). Until session 8 the wgmma
-  kernel folded its splits itself with skinny_gemm's "spread" fold, whose CTAs spin until their
-  split peers arrive: two routers on two streams could wait on each other. The mma.sync kernel's fresh-accumulator adds made it
-  issue-bound at 64 tokens (Nsight Compute, session 5: 17.6 % of DRAM bandwidth, 12.4 us).
+  so the top-k kernel reads fp32 logits; the form with 14 x 9 CTAs each writing its split-K partial
+  for the top-k kernel to fold stays a certified variant) with `fresh_acc`: each k-tile's 4 wgmma
+  chain from zero, added to the fp32 accumulator with IEEE adds. Where it does not apply (E not a
+  multiple of 64): the mma.sync kernel with split-K over S CTAs (`split_for`, so 56 x S CTAs fill
+  the 132 SMs at E = 896) and `fresh_acc` (each mma.sync sums its 16 products into zeroed fragments
+  that are added to the fp32 accumulator with IEEE adds); it stays a certified variant. No fold
+  spins on its split peers, so two routers on two streams never wait on each other.
 Why fresh accumulators: the tensor core aligns and truncates its addends to the largest one, so a
-chain that carries the running sum in C errs more than fp32: a 448-MMA mma.sync chain over D = 7168
-erred 3x more than the fp32 reference and failed the weights' derived bound at every M >= 9 (an
-earlier spec; results/gpu/router_topk.md); the wgmma kernel with 12-tile chains in C erred up to
-1.05 / 3.06 u sum|x w| (normal / wide_range) against cuBLAS SGEMM's 0.35 / 1.76 (session 7). The
-logit selects experts: it is held to fp32 accuracy, not to a bf16 GEMM's.
+chain that carries the running sum in C errs more than fp32 (a 448-MMA mma.sync chain over D = 7168
+erred 3x more than the fp32 reference; 12-tile wgmma chains in C erred up to 3.06 u sum|x w| against
+cuBLAS SGEMM's 1.76). The logit selects experts: it is held to fp32 accuracy, not to a bf16 GEMM's.
 
 The top-k device code and how it selects: fused/router_topk_select.py.
 """
@@ -61,8 +57,7 @@ def split_for(D: int, m_pad: int = 8) -> int:
 
 def mma_logits_config(M: int, E: int, D: int) -> SkinnyGemmMmaConfig | None:
     """The split-K, fresh-accumulator tensor-core config for M tokens, or None where it does not apply.
-    16 weight rows per CTA where E allows (E = 896: 56 x S CTAs), measured faster than 8 at every M
-    (results/gpu/router_topk.md)."""
+    16 weight rows per CTA where E allows (E = 896: 56 x S CTAs), measured faster than 8 at every M."""
     if not (2 <= M <= 64 and mma.supports(D) and E % 8 == 0):
         return None
     pad = mma.m_pad_for(M)
@@ -125,8 +120,8 @@ class RouterTopkConfig:
 
 
 def all_configs() -> list[RouterTopkConfig]:
-    """The default (threshold select over 4 warps), the argmax rounds over 4 warps (the default until
-    session 5), and the rounds with one warp per token (4 tokens or 1 per CTA)."""
+    """The default (threshold select over 4 warps), the argmax rounds over 4 warps, and the rounds
+    with one warp per token (4 tokens or 1 per CTA)."""
     return [RouterTopkConfig(1, None, 4), RouterTopkConfig(1, None, 4, select="rounds"),
             RouterTopkConfig(4, None, 1, select="rounds"), RouterTopkConfig(1, None, 1, select="rounds")]
 

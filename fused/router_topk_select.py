@@ -1,15 +1,14 @@
 """router_topk's top-k device code (fused/router_topk.py launches it).
 
-The top-k kernel. Default (`cta_thresh_w4`, session 5): a token's experts over 4 warps, thread t
+The top-k kernel. Default (`cta_thresh_w4`): a token's experts over 4 warps, thread t
 holding experts t, t+128, ... (7 at E = 896) with their sigmoids. Each expert gets a total-order key
 (the choice's fp32 bits made signed-monotone, -0 as +0, above E-1-id: larger choice first, on equal
 choice the lower id). The k-th best of the threads' maxima is a lower bound of the k-th best expert
 (the k threads with the best maxima hold k distinct experts at or above it), so only the experts at
 or above it can be in the top k: at most k x 7. They are gathered in shared memory, and each one's
 rank among them (a count of better keys) is its place in the top k: four barriers instead of k
-rounds (the round kernel's top-k took 5.9 us of device time at B = 1 on the H200, more than the
-logits GEMM; property_tests/test_router_select_bound.py checks the bound argument on the CPU).
-The argmax rounds (`cta_argmax_w4`, the default until session 5, and `warp_argmax_t*`: one warp
+rounds (property_tests/test_router_select_bound.py checks the bound argument on the CPU).
+The argmax rounds (`cta_argmax_w4`, and `warp_argmax_t*`: one warp
 per token, lane l holding l, l+32, ...): a round takes the thread's best by a select tree (strict >,
 so the lower id wins a tie inside a thread), then a butterfly argmax that prefers the larger choice
 and, on equal choice, the lower id, carrying the winner's sigmoid; with several warps the warps'
@@ -18,10 +17,7 @@ combined by the same rule; the owner drops the winner. Both ways give the ids in
 as the reference's stable descending sort gives them. Thread r keeps round r's id and s; the
 token's first warp sums them (warp reduction) and writes weights s / (sum + 1e-20) * routed_scale.
 Every top-k kernel computes the same sigmoids and the same sum, so they agree bit for bit.
-
-Measured and dropped (results/gpu/router_topk.md; the code is in git history before session 5's
-cleanup): the top-k as a programmatic dependent launch (no gain), one launch for the GEMM and the
-top-k (1.0-1.5 us slower: its last CTAs wait for the whole grid), per-warp bounds (within 4 %).
+Launch: grid ceil(B / tokens_per_cta), 32 x tokens_per_cta x warps_per_token threads per CTA.
 """
 import operator
 

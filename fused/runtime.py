@@ -118,17 +118,6 @@ def cache_info() -> CacheInfo:
         return CacheInfo(_stats["hits"], _stats["misses"], len(_cache))
 
 
-def cache_clear() -> None:
-    with _lock:
-        _cache.clear()
-        _stats["hits"] = _stats["misses"] = 0
-
-
-def cached_keys() -> list[tuple]:
-    with _lock:
-        return list(_cache)
-
-
 def compile_for_cpu_check(op: str, *static):
     """Compile `op`'s kernel for the given static configuration without touching a GPU.
     Imports the kernel module so its builder is registered; returns the compiled function."""

@@ -15,11 +15,12 @@ CTA, weight and token tiles through a TMA pipeline in shared memory, fixed-order
 for 1 <= M <= 64; its order depends on (K, its split-K S) only, so it is batch invariant within a
 variant but not bitwise equal to the SIMT kernel. At the 6144- and 7168-column K3 shapes the
 default adds skinny_gemm_wgmma's bk / step tiling (WGMMA_TILES): the plain variant's bits on 128
-CTAs; the two split-K shapes take its 128 k per stage alone. The two split-K defaults (7168 -> 3584 and the router shape 7168 -> 896) fold their partials
-inside a thread-block cluster (fold "cpush", WGMMA_DEFAULTS). `default_config` picks SIMT for small M and the wgmma variant of M's bucket above a per-shape
-threshold, from the H200 measurements in results/gpu/skinny_gemm_wgmma.md: a dispatcher that switches
-kernels with M is batch invariant within each M (the harness's permuted-batch check), not across M.
-(The mma.sync kernel of fused/skinny_gemm_mma.py, slower than wgmma everywhere measured, serves router_topk only.)
+CTAs; the two split-K shapes take its 128 k per stage alone. The two split-K defaults (7168 -> 3584
+and the router shape 7168 -> 896) fold their partials inside a thread-block cluster (fold "cpush",
+WGMMA_DEFAULTS). `default_config` picks SIMT for small M and the wgmma variant of M's bucket above a
+per-shape threshold measured on the H200: a dispatcher that switches kernels with M is batch
+invariant within each M (the harness's permuted-batch check), not across M. The mma.sync kernel of
+fused/skinny_gemm_mma.py runs only when named as a variant (router_topk's logits use it).
 """
 
 import dataclasses
@@ -75,26 +76,15 @@ def simt_config(M: int, N: int, K: int) -> SkinnyGemmConfig:
     return SkinnyGemmConfig(m_tile, _n_per_cta(N, m_tile))
 
 
-# Tensor-core choice measured on the H200 (wgmma sweep, results/gpu/skinny_gemm_wgmma.md, 2026-11-30;
-# SIMT at M = 1, 2, 4 from results/gpu/skinny_gemm_mma.md): (N, K) -> (min_M, {m_pad: (rows, CTAs
-# per SM[, split-K fold[, S]])}). The wgmma variant is the default for min_M <= M <= 64: min_M is the
-# smallest M whose SIMT bucket was slower than the wgmma m8 variant (the m8 variant costs the same
+# Tensor-core choice measured on the H200 (results/performance.md): (N, K) -> (min_M, {m_pad: (rows,
+# CTAs per SM[, split-K fold[, S]])}). The wgmma variant is the default for min_M <= M <= 64: min_M is
+# the smallest M whose SIMT bucket was slower than the wgmma m8 variant (the m8 variant costs the same
 # for every M <= 8). Shapes not listed keep the SIMT kernel. The two split shapes fold their split-K
-# partials inside a thread-block cluster ("cspread": the S split CTAs of a column block are one
-# cluster and reduce-scatter their fp32 fragments through distributed shared memory; H200 session 13,
-# results/gpu/targets.md): 7168 -> 3584 at its S = 2 (the "last" fold's bits, 0.8-1.8 us faster),
-# and the router shape at S = 8 (a cluster holds at most 8 CTAs; was "vec" / "spread" at S = 9):
-# 6.12 / 6.26 / 6.45 / 6.97 us at M = 8 / 16 / 32 / 64 against 7.34 / 8.26 / 8.12 / 8.22 and cuBLAS
-# 8.58 / 8.79 / 8.88 / 9.68 in the same run, and from M = 3 (6.28 us against the SIMT GEMV's 6.76;
-# at M = 2 the GEMV's 6.02 against 6.41). One S per shape, so every M bucket gives the same bits.
-# Session 17 (results/gpu/s17-2026-12-01/call3_cpush): both now fold by "cpush" (cspread's dealing
-# by st.async into a receive buffer of each owner, no cluster barrier after the entry), with 128 k
-# per stage and no overlapping tiles; us against the cspread default's: router shape M = 3 / 8 / 16
-# / 32 / 64 5.56 / 5.50 / 5.71 / 5.94 / 6.44 against 6.10 / 6.05 / 6.20 / 6.44 / 7.04; 7168 -> 3584
-# M = 8 / 16 / 32 / 64 14.68 / 15.06 / 15.43 / 16.04 against 15.36 / 15.56 / 16.03 / 17.06 (k128 n56).
-# The same S and k order: the bits of the "last" fold at that S. The router shape's wgmma bucket now
-# starts at M = 2 (floor bench, call 5: the GEMV 5.97 us at M = 2 against 5.57 for cpush at M = 3 and
-# 8; session 18 call 1: cpush 5.52 us at M = 2 against cuBLAS 8.61; at M = 1 the GEMV's 5.38 against 5.58).
+# partials inside a thread-block cluster by "cpush" (the S split CTAs of a column block are one
+# cluster; each deals its fp32 fragments by st.async into a receive buffer of their owner, no cluster
+# barrier after the entry): 7168 -> 3584 at S = 2 and the router shape at S = 8 (a cluster holds at
+# most 8 CTAs), 128 k per stage. One S per shape and the same k order, so every M bucket gives the
+# bits of the "last" fold at that S.
 WGMMA_DEFAULTS: dict[tuple[int, int], tuple[int, dict[int, tuple]]] = {
     (49152, 7168): (3, {8: (64, 1), 16: (64, 2), 32: (64, 2), 64: (128, 1)}),
     (6144, 7168): (3, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
@@ -107,11 +97,8 @@ WGMMA_DEFAULTS: dict[tuple[int, int], tuple[int, dict[int, tuple]]] = {
 
 # Shapes whose default runs with 128 k per stage and (step > 0) a 64-row tile every `step` rows
 # (skinny_gemm_wgmma's bk / step), so the 6144 and 7168 columns fill 128 CTAs where 64-row blocks gave
-# 96 or 112: (N, K) -> (bk, step). Same S, same k order, so the same bits as the plain variant (H200
-# session 12, results/gpu/targets.md: 80 of 80 bitwise; at M = 64 4-7 % faster, at M = 8 within +-1 %).
-# The two cluster-fold shapes take 128 k per stage without the overlap (session 17, with "cpush":
-# 7168 -> 3584 at 112 CTAs 0.2-0.5 us faster than with step 56, the router shape 0-0.1 us faster
-# than 64 k per stage).
+# 96 or 112: (N, K) -> (bk, step). Same S, same k order, so the same bits as the plain variant. The
+# two cluster-fold shapes take 128 k per stage without the overlap (faster there on the H200).
 WGMMA_TILES: dict[tuple[int, int], tuple[int, int]] = {
     (3584, 7168): (128, 0), (896, 7168): (128, 0), (6144, 7168): (128, 48), (7168, 1536): (128, 56),
     (7168, 12288): (128, 56),

@@ -29,8 +29,7 @@ Two options for callers that need fp32 logits (fused/router_topk.py), off in ski
 variants (compile-time, so their code is unchanged): `ksplit` S > 1 splits the k-steps over S CTAs
 (grid y), each writing its fp32 partial to y[ks, M, N] for the caller to fold in ks order; `fresh_acc`
 runs every mma.sync on zeroed C fragments and adds its result to the fp32 accumulator with IEEE adds
-(the tensor core aligns and truncates addends to the largest, so a long chain in C loses accuracy:
-measured in results/gpu/router_topk.md).
+(the tensor core aligns and truncates addends to the largest, so a long chain in C loses accuracy).
 
 A CTA owns `rows` weight rows (8, 16 or 32). rows=8 uses half of each m16 atom (rows r+8 are zero)
 so that small N still gives >= 132 CTAs; its MMAs do twice the needed math, which is free here.

@@ -15,9 +15,8 @@ KT = K/64 tiles (a static split). With S > 1 each CTA writes its fp32 accumulato
 workspace, then takes a ticket from the block's int32 counter (atomic add, acq_rel, gpu scope); the
 CTA that draws S-1 adds the S partials in ks order, ((p0 + p1) + p2) + ..., rounds once, stores y and
 resets the counter to 0 (so CUDA-graph replays start from zero). No float atomics. The fold is
-serial in one CTA (S x rows x m_pad x 4 bytes read from L2): on the H200 (session 3, 2026-11-30,
-results/gpu/cert-2026-11-30-s3/call2_wgmma.log) it made S = 9-28 variants 2-9x slower at m_pad 32/64,
-while S <= 2 variants matched or beat cuBLAS on 5 of the 6 K3 shapes.
+serial in one CTA (S x rows x m_pad x 4 bytes read from L2): on the H200 it made S = 9-28 variants
+2-9x slower at m_pad 32/64, while S <= 2 variants matched or beat cuBLAS on 5 of the 6 K3 shapes.
 
 Two cheaper folds (`fold_configs`; `configs_for(..., sweep=True)` lists them for the bench): both
 write the partials token-major and only for the M real tokens, and read them 16 bytes at a time with
@@ -43,17 +42,13 @@ element into the stage buffers of the CTA that adds it (st.shared::cluster), and
 barrier (release / acquire) publishes the stores; the adder sums the S partials of its elements in
 ks order, the same adds as "last". "cluster" gathers everything in CTA 0; "cspread" deals the
 fragment over the S CTAs (a reduce-scatter), so each receives about 1/S of it. No workspace, no
-counter, no fence to gpu scope, no global round trip. H200, session 13 (results/gpu/targets.md):
-bitwise equal to "last" at the same S, 0.8-1.8 us faster at 7168 -> 3584 (S = 2), and at the router
-shape with S = 8 faster than the S = 9 "vec" / "spread" folds at every M (6.12-6.97 us against
-7.34-8.26). "cpush" deals the fragment as cspread does, without its two cluster barriers: each CTA
+counter, no fence to gpu scope, no global round trip; bitwise equal to "last" at the same S. "cpush" deals the fragment as cspread does, without its two cluster barriers: each CTA
 initialises an mbarrier of its own and arrives (relaxed) on the cluster barrier at entry; after its
 main loop it waits on that barrier (long since complete: every peer has started and initialised its
 mbarrier), pushes its partial by st.async into a receive buffer beside the stages of each owner
 (the stages may still be in use there), each store completing its bytes on the owner's mbarrier,
-and waits on its own mbarrier for the owned x S x 128 floats it adds. H200, session 17: 0.3-0.6 us
-faster than "cspread" at the router shape and 0.3-1.1 us at 7168 -> 3584, bitwise equal; it is the
-default at both (skinny_gemm.WGMMA_DEFAULTS).
+and waits on its own mbarrier for the owned x S x 128 floats it adds. Bitwise equal to "cspread"
+and faster on the H200; it is the default at both split shapes (skinny_gemm.WGMMA_DEFAULTS).
 
 Tiling options (`bk`, `step`; skinny_gemm.WGMMA_TILES picks them per shape): `bk` = 128 loads two
 128-byte swizzle rows of each weight row per stage (half the stages, twice the bytes each; the chain
@@ -74,8 +69,8 @@ test) across m_pad variants with the same rows and occupancy. Not bitwise equal 
 SIMT kernels (other orders). `fresh_acc` (router_topk's fp32 logits only): each k-tile's 4 wgmma
 chain from zero into a second fragment (scale-d off on the first), which is added to the accumulator
 with IEEE fp32 adds in k-tile order: the tensor core aligns and truncates its addends to the largest
-one, and a chain that carries the running sum in C erred ~3x more than cuBLAS's fp32 GEMM
-(results/gpu/router_topk.md, session 7). The adds wait for each tile's wgmma (wait_group 0).
+one, and a chain that carries the running sum in C erred ~3x more than cuBLAS's fp32 GEMM.
+The adds wait for each tile's wgmma (wait_group 0).
 
 The launcher (`launch`) owns the workspace and the counters: allocated with torch on x's device on
 first use per (device, N, K, variant) and reused, so warm a variant up before capturing it in a CUDA
@@ -167,8 +162,8 @@ def ksplit_for(N: int, K: int, rows: int, occupancy: int) -> int:
 
 
 # (rows, CTAs per SM) of the shipped variants: the ones that were fastest somewhere in the H200
-# sweep of every (rows in 64/128/256) x (1 or 2 CTAs per SM) variant (results/gpu/skinny_gemm_wgmma.md,
-# 2026-11-30); r256 and r128 at 2 CTAs per SM never were (`sweep=True` still lists them for the bench).
+# sweep of every (rows in 64/128/256) x (1 or 2 CTAs per SM) variant; r256 and r128 at 2 CTAs per SM
+# never were (`sweep=True` still lists them for the bench).
 SHIPPED = ((64, 1), (64, 2), (128, 1))
 
 
@@ -370,7 +365,7 @@ class SkinnyGemmWgmma:
         # owns the same count (frag % S == 0); the buffer is chunk-major, [S][own_max / vw][128][vw]
         # floats, so a warp's stores and the owner's reads of one chunk are 32 consecutive vectors (an
         # element-minor [S][128][own_max] strode own_max words from lane to lane: up to 16-way bank
-        # conflicts, H200 session 17: 7168 -> 3584 at M = 64 1.2 us slower than "cspread")
+        # conflicts: 7168 -> 3584 at M = 64 1.2 us slower than "cspread" on the H200)
         vw = next(v for v in (4, 2, 1) if own_max % v == 0) if frag % S == 0 else 1
         n_chunks = own_max // vw if frag % S == 0 else own_max
 
@@ -754,7 +749,4 @@ def resident_or_vec(device, N: int, cfg: SkinnyGemmWgmmaConfig) -> SkinnyGemmWgm
 def num_ctas(N: int, cfg: SkinnyGemmWgmmaConfig) -> int:
     return (N // cfg.cols) * cfg.ksplit
 
-
-def waves(N: int, cfg: SkinnyGemmWgmmaConfig) -> float:
-    return num_ctas(N, cfg) / (SMS * cfg.occupancy)
 

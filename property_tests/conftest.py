@@ -72,3 +72,19 @@ def ptxas_regs(tmp_path):
         return int(regs[0]), int(spills[0]) if spills else 0
 
     return run
+
+
+@pytest.fixture
+def ctas_per_sm():
+    """ctas_per_sm(regs, warps): CTAs an sm_90 SM holds by registers. Each of its 4 sub-partitions has
+    16 K registers for the warps dealt to it, and a warp's registers come in units of 256 (8 per
+    thread): Nsight Compute's "Block Limit Registers" gives 1 block at 134 registers x 7 warps, where
+    the SM's 64 K alone would fit 2."""
+    def run(regs: int, warps: int) -> int:
+        per_warp = -(-regs // 8) * 8 * 32
+        c = 0
+        while -(-(c + 1) * warps // 4) * per_warp <= 16384:
+            c += 1
+        return c
+
+    return run

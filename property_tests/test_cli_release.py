@@ -48,7 +48,7 @@ def test_help_is_pinned(command):
     (["repro", '{"op": "attn_res_rmsnorm", "seed": 1, "batch": 2, "extra": [["n_blokcs", 3]]}'],
      "CASE extra: ['n_blokcs'] not read"),
     (["repro", '{"op": "mla_cache_write", "seed": 1}'], "CASE is not a case record"),
-    # session 18's probe: each of these gave a traceback
+    # each of these once gave a traceback
     (["run", "--case-timeout", "nan"], "--case-timeout nan"),
     (["run", "--case-timeout", "inf"], "--case-timeout inf"),
     (["run", "--tp", "x"], "--tp 'x': not an integer"),
@@ -103,8 +103,8 @@ def test_repro_accepts_a_knob_the_op_reads():
 
 
 def test_resume_from_a_foreign_log_is_one_line(tmp_path):
-    """--resume over a run.jsonl whose lines are not log records: one line naming it (session 18's
-    probe: an AttributeError from inside the log reader)."""
+    """--resume over a run.jsonl whose lines are not log records: one line naming it (not an
+    AttributeError from inside the log reader)."""
     (tmp_path / "run.jsonl").write_text("[]\n")
     got = _cli("run", "--ops", "skinny_gemm", "--candidate", "reference", "--device", "cpu", "--examples", "1",
                "--configs", "tiny", "--out", str(tmp_path), "--resume")

@@ -3,8 +3,7 @@ the CPU), on every dtype and every TP degree of the op's split, tiny config.
 
 Two sizes: `test_correct_candidate_accepted_200_seeds` (marked slow: `pytest -m slow`) judges 200
 hypothesis seeds per op and candidate, which takes far longer than a CI job on this 2-core machine
-(moe_experts_mxfp4 is ~8 s a case at tiny); its results are recorded in
-results/cpu/correct_candidates.md. `test_correct_candidate_accepted` runs in every CI job with
+(moe_experts_mxfp4 is ~8 s a case at tiny). `test_correct_candidate_accepted` runs in every CI job with
 SEEDS_CI seeds per op; torch.compile of the compile-heavy ops (whole layers, MoE experts) there
 is skipped with that reason. A rejection is a harness or reference bug, never a reason to loosen
 a spec.
@@ -28,7 +27,7 @@ CORRECT = Profile("correct_tiny", SEEDS, ("tiny",), 16, True, False, True)
 def _certify(op_name: str, candidate: str, seeds: int):
     op = all_ops()[op_name]
     load_spec(op_name)
-    # hypothesis may draw a case twice (judged once), and a vacuous case counts as a draw (session 23):
+    # hypothesis may draw a case twice (judged once), and a vacuous case counts as a draw:
     # ask for 20% more so `seeds` distinct non-vacuous ones are judged
     v = certify_op(op, Candidate(candidate), RunOptions(device="cpu", profile=CORRECT, examples=seeds + seeds // 5))
     assert v.status in (PASS, WAIVED), (f"correct candidate {candidate!r} rejected for {op_name} after "

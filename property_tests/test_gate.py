@@ -187,8 +187,8 @@ def test_carried_entries_gain_the_file_hashes_of_their_unchanged_sources():
     ('{"format": "verify-kernels/certificate/v1", "created": "x", "options": [], "ops": {}}', "'options' must be"),
 ])
 def test_a_malformed_certificate_is_named_not_a_traceback(tmp_path, body, words):
-    """`load` (behind check, report, diff and --changed-since) checks the fields they read (session 18's
-    probe: valid JSON of the wrong shape gave AttributeError / TypeError from inside the gate)."""
+    """`load` (behind check, report, diff and --changed-since) checks the fields they read (valid
+    JSON of the wrong shape must not give AttributeError / TypeError from inside the gate)."""
     from verify.record import certificate
     p = tmp_path / "c.json"
     p.write_text(body)

@@ -108,7 +108,7 @@ def test_the_fused_kernels_pass_the_concurrent_guard(opname, config, batch):
 @pytest.mark.parametrize("seed,batch,config,dtype", [
     (60, 60, "tiny", "float32"), (222, 15, "k3", "float32"), (2154159, 1, "k3", "bfloat16")])
 def test_the_concurrent_guard_holds_the_other_call_to_its_own_reference(seed, batch, config, dtype):
-    """Session 10's release run: these wide_range mxfp4_dequant cases failed guard:concurrent with
+    """In a release run these wide_range mxfp4_dequant cases failed guard:concurrent with
     "w: 32 elements unwritten or NaN" in the other call. The other values' E8M0 scales give NaN
     blocks where this case's are finite, and the guard had held the other call to this case's
     reference. The other call is now held to its own."""

@@ -273,9 +273,9 @@ def test_state_magnitude_covers_an_order_change_in_fp32():
 
 
 def test_compiled_kda_decode_cancelling_conv_row_is_accepted():
-    """The 200-seed run's one rejection (results/cpu/correct_candidates.md): a v conv row of this case
+    """The 200-seed run's one rejection (`pytest -m slow property_tests/test_correct_candidates.py`): a v conv row of this case
     cancelled 54x, so torch.compile's order moved that state row by ~25 ulps of the result, ~1 ulp of
-    the conv's terms. Since session 21 zero_rows also zeroes elements inside the other rows, so the
+    the conv's terms. zero_rows now also zeroes elements inside the other rows, so the
     case's draw differs: the test takes the case's most cancelling state row (its magnitude over its
     max |oracle|, rows below 1e-3 of the tensor's maximum left out) and judges the same two moves."""
     from verify.judge.compare import compare_derived, ulp

@@ -236,7 +236,7 @@ def test_the_harness_hash_covers_every_module_that_draws_runs_judges_or_counts_c
     names = {str(p.relative_to(certificate.ROOT / "verify")) for p in certificate.harness_files()}
     assert names >= {"model/case.py", "model/values.py", "model/specs.py", "plan/draw.py", "plan/plan.py",
                      "judge/pipeline.py", "judge/compare.py", "judge/split.py", "judge/candidates.py",
-                     "judge/guards/placement.py", "judge/guards/gpu.py", "run/runner.py", "run/execute.py",
+                     "judge/placement.py", "judge/guards/gpu.py", "run/runner.py", "run/execute.py",
                      "run/runlog.py", "run/worker.py", "run/distributed.py"}
     assert not any(n.startswith(("record/", "ops/")) or n in ("cli.py", "pytest_plugin.py") for n in names)
 

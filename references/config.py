@@ -1,7 +1,7 @@
 """Kimi K3 dimensions (published config.json) and small configs with the same structure."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,6 @@ class K3Config:
         if tp <= 0 or self.n_heads % tp:
             raise ValueError(f"tp={tp}: n_heads={self.n_heads} is not divisible by it; pick T dividing {self.n_heads}")
         return self.n_heads // tp
-
-    def with_(self, **changes) -> "K3Config":
-        return replace(self, **changes)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -113,11 +113,6 @@ def e2m1_index(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(a), torch.zeros_like(idx), idx)
 
 
-def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """|x| rounded to an E2M1 magnitude (float64), see `e2m1_index`."""
-    return E2M1_LUT[e2m1_index(x)]
-
-
 def _quantize(w: torch.Tensor, unbiased_exp: torch.Tensor, amax: torch.Tensor, signed_zero: bool):
     g = w.to(torch.float64).reshape(w.shape[0], -1, GROUP)
     byte = _scale_bytes(unbiased_exp, amax)

@@ -232,7 +232,7 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "KDA recurrent state kept in scratch, never stored back"),
     ("mla_layer", f"{P}.layers:mla_layer_seq_lens_not_advanced", "compare:seq_lens",
      "seq_lens state not advanced after the cache writes"),
-    # ---- serving-engine calls the harness does not make (session 23's red-team; all GAPS today)
+    # ---- serving-engine calls beyond one plain call (GAPS until their guard lands)
     ("attn_res_rmsnorm", f"{P}.serving:attn_res_rmsnorm_stale_prefix_shadow", "guard:state_chain",
      "a p shadow reused when the caller passes back the prefix it wrote: stale after a block write"),
     ("skinny_gemm", f"{P}.serving:skinny_gemm_version_keyed_prepack", "guard:refreshed_inputs",
@@ -288,15 +288,15 @@ FULL_BATCH: set[str] = {"skinny_gemm_m32_tile_row_offset", "skinny_gemm_m64_drop
 # Harness gaps found by this catalogue: candidate -> (why the expected rejection does not happen,
 # the stage that rejects it instead, or None if nothing rejects it). See the test for how they run.
 GAPS: dict[str, tuple[str, str | None]] = {
-    # Fixed gaps: session 18's third probe (elements far below their row's maximum zeroed, negated or
-    # stored as fixed point: the element rule of compare_derived; a NaN-blind E8M0 decode in the
-    # experts: the scales='extreme' case and NaN oracle elements judged, not vacuous); unwritten
+    # Fixed gaps: elements far below their row's maximum zeroed, negated or stored as fixed point
+    # (the element rule of compare_derived); a NaN-blind E8M0 decode in the experts (the
+    # scales='extreme' case and NaN oracle elements judged, not vacuous); unwritten
     # outputs on the CPU (torch.empty hands out poison while a candidate runs),
     # the router's declared lower-id tie-break (exact float64 ties are judged against it), and kda's
     # eps outside the sqrt of the q/k L2 norm (x / (|x| + eps) vs x / sqrt(|x|^2 + eps) differ only
     # where |x|^2 ~ l2_eps = 1e-6: the small_rows distribution of verify/values.py draws such q/k rows).
     #
-    # Open: session 23's red-team probe (serving-engine calls; results/gpu/targets.md says each guard)
+    # Open: serving-engine calls (the harness's serving guards say what each checks)
     "mla_decode_attn_plan_per_seq_lens": ("the refreshed-inputs run keeps integer inputs (seq_lens, "
                                           "block_table) as they were", None),
     "skinny_gemm_shared_workspace": ("calls come from one host thread at a time", None),

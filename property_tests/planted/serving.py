@@ -1,7 +1,7 @@
-"""Serving-engine bugs the harness certifies today (session 23's red-team probe, CPU): each is the
+"""Serving-engine bugs: each is the
 reference plus one bug that a serving engine's way of calling hits and the harness's calls never do.
 They run as strict xfails (planted.GAPS) until a guard catches the class; the expected stage in
-CATALOGUE names that guard. results/gpu/targets.md "Session 23's red-team" says what each guard is.
+CATALOGUE names that guard (the harness's serving guards say what each checks).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A serving-engine bug in a declared launch variant (session 23's red-team probe): the module lists
+"""A serving-engine bug in a declared launch variant (a serving engine's autotuner): the module lists
 two variants the engine's autotuner picks between (`variants`, passed as variant=); "splitk" prepacks
 each weight tensor once, keyed by the tensor, and never sees new values written into it. The default
 launch is clean. The refreshed-inputs and warmed-up runs judge the default launch only."""

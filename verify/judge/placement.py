@@ -177,7 +177,7 @@ def _poisoning(fn):
         return t
 
     # no __wrapped__ (functools' mark of a wrapper): a candidate could test torch.empty for it and
-    # behave only while judged (session 18's probe); the allocator stays a plain function
+    # behave only while judged; the allocator stays a plain function
     return alloc
 
 

@@ -46,8 +46,8 @@ def _has_flag(path: str) -> bool:
 
 # The per-backend fp32 precision settings (torch 2.9+: "ieee", "tf32", "bf16", "none"). Setting one
 # (e.g. torch.backends.mkldnn.matmul.fp32_precision = "bf16": every later fp32 matmul on an AMX CPU runs
-# in bf16) makes the legacy getter raise, which session 18's probe turned into a harness error that
-# failed every later pair in the process, correct ones included. Read and restored before the legacy
+# in bf16) makes the legacy getter raise, which would turn into a harness error that would
+# fail every later pair in the process, correct ones included. Read and restored before the legacy
 # entry, so once they are back the legacy value reads as before.
 _FP32_PRECISION = [_torch_flag(p) for p in (
     "backends.fp32_precision", "backends.cuda.matmul.fp32_precision", "backends.cudnn.fp32_precision",
@@ -141,7 +141,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 def _torch_wrapper(new, old) -> bool:
     """torch wrapping its own function as it initialises lazily (dynamo replaces torch.manual_seed by
-    a dynamo-disabled wrapper of it on first import, seen on the H200 in session 20): the new object
+    a dynamo-disabled wrapper of it on first import, seen on the H200): the new object
     unwraps to the old one and its code lives in torch's package."""
     import inspect
 

@@ -71,7 +71,7 @@ def attn_res_out_magnitude(inputs: OpInputs, cand: dict | None = None) -> dict[s
     (std u / sqrt(3) relative), its score by u P (the dot's terms and the key norm's mean p^2), the mix by
     a_p ds_p (p_i - mix_i); with a few large terms (wide_range) that is ulps of out: a fused kernel 1.6
     ulp from the exact result on the rounded p stood 2.7 fp16 ulps from the oracle, 1.07x the rule
-    without it (H200, session 22, seed 20, k3, B = 20)."""
+    without it (H200, seed 20, k3, B = 20)."""
     t, p = inputs.tensors, inputs.params
     wd = next(iter(cand.values())).dtype if cand else torch.float32
     f = torch.finfo(torch.float32).eps / torch.finfo(wd).eps

@@ -86,8 +86,8 @@ def router_reweigh(inputs: OpInputs, ids: torch.Tensor) -> dict[str, torch.Tenso
 def router_weights_magnitude(inputs: OpInputs, cand: dict) -> dict[str, torch.Tensor]:
     """First-order running-error magnitude of the renormalised weights for the candidate's ids, and of
     the selection scores s + bias ("ids": widens the tie band on cancelling rows), in fp64:
-    any fp32 order of the length-D logit errs by about u * A, A = sum_d |x_d w_ed| (measured on the H200,
-    results/gpu/certification.md: cuBLAS fp32 up to 1.76 u A, the fused kernel 0.53 u A), so
+    any fp32 order of the length-D logit errs by about u * A, A = sum_d |x_d w_ed| (measured on the H200:
+    cuBLAS fp32 up to 1.76 u A, the fused kernel 0.53 u A), so
       m(s_e)   = s_e (1 - s_e) A_e + s_e                    (sigmoid' = s (1 - s); its own ulps)
       m(w_i)   = r (m(s_i) / S + s_i sum_j m(s_j) / S^2) + |w_i|     (w_i = r s_i / S, S = sum over the ids)
     A row whose logits cancel (A >> |logit|) errs by ulps of A, not of its weights."""
@@ -154,7 +154,7 @@ def extreme_scales(case: Case, ids: torch.Tensor, w13_s: torch.Tensor, w2_s: tor
     0xFF (NaN: one output column of its tokens must come out NaN) and a quarter of the other w2 bytes
     0x00 (2^-127: subnormal products in fp32); in token B-1's first expert, when it is another one, one
     w13 byte 0xFF (its tokens' rows NaN). A decode that reads 0xFF as a number, or flushes 2^-127,
-    was certified while no draw held them (session 18's third probe)."""
+    was certified while no draw held them."""
     g = gen_for(case, "extreme_scales")
     w13_s, w2_s = w13_s.clone(), w2_s.clone()
     e0, e1 = int(ids[0, 0]), int(ids[-1, 0])

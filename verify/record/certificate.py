@@ -147,9 +147,8 @@ def harness_hash() -> str:
 
 
 # An op's registry entry is its family module and the verify/ops helpers it imports (common_splits,
-# moe_splits, mxfp4's weight draws): they draw the op's inputs and shard its splits. Until session 18
-# only the family module was hashed, so a change to common_splits.py (the inputs of attn_res, moe,
-# gemm and mxfp4) left their verdicts standing.
+# moe_splits, mxfp4's weight draws): they draw the op's inputs and shard its splits, so a change to common_splits.py (the inputs of
+# attn_res, moe, gemm and mxfp4) stales their verdicts.
 REGISTRY_PACKAGES = ("verify.ops",)
 
 
