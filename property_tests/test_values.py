@@ -1,4 +1,4 @@
-"""verify/values.py's distributions: small_rows (rows scaled by their own power of two into the regimes
+"""verify/model/values.py's distributions: small_rows (rows scaled by their own power of two into the regimes
 where a normalisation's eps matters) and the dist sweep that makes every certification draw each of
 an op's dists."""
 from __future__ import annotations

@@ -294,7 +294,7 @@ GAPS: dict[str, tuple[str, str | None]] = {
     # outputs on the CPU (torch.empty hands out poison while a candidate runs),
     # the router's declared lower-id tie-break (exact float64 ties are judged against it), and kda's
     # eps outside the sqrt of the q/k L2 norm (x / (|x| + eps) vs x / sqrt(|x|^2 + eps) differ only
-    # where |x|^2 ~ l2_eps = 1e-6: the small_rows distribution of verify/values.py draws such q/k rows).
+    # where |x|^2 ~ l2_eps = 1e-6: the small_rows distribution of verify/model/values.py draws such q/k rows).
     #
     # Open: serving-engine calls (the harness's serving guards say what each checks)
     "mla_decode_attn_plan_per_seq_lens": ("the refreshed-inputs run keeps integer inputs (seq_lens, "
