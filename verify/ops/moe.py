@@ -224,7 +224,8 @@ OPS = [
                    "w13_scale[E,2I,L/32] u8, w2_packed[E,L,I/2] u8, w2_scale[E,L,I/32] u8, "
                    "situ_beta: float, situ_linear_beta: float -> y[B,L] wd"),
         batch_dims={"z": 0, "ids": 0, "weights": 0, "y": 0},
-        split=MOE_EXPERTS_TP_SPLIT, configs=("tiny", "small"), compile_heavy=True, cpu_ok=False, max_batch=32,
+        split=MOE_EXPERTS_TP_SPLIT, fused="fused.moe_experts_mxfp4:moe_experts_mxfp4",
+        configs=("tiny", "small"), compile_heavy=True, cpu_ok=False, max_batch=32,
         dists=GENERIC_DISTS + ("mxfp4_grid",), knob_sweep=({"scales": "extreme"},),
         notes="k3 is not in configs: 896 experts hold 14.8 GB of MXFP4 and the float64 oracle costs "
               "~0.2 s per (token, expert) at k3 dims, so a case exceeds the ~2 s CPU budget; "
