@@ -3,7 +3,7 @@
 E_e(z) = w2_e( SiTU-and-mul( w13_e z ) ), as references.moe.moe_experts_mxfp4: every GEMV accumulates
 in fp32 and is rounded once to wd (bf16/fp16), SiTU-and-mul in fp32 rounded to wd, the weighted
 combine in fp32 over the slots in order, rounded once. The MXFP4 weights are dequantised in registers
-inside the GEMMs (fused/moe_experts_gemv.py), never written out. Four launches on the caller's
+inside the GEMMs (fused/moe_experts_mxfp4_gemv.py), never written out. Four launches on the caller's
 stream, compiled into one function:
 
 1. route (one CTA): the distinct experts of ids[B, k] (id -1 = padding, skipped), each with the list
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from fused import runtime
-from fused.moe_experts_gemv import ExpertGemv
+from fused.moe_experts_mxfp4_gemv import ExpertGemv
 
 DTYPES = ("bfloat16", "float16")   # working dtypes of z (the harness draws only these)
 ROUTE_THREADS = 512
