@@ -321,7 +321,7 @@ def launch(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_bet
     E, inter, k = w13_packed.shape[0], w2_packed.shape[2] * 2, ids.shape[1]
     if B == 0:
         return
-    if k == 0:
+    if k == 0 or E == 0:                # no slots, or an expert-parallel rank that holds no experts
         out.zero_()
         return
     P = B * k

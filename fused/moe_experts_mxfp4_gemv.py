@@ -77,7 +77,7 @@ class ExpertGemv:
         from cutlass import Float32, Int32
 
         nfrag, nb, warps, U = self.nfrag, self.nb, self.warps, self.unroll
-        kc, steps, iters, fstride, nacc = self.kc, self.steps, self.iters, self.fstride, self.nacc
+        kc, iters, fstride, nacc = self.kc, self.iters, self.fstride, self.nacc
         nrow = 2 * nfrag
 
         @cute.jit
@@ -144,6 +144,5 @@ class ExpertGemv:
                                 red[i, lane] = s
                             else:
                                 acc[i] = s
-            _ = steps
 
         return run
