@@ -50,7 +50,8 @@ DEFAULT = MoeExpertsConfig()
 
 
 def all_configs() -> list[MoeExpertsConfig]:
-    return [DEFAULT, MoeExpertsConfig(nb=2), MoeExpertsConfig(warps=2, down_frag=4, unroll=4)]
+    return [DEFAULT, MoeExpertsConfig(unroll=4), MoeExpertsConfig(nb=2),
+            MoeExpertsConfig(warps=2, down_frag=4, unroll=4)]
 
 
 def supports(cfg: MoeExpertsConfig, L: int, inter: int) -> bool:

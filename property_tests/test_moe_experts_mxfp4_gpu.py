@@ -225,10 +225,10 @@ def test_timing_k3_per_rank_shapes():
     in a CUDA graph that rotates 8 routings (the experts' bytes come from HBM, not L2), the floor (a
     device copy of the distinct experts' bytes those routings read: it reads and writes them, so a
     read-only kernel may beat it), GB/s = the distinct bytes over the fused time, the
-    dequant-then-cuBLAS path (graph, B <= 16), and the reference eager (B <= 4)."""
+    dequant-then-cuBLAS path (graph, B <= 16), the reference eager (B <= 4), and every launch variant."""
     from fused import moe_experts_mxfp4 as fm
     lines = [f"{'T':>3} {'I':>5} {'B':>3} {'distinct':>8} {'MB':>8} {'fused':>9} {'floor':>9} {'GB/s':>7} "
-             f"{'dq+mm':>9} {'ref eager':>10}"]
+             f"{'dq+mm':>9} {'ref eager':>10}  variants " + " / ".join(c.name for c in fm.all_configs())]
     params = dict(situ_beta=4.0, situ_linear_beta=25.0)
     for T in (1, 8, 16):
         inter = max(-(-K3_I // T), 256)
@@ -242,7 +242,9 @@ def test_timing_k3_per_rank_shapes():
                 t = dict(z=z, ids=ids, weights=w, w13_packed=w13_p, w13_scale=w13_s, w2_packed=w2_p, w2_scale=w2_s)
                 distinct = torch.unique(ids)
                 sets.append((t, torch.empty_like(z), distinct))
-            fused = graph_us([lambda s=s: fm.moe_experts_mxfp4(**s[0], **params, out=s[1]) for s in sets])
+            each = [graph_us([lambda s=s, c=c: fm.moe_experts_mxfp4(**s[0], **params, out=s[1], variant=c)
+                              for s in sets]) for c in fm.all_configs()]
+            fused = each[0]                               # the default (all_configs()[0])
             most = max(len(s[2]) for s in sets)          # one destination, sized for the largest set
             dst = [torch.empty((most,) + x.shape[1:], dtype=x.dtype, device="cuda") for x in (w13_p, w13_s, w2_p, w2_s)]
             floor = graph_us([lambda d=s[2]: [torch.index_select(x, 0, d, out=o[:len(d)])
@@ -267,7 +269,7 @@ def test_timing_k3_per_rank_shapes():
                 from references.moe import moe_experts_mxfp4 as ref_fn
                 ref = f"{eager_us(lambda: ref_fn(**sets[0][0], **params), reps=2):10.0f}"
             lines.append(f"{T:>3} {inter:>5} {B:>3} {nd:8.1f} {mb:8.1f} {fused:9.1f} {floor:9.1f} "
-                         f"{mb * 1e3 / fused:7.0f} {dq:>9} {ref:>10}")
+                         f"{mb * 1e3 / fused:7.0f} {dq:>9} {ref:>10}  variants " + " / ".join(f"{v:.1f}" for v in each))
             print(lines[-1], flush=True)
         del w13_p, w13_s, w2_p, w2_s
         torch.cuda.empty_cache()
