@@ -34,6 +34,13 @@ ROUTE_THREADS = 512
 COMBINE_THREADS = 128
 
 
+def valid_id(e, E: int):
+    """Inside a kernel: 0 <= e < E, one unsigned compare (a Python `and` of two DSL predicates
+    compiled to the first predicate alone)."""
+    from cutlass import Uint32
+    return Uint32(e) < Uint32(E)
+
+
 @dataclass(frozen=True)
 class MoeExpertsConfig:
     nb: int = 1                # n = 8 token atoms per pass (8 * nb tokens of one expert at once)
@@ -99,13 +106,13 @@ class MoeExperts:
             cute.arch.sync_threads()
             for p in cutlass.range(tidx, P, NT):
                 e = Int32(mIds[p])
-                if e >= 0 and e < E:
+                if valid_id(e, E):
                     cute.arch.atomic_min(first.iterator + e, Int32(p), scope="cta")
                     cute.arch.atomic_add(cnt.iterator + e, Int32(1), scope="cta")
             cute.arch.sync_threads()
             for p in cutlass.range(tidx, P, NT):
                 e = Int32(mIds[p])
-                if e >= 0 and e < E:
+                if valid_id(e, E):
                     if first[e] == p:
                         n = cnt[e]
                         a = cute.arch.atomic_add(tot.iterator, Int32(1), scope="cta")
@@ -117,7 +124,7 @@ class MoeExperts:
             cute.arch.sync_threads()
             for p in cutlass.range(tidx, P, NT):
                 e = Int32(mIds[p])
-                if e >= 0 and e < E:
+                if valid_id(e, E):
                     pos = cute.arch.atomic_add(cur.iterator + e, Int32(1), scope="cta")
                     mRoute[1 + 3 * P + pos] = p
             if tidx == 0:
@@ -226,7 +233,7 @@ class MoeExperts:
                 acc.fill(0.0)
                 for j in cutlass.range_constexpr(k):
                     e = Int32(mIds[b * k + j])
-                    if e >= 0 and e < E:
+                    if valid_id(e, E):
                         w = mWts[b * k + j]
                         ov.store(gO[None, (b * k + j, v)].load())
                         acc.store(acc.load() + ov.load().to(Float32) * w)
