@@ -250,7 +250,6 @@ class MoeExperts:
                                          self.combine_kernel())
         E, L, inter, k, cfg = self.E, self.L, self.I, self.k, self.cfg
         threads = 32 * cfg.warps
-        smem_route = 3 * 4 * E + 64
         nvec = L // 8
 
         @cute.jit
@@ -265,8 +264,7 @@ class MoeExperts:
             gAct = cute.zipped_divide(mAct, (1, 8))
             gO = cute.zipped_divide(mO, (1, 8))
             gY = cute.zipped_divide(mY, (1, 8))
-            route(mIds, mRoute).launch(grid=[1, 1, 1], block=[ROUTE_THREADS, 1, 1], smem=smem_route,
-                                       stream=stream)
+            route(mIds, mRoute).launch(grid=[1, 1, 1], block=[ROUTE_THREADS, 1, 1], stream=stream)
             gate_up(gZ, gW13, mS13, mRoute, mAct, beta, lbeta).launch(
                 grid=[inter // 16, slots, 1], block=[threads, 1, 1], stream=stream)
             down(gAct, gW2, mS2, mRoute, mO).launch(

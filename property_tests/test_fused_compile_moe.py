@@ -82,12 +82,16 @@ def test_batch_is_dynamic_so_a_new_batch_size_does_not_recompile(ir_of):
 
 def test_ptx_streams_16_byte_weight_loads_into_mma_without_spills(ptx_of, ptxas_regs):
     """Four kernels; the two GEMMs issue mma.sync on bf16 and 16-byte global loads, SiTU uses the
-    accurate tanh (no tanh.approx), nothing spills to local memory."""
+    accurate tanh (no tanh.approx), nothing spills to local memory; the route kernel (the first)
+    skips ids outside 0..E-1 with one unsigned compare against E - 1."""
     ptx = ptx_of("from fused import moe_experts_mxfp4 as fm; fm._compile('bfloat16', 'int64', 896, 3584, 384, 16, fm.DEFAULT)")
     assert ptx.count(".visible .entry") == 4
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
     assert ptx.count("ld.global.v4") >= 16
     assert "tanh.approx" not in ptx and ".local" not in ptx
+    route = ptx[ptx.index(".visible .entry"):]
+    route = route[:route.index("\n}")]
+    assert re.search(r"setp\.gt\.u32\s+%p\d+, %r\d+, 895;", route), "ids outside 0..E-1 must be skipped"
     entries = re.split(r"(?=\.visible \.entry)", ptx)
     header = entries[0]
     for body in entries[1:]:
