@@ -6,8 +6,9 @@ combine in fp32 over the slots in order, rounded once. The MXFP4 weights are deq
 inside the GEMMs (fused/moe_experts_mxfp4_gemv.py), never written out. Four launches on the caller's
 stream, compiled into one function:
 
-1. route (one CTA): the distinct experts of ids[B, k] (id -1 = padding, skipped), each with the list
-   of its (token, slot) pairs: an shared-memory histogram over the E experts, the first pair of each
+1. route (one CTA): the distinct experts of ids[B, k] (id -1 = padding, skipped; so is any id outside
+   0..E-1, which the device does not report), each with the list of its (token, slot) pairs: a
+   shared-memory histogram over the E experts, the first pair of each
    expert (atomic min) names it active. Active slots and list positions come from shared-memory
    atomics, so their order varies from run to run; nothing computed depends on it (each pair's
    arithmetic is the same wherever it sits), so results are deterministic.
