@@ -321,8 +321,10 @@ def _check(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale):
 
 
 def launch(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_beta: float,
-           situ_linear_beta: float, out, variant: MoeExpertsConfig | None = None) -> None:
-    """y into `out` (B x L, wd), on the current stream."""
+           situ_linear_beta: float, out, variant: MoeExpertsConfig | None = None,
+           scratch: dict | None = None) -> None:
+    """y into `out` (B x L, wd), on the current stream. `scratch` (tests): a dict that receives the
+    route lists, a[pair, I] and o[pair, L] the launches wrote."""
     cfg = variant or DEFAULT
     B, L = z.shape
     E, inter, k = w13_packed.shape[0], w2_packed.shape[2] * 2, ids.shape[1]
@@ -347,6 +349,8 @@ def launch(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_bet
        w2, w2_scale.contiguous().view(E * L, inter // 32),
        float(situ_beta), float(situ_linear_beta), route, act, o, dst)
     runtime.write_back(dst, out)
+    if scratch is not None:
+        scratch.update(route=route, act=act, o=o)
 
 
 _op = None

@@ -117,6 +117,51 @@ def test_matches_reference_every_variant(shape, B, kind):
         assert torch.equal(one.view(torch.int16), y[1:2].view(torch.int16))
 
 
+@pytest.mark.parametrize("shape", ["tiny", "k3_tp8"])
+def test_each_launch_against_torch(shape):
+    """Stage by stage, to say which launch is wrong when the end-to-end check fails: the route's active
+    experts and member lists, a = SiTU-and-mul(w13 z) and o = w2 a per (token, slot) pair against the
+    reference's steps in wd (within 4 wd ulps of the row's largest value: other fp32 summation orders
+    may round h or o one ulp apart), then y."""
+    from fused import moe_experts_mxfp4 as fm
+    from references.moe import _dequant_expert, dtype_name
+    from references.primitives import linear, situ_and_mul
+    E, L, inter, k = SHAPES[shape]
+    B = 9
+    w13_p, w13_s, w2_p, w2_s = expert_weights(E, L, inter, seed=5)
+    ids, w = routing("random", B, E, k, seed=5)
+    z = torch.randn(B, L, device="cuda").to(torch.bfloat16)
+    scratch = {}
+    y = torch.empty_like(z)
+    fm.launch(z, ids, w, w13_p, w13_s, w2_p, w2_s, 4.0, 25.0, y, scratch=scratch)
+    torch.cuda.synchronize()
+    P = B * k
+    route = scratch["route"].cpu()
+    flat = ids.reshape(-1).cpu()
+    n = int(route[0])
+    experts = route[1:1 + n].tolist()
+    assert sorted(experts) == sorted(set(flat[flat >= 0].tolist())), "route: active experts"
+    for a, e in enumerate(experts):
+        start, count = int(route[1 + P + a]), int(route[1 + 2 * P + a])
+        members = sorted(route[1 + 3 * P + start:1 + 3 * P + start + count].tolist())
+        assert members == (flat == e).nonzero().flatten().tolist(), f"route: members of expert {e}"
+
+    def close(got, want, what):
+        tol = 4 * want.abs().amax(-1, keepdim=True).float() * 2.0 ** -8
+        bad = ((got.float() - want.float()).abs() > tol).any(-1)
+        assert not bad.any(), f"{what}: pairs {bad.nonzero().flatten().tolist()[:8]} differ"
+
+    for p in (flat >= 0).nonzero().flatten().tolist():
+        w13, w2 = _dequant_expert(int(flat[p]), w13_p, w13_s, w2_p, w2_s, dtype_name(z.dtype))
+        a = situ_and_mul(linear(z[p // k:p // k + 1], w13), 4.0, 25.0)
+        close(scratch["act"][p:p + 1], a, f"gate_up (pair {p})")
+        close(scratch["o"][p:p + 1], linear(scratch["act"][p:p + 1], w2), f"down (pair {p})")
+    params = dict(situ_beta=4.0, situ_linear_beta=25.0)
+    verdict = judge(dict(z=z, ids=ids, weights=w, w13_packed=w13_p, w13_scale=w13_s, w2_packed=w2_p,
+                         w2_scale=w2_s), params)(y)
+    assert verdict.ok, f"combine: {verdict.detail}"
+
+
 @pytest.mark.parametrize("T", [2, 8])
 def test_expert_parallel_ranks_fold_to_the_unsplit_result(T):
     """EP: each rank runs its expert range with foreign ids as -1; the rank-order fp32 fold of the
