@@ -139,3 +139,52 @@ def moe_experts_mxfp4_all_pad_rows_unwritten(z, ids, weights, w13_packed, w13_sc
     live = (ids >= 0).any(-1)
     out[live] = y[live]
     return out
+
+
+def _experts_combined(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_beta, situ_linear_beta,
+                      combine_in_wd: bool = False, weight_shift: int = 0):
+    """Per (token, slot) expert outputs as the reference computes them (o in wd), combined in slot order:
+    in fp32 (the reference's combine), or with every partial sum rounded to wd (`combine_in_wd`); each
+    slot weighted by the weight `weight_shift` pairs further on in the flattened [B * k] order."""
+    from references.moe import _dequant_expert, _expert_forward, dtype_name
+
+    B, k = ids.shape
+    flat_w = weights.reshape(-1)
+    y = torch.zeros((B, z.shape[1]), dtype=torch.float32)
+    cache = {}
+    for b in range(B):
+        for j in range(k):
+            e = int(ids[b, j])
+            if e < 0:
+                continue
+            if e not in cache:
+                cache[e] = _dequant_expert(e, w13_packed, w13_scale, w2_packed, w2_scale, dtype_name(z.dtype))
+            o = _expert_forward(z[b:b + 1], *cache[e], situ_beta, situ_linear_beta)[0].to(torch.float32)
+            w = flat_w[(b * k + j + weight_shift) % flat_w.numel()].to(torch.float32)
+            y[b] = y[b] + w * o
+            if combine_in_wd:
+                y[b] = y[b].to(z.dtype).to(torch.float32)
+    return y.to(z.dtype)
+
+
+def moe_experts_mxfp4_control(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                              situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+    """The helper of the two bugs below with neither bug: must certify."""
+    return _experts_combined(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_beta,
+                             situ_linear_beta)
+
+
+def moe_experts_mxfp4_combined_in_wd(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                                     situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+    """The experts' weighted outputs summed in the working dtype (bf16 / fp16 partial sums), not fp32:
+    within tolerance on plain draws, many ulps off where two slots' terms cancel (routing='edges')."""
+    return _experts_combined(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_beta,
+                             situ_linear_beta, combine_in_wd=True)
+
+
+def moe_experts_mxfp4_neighbour_weight(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                                       situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+    """A grouped combine that reads the weight of the next (token, slot) pair: each expert's output
+    weighted by its neighbour's routing weight."""
+    return _experts_combined(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_beta,
+                             situ_linear_beta, weight_shift=1)

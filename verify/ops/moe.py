@@ -14,6 +14,7 @@ from verify.model.case import Case
 from verify.model.opdef import OpDef, OpInputs
 from verify.ops.common_splits import (RMS_EPS_DRAWS, activation, gen_for, norm_weight, replicated_split,
                                       scalar_param, weight, working_dtype)
+from verify.ops.moe_edges import edge_routing, every_byte_scales, mirror_expert
 from verify.ops.moe_splits import MOE_EXPERTS_TP_SPLIT, SHARED_EXPERTS_SPLIT
 from verify.ops.mxfp4 import mxfp4_weight
 from verify.model.values import GENERIC_DISTS
@@ -139,12 +140,20 @@ def make_moe_experts_inputs(case: Case) -> OpInputs:
     # all experts in one [E*O, I] draw + quantisation (MXFP4 groups never cross a row)
     w13_p, w13_s = mxfp4_weight(case, "w13", (E * 2 * I, L), L, wdist)
     w2_p, w2_s = mxfp4_weight(case, "w2", (E * L, I), I, wdist)
+    w13_p, w13_s = w13_p.reshape(E, 2 * I, L // 2), w13_s.reshape(E, 2 * I, -1)
+    w2_p, w2_s = w2_p.reshape(E, L, I // 2), w2_s.reshape(E, L, -1)
+    if case.knob("routing") is not None:            # edge routings (verify/ops/moe_edges.py)
+        ids, weights = edge_routing(case.knob("routing"), gen_for(case, "edge_routing"), ids, weights, E)
+        if case.knob("routing") == "edges":
+            w13_p, w13_s, w2_p, w2_s = mirror_expert(ids, w13_p, w13_s, w2_p, w2_s)
     if case.knob("scales") == "extreme":
-        w13_s, w2_s = extreme_scales(case, ids, w13_s.reshape(E, 2 * I, -1), w2_s.reshape(E, L, -1))
+        w13_s, w2_s = extreme_scales(case, ids, w13_s, w2_s)
+    elif case.knob("scales") == "every_byte":
+        w13_p, w13_s, w2_p, w2_s = every_byte_scales(gen_for(case, "every_byte"), int(ids[0, 0]),
+                                                     w13_p, w13_s, w2_p, w2_s)
     return OpInputs(
         {"z": activation(case, "z", (B, L), wd), "ids": ids, "weights": weights,
-         "w13_packed": w13_p.reshape(E, 2 * I, L // 2), "w13_scale": w13_s.reshape(E, 2 * I, -1),
-         "w2_packed": w2_p.reshape(E, L, I // 2), "w2_scale": w2_s.reshape(E, L, -1)},
+         "w13_packed": w13_p, "w13_scale": w13_s, "w2_packed": w2_p, "w2_scale": w2_s},
         situ_params(case, cfg))
 
 
@@ -224,13 +233,16 @@ OPS = [
                    "w13_scale[E,2I,L/32] u8, w2_packed[E,L,I/2] u8, w2_scale[E,L,I/32] u8, "
                    "situ_beta: float, situ_linear_beta: float -> y[B,L] wd"),
         batch_dims={"z": 0, "ids": 0, "weights": 0, "y": 0},
-        split=MOE_EXPERTS_TP_SPLIT, configs=("tiny", "small"), compile_heavy=True, cpu_ok=False, max_batch=32,
-        dists=GENERIC_DISTS + ("mxfp4_grid",), knob_sweep=({"scales": "extreme"},),
+        split=MOE_EXPERTS_TP_SPLIT, fused="fused.moe_experts_mxfp4:moe_experts_mxfp4",
+        configs=("tiny", "small"), compile_heavy=True, cpu_ok=False, max_batch=32,
+        dists=GENERIC_DISTS + ("mxfp4_grid",),
+        knob_sweep=({"scales": "extreme"}, {"scales": "every_byte"}, {"routing": "edges"}, {"routing": "same"}),
         notes="k3 is not in configs: 896 experts hold 14.8 GB of MXFP4 and the float64 oracle costs "
               "~0.2 s per (token, expert) at k3 dims, so a case exceeds the ~2 s CPU budget; "
               "make_inputs serves k3 dims with 32 experts (knob 'n_experts') for device runs; "
               "max_batch 32 keeps a small-config case (256 (token, expert) pairs) near 1 s. "
-              "Knob scales='extreme' (every run): 0xFF and 0x00 scale bytes in routed experts. "
+              "Knob scales='extreme' (every run): 0xFF and 0x00 scale bytes in routed experts; "
+              "scales='every_byte', routing='edges' and routing='same': verify/ops/moe_edges.py. "
               "Split: TP over the intermediate dim (zero-padded, moe_tp_shard_width); EP is "
               "verify.ops.moe_splits.MOE_EXPERTS_EP_SPLIT, tested in test_tp_split_moe.py.",
     ),
