@@ -71,30 +71,35 @@ def for_shape(batch: int, rows: int, max_pages: int, sms: int = 132,
 
 
 @runtime.compile_cache("mla_decode_attn")
-def _compile(kind: str, dtype: str, H: int, n_q: int, C: int, D: int, page: int, m_atoms: int = 1,
-             n_tile: int = 32, direct: bool = True):
+def _compile(kind: str, dtype: str, D: int, C: int = 0, page: int = 0, m_atoms: int = 1, n_tile: int = 32,
+             direct: bool = True):
     """kind "partial": the split kernel (direct: o in wd, else fp32 partials); "combine": the LSE combine.
-    Batch, splits, cache pages and block-table width are dynamic."""
+    Batch, query rows (n_q x H), heads, splits, cache pages and block-table width are all dynamic."""
     from fused.mla_decode_attn_split import Combine, SplitPartial
 
-    _, cute = runtime.cutlass_modules()
-    cutlass, _ = runtime.cutlass_modules()
-    R = n_q * H
-    b, s = runtime.sym_int(), runtime.sym_int()
-    out_dt = dtype if direct else "float32"
+    cutlass, cute = runtime.cutlass_modules()
+    b, s, R = runtime.sym_int(), runtime.sym_int(), runtime.sym_int()
     if kind == "combine":
         return runtime.compile_tvm_ffi(
-            Combine(R, D), runtime.fake_tensor("float32", (b, s, R, D), align=4),
+            Combine(D), runtime.fake_tensor("float32", (b, s, R, D), align=4),
             runtime.fake_tensor("float32", (b, s, R), align=4), runtime.fake_tensor(dtype, (b, R, D), align=2),
             runtime.fake_tensor("float32", (b, R), align=4))
-    op = SplitPartial(runtime.cutlass_dtype(dtype), H, n_q, C, D, page, m_atoms, n_tile, direct)
+    op = SplitPartial(runtime.cutlass_dtype(dtype), C, D, page, m_atoms, n_tile, direct)
     cache = cute.runtime.make_fake_tensor(runtime.cutlass_dtype(dtype), (runtime.sym_int(), page, C),
                                           stride=(cute.sym_int64(divisibility=8), C, 1), assumed_align=16)
     return runtime.compile_tvm_ffi(
         op, runtime.fake_tensor(dtype, (b, R, C)), cache,
         runtime.fake_tensor("int32", (b, runtime.sym_int()), align=4), runtime.fake_tensor("int32", (b,), align=4),
-        runtime.fake_tensor(out_dt, (b, s, R, D), align=2 if direct else 4),
-        runtime.fake_tensor("float32", (b, s, R), align=4), cutlass.Float32(1.0), cutlass.Int32(1))
+        runtime.fake_tensor(dtype if direct else "float32", (b, s, R, D), align=2 if direct else 4),
+        runtime.fake_tensor("float32", (b, s, R), align=4), cutlass.Int32(1), cutlass.Float32(1.0), cutlass.Int32(1))
+
+
+def plan(n_seq: int, n_q: int, H: int, C: int, D: int, page: int, max_pages: int, dtype: str, sms: int,
+         variant: MlaDecodeConfig | None = None) -> tuple[tuple, int, tuple | None]:
+    """(partial kernel's compile key, splits S, combine kernel's compile key or None when S = 1)."""
+    m_atoms, n_tile, S = for_shape(n_seq, n_q * H, max_pages, sms, variant)
+    part = ("partial", dtype, D, C, page, m_atoms, n_tile, S == 1)
+    return part, S, (None if S == 1 else ("combine", dtype, D))
 
 
 def _check(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank):
@@ -145,23 +150,22 @@ def launch(q_abs, cache, block_table, seq_lens, o_latent, lse, scale: float, kv_
     n_seq, n_q, H, C = q_abs.shape
     if n_seq == 0:
         return
-    D, page, dt = kv_lora_rank, cache.shape[1], runtime.dtype_name(q_abs.dtype)
-    R = n_q * H
-    m_atoms, n_tile, S = for_shape(n_seq, R, block_table.shape[1], runtime.sm_count(q_abs.device), variant)
+    D, R = kv_lora_rank, n_q * H
+    part, S, comb = plan(n_seq, n_q, H, C, D, cache.shape[1], block_table.shape[1], runtime.dtype_name(q_abs.dtype),
+                         runtime.sm_count(q_abs.device), variant)
     q = runtime.aligned(q_abs.reshape(n_seq, R, C).contiguous())
-    kv = cache if cache.stride()[1:] == (C, 1) else cache.contiguous()
+    kv = cache if cache.stride()[1:] == (C, 1) and cache.stride(0) % 8 == 0 else cache.contiguous()
     kv = runtime.aligned(kv)
     bt = block_table.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     scale_log2 = float(scale) * math.log2(math.e)
-    part = _compile("partial", dt, H, n_q, C, D, page, m_atoms, n_tile, S == 1)
-    if S == 1:
-        part(q, kv, bt, lens, o_latent.view(n_seq, 1, R, D), lse.view(n_seq, 1, R), scale_log2, 1)
+    if comb is None:
+        _compile(*part)(q, kv, bt, lens, o_latent.view(n_seq, 1, R, D), lse.view(n_seq, 1, R), H, scale_log2, 1)
         return
     po = torch.empty(n_seq, S, R, D, dtype=torch.float32, device=q_abs.device)
     pl = torch.empty(n_seq, S, R, dtype=torch.float32, device=q_abs.device)
-    part(q, kv, bt, lens, po, pl, scale_log2, S)
-    _compile("combine", dt, H, n_q, C, D, page)(po, pl, o_latent.view(n_seq, R, D), lse.view(n_seq, R))
+    _compile(*part)(q, kv, bt, lens, po, pl, H, scale_log2, S)
+    _compile(*comb)(po, pl, o_latent.view(n_seq, R, D), lse.view(n_seq, R))
 
 
 _op = None

@@ -55,12 +55,10 @@ def _swz(n, c, row_chunks: int):
 
 
 class SplitPartial:
-    def __init__(self, dtype, H: int, n_q: int, C: int, D: int, page: int, m_atoms: int, n_tile: int,
-                 direct: bool):
+    def __init__(self, dtype, C: int, D: int, page: int, m_atoms: int, n_tile: int, direct: bool):
         if C % VEC or D % 16 or n_tile % 16:
             raise ValueError(f"mla_decode_attn: C={C} must be a multiple of 8, kv_lora={D} of 16, tile {n_tile} of 16")
-        self.dtype, self.H, self.n_q, self.C, self.D, self.page = dtype, H, n_q, C, D, page
-        self.R = n_q * H
+        self.dtype, self.C, self.D, self.page = dtype, C, D, page
         self.WM, self.N, self.direct = m_atoms, n_tile, direct
         self.DW = 128 if D % 128 == 0 else D
         self.WD = D // self.DW
@@ -68,23 +66,25 @@ class SplitPartial:
         self.Cp = -(-C // 64) * 64
         self.Cc, self.Cpc = C // VEC, self.Cp // VEC
         self.threads = 32 * self.WM * self.WD
-        self.row_tiles = -(-self.R // self.rows)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mCache: cute.Tensor, mBT: cute.Tensor, mLens: cute.Tensor,
-                 mO: cute.Tensor, mLse: cute.Tensor, scale_log2: Float32, n_splits: Int32, stream):
-        self.kernel(mQ, mCache, mBT, mLens, mO, mLse, scale_log2, n_splits).launch(
-            grid=[n_splits, self.row_tiles, mQ.shape[0]], block=[self.threads, 1, 1], stream=stream)
+                 mO: cute.Tensor, mLse: cute.Tensor, H: Int32, scale_log2: Float32, n_splits: Int32, stream):
+        row_tiles = (mQ.shape[1] + self.rows - 1) // self.rows
+        self.kernel(mQ, mCache, mBT, mLens, mO, mLse, H, scale_log2, n_splits).launch(
+            grid=[n_splits, row_tiles, mQ.shape[0]], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mCache: cute.Tensor, mBT: cute.Tensor, mLens: cute.Tensor,
-               mO: cute.Tensor, mLse: cute.Tensor, scale_log2: Float32, n_splits: Int32):
+               mO: cute.Tensor, mLse: cute.Tensor, H: Int32, scale_log2: Float32, n_splits: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         s, rt, b = cute.arch.block_idx()
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         q, r = lane % 4, lane // 4
         wm, wd = warp // self.WD, warp % self.WD
         N, Cp, page = self.N, self.Cp, self.page
+        R = mQ.shape[1]
+        n_q = R // H
         smem = cutlass.memory.SmemAllocator()
         sQ = smem.allocate_tensor(self.dtype, cute.make_layout(self.rows * Cp), byte_alignment=128)
         sKV = smem.allocate_tensor(self.dtype, cute.make_layout(STAGES * N * Cp), byte_alignment=128)
@@ -96,15 +96,15 @@ class SplitPartial:
         n_tiles = (cutlass.max(stop - start, 0) + N - 1) // N
         row0 = rt * self.rows
         sQc, sKVc = cute.zipped_divide(sQ, (VEC,)), cute.zipped_divide(sKV, (VEC,))
-        self.load_q(mQ, sQc, b, row0, tidx)
+        self.load_q(mQ, sQc, b, row0, R, tidx)
         self.zero_tail(sKVc, tidx)
         if n_tiles > 0:
             self.load_tile(mCache, mBT, sKVc, b, start, stop, 0, tidx)
         cute.arch.cp_async_commit_group()
         # rows of this lane (r, r + 8 of the warp's atom) and their causal limits
         ra = row0 + wm * 16 + r
-        lim_a = cutlass.min(stop, L - self.n_q + ra // self.H + 1)
-        lim_b = cutlass.min(stop, L - self.n_q + (ra + 8) // self.H + 1)
+        lim_a = cutlass.min(stop, L - n_q + ra // H + 1)
+        lim_b = cutlass.min(stop, L - n_q + (ra + 8) // H + 1)
         nb = self.DW // 8
         acc = cute.make_rmem_tensor(cute.make_layout((4, 1, nb)), Float32)
         acc.fill(0.0)
@@ -126,17 +126,17 @@ class SplitPartial:
             self.pv(pf, sKV, base, acc, wd * self.DW, q, r)
             cute.arch.sync_threads()
         cute.arch.cp_async_wait_group(0)          # q's copies when the split is empty
-        self.epilogue(acc, ml, mO, mLse, b, s, ra, wd * self.DW + 2 * q, q, wd)
+        self.epilogue(acc, ml, mO, mLse, b, s, ra, R, wd * self.DW + 2 * q, q, wd)
 
     @cute.jit
-    def load_q(self, mQ, sQc, b, row0, tidx):
+    def load_q(self, mQ, sQc, b, row0, R, tidx):
         """Rows row0.. of q into sQ by cp.async; rows past R and columns past C are zeros."""
         atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
         gQ = cute.zipped_divide(mQ, (1, 1, VEC))
         for i in cutlass.range(tidx, self.rows * self.Cpc, self.threads):
             n, c = i // self.Cpc, i % self.Cpc
             dst = sQc[None, _swz(n, c, self.Cpc)]
-            if row0 + n < self.R and c < self.Cc:
+            if row0 + n < R and c < self.Cc:
                 cute.copy(atom, cute.make_tensor(gQ[None, (b, row0 + n, c)].iterator, cute.make_layout(VEC)), dst)
             else:
                 dst.fill(0.0)
@@ -251,7 +251,7 @@ class SplitPartial:
             cute.gemm(atom, acc, afr, bfr, acc)
 
     @cute.jit
-    def epilogue(self, acc, ml, mO, mLse, b, s, ra, col, q, wd):
+    def epilogue(self, acc, ml, mO, mLse, b, s, ra, R, col, q, wd):
         """o = acc / l per row (rows r, r + 8 of the atom) and its lse; 0 and -inf where l = 0."""
         for h in cutlass.range_constexpr(2):
             row = ra + 8 * h
@@ -263,7 +263,7 @@ class SplitPartial:
             if lrow > 0.0:
                 inv = Float32(1.0) / lrow
                 lse = (ml[h] + cute.math.log2(lrow, fastmath=False)) * LN2
-            if row < self.R:
+            if row < R:
                 for d in cutlass.range_constexpr(self.DW // 8):
                     for e in cutlass.range_constexpr(2):
                         mO[b, s, row, col + 8 * d + e] = (acc[2 * h + e, 0, d] * inv).to(mO.element_type)
@@ -276,12 +276,12 @@ class Combine:
     """o[b, row] = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s; one warp per (b, row)."""
     WARPS = 4
 
-    def __init__(self, R: int, D: int):
-        self.R, self.D = R, D
+    def __init__(self, D: int):
+        self.D = D
 
     @cute.jit
     def __call__(self, mPO: cute.Tensor, mPL: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, stream):
-        n = mPO.shape[0] * self.R
+        n = mPO.shape[0] * mPO.shape[2]
         self.kernel(mPO, mPL, mO, mLse).launch(grid=[(n + self.WARPS - 1) // self.WARPS, 1, 1],
                                                block=[32 * self.WARPS, 1, 1], stream=stream)
 
@@ -290,9 +290,9 @@ class Combine:
         bidx, _, _ = cute.arch.block_idx()
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         i = bidx * self.WARPS + warp
-        S = mPO.shape[1]
-        if i < mPO.shape[0] * self.R:
-            b, row = i // self.R, i % self.R
+        S, R = mPO.shape[1], mPO.shape[2]
+        if i < mPO.shape[0] * R:
+            b, row = i // R, i % R
             m = Float32(-math.inf)
             for s in cutlass.range(lane, S, 32):
                 m = cute.arch.fmax(m, mPL[b, s, row])
