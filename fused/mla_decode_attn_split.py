@@ -30,7 +30,8 @@ over c does not care which c sits in which k-slot when A and B agree). For P V t
 of slot blocks 2k and 2k + 1 are the A fragment of k-block k, and B is read column-wise from the tile.
 
 `Combine`, one warp per (sequence, row): lse = max + ln sum exp(lse_s - max) over splits in order,
-o = sum_s exp(lse_s - lse) o_s in fp32, one rounding; all splits empty -> o = 0, lse = -inf.
+o = sum_s exp(lse_s - lse) o_s in fp32, one rounding; every split at -inf -> o = NaN, lse = -inf
+(references.mla.mla_decode_attn_split_kv's answer, and softmax's for a row whose scores are all -inf).
 """
 from __future__ import annotations
 
@@ -219,12 +220,12 @@ class SplitPartial:
             m_use = m
             if m == -math.inf:                       # nothing visible yet: exp2(-inf - 0) = 0
                 m_use = Float32(0.0)
-            alpha = cute.arch.exp2(ml[h] - m_use)
+            alpha = cute.math.exp2(ml[h] - m_use, fastmath=True)
             ml[h] = m
             lsum = Float32(0.0)
             for j in cutlass.range_constexpr(nj):
                 for e in cutlass.range_constexpr(2):
-                    p = cute.arch.exp2(sc[2 * h + e, 0, j] - m_use)
+                    p = cute.math.exp2(sc[2 * h + e, 0, j] - m_use, fastmath=True)
                     lsum = lsum + p
                     pf[2 * h + e, j] = p.to(self.dtype)
             ml[2 + h] = ml[2 + h] * alpha + lsum
@@ -252,17 +253,20 @@ class SplitPartial:
 
     @cute.jit
     def epilogue(self, acc, ml, mO, mLse, b, s, ra, R, col, q, wd):
-        """o = acc / l per row (rows r, r + 8 of the atom) and its lse; 0 and -inf where l = 0."""
+        """o = acc / l per row (rows r, r + 8 of the atom) and its lse. Direct: a row whose visible scores
+        are all -inf gives 0 / 0 = NaN, as softmax does; a partial with l = 0 (no visible slot, or
+        all -inf) gives o = 0, lse = -inf, which the combine weighs 0 (NaN if every split has it)."""
         for h in cutlass.range_constexpr(2):
             row = ra + 8 * h
             lrow = ml[2 + h]
             lrow = lrow + cute.arch.shuffle_sync_bfly(lrow, offset=1)
             lrow = lrow + cute.arch.shuffle_sync_bfly(lrow, offset=2)
-            inv = Float32(0.0)
-            lse = Float32(-math.inf)
-            if lrow > 0.0:
-                inv = Float32(1.0) / lrow
-                lse = (ml[h] + cute.math.log2(lrow, fastmath=False)) * LN2
+            inv = Float32(1.0) / lrow
+            lse = (ml[h] + cute.math.log2(lrow, fastmath=False)) * LN2
+            if const_expr(not self.direct):
+                if lrow == 0.0:
+                    inv = Float32(0.0)
+                    lse = Float32(-math.inf)
             if row < R:
                 for d in cutlass.range_constexpr(self.DW // 8):
                     for e in cutlass.range_constexpr(2):
@@ -312,10 +316,8 @@ class Combine:
                 if d < self.D:
                     o = Float32(0.0)
                     for s in cutlass.range(S):
-                        w = Float32(0.0)
-                        if tot > 0.0:
-                            w = cute.math.exp(mPL[b, s, row] - lse)
-                        o = o + w * mPO[b, s, row, d]
+                        # every split -inf: exp(-inf + inf) = NaN, softmax's answer for a row with no mass
+                        o = o + cute.math.exp(mPL[b, s, row] - lse) * mPO[b, s, row, d]
                     mO[b, row, d] = o.to(mO.element_type)
             if lane == 0:
                 mLse[b, row] = lse
