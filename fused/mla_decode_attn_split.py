@@ -56,7 +56,8 @@ def _swz(n, c, row_chunks: int):
 
 
 class SplitPartial:
-    def __init__(self, dtype, C: int, D: int, page: int, m_atoms: int, n_tile: int, direct: bool):
+    def __init__(self, dtype, C: int, D: int, page: int, m_atoms: int, n_tile: int, direct: bool,
+                 split_scores: bool = False):
         if C % VEC or D % 16 or n_tile % 16:
             raise ValueError(f"mla_decode_attn: C={C} must be a multiple of 8, kv_lora={D} of 16, tile {n_tile} of 16")
         self.dtype, self.C, self.D, self.page = dtype, C, D, page
@@ -67,6 +68,8 @@ class SplitPartial:
         self.Cp = -(-C // 64) * 64
         self.Cc, self.Cpc = C // VEC, self.Cp // VEC
         self.threads = 32 * self.WM * self.WD
+        self.xc = split_scores and self.WD > 1      # the atom's WD warps split C and sum S through smem
+        self.nks = self.Cp // 32                     # 32-wide k-steps of the score contraction
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mCache: cute.Tensor, mBT: cute.Tensor, mLens: cute.Tensor,
@@ -89,6 +92,9 @@ class SplitPartial:
         smem = cutlass.memory.SmemAllocator()
         sQ = smem.allocate_tensor(self.dtype, cute.make_layout(self.rows * Cp), byte_alignment=128)
         sKV = smem.allocate_tensor(self.dtype, cute.make_layout(STAGES * N * Cp), byte_alignment=128)
+        sX = None
+        if const_expr(self.xc):     # partial scores of every warp: [atom][warp][fragment element][lane]
+            sX = smem.allocate_tensor(Float32, cute.make_layout(self.WM * self.WD * (N // 2) * 32), byte_alignment=128)
         # this split's slots [start, stop) of a length clamped to the block table (never a read past it)
         L = cutlass.max(cutlass.min(mLens[b], mBT.shape[1] * page), 0)
         pps = ((L + page - 1) // page + n_splits - 1) // n_splits
@@ -121,7 +127,9 @@ class SplitPartial:
             cute.arch.cp_async_wait_group(1)
             cute.arch.sync_threads()
             base = (it % STAGES) * N * self.Cpc                       # in chunks
-            sc = self.scores(sQc, sKVc, base, wm * 16 + r, q, r)
+            sc = self.scores(sQc, sKVc, base, wm * 16 + r, q, r, wd)
+            if const_expr(self.xc):
+                self.sum_scores(sc, sX, wm, wd, lane)
             t0 = start + it * N + 2 * q
             pf = self.softmax_step(sc, ml, acc, t0, lim_a, lim_b, scale_log2)
             self.pv(pf, sKV, base, acc, wd * self.DW, q, r)
@@ -170,32 +178,61 @@ class SplitPartial:
                 dst.fill(0.0)
 
     @cute.jit
-    def scores(self, sQc, sKVc, base, qrow, q, r):
-        """S[16 rows, N slots] of this warp's atom: fragments (4, 1, N / 8), slot block j = 8j .. 8j + 7."""
-        atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)))
+    def scores(self, sQc, sKVc, base, qrow, q, r, wd):
+        """S[16 rows, N slots] of this warp's atom: fragments (4, 1, N / 8), slot block j = 8j .. 8j + 7.
+        Split scores: only the k-steps ks = i * WD + wd (a partial S, summed by sum_scores)."""
         nj = self.N // 8
         sc = cute.make_rmem_tensor(cute.make_layout((4, 1, nj)), Float32)
         sc.fill(0.0)
-        for ks in cutlass.range_constexpr(self.Cp // 32):
-            c = 4 * ks + q
-            qa = sQc[None, _swz(qrow, c, self.Cpc)].load()
-            qb = sQc[None, _swz(qrow + 8, c, self.Cpc)].load()
-            kv = cute.make_rmem_tensor(cute.make_layout((VEC, nj)), self.dtype)
-            for j in cutlass.range_constexpr(nj):
-                kv[None, j].store(sKVc[None, base + _swz(8 * j + r, c, self.Cpc)].load())
-            for kk in cutlass.range_constexpr(2):
-                afr = cute.make_rmem_tensor(cute.make_layout((8, 1, 1)), self.dtype)
-                for e in cutlass.range_constexpr(2):
-                    afr[e, 0, 0] = qa[4 * kk + e]
-                    afr[2 + e, 0, 0] = qb[4 * kk + e]
-                    afr[4 + e, 0, 0] = qa[4 * kk + 2 + e]
-                    afr[6 + e, 0, 0] = qb[4 * kk + 2 + e]
-                bfr = cute.make_rmem_tensor(cute.make_layout((4, nj, 1)), self.dtype)
-                for j in cutlass.range_constexpr(nj):
-                    for e in cutlass.range_constexpr(4):
-                        bfr[e, j, 0] = kv[4 * kk + e, j]
-                cute.gemm(atom, sc, afr, bfr, sc)
+        steps = -(-self.nks // self.WD) if const_expr(self.xc) else self.nks
+        for i in cutlass.range_constexpr(steps):
+            ks = i * self.WD + wd if const_expr(self.xc) else i
+            if const_expr(self.xc and (i + 1) * self.WD > self.nks):
+                if ks < self.nks:
+                    self.score_step(sc, sQc, sKVc, base, qrow, ks, q, r)
+            else:
+                self.score_step(sc, sQc, sKVc, base, qrow, ks, q, r)
         return sc
+
+    @cute.jit
+    def score_step(self, sc, sQc, sKVc, base, qrow, ks, q, r):
+        """sc += the 32 columns 32 ks .. 32 ks + 31 of Q K^T (two MMA k-steps per slot block)."""
+        atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)))
+        nj = self.N // 8
+        c = 4 * ks + q
+        qa = sQc[None, _swz(qrow, c, self.Cpc)].load()
+        qb = sQc[None, _swz(qrow + 8, c, self.Cpc)].load()
+        kv = cute.make_rmem_tensor(cute.make_layout((VEC, nj)), self.dtype)
+        for j in cutlass.range_constexpr(nj):
+            kv[None, j].store(sKVc[None, base + _swz(8 * j + r, c, self.Cpc)].load())
+        for kk in cutlass.range_constexpr(2):
+            afr = cute.make_rmem_tensor(cute.make_layout((8, 1, 1)), self.dtype)
+            for e in cutlass.range_constexpr(2):
+                afr[e, 0, 0] = qa[4 * kk + e]
+                afr[2 + e, 0, 0] = qb[4 * kk + e]
+                afr[4 + e, 0, 0] = qa[4 * kk + 2 + e]
+                afr[6 + e, 0, 0] = qb[4 * kk + 2 + e]
+            bfr = cute.make_rmem_tensor(cute.make_layout((4, nj, 1)), self.dtype)
+            for j in cutlass.range_constexpr(nj):
+                for e in cutlass.range_constexpr(4):
+                    bfr[e, j, 0] = kv[4 * kk + e, j]
+            cute.gemm(atom, sc, afr, bfr, sc)
+
+    @cute.jit
+    def sum_scores(self, sc, sX, wm, wd, lane):
+        """Every warp of the atom: S = its WD partials summed in warp order (the same bits in each)."""
+        nj = self.N // 8
+        row = (wm * self.WD + wd) * 4 * nj
+        for j in cutlass.range_constexpr(nj):
+            for e in cutlass.range_constexpr(4):
+                sX[(row + 4 * j + e) * 32 + lane] = sc[e, 0, j]
+        cute.arch.barrier(barrier_id=1 + wm, number_of_threads=32 * self.WD)
+        for j in cutlass.range_constexpr(nj):
+            for e in cutlass.range_constexpr(4):
+                tot = sX[((wm * self.WD) * 4 * nj + 4 * j + e) * 32 + lane]
+                for w in cutlass.range_constexpr(1, self.WD):
+                    tot = tot + sX[((wm * self.WD + w) * 4 * nj + 4 * j + e) * 32 + lane]
+                sc[e, 0, j] = tot
 
     @cute.jit
     def softmax_step(self, sc, ml, acc, t0, lim_a, lim_b, scale_log2):

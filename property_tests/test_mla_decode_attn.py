@@ -27,8 +27,9 @@ def _static_keys(config: str, dtype: str) -> list[tuple]:
     <= 64) x direct / split, and the combine."""
     cfg = get_config(config)
     D, C, page = cfg.kv_lora_rank, cfg.cache_dim, cfg.page_size
-    return ([("partial", dtype, D, C, page, m, 32, direct) for m in (1, 2, 3, 4) for direct in (True, False)]
-            + [("combine", dtype, D)])
+    paths = (False, True) if D > 128 else (False,)        # split scores only where an atom has several warps
+    return ([("partial", dtype, D, C, page, m, 32, direct, xc) for m in (1, 2, 3, 4) for direct in (True, False)
+             for xc in paths] + [("combine", dtype, D)])
 
 
 @pytest.mark.parametrize("config", ["tiny", "small", "k3"])
@@ -58,7 +59,7 @@ def test_dispatcher_keys_are_the_compiled_ones_and_ignore_batch_and_length():
                         m_atoms = part[5]
                         assert 16 * m_atoms * -(-(n_q * H) // (16 * m_atoms)) >= n_q * H
                         keys.add(part)
-    assert len(keys) <= 3 * 8
+    assert len(keys) <= 3 * 8 and {k[-1] for k in keys} == {fm.SPLIT_SCORES, False}
 
 
 def test_a_new_batch_size_or_length_is_a_cache_hit():
@@ -81,6 +82,8 @@ def test_every_variant_is_certified_and_covers_direct_and_combine():
     assert cfgs == fm.all_configs() and len({c.name for c in cfgs}) == len(cfgs)
     assert {c.m_atoms for c in cfgs} == {1, 2, 3, 4}
     assert any(c.splits == 1 for c in cfgs) and any(c.splits > 1 for c in cfgs)
+    assert {c.split_scores for c in cfgs} == {fm.SPLIT_SCORES}
+    assert {c.split_scores for c in fm.trial_configs()} == {not fm.SPLIT_SCORES}
 
 
 @pytest.mark.parametrize("lens,n_q,match", [
