@@ -30,10 +30,12 @@ from references.primitives import check_tensor
 DTYPES = ("bfloat16", "float16")     # working dtypes (P V runs on bf16/fp16 tensor cores)
 _TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 MIN_SPLIT_PAGES = 4                  # a split holds at least this many pages (the dispatcher's S)
-# The score path of every dispatched and certified launch: True, the C = 576 contraction split over the
-# atom's kv_lora / 128 warps and the partial scores summed through shared memory (2.6x fewer MMAs at
-# K3); False, every warp computes the atom's whole S (the simpler path, kept as trial_configs()).
-SPLIT_SCORES = True
+# The path of every dispatched and certified launch (the others are trial_configs(), GPU-tested only):
+# "whole": every warp of a row atom computes the atom's whole S, V fragments by 2-byte shared loads;
+# "split": the C = 576 contraction split over the atom's kv_lora / 128 warps, partial scores summed
+# through shared memory in warp order (72 MMAs per warp and tile at K3 instead of 176);
+# "split_ldsm": split, with V fragments by ldmatrix.trans (16 instead of 128 loads per warp and tile).
+PATH = "split_ldsm"
 
 
 @dataclass(frozen=True)
@@ -43,24 +45,24 @@ class MlaDecodeConfig:
     m_atoms: int = 0
     n_tile: int = 32
     splits: int = 0
-    split_scores: bool = SPLIT_SCORES
+    path: str = PATH
 
     @property
     def name(self) -> str:
-        return f"m{self.m_atoms or 'A'}n{self.n_tile}s{self.splits or 'A'}" + ("x" if self.split_scores else "")
+        return f"m{self.m_atoms or 'A'}n{self.n_tile}s{self.splits or 'A'}" + ("" if self.path == PATH else self.path)
 
 
-def all_configs(split_scores: bool = SPLIT_SCORES) -> list[MlaDecodeConfig]:
+def all_configs(path: str = PATH) -> list[MlaDecodeConfig]:
     """Launches the harness certifies beside the dispatcher's pick: every row-atom count, the
     direct write (S = 1) and combines over 2, 3 and 5 splits (more splits than pages gives empty ones)."""
-    return [MlaDecodeConfig(1, 32, 1, split_scores), MlaDecodeConfig(2, 32, 3, split_scores),
-            MlaDecodeConfig(3, 32, 2, split_scores), MlaDecodeConfig(4, 32, 5, split_scores),
-            MlaDecodeConfig(4, 32, 1, split_scores)]
+    return [MlaDecodeConfig(1, 32, 1, path), MlaDecodeConfig(2, 32, 3, path), MlaDecodeConfig(3, 32, 2, path),
+            MlaDecodeConfig(4, 32, 5, path), MlaDecodeConfig(4, 32, 1, path)]
 
 
 def trial_configs() -> list[MlaDecodeConfig]:
-    """The other score path's launches: checked and timed by the GPU tests, neither dispatched nor certified."""
-    return all_configs(not SPLIT_SCORES)
+    """The other paths' launches: checked and timed by the GPU tests, neither dispatched nor certified."""
+    from fused.mla_decode_attn_split import PATHS
+    return [c for p in PATHS if p != PATH for c in all_configs(p)]
 
 
 def variants(tensors: dict, params: dict) -> list[MlaDecodeConfig]:
@@ -69,8 +71,8 @@ def variants(tensors: dict, params: dict) -> list[MlaDecodeConfig]:
 
 
 def for_shape(batch: int, rows: int, max_pages: int, sms: int = 132,
-              variant: MlaDecodeConfig | None = None) -> tuple[int, int, int, bool]:
-    """(m_atoms, n_tile, S, split_scores) for B sequences of `rows` query rows and block tables `max_pages` wide:
+              variant: MlaDecodeConfig | None = None) -> tuple[int, int, int, str]:
+    """(m_atoms, n_tile, S, path) for B sequences of `rows` query rows and block tables `max_pages` wide:
     rows split into the fewest tiles of <= 64, atoms balanced over them; S = 1 when B x tiles fills
     the SMs, else enough splits to, each at least MIN_SPLIT_PAGES pages."""
     v = variant or MlaDecodeConfig()
@@ -78,12 +80,12 @@ def for_shape(batch: int, rows: int, max_pages: int, sms: int = 132,
     m_atoms = v.m_atoms or -(-(-(-rows // tiles)) // 16)
     ctas = batch * -(-rows // (16 * m_atoms))
     splits = v.splits or max(1, min(max_pages // MIN_SPLIT_PAGES, sms // max(ctas, 1)))
-    return m_atoms, v.n_tile, splits, v.split_scores
+    return m_atoms, v.n_tile, splits, v.path
 
 
 @runtime.compile_cache("mla_decode_attn")
 def _compile(kind: str, dtype: str, D: int, C: int = 0, page: int = 0, m_atoms: int = 1, n_tile: int = 32,
-             direct: bool = True, split_scores: bool = False):
+             direct: bool = True, path: str = "whole"):
     """kind "partial": the split kernel (direct: o in wd, else fp32 partials); "combine": the LSE combine.
     Batch, query rows (n_q x H), heads, splits, cache pages and block-table width are all dynamic."""
     from fused.mla_decode_attn_split import Combine, SplitPartial
@@ -95,7 +97,7 @@ def _compile(kind: str, dtype: str, D: int, C: int = 0, page: int = 0, m_atoms: 
             Combine(D), runtime.fake_tensor("float32", (b, s, R, D), align=4),
             runtime.fake_tensor("float32", (b, s, R), align=4), runtime.fake_tensor(dtype, (b, R, D), align=2),
             runtime.fake_tensor("float32", (b, R), align=4))
-    op = SplitPartial(runtime.cutlass_dtype(dtype), C, D, page, m_atoms, n_tile, direct, split_scores)
+    op = SplitPartial(runtime.cutlass_dtype(dtype), C, D, page, m_atoms, n_tile, direct, path)
     cache = cute.runtime.make_fake_tensor(runtime.cutlass_dtype(dtype), (runtime.sym_int(), page, C),
                                           stride=(cute.sym_int64(divisibility=8), C, 1), assumed_align=16)
     return runtime.compile_tvm_ffi(
@@ -108,8 +110,10 @@ def _compile(kind: str, dtype: str, D: int, C: int = 0, page: int = 0, m_atoms: 
 def plan(n_seq: int, n_q: int, H: int, C: int, D: int, page: int, max_pages: int, dtype: str, sms: int,
          variant: MlaDecodeConfig | None = None) -> tuple[tuple, int, tuple | None]:
     """(partial kernel's compile key, splits S, combine kernel's compile key or None when S = 1)."""
-    m_atoms, n_tile, S, xc = for_shape(n_seq, n_q * H, max_pages, sms, variant)
-    part = ("partial", dtype, D, C, page, m_atoms, n_tile, S == 1, xc and D > 128)
+    m_atoms, n_tile, S, path = for_shape(n_seq, n_q * H, max_pages, sms, variant)
+    if D <= 128 and path == "split":         # one warp per row atom: nothing to split
+        path = "whole"
+    part = ("partial", dtype, D, C, page, m_atoms, n_tile, S == 1, path)
     return part, S, (None if S == 1 else ("combine", dtype, D))
 
 

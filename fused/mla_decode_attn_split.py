@@ -47,6 +47,7 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 VEC = 8            # elements per 16-byte chunk
 STAGES = 2
+PATHS = ("whole", "split", "split_ldsm")   # score and P V paths (SplitPartial)
 
 
 def _swz(n, c, row_chunks: int):
@@ -57,7 +58,9 @@ def _swz(n, c, row_chunks: int):
 
 class SplitPartial:
     def __init__(self, dtype, C: int, D: int, page: int, m_atoms: int, n_tile: int, direct: bool,
-                 split_scores: bool = False):
+                 path: str = "whole"):
+        if path not in PATHS:
+            raise ValueError(f"mla_decode_attn: path {path!r} is not one of {PATHS}")
         if C % VEC or D % 16 or n_tile % 16:
             raise ValueError(f"mla_decode_attn: C={C} must be a multiple of 8, kv_lora={D} of 16, tile {n_tile} of 16")
         self.dtype, self.C, self.D, self.page = dtype, C, D, page
@@ -68,7 +71,8 @@ class SplitPartial:
         self.Cp = -(-C // 64) * 64
         self.Cc, self.Cpc = C // VEC, self.Cp // VEC
         self.threads = 32 * self.WM * self.WD
-        self.xc = split_scores and self.WD > 1      # the atom's WD warps split C and sum S through smem
+        self.xc = path != "whole" and self.WD > 1   # the atom's WD warps split C and sum S through smem
+        self.ldsm = path == "split_ldsm"              # V fragments by ldmatrix.trans, not 2-byte loads
         self.nks = self.Cp // 32                     # 32-wide k-steps of the score contraction
 
     @cute.jit
@@ -132,7 +136,10 @@ class SplitPartial:
                 self.sum_scores(sc, sX, wm, wd, lane)
             t0 = start + it * N + 2 * q
             pf = self.softmax_step(sc, ml, acc, t0, lim_a, lim_b, scale_log2)
-            self.pv(pf, sKV, base, acc, wd * self.DW, q, r)
+            if const_expr(self.ldsm):
+                self.pv_ldsm(pf, sKVc, base, acc, wd * self.DW, lane)
+            else:
+                self.pv(pf, sKV, base, acc, wd * self.DW, q, r)
             cute.arch.sync_threads()
         cute.arch.cp_async_wait_group(0)          # q's copies when the split is empty
         self.epilogue(acc, ml, mO, mLse, b, s, ra, R, wd * self.DW + 2 * q, q, wd)
@@ -287,6 +294,31 @@ class SplitPartial:
                 for d in cutlass.range_constexpr(nb):
                     bfr[e, d, 0] = sKV[(base + _swz(n, d0 // VEC + d, self.Cpc)) * VEC + r]
             cute.gemm(atom, acc, afr, bfr, acc)
+
+    @cute.jit
+    def pv_ldsm(self, pf, sKVc, base, acc, d0, lane):
+        """pv with B from ldmatrix.x4.trans: lane l addresses row (slot) 16 kb + 8 ((l // 8) % 2) + l % 8,
+        chunk d0 / 8 + 2 dp + l // 16; registers 0..3 are B's (k 2q, 2q+1), (2q+8, 2q+9) of n8 blocks 2dp, 2dp+1."""
+        atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)))
+        nb = self.DW // 8
+        mi, lr = lane // 8, lane % 8
+        for kb in cutlass.range_constexpr(self.N // 16):
+            afr = cute.make_rmem_tensor(cute.make_layout((8, 1, 1)), self.dtype)
+            for e in cutlass.range_constexpr(4):
+                afr[e, 0, 0] = pf[e, 2 * kb]
+                afr[4 + e, 0, 0] = pf[e, 2 * kb + 1]
+            bw = cute.make_rmem_tensor(cute.make_layout((2, nb, 1)), Int32)
+            n = 16 * kb + (mi % 2) * 8 + lr
+            for dp in cutlass.range_constexpr(nb // 2):
+                addr = sKVc[None, base + _swz(n, d0 // VEC + 2 * dp + mi // 2, self.Cpc)].iterator.toint()
+                w = cute.arch.inline_ptx(
+                    "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                    write_only_types=[Int32, Int32, Int32, Int32], read_only_args=[addr])
+                bw[0, 2 * dp, 0] = w[0]
+                bw[1, 2 * dp, 0] = w[1]
+                bw[0, 2 * dp + 1, 0] = w[2]
+                bw[1, 2 * dp + 1, 0] = w[3]
+            cute.gemm(atom, acc, afr, cute.recast_tensor(bw, self.dtype), acc)
 
     @cute.jit
     def epilogue(self, acc, ml, mO, mLse, b, s, ra, R, col, q, wd):

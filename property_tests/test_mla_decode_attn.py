@@ -22,14 +22,14 @@ def _needs_dsl():
     pytest.importorskip("tvm_ffi", reason="needs apache-tvm-ffi (the kernels compile for the TVM-FFI call path)")
 
 
-def _static_keys(config: str, dtype: str) -> list[tuple]:
+def _static_keys(config: str, dtype: str, path: str = fm.PATH) -> list[tuple]:
     """Every compile key launch() can ask for at this config and dtype: m_atoms 1..4 (rows per CTA
     <= 64) x direct / split, and the combine."""
     cfg = get_config(config)
     D, C, page = cfg.kv_lora_rank, cfg.cache_dim, cfg.page_size
-    paths = (False, True) if D > 128 else (False,)        # split scores only where an atom has several warps
-    return ([("partial", dtype, D, C, page, m, 32, direct, xc) for m in (1, 2, 3, 4) for direct in (True, False)
-             for xc in paths] + [("combine", dtype, D)])
+    path = "whole" if D <= 128 and path == "split" else path      # split needs several warps per atom
+    return ([("partial", dtype, D, C, page, m, 32, direct, path) for m in (1, 2, 3, 4) for direct in (True, False)]
+            + [("combine", dtype, D)])
 
 
 @pytest.mark.parametrize("config", ["tiny", "small", "k3"])
@@ -39,6 +39,17 @@ def test_every_static_configuration_compiles_for_sm90a(config, dtype):
     from fused import runtime
     for key in _static_keys(config, dtype):
         assert runtime.compile_for_cpu_check("mla_decode_attn", *key) is not None, key
+
+
+@pytest.mark.parametrize("path", ["whole", "split", "split_ldsm"])
+def test_every_path_compiles_at_k3(path):
+    """The trial paths (not dispatched; the GPU tests check and time them) compile too."""
+    _needs_dsl()
+    from fused import runtime
+    cfg = get_config("k3")
+    for direct in (True, False):
+        key = ("partial", "bfloat16", cfg.kv_lora_rank, cfg.cache_dim, cfg.page_size, 3, 32, direct, path)
+        assert runtime.compile_for_cpu_check("mla_decode_attn", *key) is not None
 
 
 def test_dispatcher_keys_are_the_compiled_ones_and_ignore_batch_and_length():
@@ -59,7 +70,7 @@ def test_dispatcher_keys_are_the_compiled_ones_and_ignore_batch_and_length():
                         m_atoms = part[5]
                         assert 16 * m_atoms * -(-(n_q * H) // (16 * m_atoms)) >= n_q * H
                         keys.add(part)
-    assert len(keys) <= 3 * 8 and {k[-1] for k in keys} == {fm.SPLIT_SCORES, False}
+    assert len(keys) <= 3 * 8 and {k[-1] for k in keys} <= {fm.PATH, "whole"}
 
 
 def test_a_new_batch_size_or_length_is_a_cache_hit():
@@ -82,8 +93,8 @@ def test_every_variant_is_certified_and_covers_direct_and_combine():
     assert cfgs == fm.all_configs() and len({c.name for c in cfgs}) == len(cfgs)
     assert {c.m_atoms for c in cfgs} == {1, 2, 3, 4}
     assert any(c.splits == 1 for c in cfgs) and any(c.splits > 1 for c in cfgs)
-    assert {c.split_scores for c in cfgs} == {fm.SPLIT_SCORES}
-    assert {c.split_scores for c in fm.trial_configs()} == {not fm.SPLIT_SCORES}
+    assert {c.path for c in cfgs} == {fm.PATH}
+    assert fm.PATH not in {c.path for c in fm.trial_configs()} and len(fm.trial_configs()) == 2 * len(cfgs)
 
 
 @pytest.mark.parametrize("lens,n_q,match", [

@@ -60,8 +60,9 @@ def oracle_check(q, cache, table, lens, variant=None, label=""):
 
 
 def _variants():
-    from fused.mla_decode_attn import all_configs
-    return [None] + all_configs()
+    """The dispatcher's pick, every certified variant, and the trial paths' (a failure names its path)."""
+    from fused.mla_decode_attn import all_configs, trial_configs
+    return [None] + all_configs() + trial_configs()
 
 
 def _edge_lengths(n_q):
