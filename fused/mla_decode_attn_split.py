@@ -44,6 +44,10 @@ cutlass, cute = runtime.cutlass_modules()
 from cutlass import Float32, Int32, Int64, const_expr  # noqa: E402
 
 LOG2E = math.log2(math.e)
+# fp16 P is exp2(x - m + P_SHIFT) (max 2^15 < 65504): a probability down to 2^-14 / 2^15 stays a normal
+# fp16 number, where [0, 1] would leave a 128k-slot flat softmax (p ~ 2^-17) subnormal at ~1 % precision.
+# l sums the same shifted p, so o = acc / l is unchanged; the lse takes the shift back.
+P_SHIFT = 15.0
 LN2 = math.log(2.0)
 VEC = 8            # elements per 16-byte chunk
 STAGES = 2
@@ -73,6 +77,7 @@ class SplitPartial:
         self.threads = 32 * self.WM * self.WD
         self.xc = path != "whole" and self.WD > 1   # the atom's WD warps split C and sum S through smem
         self.ldsm = path == "split_ldsm"              # V fragments by ldmatrix.trans, not 2-byte loads
+        self.p_shift = P_SHIFT if dtype is cutlass.Float16 else 0.0
         self.nks = self.Cp // 32                     # 32-wide k-steps of the score contraction
 
     @cute.jit
@@ -265,11 +270,12 @@ class SplitPartial:
             if m == -math.inf:                       # nothing visible yet: exp2(-inf - 0) = 0
                 m_use = Float32(0.0)
             alpha = cute.math.exp2(ml[h] - m_use, fastmath=True)
+            m_p = m_use - self.p_shift
             ml[h] = m
             lsum = Float32(0.0)
             for j in cutlass.range_constexpr(nj):
                 for e in cutlass.range_constexpr(2):
-                    p = cute.math.exp2(sc[2 * h + e, 0, j] - m_use, fastmath=True)
+                    p = cute.math.exp2(sc[2 * h + e, 0, j] - m_p, fastmath=True)
                     lsum = lsum + p
                     pf[2 * h + e, j] = p.to(self.dtype)
             ml[2 + h] = ml[2 + h] * alpha + lsum
@@ -331,7 +337,7 @@ class SplitPartial:
             lrow = lrow + cute.arch.shuffle_sync_bfly(lrow, offset=1)
             lrow = lrow + cute.arch.shuffle_sync_bfly(lrow, offset=2)
             inv = Float32(1.0) / lrow
-            lse = (ml[h] + cute.math.log2(lrow, fastmath=False)) * LN2
+            lse = (ml[h] - self.p_shift + cute.math.log2(lrow, fastmath=False)) * LN2
             if const_expr(not self.direct):
                 if lrow == 0.0:
                     inv = Float32(0.0)
