@@ -8,10 +8,13 @@ rows and split s of the sequence's pages: ceil(pages / S) pages each, so split b
 aligned (references.mla.mla_decode_attn_split_kv's chunks). It walks its slots in tiles of N, each
 tile of N slots x C brought into shared memory once by cp.async (two stages, page ids read from the
 block table per slot row) and used by every row of the CTA. Warp (wm, wd) owns m16 row atom wm and
-output columns [wd * DW, (wd + 1) * DW), DW = min(D, 128), WD = D / DW: it computes the atom's scores
-S = Q K^T over all C (mma.sync m16n8k16, fp32 accumulate; every warp of the atom the same S, so no
-cross-warp exchange), an online softmax in log2 units (scale * log2 e folded in, ex2.approx), and
-O += P V for its columns with P rounded to the working dtype (FlashMLA's choice; the spec's k = 4).
+output columns [wd * DW, (wd + 1) * DW), DW = min(D, 128), WD = D / DW. Per tile: the atom's scores
+S = Q K^T over C (mma.sync m16n8k16, fp32 accumulate), an online softmax in log2 units (scale * log2 e
+folded in, ex2.approx), and O += P V for the warp's columns with P rounded to the working dtype
+(FlashMLA's choice; the spec's k = 4). Paths (PATHS): "whole", every warp of the atom computes all of S
+(the same bits in each, no exchange); "split", warp wd takes the k-steps wd, wd + WD, .. of C and the
+atom's WD partial scores are summed through shared memory in warp order, so every warp again holds the
+same S; "split_ldsm", split, with P V's B fragments loaded by ldmatrix.x4.trans instead of 2-byte loads.
 Slots at or past a row's causal limit get p = 0; slot rows past the split's end are zero in shared
 memory, so no stale or unwritten bits reach the P V product.
 Direct mode (S = 1): o / l rounded to wd into o_latent. Else fp32 partials o / l and

@@ -94,6 +94,15 @@ def test_batches_and_long_context(B):
     oracle_check(q, cache, table, lens_t, None, f"B={B}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flat_softmax_over_128k_slots(dtype):
+    """Small scores: p ~ 1 / L ~ 2^-17 per slot, which fp16 P must not flush or round coarsely."""
+    q, cache, table, lens = build([131_072, 70_000], 2, 12, dtype=dtype, seed=11)
+    q.mul_(0.02)
+    for v in _variants()[:2]:
+        oracle_check(q, cache, table, lens, v, f"{dtype} flat 128k")
+
+
 def test_draft_longer_than_a_length_is_an_error_before_launch():
     from fused.mla_decode_attn import mla_decode_attn
     q, cache, table, lens = build([40, 5], 6, 12)
@@ -166,7 +175,7 @@ def test_timing_table(T):
     from references.mla import mla_decode_attn as ref
     H = 96 // T
     if not _TIMINGS:
-        _TIMINGS.append("| T | H | B | n_q | context | variant (m_atoms, S) | fused us | floor us | fused/floor "
+        _TIMINGS.append("| T | H | B | n_q | context | variant (m_atoms, S, path) | fused us | floor us | fused/floor "
                         "| reference eager us |")
         _TIMINGS.append("|---|---|---|---|---|---|---|---|---|---|")
     for B in (1, 8, 64):
@@ -181,10 +190,25 @@ def test_timing_table(T):
                 floor_us = _time_graph(lambda: dst.copy_(src))
                 ref_us = _time_eager(lambda: ref(q, cache, table, lens, SCALE, D), reps=1 if B * ctx > 1 << 20 else 3)
                 part, S, _ = plan(B, n_q, H, C, D, PAGE, table.shape[1], "bfloat16", sm_count(q.device))
-                _TIMINGS.append(f"| {T} | {H} | {B} | {n_q} | {ctx} | m{part[5]} S{S} | {fused_us:.1f} | "
+                _TIMINGS.append(f"| {T} | {H} | {B} | {n_q} | {ctx} | m{part[5]} S{S} {part[8]} | {fused_us:.1f} | "
                                 f"{floor_us:.1f} | {fused_us / floor_us:.2f} | {ref_us:.0f} |")
                 del q, cache, table, lens, o, src, dst
                 torch.cuda.empty_cache()
+
+
+def test_path_timing():
+    """Each path (fused/mla_decode_attn.py PATH and the trial ones) at K3 T = 8 (12 heads), n_q 6."""
+    from fused.mla_decode_attn import MlaDecodeConfig, mla_decode_attn
+    from fused.mla_decode_attn_split import PATHS
+    _TIMINGS.append("")
+    _TIMINGS.append("| path | B | context | us |")
+    _TIMINGS.append("|---|---|---|---|")
+    for B, ctx in ((1, 32768), (8, 8192), (64, 8192), (64, 1024)):
+        q, cache, table, lens = build([ctx] * B, 6, 12, seed=B)
+        for path in PATHS:
+            v = MlaDecodeConfig(path=path)
+            us = _time_graph(lambda: mla_decode_attn(q, cache, table, lens, SCALE, D, variant=v))
+            _TIMINGS.append(f"| {path} | {B} | {ctx} | {us:.1f} |")
 
 
 @pytest.fixture(scope="module", autouse=True)
