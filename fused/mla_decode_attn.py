@@ -9,8 +9,8 @@ every CTA brings each KV tile of its split into shared memory once and uses it f
 16 * m_atoms query rows (rows = query tokens x heads of one sequence, mma.sync), then, when S > 1, the
 combine kernel over the fp32 workspace [B, S, R, kv_lora] + [B, S, R]. S = 1 writes o directly.
 The variant (m_atoms, S) is picked per shape from (B, rows, block-table width): S fills the SMs
-when B x row tiles does not; a new batch size, length or split count does not recompile (the
-compile key is dtype, heads, n_q, C, kv_lora, page, m_atoms, tile, direct).
+when B x row tiles does not; a new batch size, head count, draft length, context length or split
+count does not recompile (the compile key is dtype, C, kv_lora, page, m_atoms, tile, direct, PATH).
 
 Lengths are read on the host (one sync, skipped while a CUDA graph is being captured): a length
 shorter than the draft (n_q), longer than the block table row, or a needed page id outside the
@@ -41,7 +41,7 @@ PATH = "split_ldsm"
 @dataclass(frozen=True)
 class MlaDecodeConfig:
     """Launch variant: m16 row atoms per CTA (0: from the shape), KV slots per tile, splits S
-    (0: from the shape; 1: no workspace, o written by the partial kernel), score path (SPLIT_SCORES)."""
+    (0: from the shape; 1: no workspace, o written by the partial kernel), kernel path (PATH)."""
     m_atoms: int = 0
     n_tile: int = 32
     splits: int = 0
