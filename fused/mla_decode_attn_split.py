@@ -235,19 +235,18 @@ class SplitPartial:
 
     @cute.jit
     def sum_scores(self, sc, sX, wm, wd, lane):
-        """Every warp of the atom: S = its WD partials summed in warp order (the same bits in each)."""
+        """Every warp of the atom: S = its WD partials summed in warp order (the same bits in each).
+        A lane's 4 values of slot block j sit together (16-byte stores and loads, lanes adjacent)."""
         nj = self.N // 8
-        row = (wm * self.WD + wd) * 4 * nj
+        sXv = cute.zipped_divide(sX, (4,))
         for j in cutlass.range_constexpr(nj):
-            for e in cutlass.range_constexpr(4):
-                sX[(row + 4 * j + e) * 32 + lane] = sc[e, 0, j]
+            sXv[None, ((wm * self.WD + wd) * nj + j) * 32 + lane].store(sc[None, 0, j].load())
         cute.arch.barrier(barrier_id=1 + wm, number_of_threads=32 * self.WD)
         for j in cutlass.range_constexpr(nj):
-            for e in cutlass.range_constexpr(4):
-                tot = sX[((wm * self.WD) * 4 * nj + 4 * j + e) * 32 + lane]
-                for w in cutlass.range_constexpr(1, self.WD):
-                    tot = tot + sX[((wm * self.WD + w) * 4 * nj + 4 * j + e) * 32 + lane]
-                sc[e, 0, j] = tot
+            tot = sXv[None, (wm * self.WD * nj + j) * 32 + lane].load()
+            for w in cutlass.range_constexpr(1, self.WD):
+                tot = tot + sXv[None, ((wm * self.WD + w) * nj + j) * 32 + lane].load()
+            sc[None, 0, j].store(tot)
 
     @cute.jit
     def softmax_step(self, sc, ml, acc, t0, lim_a, lim_b, scale_log2):
