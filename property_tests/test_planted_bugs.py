@@ -104,7 +104,9 @@ CONTROLS = [("kda_decode", "kda:kda_decode_control", QUICK_ALL_DTYPES, 25),
             ("attn_res_rmsnorm", "attn_res:attn_res_rmsnorm_control", PLANTED, 6),
             ("mxfp4_dequant", "mxfp4:mxfp4_dequant_control", QUICK_ALL_DTYPES, 6),
             ("mla_decode_attn", "mla:mla_decode_attn_control", PLANTED, 6),
-            ("moe_experts_mxfp4", "moe:moe_experts_mxfp4_control", PLANTED, 6)]
+            ("moe_experts_mxfp4", "moe:moe_experts_mxfp4_control", PLANTED, 6),
+            ("mla_decode_attn", "mla:mla_decode_attn_split_control", PLANTED, 6),
+            ("mla_decode_attn", "mla:mla_decode_attn_rows_control", PLANTED, 6)]
 
 
 @pytest.mark.parametrize("op_name,candidate,profile,examples", CONTROLS, ids=[c[1] for c in CONTROLS])

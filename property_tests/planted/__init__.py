@@ -132,6 +132,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "causal mask off by one among the speculative query tokens"),
     ("mla_decode_attn", f"{P}.mla:mla_decode_attn_lse_drops_last_split", "compare:o_latent|exceed",
      "split-KV LSE combine missing the last split's term"),
+    ("mla_decode_attn", f"{P}.mla:mla_decode_attn_token_indexed_block_table", "compare:o_latent|exceed",
+     "page ids from the block-table row of the flattened query token b * n_q + j, not of the sequence b"),
     ("mla_decode_attn", f"{P}.mla:mla_decode_attn_fp32_tf32_scores", "compare:o_latent|exceed",
      "fp32 scores on TF32 operands (allow_tf32 on the score GEMM; fp32 working dtype only)"),
     ("mla_decode_attn", f"{P}.mla:mla_decode_attn_fp32_bf16_probs", "compare:o_latent|exceed",

@@ -115,10 +115,9 @@ def mla_decode_attn_causal_off_by_one(q_abs, cache, block_table, seq_lens, scale
     return _attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, causal_shift=1)
 
 
-def mla_decode_attn_lse_drops_last_split(q_abs, cache, block_table, seq_lens, scale: float,
-                                         kv_lora_rank: int):
-    """Split-KV over 2 page-aligned chunks; the combine's logsumexp omits the last split's LSE, so
-    the last chunk is weighted as if it held all the probability mass."""
+def _split_attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, *, drop_last_lse=False):
+    """Split-KV over 2 page-aligned chunks and an LSE combine; drop_last_lse: the combine's logsumexp
+    omits the last split's LSE (taking only the max with it)."""
     n_seq, n_q, n_heads, _ = q_abs.shape
     page, acc = cache.shape[1], acc_dtype(q_abs)
     out = torch.zeros(n_seq, n_q, n_heads, kv_lora_rank, dtype=acc)
@@ -140,10 +139,56 @@ def mla_decode_attn_lse_drops_last_split(q_abs, cache, block_table, seq_lens, sc
             parts_o.append(torch.einsum("qht,tc->qhc", e, kv[:, :kv_lora_rank]) / torch.where(d > 0, d, 1))
             parts_lse.append((m + torch.log(d)).squeeze(-1))
         lse_i = torch.stack(parts_lse)
-        lse = torch.logsumexp(lse_i[:-1], dim=0) if len(parts_lse) > 1 else lse_i[0]   # BUG: last term
-        lse = torch.maximum(lse, lse_i[-1]) if len(parts_lse) > 1 else lse
+        if drop_last_lse and len(parts_lse) > 1:
+            lse = torch.maximum(torch.logsumexp(lse_i[:-1], dim=0), lse_i[-1])      # BUG: last term's mass
+        else:
+            lse = torch.logsumexp(lse_i, dim=0)
         out[b] = (torch.exp(lse_i - lse)[..., None] * torch.stack(parts_o)).sum(0)
     return out.to(q_abs.dtype)
+
+
+def mla_decode_attn_lse_drops_last_split(q_abs, cache, block_table, seq_lens, scale: float,
+                                         kv_lora_rank: int):
+    """Split-KV over 2 page-aligned chunks; the combine's logsumexp omits the last split's LSE, so
+    the last chunk is weighted as if it held all the probability mass."""
+    return _split_attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, drop_last_lse=True)
+
+
+def mla_decode_attn_split_control(q_abs, cache, block_table, seq_lens, scale: float, kv_lora_rank: int):
+    """No bug: the split-KV helper the dropped-LSE row plants its bug in (test_planted_bugs checks it certifies)."""
+    return _split_attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank)
+
+
+def _attn_rows(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, *, token_rows=False):
+    """One query token at a time, its keys gathered through a block-table row with page ids clamped into
+    the cache (a kernel's out-of-bounds guard). token_rows: the row is the flattened query-token index
+    b * n_q + j (clamped to the last row), not the sequence b."""
+    n_seq, n_q, n_heads, _ = q_abs.shape
+    page, acc = cache.shape[1], acc_dtype(q_abs)
+    out = torch.zeros(n_seq, n_q, n_heads, kv_lora_rank, dtype=acc)
+    for b in range(n_seq):
+        length = int(seq_lens[b])
+        vis = causal_visible(length, n_q, 0, length)
+        for j in range(n_q):
+            row = min(b * n_q + j, n_seq - 1) if token_rows else b           # BUG when token_rows
+            ids = block_table[row, :-(-length // page)].long().clamp(0, cache.shape[0] - 1)
+            kv = cache[ids].reshape(-1, cache.shape[-1])[:length].to(acc)
+            s = torch.einsum("hc,tc->ht", q_abs[b, j].to(acc), kv) * scale
+            s = s.masked_fill(~vis[j][None, :], float("-inf"))
+            out[b, j] = torch.einsum("ht,tc->hc", torch.softmax(s, dim=-1), kv[:, :kv_lora_rank])
+    return out.to(q_abs.dtype)
+
+
+def mla_decode_attn_token_indexed_block_table(q_abs, cache, block_table, seq_lens, scale: float,
+                                              kv_lora_rank: int):
+    """Page ids read from the block-table row of the flattened query token (b * n_q + j, clamped), not of
+    the sequence: with drafts (n_q > 1) a sequence's later query tokens attend over another sequence's pages."""
+    return _attn_rows(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, token_rows=True)
+
+
+def mla_decode_attn_rows_control(q_abs, cache, block_table, seq_lens, scale: float, kv_lora_rank: int):
+    """No bug: the per-token gather the block-table row bug is planted in (test_planted_bugs checks it certifies)."""
+    return _attn_rows(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank)
 
 
 def _tf32(t: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,10 @@ _WORKING_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float3
 MAX_CONTEXT_PAGES = {"tiny": 12, "small": 10, "k3": 4}
 SPARE_PAGES = 2          # pages no sequence owns: a kernel that reads them gives wrong numbers
 LARGE_CACHE_SLOTS = 1 << 16   # knob cache='large': the written slots straddle slot 2^16
+# knob context='long' (mla_decode_attn): sequence 0 holds LONG_CONTEXT[config] + page + 1 slots and every
+# sequence's pages sit past slot 2^16. Only tiny's sequence itself passes 2^16 slots: the guards call the
+# reference ~120 times a case and the magnitudes cost Q x H x L x kv_lora (a tiny case: ~85 s of CPU)
+LONG_CONTEXT = {"tiny": 1 << 16, "small": 1 << 10, "k3": 1 << 10}
 
 
 def working_dtype(case: Case) -> torch.dtype:
@@ -80,18 +84,19 @@ def draw_seq_lens(case: Case, n_seq: int, n_q: int, page: int) -> list[int]:
     return lengths
 
 
-def paged_layout(case: Case, lengths: list[int], page: int):
+def paged_layout(case: Case, lengths: list[int], page: int, first_page: int = 0):
     """Block tables from a random permutation of the pages; -1 pads each row past its last page (and one spare
-    column), so a kernel that reads past a sequence's pages faults or reads garbage."""
+    column), so a kernel that reads past a sequence's pages faults or reads garbage. Pages below `first_page`
+    belong to no sequence (they put the sequences' slots past 2^16)."""
     need = [-(-n // page) for n in lengths]
     n_pages = sum(need) + SPARE_PAGES
-    perm = torch.randperm(n_pages, generator=generator(case.seed, 93))
+    perm = torch.randperm(n_pages, generator=generator(case.seed, 93)) + first_page
     table = torch.full((len(lengths), max(need, default=0) + 1), -1, dtype=torch.int32)
     start = 0
     for b, n in enumerate(need):
         table[b, :n] = perm[start:start + n].to(torch.int32)
         start += n
-    return table, torch.tensor(lengths, dtype=torch.int32), n_pages
+    return table, torch.tensor(lengths, dtype=torch.int32), n_pages + first_page
 
 
 def make_qkv_a_inputs(case: Case) -> OpInputs:
@@ -176,7 +181,13 @@ def make_decode_attn_inputs(case: Case) -> OpInputs:
     cfg = get_config(case.config)
     n_q, page = q_per_seq(case), cfg.page_size
     lengths = draw_seq_lens(case, case.batch, n_q, page)
-    block_table, seq_lens, n_pages = paged_layout(case, lengths, page)
+    first_page = 0
+    if case.knob("context") == "long":
+        # slot indices past 2^16 (page ids and a sequence's own positions): a kernel that keeps a slot, a
+        # position or a row offset in 16 bits reads another slot
+        lengths[0] = LONG_CONTEXT[case.config] + page + 1
+        first_page = -(-LARGE_CACHE_SLOTS // page)
+    block_table, seq_lens, n_pages = paged_layout(case, lengths, page, first_page)
     return OpInputs(
         tensors={"q_abs": _activation(case, 31, (case.batch, n_q, cfg.n_heads, cfg.cache_dim)),
                  # nonfinite: NaN / inf in q only. The cache's slots past a sequence's length are never
@@ -221,7 +232,9 @@ def decode_attn_magnitude(inputs: OpInputs, cand: dict | None = None) -> dict[st
         p = torch.softmax(s.masked_fill(~vis, float("-inf")), -1)                      # [Q, H, L]
         a = (torch.einsum("qhc,tc->qht", q[b].square(), kv.square()) * width).sqrt() * abs(scale)
         o = torch.einsum("qht,tc->qhc", p, v)
-        spread = ((p * a).unsqueeze(-1) * (v - o.unsqueeze(2)).abs()).sum(2)          # [Q, H, L, lora] summed
+        step = max(1, (1 << 24) // o.numel())                    # [Q, H, L, lora] summed in ~128 MB slices
+        spread = sum(((p * a)[..., t:t + step, None] * (v[t:t + step] - o.unsqueeze(2)).abs()).sum(2)
+                     for t in range(0, length, step))
         mag[b] = o.abs() + f * ((1 + 2 * lse) * torch.einsum("qht,tc->qhc", p, v.abs()) + spread)
     return {"o_latent": mag}
 
@@ -319,11 +332,14 @@ OPS: list[OpDef] = [
                    "kv_lora_rank: int\n-> o_latent[B,Q,H,kv_lora] wd"),
         batch_dims={"q_abs": 0, "block_table": 0, "seq_lens": 0, "o_latent": 0},
         split=head_split(lambda i: i.tensors["q_abs"].shape[2], {"q_abs": 2}, {"o_latent": 2}),
-        magnitudes=decode_attn_magnitude,
+        magnitudes=decode_attn_magnitude, fused="fused.mla_decode_attn:mla_decode_attn",
+        knob_sweep=({"context": "long"},),
         notes=("batch = sequences, each with Q query tokens (knob `q_per_seq`, else drawn 1..8 from the seed); the "
                "cache is shared by all sequences and never permuted. Context is capped at MAX_CONTEXT_PAGES pages "
                "(k3: 4 x 64 = 256) because the float64 oracle costs B*Q*H*L*C*4 flops (~15 GFLOP at k3, B=64, Q=8); "
-               "page-boundary lengths still cover every page-aligned split boundary up to that length.")),
+               "page-boundary lengths still cover every page-aligned split boundary up to that length. Knob "
+               "context='long' (in every run): sequence 0 of 2^16 + page + 1 slots (small, k3: 2^10 + page + 1) and "
+               "every sequence's pages past slot 2^16.")),
     OpDef(
         name="mla_out_gate", family="mla", reference="references.mla:mla_out_gate", make_inputs=make_out_gate_inputs,
         outputs=("o",),
