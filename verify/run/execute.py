@@ -20,7 +20,8 @@ PROGRESS_EVERY_S = 10.0       # a plain progress line at most this often when st
 
 
 class PlanMismatch(ValueError):
-    """An output directory holds another plan's log: one line naming both ids."""
+    """An output directory holds another plan's log, or a plan or log this harness did not write: one
+    line naming it."""
 
 
 class Progress:
@@ -66,7 +67,10 @@ def prepare_out(plan: Plan, out: Path, resume: bool) -> None:
     """Write the plan to OUT (a resume needs the same plan there)."""
     path = out / PLAN_NAME
     if resume and path.exists():
-        old = load(path)
+        try:
+            old = load(path)
+        except ValueError as e:
+            raise PlanMismatch(str(e)) from None
         if old.id != plan.id:
             raise PlanMismatch(f"{path} is plan {old.id}, this run's is {plan.id} (other settings or code); "
                                "rerun with the log's settings, or without --resume")
@@ -78,7 +82,10 @@ def run_slice(plan: Plan, cfg: RunConfig, out: Path, shard: tuple[int, int] = (0
     """Judge shard I of N of the plan into OUT/run.jsonl (on --resume only the cases the log lacks).
     Returns every verdict the log holds for the plan, earlier ones included."""
     prepare_out(plan, out, resume)
-    before = runlog.read(out / runlog.LOG_NAME) if resume and (out / runlog.LOG_NAME).exists() else None
+    try:
+        before = runlog.read(out / runlog.LOG_NAME) if resume and (out / runlog.LOG_NAME).exists() else None
+    except ValueError as e:
+        raise PlanMismatch(str(e)) from None
     if before is not None and before.plans - {plan.id}:
         raise PlanMismatch(f"{out / runlog.LOG_NAME} holds verdicts of plan {', '.join(sorted(before.plans - {plan.id}))}, "
                            f"not {plan.id}")
