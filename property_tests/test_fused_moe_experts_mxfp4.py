@@ -107,8 +107,8 @@ def test_custom_op_registers_under_project_namespace():
 
 def test_fused_refuses_fp32_and_cpu_tensors_with_the_argument_name():
     from fused import moe_experts_mxfp4 as fm
-    from verify.case import Case
-    from verify.registry import get_op
+    from verify.model.case import Case
+    from verify.ops.registry import get_op
     t = get_op("moe_experts_mxfp4").make_inputs(Case("moe_experts_mxfp4", 0, 3, "tiny", "bfloat16", "normal", 1)).tensors
     with pytest.raises(ValueError, match="z: the fused kernel needs a CUDA tensor"):
         fm.moe_experts_mxfp4(**t)

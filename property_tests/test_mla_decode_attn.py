@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from references.config import get_config
-from verify.case import Case
+from verify.model.case import Case
 from verify.ops.mla import LARGE_CACHE_SLOTS, make_decode_attn_inputs
 
 fm = pytest.importorskip("fused.mla_decode_attn", reason="needs the fused package")

@@ -73,8 +73,8 @@ def judge(inputs, params):
     """check(y): the spec's derived rule against the float64 reference, the wd reference as baseline
     (both computed once)."""
     from references.moe import moe_experts_mxfp4 as ref
-    from verify.compare import compare_derived
-    from verify.specs import load_spec
+    from verify.judge.compare import compare_derived
+    from verify.model.specs import load_spec
     spec = load_spec("moe_experts_mxfp4").output("y")
     dtype = inputs["z"].dtype
     k, floor = spec.bounds(dtype)
@@ -168,7 +168,7 @@ def test_expert_parallel_ranks_fold_to_the_unsplit_result(T):
     partials is judged like the unsplit op (the harness's split rule, here at K3 dims)."""
     from fused import moe_experts_mxfp4 as fm
     from references.primitives import fold_ranks
-    from verify.opdef import OpInputs
+    from verify.model.opdef import OpInputs
     from verify.ops.moe_splits import shard_moe_experts
     E, L, inter, k = 64, K3_L, 384, K3_K
     w13_p, w13_s, w2_p, w2_s = expert_weights(E, L, inter, seed=T)

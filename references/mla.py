@@ -104,10 +104,10 @@ def _check_decode_inputs(q_abs, cache, block_table, seq_lens):
         raise ValueError(f"seq_lens: every length must cover the {n_q} query tokens, got {seq_lens.tolist()}")
 
 
-def causal_visible(length: int, n_q: int, start: int, stop: int):
+def causal_visible(length: int, n_q: int, start: int, stop: int, device=None):
     """[n_q, stop-start] bool: query j (0-based among n_q) of a length-`length` sequence sees t < length-n_q+j+1."""
-    pos = torch.arange(start, stop)
-    last = length - n_q + torch.arange(n_q)
+    pos = torch.arange(start, stop, device=device)
+    last = length - n_q + torch.arange(n_q, device=device)
     return pos[None, :] <= last[:, None]
 
 
@@ -121,13 +121,13 @@ def mla_decode_attn(q_abs, cache, block_table, seq_lens, scale: float, kv_lora_r
     _check_decode_inputs(q_abs, cache, block_table, seq_lens)
     n_seq, n_q, n_heads, _ = q_abs.shape
     acc = acc_dtype(q_abs)
-    out = torch.zeros(n_seq, n_q, n_heads, kv_lora_rank, dtype=acc)
-    lse = torch.zeros(n_seq, n_q, n_heads, dtype=acc)
+    out = torch.zeros(n_seq, n_q, n_heads, kv_lora_rank, dtype=acc, device=q_abs.device)
+    lse = torch.zeros(n_seq, n_q, n_heads, dtype=acc, device=q_abs.device)
     for b in range(n_seq):
         length = int(seq_lens[b])
         kv = paged_cache_read(cache, block_table[b], length).to(acc)           # [L, C]
         s = torch.einsum("qhc,tc->qht", q_abs[b].to(acc), kv) * scale
-        s = s.masked_fill(~causal_visible(length, n_q, 0, length)[:, None, :], float("-inf"))
+        s = s.masked_fill(~causal_visible(length, n_q, 0, length, s.device)[:, None, :], float("-inf"))
         lse[b] = torch.logsumexp(s, dim=-1)
         out[b] = torch.einsum("qht,tc->qhc", torch.softmax(s, dim=-1), kv[:, :kv_lora_rank])
     out = out.to(q_abs.dtype)
@@ -146,8 +146,8 @@ def mla_decode_attn_split_kv(q_abs, cache, block_table, seq_lens, scale: float, 
         raise ValueError(f"n_splits: must be >= 1, got {n_splits}")
     n_seq, n_q, n_heads, _ = q_abs.shape
     page, acc = cache.shape[1], acc_dtype(q_abs)
-    out = torch.zeros(n_seq, n_q, n_heads, kv_lora_rank, dtype=acc)
-    lse_out = torch.zeros(n_seq, n_q, n_heads, dtype=acc)
+    out = torch.zeros(n_seq, n_q, n_heads, kv_lora_rank, dtype=acc, device=q_abs.device)
+    lse_out = torch.zeros(n_seq, n_q, n_heads, dtype=acc, device=q_abs.device)
     for b in range(n_seq):
         length = int(seq_lens[b])
         pages_per_split = -(-(-(-length // page)) // n_splits)
@@ -157,7 +157,7 @@ def mla_decode_attn_split_kv(q_abs, cache, block_table, seq_lens, scale: float, 
             stop = min(length, start + pages_per_split * page)
             kv = kv_all[start:stop]
             s = torch.einsum("qhc,tc->qht", q_abs[b].to(acc), kv) * scale
-            s = s.masked_fill(~causal_visible(length, n_q, start, stop)[:, None, :], float("-inf"))
+            s = s.masked_fill(~causal_visible(length, n_q, start, stop, s.device)[:, None, :], float("-inf"))
             m = s.amax(-1, keepdim=True)
             m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))     # fully masked chunk
             e = torch.exp(s - m_safe)
@@ -215,7 +215,7 @@ def mla_attention_expanded(q_c, w_q_b, w_uk, w_uv, cache, block_table, seq_lens,
         v = torch.einsum("tc,hdc->thd", c, w_uv.to(acc)).to(wd)
         k = torch.cat([k_nope, k_rot[:, None, :].expand(-1, n_heads, -1).to(wd)], dim=-1)
         s = torch.einsum("qhe,the->qht", q[b].to(acc), k.to(acc)) * scale
-        s = s.masked_fill(~causal_visible(length, n_q, 0, length)[:, None, :], float("-inf"))
+        s = s.masked_fill(~causal_visible(length, n_q, 0, length, s.device)[:, None, :], float("-inf"))
         out[b] = torch.einsum("qht,thd->qhd", torch.softmax(s, dim=-1), v.to(acc))
     return out.to(wd)
 
