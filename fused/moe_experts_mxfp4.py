@@ -299,6 +299,9 @@ def _compile(wd: str, ids_dtype: str, E: int, L: int, inter: int, k: int, cfg: M
         runtime.fake_tensor(wd, (b, L)))
 
 
+INDEX_LIMIT = 2**31        # words an operand may hold: the kernels compute offsets in 32 bits
+
+
 def _check(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale):
     """Shapes and dtypes as the reference checks them; not the id values (a host check of device ids
     would synchronise, and fail inside CUDA graph capture): ids outside 0..E-1 are skipped like -1."""
@@ -317,6 +320,12 @@ def _check(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale):
     check_tensor("w13_scale", w13_scale, shape=(E, two_i, L // 32), dtypes=(torch.uint8,))
     check_tensor("w2_packed", w2_packed, shape=(E, L, inter // 2), dtypes=(torch.uint8,))
     check_tensor("w2_scale", w2_scale, shape=(E, L, inter // 32), dtypes=(torch.uint8,))
+    for name, t, word in (("w13_packed", w13_packed, 4), ("w2_packed", w2_packed, 4),
+                          ("w13_scale", w13_scale, 1), ("w2_scale", w2_scale, 1)):
+        if t.numel() // word >= INDEX_LIMIT:
+            raise ValueError(f"{name}: {t.numel()} bytes ({t.numel() // word} {word}-byte words); the kernel indexes "
+                             f"its operands with 32 bits (< 2^31 words): split the experts over ranks (EP) or the "
+                             "intermediate dimension (T >= 2)")
     runtime.require_cuda("z", z)
 
 

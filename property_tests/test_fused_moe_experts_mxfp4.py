@@ -115,3 +115,25 @@ def test_fused_refuses_fp32_and_cpu_tensors_with_the_argument_name():
     with pytest.raises(TypeError, match="z: dtype"):
         fm.moe_experts_mxfp4(**{**t, "z": t["z"].float()})
     assert fm.DTYPES == ("bfloat16", "float16")
+
+
+def test_operands_past_32_bit_offsets_are_refused_before_launch():
+    """896 experts x the whole intermediate dim (K3 at T = 1): w2 holds 2.5e9 words, past the kernels'
+    32-bit offsets; refused with the fix named, before any launch (meta tensors: nothing allocated)."""
+    from fused import moe_experts_mxfp4 as fm
+    E, L, inter, B, k = 896, 7168, 3072, 1, 16
+    meta = dict(device="meta")
+    t = dict(z=torch.empty(B, L, dtype=torch.bfloat16, **meta), ids=torch.empty(B, k, dtype=torch.int64, **meta),
+             weights=torch.empty(B, k, dtype=torch.float32, **meta),
+             w13_packed=torch.empty(E, 2 * inter, L // 2, dtype=torch.uint8, **meta),
+             w13_scale=torch.empty(E, 2 * inter, L // 32, dtype=torch.uint8, **meta),
+             w2_packed=torch.empty(E, L, inter // 2, dtype=torch.uint8, **meta),
+             w2_scale=torch.empty(E, L, inter // 32, dtype=torch.uint8, **meta))
+    with pytest.raises(ValueError, match="32 bits .* split the experts over ranks"):
+        fm.moe_experts_mxfp4(**t)
+    at_t8 = dict(t, w13_packed=torch.empty(E, 2 * 384, L // 2, dtype=torch.uint8, **meta),
+                 w13_scale=torch.empty(E, 2 * 384, L // 32, dtype=torch.uint8, **meta),
+                 w2_packed=torch.empty(E, L, 384 // 2, dtype=torch.uint8, **meta),
+                 w2_scale=torch.empty(E, L, 384 // 32, dtype=torch.uint8, **meta))
+    with pytest.raises(ValueError, match="CUDA tensor"):          # T = 8 fits: only the device is wrong
+        fm.moe_experts_mxfp4(**at_t8)

@@ -275,7 +275,7 @@ def test_timing_k3_per_rank_shapes():
     lines = [f"{'T':>3} {'I':>5} {'B':>3} {'distinct':>8} {'MB':>8} {'fused':>9} {'floor':>9} {'GB/s':>7} "
              f"{'dq+mm':>9} {'ref eager':>10}  variants " + " / ".join(c.name for c in fm.all_configs())]
     params = dict(situ_beta=4.0, situ_linear_beta=25.0)
-    for T in (1, 8, 16):
+    for T in (8, 16):           # T = 1 (896 experts x the whole I) is refused: past 32-bit offsets
         inter = max(-(-K3_I // T), 256)
         w13_p, w13_s, w2_p, w2_s = expert_weights(K3_E, K3_L, inter, seed=T)
         per_expert = sum(x[0].numel() for x in (w13_p, w13_s, w2_p, w2_s))
