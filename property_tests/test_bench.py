@@ -176,6 +176,8 @@ def test_shapes_for_follows_the_op_declarations():
     s, notes = shapes.shapes_for(gemm, [1, 8, 3], [1, 64])
     assert len(s) == 4 * 2 * 2 and any("T=3" in n for n in notes)
     assert {dict(x.knobs)["proj"] for x in s} == {"o_proj", "g_proj", "latent_down", "latent_up"}
+    assert shapes.coverage_order([1, 2, 4, 8, 16, 32, 64]) == [1, 64, 8, 2, 16, 4, 32]
+    assert sorted(shapes.coverage_order([3, 1, 2, 9, 5])) == [1, 2, 3, 5, 9]
     s, _ = shapes.shapes_for(deq, [1, 8], [1, 2, 4])
     assert [(x.tp, x.batch) for x in s] == [(1, 7168), (8, 7168)]       # weight rows, not decode tokens
     s, notes = shapes.shapes_for(kda, [1], [32, 64])

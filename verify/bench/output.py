@@ -74,7 +74,7 @@ def tables(rec: dict):
             t.add_column(f"{c}/floor", justify="right")
             t.add_column(f"{c} rule")
         for r in rows:
-            cells = [r["shape"], "-" if not r.get("bytes") else f"{r['bytes'] / 1e6:.2f}", _us(r["timings"].get("floor"))]
+            cells = [r["shape"], "-" if not r.get("bytes") else f"{r['bytes'] / 1e6:.3g}", _us(r["timings"].get("floor"))]
             cells += [_us(r["timings"].get(n)) for n in names]
             for c in cands:
                 j = r["judged"].get(c)
@@ -106,8 +106,8 @@ def print_report(console, rec: dict, out_path) -> None:
     if rec["not_reached"]:
         console.print(f"[yellow]time budget: {len(rec['not_reached'])} shapes not reached[/]")
     for c, s in rec["scores"].items():
-        eager = ", ".join(f">= {p}x {v if v is None else f'{v:.0%}'}" for p, v in s["vs_eager"].items())
-        peer = ", ".join(f">= {p}x {v if v is None else f'{v:.0%}'}" for p, v in s["vs_best_peer"].items())
+        eager = ", ".join(f">= {p}x {'-' if v is None else f'{v:.0%}'}" for p, v in s["vs_eager"].items())
+        peer = ", ".join(f">= {p}x {'-' if v is None else f'{v:.0%}'}" for p, v in s["vs_best_peer"].items())
         console.print(f"score {c}: {s['rule_met']} of {s['shapes']} shapes meet the rule; certified and faster than "
                       f"eager {eager}; than the best peer ({s['peer_shapes']} shapes) {peer}")
     console.print(f"bench record: {out_path}")

@@ -19,7 +19,7 @@ from pathlib import Path
 NVTX_ENV = "VERIFY_BENCH_NVTX"
 RANGE = "verify-bench"
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats",
-            "SchedulerStats")
+            "SchedulerStats", "SourceCounters")
 
 
 def _safe(text: str) -> str:

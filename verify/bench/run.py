@@ -144,7 +144,8 @@ def bench_all(plan: Plan, clock, on_row: Callable[[dict], None], profile: Callab
             rows.append(row)
             on_row(row)
             _free(plan.device)
-        cache = shapes.InputCache() if i + 1 < len(plan.ops) else cache
+    order = {op.name: i for i, op in enumerate(plan.ops)}
+    rows.sort(key=lambda r: (order[r["op"]], sorted(r["knobs"].items()), r["tp"], r["batch"]))
     return {"rows": rows, "not_reached": not_reached, "notes": {k: v for k, v in notes.items() if v}}
 
 

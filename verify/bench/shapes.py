@@ -39,8 +39,26 @@ def op_tps(op, tps: list[int]) -> tuple[list[int], list[str]]:
     return keep, notes
 
 
+def coverage_order(values: list[int]) -> list[int]:
+    """The values reordered so that any prefix spans their range: ends first, then midpoints
+    (1,2,4,8,16,32,64 -> 1,64,8,2,16,4,32): a time budget that cuts an op keeps a spread of batches."""
+    vals = sorted(set(values))
+    if len(vals) <= 2:
+        return vals
+    out, spans = [vals[0], vals[-1]], [(0, len(vals) - 1)]
+    while spans:
+        nxt = []
+        for lo, hi in spans:
+            if hi - lo > 1:
+                mid = (lo + hi) // 2
+                out.append(vals[mid])
+                nxt += [(lo, mid), (mid, hi)]
+        spans = nxt
+    return out
+
+
 def shapes_for(op, tps: list[int], batches: list[int]) -> tuple[list[Shape], list[str]]:
-    """Every shape of one op, grouped by knob set, then T, then B (the input cache's order)."""
+    """Every shape of one op, B in coverage order, then T, then the knob sets."""
     keep, notes = op_tps(op, tps)
     batch_list = sorted(set(op.bench_batches or batches))
     if not op.bench_batches:
@@ -49,7 +67,7 @@ def shapes_for(op, tps: list[int], batches: list[int]) -> tuple[list[Shape], lis
             notes.append(f"B={','.join(map(str, over))}: over the batches {op.name}'s certification draws "
                          f"(<= {op.max_batch}; larger ones are covered by its batch-invariance guard)")
     shapes = [Shape(op.name, t, b, tuple(sorted(knobs.items())))
-              for knobs in op.bench_knobs for t in keep for b in batch_list]
+              for b in coverage_order(batch_list) for t in keep for knobs in op.bench_knobs]
     return shapes, notes
 
 
@@ -81,13 +99,16 @@ def rank_inputs(op, unsplit, tp: int):
 
 
 class InputCache:
-    """Unsplit CPU inputs per (op, knobs), built once at the largest batch a run asks of them."""
+    """Unsplit CPU inputs per (op, knobs), built once at the largest batch a run asks of them; one
+    op's at a time."""
 
     def __init__(self):
         self._built: dict[tuple, tuple[int, object]] = {}
 
     def inputs(self, op, shape: Shape, largest: int):
         key = (op.name, shape.knobs)
+        if any(k[0] != op.name for k in self._built):
+            self._built = {}
         if key not in self._built or self._built[key][0] < shape.batch:
-            self._built = {key: (largest, op.make_inputs(case_for(op, shape, largest)))}   # one op's inputs at a time
+            self._built[key] = (largest, op.make_inputs(case_for(op, shape, largest)))
         return take_batch(op, rank_inputs(op, self._built[key][1], shape.tp), shape.batch)
