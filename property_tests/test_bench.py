@@ -364,8 +364,13 @@ def test_bench_without_a_gpu_exits_2_with_one_line():
     (["--candidate", "weird"], "--candidate 'weird'"),
     (["--certificate", "/nonexistent/c.json"], "--certificate /nonexistent/c.json: no such file"),
     (["--time-budget", "0"], "--time-budget 0"),
+    (["--out", "property_tests/planted_release"], None),
 ])
-def test_bench_bad_usage_is_one_line(args, words):
+def test_bench_bad_usage_is_one_line(args, words, tmp_path):
+    if words is None:            # a run's certificate in --out: the quick certification would replace it
+        (tmp_path / "certificate.json").write_text(json.dumps({"format": "verify-kernels/certificate/v1",
+                                                               "options": {"profile": "release"}}))
+        args, words = ["--out", str(tmp_path)], "holds a certificate of `verify-kernels run`"
     r = _cli("bench", *args)
     assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1
 

@@ -1,5 +1,10 @@
 """`verify-kernels bench`: the arguments and the command. Nothing heavy is imported at module level
-(the CLI builds its parser from `add_args` on every start)."""
+(the CLI builds its parser from `add_args` on every start).
+
+Exit status: 0 every asked candidate certified and timed at every shape; 1 a candidate refused (no
+passing verdict), one that failed to time, or shapes the time budget did not reach; 2 bad usage or
+no CUDA device. A row that misses the speed rule does not change it (a miss is listed, not a failure).
+"""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +24,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", default=DEFAULT_TPS, help=f"T values; each shape is one rank's (default {DEFAULT_TPS})")
     p.add_argument("--batch", default=DEFAULT_BATCHES, help=f"batch sizes B (default {DEFAULT_BATCHES})")
     p.add_argument("--out", default=None,
-                   help="directory for bench.json and bench.html (default: beside --certificate, else verify-out)")
+                   help="directory for bench.json and bench.html (default: beside --certificate, else "
+                        "verify-out/bench)")
     p.add_argument("--json", action="store_true", help="print the bench record JSON on stdout")
     p.add_argument("--certificate", default=None, metavar="CERT.json",
                    help="verdicts to gate on, comma-separated files (default: certify the quick profile first)")
@@ -63,12 +69,27 @@ def _setup(args):
     for c in certs:
         if not Path(c).is_file():
             raise UsageError(f"--certificate {c}: no such file")
-    out = Path(args.out) if args.out else (Path(certs[0]).parent if certs else Path("verify-out"))
+    out = Path(args.out) if args.out else (Path(certs[0]).parent if certs else Path("verify-out") / "bench")
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a directory")
+    if not certs and _foreign_certificate(out / "certificate.json"):
+        raise UsageError(f"--out {out}: holds a certificate of `verify-kernels run`; gate on it with --certificate "
+                         f"{out / 'certificate.json'}, or give another --out (the quick certification writes one there)")
     if args.time_budget is not None and not args.time_budget > 0:
         raise UsageError(f"--time-budget {args.time_budget:g}: must be a positive number of seconds")
     return ops, labels, tps, batches, certs, out
+
+
+def _foreign_certificate(path) -> bool:
+    """A certificate there that a bench run did not write (its quick certification would replace it)."""
+    import json
+
+    if not path.is_file():
+        return False
+    try:
+        return json.loads(path.read_text()).get("options", {}).get("by") != "verify-kernels bench"
+    except (OSError, ValueError, AttributeError):
+        return True
 
 
 def cmd_bench(args) -> int:
