@@ -93,9 +93,14 @@ def print_report(console, rec: dict, out_path) -> None:
     """Tables, then what went wrong (errors, refusals, budget), then the scores; one line per item."""
     for t in tables(rec):
         console.print(t)
+    errors: dict[tuple, list[str]] = {}
     for r in rec["rows"]:
         for name, err in r.get("errors", {}).items():
-            console.print(f"[yellow]{r['op']} {r['shape']} {name}: {err}[/]")
+            errors.setdefault((r["op"], name, err), []).append(r["shape"])
+    for (op, name, err), where in errors.items():
+        shown = where[0] if len(where) == 1 else f"{len(where)} shapes"
+        console.print(f"[yellow]{op} {name} ({shown}): {err}[/]")
+    for r in rec["rows"]:
         for c, j in r["judged"].items():
             if j["verdict"] == "miss":
                 console.print(f"miss {r['op']} {r['shape']} {c}: " + "; ".join(j["misses"]))

@@ -59,15 +59,15 @@ def nvtx_marker():
 
 
 def run_under_ncu(argv: list[str], out_dir: str | Path) -> int:
-    """Run `verify-kernels <argv without --profile-kernels>` under ncu; 2 when ncu is missing."""
+    """Run the same `verify-kernels bench` under ncu (NVTX_ENV set: the child marks, it does not re-run
+    itself), its record under OUT/profile; 2 when ncu is missing."""
     ncu = shutil.which("ncu")
     if ncu is None:
         print("verify-kernels bench: --profile-kernels ncu needs Nsight Compute's `ncu` on PATH", file=sys.stderr)
         return 2
     prof = Path(out_dir) / "profile"
     prof.mkdir(parents=True, exist_ok=True)
-    child = _without_profile_flag(argv)
-    child = _with_out(child, str(prof))
+    child = _with_out(argv, str(prof))        # keeps --profile-kernels ncu: the child marks its NVTX ranges
     cmd = [ncu, "--nvtx", "--nvtx-include", f"{RANGE}/", *sum((["--section", s] for s in SECTIONS), []),
            "-f", "-o", str(prof / "bench"), sys.executable, "-m", "verify.cli", *child]
     rc = subprocess.run(cmd, env={**os.environ, NVTX_ENV: "1"}).returncode
@@ -76,21 +76,6 @@ def run_under_ncu(argv: list[str], out_dir: str | Path) -> int:
         with open(prof / "bench.txt", "w") as f:
             subprocess.run([ncu, "--import", str(rep), "--page", "details"], stdout=f)
     return rc
-
-
-def _without_profile_flag(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a == "--profile-kernels":
-            skip = True
-            continue
-        if a.startswith("--profile-kernels="):
-            continue
-        out.append(a)
-    return out
 
 
 def _with_out(argv: list[str], out: str) -> list[str]:

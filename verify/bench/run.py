@@ -115,7 +115,7 @@ def judge_row(row: dict, peer_names: list[str]) -> None:
 
 
 def bench_all(plan: Plan, clock, on_row: Callable[[dict], None], profile: Callable | None = None,
-              timing_kw: dict | None = None, log: Callable[[str], None] = print) -> dict:
+              timing_kw: dict | None = None) -> dict:
     """Every op of the plan, shape by shape. Returns {"rows": [...], "not_reached": [...], "notes": {...}}."""
     rows, not_reached, notes = [], [], dict(plan.notes)
     start = time.monotonic()
