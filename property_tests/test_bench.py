@@ -180,6 +180,8 @@ def test_shapes_for_follows_the_op_declarations():
     assert sorted(shapes.coverage_order([3, 1, 2, 9, 5])) == [1, 2, 3, 5, 9]
     s, _ = shapes.shapes_for(deq, [1, 8], [1, 2, 4])
     assert [(x.tp, x.batch) for x in s] == [(1, 7168), (8, 7168)]       # weight rows, not decode tokens
+    s, notes = shapes.shapes_for(get_op("router_topk"), [1, 8, 16], [1])
+    assert [x.tp for x in s] == [1] and any("replicated" in n for n in notes)
     s, notes = shapes.shapes_for(kda, [1], [32, 64])
     assert [x.batch for x in s] == [32, 64] and any("batch-invariance" in n for n in notes)
     assert s[0].label == "T=1 B=32"
@@ -387,3 +389,49 @@ def test_diff_of_two_bench_records(tmp_path):
     r = _cli("diff", str(a), str(b))
     assert r.returncode == 1 and "SPEED REGRESSIONS (1)" in r.stdout and "[fused]" in r.stdout
     assert _cli("diff", str(a), str(a)).returncode == 0
+
+
+def test_report_includes_the_bench_section_beside_its_certificate(tmp_path):
+    from verify import certificate
+    from verify.verdict import OpVerdict
+
+    cert = certificate.build([OpVerdict("mla_cache_write", "fused", "pass", 4, 4)], all_ops(), {"profile": "quick"},
+                             "cuda")
+    path = certificate.write(cert, tmp_path)
+    r = _cli("report", str(path), "-o", str(tmp_path / "plain.html"))
+    assert r.returncode == 0 and "verify-kernels bench" not in (tmp_path / "plain.html").read_text()
+    rows = [_row("mla_cache_write", "T=1 B=1", 1.0, 9.0)]
+    rows[0].update(tp=1, batch=1, knobs={})
+    output.write(_record(rows), tmp_path)
+    r = _cli("report", str(path), "-o", str(tmp_path / "with.html"))
+    page = (tmp_path / "with.html").read_text()
+    assert r.returncode == 0 and "Speed (verify-kernels bench)" in page and "mla_cache_write: us against batch" in page
+
+
+def test_diff_of_two_certificates_shows_the_speed_of_the_bench_records_beside_them(tmp_path):
+    from verify import certificate
+    from verify.verdict import OpVerdict
+
+    rows = [_row("a", "T=1 B=1", 1.0, 2.5)]
+    rows[0].update(tp=1, batch=1, knobs={})
+    old = _record(rows)
+    new = json.loads(json.dumps(old))
+    new["rows"][0]["timings"]["fused"] = {"median_us": 2.0, "p10_us": 1.9, "p90_us": 2.1}
+    paths = []
+    for name, rec in (("old", old), ("new", new)):
+        d = tmp_path / name
+        cert = certificate.build([OpVerdict("mla_cache_write", "fused", "pass", 4, 4)], all_ops(), {}, "cuda")
+        paths.append(str(certificate.write(cert, d)))
+        output.write(rec, d)
+    r = _cli("diff", *paths)
+    assert r.returncode == 1 and "SPEED REGRESSIONS (1)" in r.stdout
+    r = _cli("diff", *paths, "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["speed"][0]["kind"] == "regression"
+
+
+def test_ncu_child_keeps_the_command_with_its_own_out():
+    from verify.bench import profile
+
+    argv = ["bench", "--ops", "router_topk", "--out", "x", "--profile-kernels", "ncu"]
+    assert profile._with_out(argv, "x/profile") == ["bench", "--ops", "router_topk", "--profile-kernels", "ncu",
+                                                    "--out", "x/profile"]

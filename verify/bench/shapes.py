@@ -32,10 +32,14 @@ class Shape:
 
 
 def op_tps(op, tps: list[int]) -> tuple[list[int], list[str]]:
-    """The T values of `tps` the op's split allows (T = 1 always), and a note per one it does not."""
+    """The T values of `tps` the op's split allows (T = 1 always; one T for a replicated op, whose
+    rank holds the whole op at every T), and a note per one left out."""
     allowed = {1} | set(op.split.tp_values if op.split is not None else ())
     keep = [t for t in tps if t in allowed]
     notes = [f"T={t}: not in {op.name}'s split ({sorted(allowed)})" for t in tps if t not in allowed]
+    if op.split is not None and op.split.kind == "replicated" and len(keep) > 1:
+        notes.append(f"T={','.join(map(str, keep[1:]))}: {op.name} is replicated, one rank's shape is T={keep[0]}'s")
+        keep = keep[:1]
     return keep, notes
 
 
