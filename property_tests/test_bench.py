@@ -262,8 +262,13 @@ def test_bench_shape_times_every_entry_and_reports_a_failing_one():
                 replay()
             return (time.perf_counter() - t0) * 1e3
 
+    def transposed(t, p):                   # a peer that computes something else
+        return lambda: torch_linear(t, p)().T.contiguous().T * 1.5
     row = run.bench_shape(op, shape, inputs, makers, {}, ["fused"], CpuClock(), "cpu",
-                          timing_kw={"min_calls": 2, "samples": 3, "replays": 1})
+                          timing_kw={"min_calls": 2, "samples": 3, "replays": 1},
+                          checks={"peer:torch_linear": torch_linear, "peer:wrong": transposed})
+    assert row["peer_checks"]["peer:torch_linear"].startswith("ok")
+    assert row["peer_checks"]["peer:wrong"].startswith("DIFFERS")
     assert set(row["timings"]) == {"eager", "peer:torch_linear", "fused", "floor"}
     assert row["errors"] == {"compiled": "RuntimeError: no kernel for this shape"}
     assert row["bytes"] == op.moved_bytes(inputs) and row["sets"] >= 1
@@ -286,6 +291,16 @@ def test_torch_peers_compute_the_op():
     gi = g.make_inputs(Case("skinny_gemm", 0, 3, "small", "bfloat16", "normal"))
     y = reference_fn(g)(**gi.tensors)
     assert torch.allclose(peers.torch_linear(gi.tensors, {})().float(), y.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_peer_check_compares_ids_as_sets_and_weights_in_their_order():
+    from verify.bench import peer_check
+
+    ids, w = torch.tensor([[3, 1, 2]]), torch.tensor([[0.5, 0.3, 0.2]])
+    assert peer_check.compare((ids, w), (ids[:, [1, 0, 2]], w[:, [1, 0, 2]])).startswith("ok")
+    assert peer_check.compare((ids, w), (torch.tensor([[3, 1, 4]]), w)) == "DIFFERS: ids differ in 1 of 1 rows"
+    assert peer_check.compare(torch.ones(2, 3), torch.ones(3, 2)).startswith("DIFFERS: outputs")
+    assert peer_check.compare(torch.ones(2, 3), torch.full((2, 3), float("nan"))).startswith("DIFFERS")
 
 
 def test_fla_peers_say_what_is_missing(monkeypatch):

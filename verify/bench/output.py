@@ -97,6 +97,10 @@ def print_report(console, rec: dict, out_path) -> None:
     for r in rec["rows"]:
         for name, err in r.get("errors", {}).items():
             errors.setdefault((r["op"], name, err), []).append(r["shape"])
+    for r in rec["rows"]:
+        for name, note in r.get("peer_checks", {}).items():
+            if not note.startswith("ok"):
+                errors.setdefault((r["op"], name, "against the reference: " + note), []).append(r["shape"])
     for (op, name, err), where in errors.items():
         shown = where[0] if len(where) == 1 else f"{len(where)} shapes"
         console.print(f"[yellow]{op} {name} ({shown}): {err}[/]")

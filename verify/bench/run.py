@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from verify.bench import floor, score, shapes, timing
+from verify.bench import floor, peer_check, score, shapes, timing
 
 EAGER, COMPILED, FLOOR = "eager", "compiled", "floor"
 
@@ -37,13 +37,14 @@ def _peer_launch(prepare):
     return lambda s: prepare(s.tensors, s.params)
 
 
-def entries_for(op, allowed: dict[str, Callable]) -> tuple[dict[str, Callable], dict[str, str]]:
-    """name -> (input set -> launch) for the baselines, the peers and the allowed candidates; and
-    name -> error for those that cannot even be resolved here."""
+def entries_for(op, allowed: dict[str, Callable]) -> tuple[dict[str, Callable], dict[str, str], dict[str, Callable]]:
+    """name -> (input set -> launch) for the baselines, the peers and the allowed candidates; name ->
+    error for those that cannot even be resolved here; and name -> prepare of each whole-op peer (the
+    ones checked against the reference, peer_check)."""
     from verify.candidates import compiled_fn, reference_fn
     from verify.registry import import_callable
 
-    makers, errors = {}, {}
+    makers, errors, whole = {}, {}, {}
     for name, resolve in ((EAGER, lambda: reference_fn(op)), (COMPILED, lambda: compiled_fn(op.name))):
         try:
             makers[name] = _op_launch(resolve())
@@ -51,13 +52,16 @@ def entries_for(op, allowed: dict[str, Callable]) -> tuple[dict[str, Callable], 
             errors[name] = f"{type(e).__name__}: {e}"[:300]
     for peer in op.peers:
         try:
-            makers[f"peer:{peer.name}"] = _peer_launch(import_callable(peer.prepare))
+            prepare = import_callable(peer.prepare)
+            makers[f"peer:{peer.name}"] = _peer_launch(prepare)
+            if not peer.part:
+                whole[f"peer:{peer.name}"] = prepare
         except Exception as e:  # noqa: BLE001
             errors[f"peer:{peer.name}"] = f"{type(e).__name__}: {e}"[:300]
     for label, fn in allowed.items():
         if label not in (EAGER, COMPILED, "reference"):
             makers[label] = _op_launch(fn)
-    return makers, errors
+    return makers, errors, whole
 
 
 def _device_sets(inputs, n: int, device: str) -> list:
@@ -69,13 +73,23 @@ def _device_sets(inputs, n: int, device: str) -> list:
 
 
 def bench_shape(op, shape, inputs, makers: dict, errors: dict, candidates: list[str], clock, device: str,
-                profile: Callable | None = None, timing_kw: dict | None = None) -> dict:
-    """One row: every entry timed over the same rotated sets, the floor, and each candidate judged."""
+                profile: Callable | None = None, timing_kw: dict | None = None, checks: dict | None = None) -> dict:
+    """One row: every entry timed over the same rotated sets, the floor, and each candidate judged;
+    each whole-op peer in `checks` (name -> prepare) first run against the reference once."""
     nbytes = floor.declared_bytes(op, inputs)
     n_sets = timing.sets_needed(max(floor.input_bytes(inputs.tensors), nbytes or 0))
     row = {"op": op.name, "shape": shape.label, **shape.to_dict(), "bytes": nbytes, "sets": n_sets,
            "candidates": list(candidates), "timings": {}, "errors": dict(errors), "judged": {}}
     sets = _device_sets(inputs, n_sets, device)
+    if checks:
+        from verify.candidates import reference_fn
+
+        row["peer_checks"] = {}
+        for name, prepare in checks.items():
+            try:
+                row["peer_checks"][name] = peer_check.check(op, sets[0], reference_fn(op), prepare)
+            except Exception as e:  # noqa: BLE001
+                row["peer_checks"][name] = f"not checked: {type(e).__name__}: {e}"[:300]
     try:
         for name, make in makers.items():
             try:
@@ -123,7 +137,7 @@ def bench_all(plan: Plan, clock, on_row: Callable[[dict], None], profile: Callab
     for i, op in enumerate(plan.ops):
         op_shapes, op_notes = shapes.shapes_for(op, plan.tps, plan.batches)
         notes.setdefault(op.name, []).extend(op_notes)
-        makers, errors = entries_for(op, plan.allowed.get(op.name, {}))
+        makers, errors, checks = entries_for(op, plan.allowed.get(op.name, {}))
         left = None if plan.budget_s is None else plan.budget_s - (time.monotonic() - start)
         deadline = None if left is None else time.monotonic() + left / (len(plan.ops) - i)
         largest = max((s.batch for s in op_shapes), default=1)
@@ -135,7 +149,7 @@ def bench_all(plan: Plan, clock, on_row: Callable[[dict], None], profile: Callab
             try:
                 inputs = cache.inputs(op, shape, largest)
                 row = bench_shape(op, shape, inputs, makers, errors, plan.candidates.get(op.name, []), clock,
-                                  plan.device, profile, timing_kw)
+                                  plan.device, profile, timing_kw, checks)
             except Exception as e:  # noqa: BLE001  (inputs or a split that cannot be built: the row says so)
                 row = {"op": op.name, "shape": shape.label, **shape.to_dict(), "bytes": None, "sets": 0,
                        "candidates": plan.candidates.get(op.name, []), "timings": {}, "judged": {},
