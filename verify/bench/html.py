@@ -49,6 +49,7 @@ def plots(rec: dict) -> list[tuple[str, str]]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
 
     out = []
     for op in dict.fromkeys(r["op"] for r in rec["rows"]):
@@ -72,12 +73,14 @@ def plots(rec: dict) -> list[tuple[str, str]]:
                 ax.plot(xs, ys, label=name.replace("peer:", ""), **style)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            ax.xaxis.set_major_formatter(ScalarFormatter())
             ax.set_title(" ".join([f"T={tp}"] + [f"{k}={v}" for k, v in knobs]), fontsize=9)
             ax.set_xlabel("batch B")
             ax.set_ylabel("us per call")
             ax.legend(fontsize=7)
         for ax in list(axes.flat)[len(panels):]:
             ax.set_visible(False)
+        fig.tight_layout()
         out.append((f"{op}: us against batch (floor dashed)", _png(fig)))
     return out
 

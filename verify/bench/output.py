@@ -54,6 +54,13 @@ def _us(t: dict | None) -> str:
     return f"{t['median_us']:.2f}" + ("*" if t.get("method") == "stream" else "")
 
 
+def _speedups(sp: dict) -> str:
+    """How many times faster than eager / compiled / the best (fastest) peer (> 1: faster)."""
+    peers = [v for k, v in sp.items() if k.startswith("peer:")]
+    cells = [sp.get("eager"), sp.get("compiled"), min(peers) if peers else None]
+    return "/".join("-" if v is None else f"{v:.2f}" for v in cells)
+
+
 def tables(rec: dict):
     """One rich Table per op: us per entry (median; * = not capturable, timed from Python), the
     floor, and each candidate's floor ratio and verdict."""
@@ -72,6 +79,7 @@ def tables(rec: dict):
             t.add_column(n.replace("peer:", ""), justify="right")
         for c in cands:
             t.add_column(f"{c}/floor", justify="right")
+            t.add_column(f"{c} x eager/compiled/peer", justify="right")
             t.add_column(f"{c} rule")
         for r in rows:
             cells = [r["shape"], "-" if not r.get("bytes") else f"{r['bytes'] / 1e6:.3g}", _us(r["timings"].get("floor"))]
@@ -79,11 +87,11 @@ def tables(rec: dict):
             for c in cands:
                 j = r["judged"].get(c)
                 if j is None:
-                    cells += ["-", "[yellow]not timed[/]" if c in r["candidates"] else "-"]
+                    cells += ["-", "-", "[yellow]not timed[/]" if c in r["candidates"] else "-"]
                     continue
                 ratio = "-" if j["floor_ratio"] is None else f"{j['floor_ratio']:.2f}x"
                 color = {"met": "green", "miss": "bold red"}.get(j["verdict"], "yellow")
-                cells += [ratio, f"[{color}]{j['verdict']}[/]"]
+                cells += [ratio, _speedups(j["speedup"]), f"[{color}]{j['verdict']}[/]"]
             t.add_row(*cells)
         out.append(t)
     return out
