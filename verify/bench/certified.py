@@ -82,7 +82,12 @@ def by_quick_certification(ops, labels: list[str], device: str, out_dir, log=pri
                 continue
             out.applies.setdefault(op.name, []).append(label)
             log(f"certifying {op.name} / {label} (quick profile)")
-            v = certify_op(op, Candidate(label), opts)
+            try:
+                v = certify_op(op, Candidate(label), opts)
+            except Exception as e:  # noqa: BLE001  (the harness itself failed: no verdict, so no speed)
+                out.refused.append({"op": op.name, "candidate": label, "state": "error",
+                                    "reason": f"certification raised {type(e).__name__}: {e}"[:300]})
+                continue
             verdicts.append(v)
             if v.status in OK_STATUSES:
                 out.allowed.setdefault(op.name, {})[label] = fn
