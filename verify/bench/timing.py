@@ -101,11 +101,13 @@ class GraphClock:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream()
         try:
             with torch.cuda.graph(graph):
                 for call in calls:
                     call()
         except Exception:  # noqa: BLE001  (not capturable: time it launched from Python)
+            torch.cuda.set_stream(stream)     # a failed capture_end leaves the capture stream current
             torch.cuda.synchronize()
             del graph
 
