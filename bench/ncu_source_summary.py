@@ -1,6 +1,8 @@
-"""Warp-stall samples of `ncu --page source --print-source sass --csv` (bench/ncu_probe.sh with
-NCU_SOURCE=1), grouped per kernel by SASS opcode: which instructions the warps wait at, and for what.
+"""Warp-stall samples of `ncu --page source --print-source sass --csv` of a `verify-kernels bench
+--profile-kernels ncu` report, grouped per kernel by SASS opcode: which instructions the warps wait
+at, and for what.
 
+    ncu --import OUT/profile/bench.ncu-rep --page source --print-source sass --csv > source.csv
     python3 bench/ncu_source_summary.py source.csv [--top 12] [--kernel SUBSTR]
 """
 from __future__ import annotations

@@ -18,7 +18,7 @@ def _cli(*args, **env):
                           env={**os.environ, "COLUMNS": "100", **env}, timeout=120)
 
 
-@pytest.mark.parametrize("command", ["top", "run", "merge", "report", "diff", "check"])
+@pytest.mark.parametrize("command", ["top", "run", "merge", "report", "diff", "check", "bench"])
 def test_help_is_pinned(command):
     got = _cli(*([] if command == "top" else [command]), "--help")
     assert got.returncode == 0

@@ -510,7 +510,7 @@ def test_tiled_defaults_give_the_plain_variants_bits(K, N):
 @pytest.mark.gpu
 @needs_gpu
 def test_two_spread_launches_on_two_streams_do_not_wait_on_each_other():
-    """A two-stream stress test in a child with a time limit: a filler matmul, a spread GEMM on a
+    """property_tests/spread_stream_stress.py in a child with a time limit: a filler matmul, a spread GEMM on a
     low-priority stream, another on a high-priority stream after a delay swept over the filler's
     run, 640 rounds; both results bitwise equal to the first. Launched as plain grids this hung
     (H200); a hang here is the child killed at the limit."""
@@ -518,9 +518,9 @@ def test_two_spread_launches_on_two_streams_do_not_wait_on_each_other():
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "bench"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     try:
-        r = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_streams.py"), "--stress", "coop"],
+        r = subprocess.run([sys.executable, os.path.join(root, "property_tests", "spread_stream_stress.py")],
                            capture_output=True, text=True, timeout=120, env=env)
     except subprocess.TimeoutExpired:
         pytest.fail("two spread launches on two streams hung (child killed after 120 s)")

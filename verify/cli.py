@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("certificate", metavar="CERT.json")
     rep.add_argument("-o", "--output", default=None, help="HTML file (default: report.html beside CERT)")
     di = sub.add_parser("diff", help="new failures, fixed ops, error growth and judged code changed between two "
-                        "certificates")
+                        "certificates; speed changes between the bench records beside them (or two bench.json)")
     di.add_argument("old", metavar="OLD.json")
     di.add_argument("new", metavar="NEW.json")
     di.add_argument("--json", action="store_true", help="machine-readable output")
@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     me.add_argument("--junit", default=None, metavar="FILE", help="also write JUnit XML")
     me.add_argument("--changed-since", default=None, metavar="OLD.json",
                     help="carry forward from OLD.json the ops the shards did not judge (as their runs did)")
+    be = sub.add_parser("bench", help="time certified candidates beside eager, torch.compile, peers and a copy of "
+                        "the op's bytes (needs a CUDA device)")
+    from verify.bench.command import add_args as add_bench_args
+    add_bench_args(be)
     ck = sub.add_parser("check", help="which certificate still holds for this tree (the release gate)")
     ck.add_argument("certificates", metavar="CERT.json", nargs="+",
                     help="certificates to look in; per op, the newest verdict whose sources match the tree counts")
@@ -120,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"list": cmd_list, "describe": cmd_describe, "run": cmd_run, "repro": cmd_repro,
                 "report": cmd_report, "diff": cmd_diff, "check": cmd_check,
-                "merge": cmd_merge}[args.command](args)
+                "merge": cmd_merge, "bench": cmd_bench}[args.command](args)
     except UsageError as e:
         print(f"verify-kernels: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -463,30 +467,63 @@ def cmd_merge(args) -> int:
                        f"{len(carried)} ops carried")
 
 
+def cmd_bench(args) -> int:
+    from verify.bench.command import cmd_bench as bench
+
+    return bench(args)
+
+
+def _bench_beside(cert_path: str):
+    """The bench record beside a certificate (bench.json in its folder), or None."""
+    from verify.bench import output
+
+    p = Path(cert_path).with_name(output.FILE)
+    return output.load(p) if p.is_file() and output.is_bench(p) else None
+
+
 def cmd_report(args) -> int:
     from verify.record import certificate
     from verify.record.reporters.html import write_report
 
     try:
         cert = certificate.load(args.certificate)
+        bench = _bench_beside(args.certificate)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    sections = []
+    if bench is not None:
+        from verify.bench.html import section
+
+        sections.append(section(bench))
     out = Path(args.output) if args.output else Path(args.certificate).with_name("report.html")
-    print(write_report(cert, out))
+    print(write_report(cert, out, sections))
     return EXIT_OK
 
 
 def cmd_diff(args) -> int:
+    """Two certificates (and the bench records beside them, if both have one), or two bench records."""
     from verify.record import certificate
+    from verify.bench import diff as speed
+    from verify.bench import output
     from verify.record.diff import diff, render_text
 
     try:
-        old, new = certificate.load(args.old), certificate.load(args.new)
+        if output.is_bench(args.old) or output.is_bench(args.new):
+            d, old_b, new_b = None, output.load(args.old), output.load(args.new)
+        else:
+            old, new = certificate.load(args.old), certificate.load(args.new)
+            d, old_b, new_b = diff(old, new), _bench_beside(args.old), _bench_beside(args.new)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    d = diff(old, new)
-    print(json.dumps(d.to_dict(), indent=1) if args.json else render_text(d))
-    return EXIT_FAIL if d.of("new_failure") else EXIT_OK
+    changes = speed.speed_diff(old_b, new_b) if old_b is not None and new_b is not None else None
+    slower = speed.regressions(changes or [], speed.candidates_of(new_b) if new_b else None)
+    if args.json:
+        print(json.dumps({**(d.to_dict() if d else {}), **({"speed": speed.to_dict(changes)} if changes is not None
+                                                          else {})}, indent=1))
+    else:
+        print("\n".join(t for t in (render_text(d) if d else "", speed.render_text(changes) if changes is not None
+                                    else "") if t))
+    return EXIT_FAIL if (d is not None and d.of("new_failure")) or slower else EXIT_OK
 
 
 def cmd_check(args) -> int:

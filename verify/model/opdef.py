@@ -41,6 +41,19 @@ class SplitRule:
 
 
 @dataclass(frozen=True)
+class Peer:
+    """Another library's implementation that `verify-kernels bench` times beside the op's candidates.
+
+    prepare: "module:attr" of a function (tensors, params) -> a zero-argument launch; whatever it
+    needs (its own layouts, imports) is done there, untimed. It raises ImportError when its library
+    is not installed (the peer is then reported as unavailable). part: what it covers when it is not
+    the whole op ("logits GEMM only"); every declared peer counts in the speed rule."""
+    name: str
+    prepare: str
+    part: str = ""
+
+
+@dataclass(frozen=True)
 class OpDef:
     name: str
     family: str                                 # references module holding the reference
@@ -70,6 +83,14 @@ class OpDef:
     # whose combine sums runs there), "split" (shard, run per rank, gather, combine), or a form of
     # verify/run/distributed.py's FORMS ("gathered_partials", "gathered_scores")
     collective: str | None = None
+    # bench: bytes the op must read and write for these inputs (its floor is a copy of them; checked
+    # against the real tensors in property_tests/test_bench.py), the peers it is timed against, the
+    # knob sets each timed shape is run with, and case batches replacing the run's --batch list
+    # (an op whose batch is not decode tokens, e.g. mxfp4_dequant's weight rows)
+    moved_bytes: Callable[[OpInputs], int] | None = None
+    peers: tuple[Peer, ...] = ()
+    bench_knobs: tuple[dict, ...] = ({},)
+    bench_batches: tuple[int, ...] = ()
     compile_heavy: bool = False                 # torch.compile of the reference takes minutes on a CPU
     cpu_ok: bool = True                         # reference practical on CPU at the k3 config
     notes: str = ""

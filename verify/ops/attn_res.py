@@ -144,6 +144,16 @@ _NOTES = ("Replicated over TP: every rank runs the same op on the same inputs an
 # the softmax's running max (a probe that dropped the max was certified while every score stayed O(1)).
 SCORE_SWEEP = ({"score_scale": 64.0, "n_blocks": 7},)
 
+def attn_res_rmsnorm_bytes(inputs: OpInputs) -> int:
+    """prefix read and written, delta and the n_blocks live blocks read, the three weights read, out
+    written, and the block slot written when block_write >= 0."""
+    t, p = inputs.tensors, inputs.params
+    B, D = t["prefix"].shape
+    e = t["prefix"].element_size()
+    rows = 2 + 1 + p["n_blocks"] + 1 + (1 if p["block_write"] >= 0 else 0)   # prefix rw, delta, blocks, out, write
+    return (rows * B * D + 3 * D) * e
+
+
 OPS = [
     OpDef(
         name="attn_res_rmsnorm", family="attn_res", reference="references.attn_res:attn_res_rmsnorm",
@@ -152,6 +162,7 @@ OPS = [
         batch_dims={"prefix": 0, "delta": 0, "blocks": 0, "out": 0},
         split=replicated_split(), fused="fused.attn_res_rmsnorm:attn_res_rmsnorm",
         notes=_NOTES, knob_sweep=SCORE_SWEEP, magnitudes=attn_res_out_magnitude,
+        moved_bytes=attn_res_rmsnorm_bytes, bench_knobs=({"n_blocks": 8, "block_write": -1},),
     ),
     OpDef(
         name="allreduce_attn_res_rmsnorm", family="attn_res", collective="gathered_partials",

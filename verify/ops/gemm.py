@@ -14,7 +14,7 @@ import torch
 
 from references.config import get_config
 from verify.model.case import Case
-from verify.model.opdef import OpDef, OpInputs, RankShard, SplitRule
+from verify.model.opdef import OpDef, OpInputs, Peer, RankShard, SplitRule
 from verify.ops.common_splits import (FOLD_ORDER, activation, check_divides, sum_outputs_combine, weight,
                                       working_dtype)
 
@@ -68,6 +68,12 @@ def shard_rows(inputs: OpInputs, T: int) -> list[RankShard]:
             for r in range(T)]
 
 
+def skinny_gemm_bytes(inputs: OpInputs) -> int:
+    """x and w read, y [M, N] written, in the working dtype."""
+    (M, K), N = inputs.tensors["x"].shape, inputs.tensors["w"].shape[0]
+    return (M * K + N * K + M * N) * inputs.tensors["x"].element_size()
+
+
 SKINNY_GEMM_COLUMN_SPLIT = SplitRule(kind="column", shard=shard_columns, combine=concat_columns,
                                      reduction_order="none: output columns concatenated in rank order")
 SKINNY_GEMM_ROW_SPLIT = SplitRule(kind="row", shard=shard_rows, combine=sum_outputs_combine(("y",)),
@@ -81,6 +87,8 @@ OPS = [
         batch_dims={"x": 0, "y": 0},
         split=SKINNY_GEMM_COLUMN_SPLIT, fused="fused.skinny_gemm:skinny_gemm",
         knob_sweep=({"proj": "off_tile"},),
+        moved_bytes=skinny_gemm_bytes, bench_knobs=tuple({"proj": p} for p in PROJECTIONS),
+        peers=(Peer("torch_linear", "verify.bench.peers:torch_linear"),),
         notes="Registry split is the column split (o_proj/g_proj/latent as column-parallel); the row "
               "split (RowParallel partial sums) is SKINNY_GEMM_ROW_SPLIT, tested in "
               "property_tests/test_tp_split_gemm.py. k3 weights are up to 12288 x 7168 (drawn in fp32).",

@@ -17,7 +17,7 @@ from references.primitives import silu
 from references.kda_tp import (combine_kda_decode, combine_kda_in_proj, shard_kda_decode,
                                shard_kda_in_proj)
 from verify.model.case import Case
-from verify.model.opdef import OpDef, OpInputs, RankShard, SplitRule
+from verify.model.opdef import OpDef, OpInputs, Peer, RankShard, SplitRule
 from verify.ops.common_splits import scalar_param
 from verify.model.values import draw, generator, row_scales
 
@@ -219,6 +219,26 @@ KDA_IN_PROJ = OpDef(
            "host or the device; tiny/small have the same structure."),
 )
 
+def kda_decode_bytes(inputs: OpInputs) -> int:
+    """Activations (q, k, v, g, z [B, C] and beta [B, H]) and the fp32 parameters read; conv_state
+    and the fp32 state read and written; y [B, C] written."""
+    t = inputs.tensors
+    (B, C), H = t["q_raw"].shape, t["A_log"].shape[0]
+    Dh, W = C // H, t["conv_w"].shape[-1]
+    e = t["q_raw"].element_size()
+    activations = (5 * B * C + B * H) * e
+    params = (3 * C * W + H + C + Dh) * 4
+    conv = 2 * B * 3 * C * (W - 1) * t["conv_state"].element_size()
+    state = 2 * B * H * Dh * Dh * 4
+    return activations + params + conv + state + B * C * e
+
+
+KDA_DECODE_PEERS = (
+    Peer("fla_kda_decode", "verify.bench.peers:fla_kda_decode"),
+    Peer("fla_recurrence", "verify.bench.peers:fla_recurrence",
+         part="fla's fused_recurrent_kda alone: a lower bound on the op through fla"),
+)
+
 KDA_DECODE = OpDef(
     name="kda_decode",
     family="kda",
@@ -236,7 +256,7 @@ KDA_DECODE = OpDef(
     split=_split_rule("heads", shard_kda_decode, combine_kda_decode,
                       "none: heads are independent; y, conv_state, state concatenated by head"),
     fused="fused.kda_decode:kda_decode",
-    magnitudes=decode_state_magnitude,
+    magnitudes=decode_state_magnitude, moved_bytes=kda_decode_bytes, peers=KDA_DECODE_PEERS,
     max_batch=DECODE_MAX_BATCH,
     notes=(f"batch capped at {DECODE_MAX_BATCH}: at k3 the fp32 state is 6 MiB per sequence and the oracle "
            "holds an fp64 copy; the batch-invariance guard covers the larger decode batches."),

@@ -299,6 +299,14 @@ def head_split(n_heads_of, shard_dims: dict[str, int], out_dims: dict[str, int])
                      reduction_order="none: heads concatenate in rank order, nothing is summed across ranks")
 
 
+def mla_cache_write_bytes(inputs: OpInputs) -> int:
+    """latent and slot_mapping read; one cache row written per slot >= 0 (padding writes nothing)."""
+    t = inputs.tensors
+    N, C = t["latent"].shape
+    written = int((t["slot_mapping"] >= 0).sum())
+    return (N + written) * C * t["latent"].element_size() + N * t["slot_mapping"].element_size()
+
+
 _NOTE_TOKENS = "batch = decode tokens (rows)."
 OPS: list[OpDef] = [
     OpDef(
@@ -321,6 +329,7 @@ OPS: list[OpDef] = [
         signature="latent[N,C] wd\ncache[P,page,C] wd (state)\nslot_mapping[N] int64 (-1 = padding)\n-> None",
         batch_dims={"latent": 0, "slot_mapping": 0}, split=replicated_split(state=("cache",)),
         fused="fused.mla_cache_write:mla_cache_write", knob_sweep=({"cache": "large"},),
+        moved_bytes=mla_cache_write_bytes,
         notes=_NOTE_TOKENS + " Slots are a random permutation of the cache's slots, about 15% set to -1; "
               "knob cache='large' (in every run): a cache of 2^16 + N slots, the written ones straddling slot 2^16. "
               "Half the padded slots hold a negative other than -1."),

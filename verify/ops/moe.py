@@ -11,7 +11,7 @@ import torch
 from references.config import get_config
 from references.moe import router_choice_scores, renormalise
 from verify.model.case import Case
-from verify.model.opdef import OpDef, OpInputs
+from verify.model.opdef import OpDef, OpInputs, Peer
 from verify.ops.common_splits import (RMS_EPS_DRAWS, activation, gen_for, norm_weight, replicated_split,
                                       scalar_param, weight, working_dtype)
 from verify.ops.moe_edges import edge_routing, every_byte_scales, mirror_expert
@@ -212,6 +212,16 @@ def make_l2_prefetch_inputs(case: Case) -> OpInputs:
                      "w_dense": weight(case, "next_dense", (L, cfg.hidden), cfg.hidden, working_dtype(case))})
 
 
+def router_topk_bytes(inputs: OpInputs) -> int:
+    """x, w_gate and the fp32 bias read; ids (int64) and fp32 weights [B, k] written."""
+    t = inputs.tensors
+    (B, D), E, k = t["x"].shape, t["w_gate"].shape[0], inputs.params["top_k"]
+    return (B * D + E * D) * t["x"].element_size() + E * 4 + B * k * (8 + 4)
+
+
+ROUTER_PEERS = (Peer("cublas_logits_topk", "verify.bench.peers:cublas_logits_topk"),
+                Peer("cublas_logits", "verify.bench.peers:cublas_logits", part="the logits GEMM alone (bf16)"))
+
 OPS = [
     OpDef(
         name="router_topk", family="moe", reference="references.moe:router_topk", collective="gathered_scores",
@@ -221,7 +231,7 @@ OPS = [
         batch_dims={"x": 0, "ids": 0, "weights": 0},
         split=replicated_split(), fused="fused.router_topk:router_topk",
         dists=GENERIC_DISTS + ("near_ties",), tie_scores=router_tie_scores, reweigh=router_reweigh,
-        magnitudes=router_weights_magnitude,
+        magnitudes=router_weights_magnitude, moved_bytes=router_topk_bytes, peers=ROUTER_PEERS,
         notes="Split: replicated (vLLM GateLinear). The expert-range scores split + gather is "
               "references.moe.router_topk_scores_split, tested in test_tp_split_moe.py. near_ties "
               "builds a tie group at the k-th place (exact copies and 1-ulp differences).",

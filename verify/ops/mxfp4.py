@@ -13,7 +13,7 @@ from references.config import get_config
 from references.mxfp4 import GROUP, pack_fp4, quantize_mxfp4_ct, quantize_mxfp4_ocp
 from verify.model.case import Case
 from verify.model.opdef import OpDef, OpInputs, RankShard, SplitRule
-from verify.ops.common_splits import check_tp, gen_for
+from verify.ops.common_splits import DTYPES, check_tp, gen_for
 from verify.model.values import GENERIC_DISTS, draw
 
 E2M1_CODE_RMS = math.sqrt((0 + 0.25 + 1 + 2.25 + 4 + 9 + 16 + 36) / 8)   # rms of uniformly drawn codes
@@ -81,6 +81,14 @@ def make_mxfp4_dequant_inputs(case: Case) -> OpInputs:
     return OpInputs({"packed": packed, "scale": scale}, {"out_dtype": case.dtype})
 
 
+def mxfp4_dequant_bytes(inputs: OpInputs) -> int:
+    """packed (two codes a byte) and scale (a byte per 32-wide group) read, w [O, I] written."""
+    O, half = inputs.tensors["packed"].shape
+    I = 2 * half
+    out = torch.empty((), dtype=DTYPES[inputs.params["out_dtype"]]).element_size()
+    return O * half + O * (I // 32) + O * I * out
+
+
 def row_ranges(n: int, T: int) -> list[tuple[int, int]]:
     check_tp(T)
     per = -(-n // T)
@@ -107,6 +115,8 @@ OPS = [
         split=SplitRule(kind="column", shard=_shard_rows, combine=_concat_rows,
                         reduction_order="none: output rows split over ranks (ceil ranges), concatenated"),
         fused="fused.mxfp4_dequant:mxfp4_dequant",
+        # bench: a 7168-row weight (split by rows over T): its batch is weight rows, not decode tokens
+        moved_bytes=mxfp4_dequant_bytes, bench_batches=(7168,),
         dists=GENERIC_DISTS + ("mxfp4_grid",), knob_sweep=({"in_dim": "off_tile"}, {"codes": "exhaustive"}),
         notes="dtypes are the output dtype (inputs are uint8). O = case.batch rows, I = config latent "
               "(knob 'in_dim'; 'off_tile': an odd multiple of the 32-wide group, in every run; knob codes='exhaustive', "

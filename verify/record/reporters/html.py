@@ -116,7 +116,8 @@ def _plots(cert: dict) -> list[tuple[str, str]]:
     return plots
 
 
-def render(cert: dict) -> str:
+def render(cert: dict, sections: list[str] = ()) -> str:
+    """The page; `sections`: HTML blocks appended after the certificate's own (the bench section)."""
     import jinja2
 
     env_j = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), autoescape=True)
@@ -128,11 +129,12 @@ def render(cert: dict) -> str:
     sources = [(op, e.get("sources", {})) for op, e in sorted(cert.get("ops", {}).items())]
     env = sorted((k, v) for k, v in cert.get("environment", {}).items() if v not in (None, ""))
     return env_j.get_template("report.html.j2").render(cert=cert, rows=rows, totals=totals, matrix=_matrix(cert),
-                                                         plots=_plots(cert), waivers=waivers, sources=sources, env=env)
+                                                         plots=_plots(cert), waivers=waivers, sources=sources, env=env,
+                                                         sections=list(sections))
 
 
-def write_report(cert: dict, path: str | Path) -> Path:
+def write_report(cert: dict, path: str | Path, sections: list[str] = ()) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(render(cert))
+    p.write_text(render(cert, sections))
     return p

@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # Device run on one host of N GPUs (nvidia-h200-x8 ideally): the full release profile of every fused
-# op, one op per GPU, beside the kernel benches and the GPU tests on the spare GPUs. Jobs are dealt
+# op, one op per GPU, beside `verify-kernels bench` and the GPU tests on the spare GPUs. Jobs are dealt
 # to GPUs round-robin in the order of JOBS; each GPU runs its jobs one after another, each under its
 # own time limit (`name@seconds` overrides the default), so one slow job cannot take the others'
 # results. Logs, certificates and per-case logs go to $R, packed every 20 s and at the end into
 # $OUT/results.tgz: a call returns only a few files, and a cut call still returns what was written.
 # A certification job whose log is in results/gpu/resume/cert_OP/ goes on from it (--resume).
-# Run from the repository root carrying .device (see bench/gpu_certify.sh for the bundle).
+# Run from the repository root carrying .device (the CuTe DSL bundle: shared/device/README.md) and,
+# for fla-core's peers in bench jobs, .whl (bench/gpu_bench.sh says how to fill it).
 set -u
-OUT=${OUT:-gpu-out}; R=${R:-/tmp/gpu-r}; mkdir -p "$OUT" "$R" "$R/wave1a" "$R/wave1b" "$R/wgmma" "$R/router" "$R/streams" "$R/floor"
+OUT=${OUT:-gpu-out}; R=${R:-/tmp/gpu-r}; mkdir -p "$OUT" "$R"
 pack() { tar czf "$OUT/results.tgz.tmp" -C "$(dirname "$R")" "$(basename "$R")" && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"; }
 ( while sleep 20; do pack; done ) & PACKER=$!
 [ -d /tmp/site/nvidia_cutlass_dsl ] || { mkdir -p /tmp/site && tar xJf .device/cutedsl.tar.xz -C /tmp/site; }
 for x in .device/cutedsl-extra*.tar.xz; do [ -f "$x" ] && tar xJf "$x" -C /tmp/site; done   # files a trimmed bundle left out
 [ -d /tmp/site/pydantic ] || [ ! -f .device/wheels.tar.xz ] || tar xJf .device/wheels.tar.xz -C /tmp/site   # the wheels unpacked, xz (smaller)
 [ -d /tmp/site/pydantic ] || for w in .device/wheels/*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" /tmp/site; done
-export PYTHONPATH=$PWD:$PWD/bench:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
+[ -d /tmp/site/fla ] || for w in .whl/*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" /tmp/site; done   # fla-core, einops
+export PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
 export VERIFY_GIT_COMMIT=${VERIFY_GIT_COMMIT:-$(cat .device/commit 2>/dev/null)}
 NG=$(nvidia-smi -L | wc -l)
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader;
@@ -32,27 +34,21 @@ cmd_for() { case $1 in        # job name -> "limit command..."
             ${CERT_ARGS:-} --out $R/smoke" ;;   # minutes: every fused op, quick profile (before a long release run)
   certall) echo "$CERT_S python3 -m verify.cli run --candidate fused --device cuda --profile release $ISO \
             --jobs ${CERT_JOBS:-8} --shards ${CERT_SHARDS:-4} ${CERT_ARGS:-} --out $R/certall --junit $R/certall/junit.xml" ;;
-  wave1a) echo "$BENCH_S python3 bench/bench_wave1a.py --out $R/wave1a --ops ${WAVE1A_OPS:-dequant,cache}" ;;
-  wave1b) echo "$BENCH_S python3 -m bench.bench_wave1b --out $R/wave1b ${WAVE1B_ARGS:-}" ;;
-  versions_*) local op=${1#versions_}; echo "$BENCH_S python3 -m bench.bench_versions --op $op --old .device/old/$op.py --out $R/$1" ;;   # versions_OP: against the source in .device/old/OP.py
-  floor) echo "$BENCH_S python3 bench/bench_floor.py --out $R/floor ${FLOOR_ARGS:-}" ;;   # missed targets beside a copy of the same bytes
-  diag_tiles) echo "$BENCH_S python3 bench/diag_tiles.py --out $R" ;;   # tiled skinny_gemm defaults against their plain twins
-  wgmma) echo "$BENCH_S python3 bench/bench_gemm_wgmma.py --out $R/wgmma ${WGMMA_ARGS:-}" ;;
-  router) echo "$BENCH_S python3 bench/bench_router.py --out $R/router --steps ${ROUTER_STEPS:-timing}" ;;
-  streams) echo "$BENCH_S python3 bench/bench_streams.py --old .device/old/skinny_gemm_wgmma.py --out $R/streams" ;;   # folds at the router shape, cross-stream stress
+  bench) echo "$BENCH_S python3 -m verify.cli bench --candidate ${BENCH_CANDIDATES:-fused} --time-budget $((BENCH_S - 120)) \
+            ${BENCH_ARGS:-} --out $R/bench" ;;   # speed of the certified candidates (quick-certified first), BENCH_ARGS e.g. "--ops router_topk --batch 8,64"
+  benchprof_*) echo "$BENCH_S python3 -m verify.cli bench --ops ${1#benchprof_} --candidate fused --batch ${PROF_BATCHES:-1,64} \
+            --tp ${PROF_TPS:-1} --profile-kernels ${PROF_TOOL:-ncu} --out $R/$1" ;;   # one op's kernels under Nsight Compute (PROF_TOOL=torch: torch.profiler)
   san_*) local t=${1#san_}; echo "$BENCH_S python3 -m verify.cli run --sanitize ${t%%_*} --ops ${t#*_} --candidate fused \
             --out $R/$1" ;;   # san_TOOL_OP, e.g. san_memcheck_skinny_gemm
   prof_*) local op=${1#prof_}; echo "$BENCH_S env VERIFY_CPROFILE_DIR=$R/$1 python3 -m verify.cli run --ops $op \
             --candidate fused --device cuda --profile release --examples ${PROF_EXAMPLES:-30} --no-isolate --out $R/$1/run" ;;
-  ncu) echo "$BENCH_S bash bench/ncu_probe.sh $R/ncu" ;;   # Nsight Compute sections of bench/ncu_probe.py's kernels
-  sanprobe_*) echo "$BENCH_S compute-sanitizer --tool ${1#sanprobe_} --error-exitcode 1 python3 bench/ncu_probe.py ${SAN_RANGES:-}" ;;   # e.g. sanprobe_memcheck: bench/ncu_probe.py's K3-shape workloads under a sanitizer tool
   gpu_tests_a) echo "200 python3 -m pytest -q -m gpu ${GPU_TESTS_A:-} -p no:cacheprovider -rs" ;;
   gpu_tests_b) echo "200 python3 -m pytest -q -m gpu ${GPU_TESTS_B:-} -p no:cacheprovider -rs" ;;
   gpu_tests) echo "200 python3 -m pytest -q -m gpu ${GPU_TESTS:-property_tests} -p no:cacheprovider -rs" ;;
   nccl) echo "200 python3 -m pytest -q -m multi_gpu property_tests/test_distributed_nccl.py -p no:cacheprovider -rs" ;;   # every GPU
   *) echo "0 false unknown job $1" ;;
 esac; }
-JOBS=${JOBS:-"cert_skinny_gemm cert_kda_decode cert_attn_res_rmsnorm cert_router_topk cert_mxfp4_dequant cert_mla_cache_write wave1a wave1b gpu_tests"}
+JOBS=${JOBS:-"cert_skinny_gemm cert_kda_decode cert_attn_res_rmsnorm cert_router_topk cert_mxfp4_dequant cert_mla_cache_write bench gpu_tests"}
 declare -A lane
 if [ -n "${LANES:-}" ]; then            # explicit: LANES="0:jobA jobB;1:jobC"; "0b:jobD": a second lane on GPU 0
   IFS=';' read -ra spec <<< "$LANES"; for l in "${spec[@]}"; do lane[${l%%:*}]="${l#*:}"; done

@@ -1,0 +1,452 @@
+"""verify-kernels bench on the CPU: the timing core under a fake clock, the ops' declared byte counts
+against their real tensors, the speed rule and the score, one row end to end, the records and the
+CLI's refusal without a GPU."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from verify.bench import diff as speed_diff
+from verify.bench import floor, output, run, score, shapes, timing
+from verify.model.case import Case
+from verify.ops.registry import all_ops, get_op
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------------------------ timing core
+class FakeClock:
+    """Launches advance `now` (ms) by what they return; replays run the captured calls in order."""
+
+    def __init__(self, method: str = "graph"):
+        self.now, self.captured, self.method = 0.0, [], method
+
+    def capture(self, calls):
+        self.captured = list(calls)
+
+        def replay():
+            for c in calls:
+                self.now += c()
+        return replay, self.method
+
+    def elapsed_ms(self, replay, n):
+        t0 = self.now
+        for _ in range(n):
+            replay()
+        return self.now - t0
+
+
+def test_rotation_repeats_the_sets_until_the_graph_holds_min_calls():
+    assert timing.rotation(3, 20) == [0, 1, 2] * 7
+    assert timing.rotation(64, 20) == list(range(64))
+    assert timing.rotation(1, 20) == [0] * 20
+    with pytest.raises(ValueError):
+        timing.rotation(0)
+
+
+def test_sets_needed_spreads_the_rotation_beyond_l2():
+    assert timing.sets_needed(1 << 20, rotate_bytes=256 << 20) == 64           # capped
+    assert timing.sets_needed(100 << 20, rotate_bytes=256 << 20) == 3
+    assert timing.sets_needed(700 << 20, rotate_bytes=256 << 20) == 1
+    n = timing.sets_needed(13 << 20)
+    assert n * (13 << 20) >= timing.ROTATE_BYTES > (n - 1) * (13 << 20)
+
+
+def test_percentile_interpolates():
+    assert timing.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert timing.percentile([0.0, 10.0], 10) == pytest.approx(1.0)
+    assert timing.percentile([7.0], 90) == 7.0
+
+
+def test_time_launches_reports_per_call_time_of_each_set_in_rotation():
+    clock = FakeClock()
+    calls = [lambda: 0.002, lambda: 0.004]              # 2 and 4 us per call
+    st = timing.time_launches(calls, clock, min_calls=10, samples=5, replays=2)
+    assert len(clock.captured) == 10                    # the rotation repeated to 10 calls
+    assert st.median_us == pytest.approx(3.0) and st.p10_us == pytest.approx(3.0) and st.p90_us == pytest.approx(3.0)
+    assert (st.sets, st.calls, st.samples, st.method) == (2, 10, 5, "graph")
+
+
+def test_time_launches_median_and_spread_from_noisy_samples():
+    clock = FakeClock(method="stream")
+    noise = iter([0.0] + [i * 0.001 for i in range(11)])    # the warm-up replay, then 11 samples of 1 call
+
+    def call():
+        return 0.010 + next(noise)
+    st = timing.time_launches([call], clock, min_calls=1, samples=11, replays=1)
+    assert st.median_us == pytest.approx(15.0)
+    assert st.p10_us == pytest.approx(11.0) and st.p90_us == pytest.approx(19.0)
+    assert st.method == "stream"
+
+
+# ------------------------------------------------------------------------------------ byte counts
+def _returned(result) -> list[torch.Tensor]:
+    if result is None:
+        return []
+    return [result] if isinstance(result, torch.Tensor) else [t for t in result if isinstance(t, torch.Tensor)]
+
+
+def touched_bytes(op, inputs, outputs: list[torch.Tensor]) -> int:
+    """Independently of the registry: every input read once, every state tensor read and written,
+    every returned tensor written; the ops whose state is touched in part say which part."""
+    t, p = inputs.tensors, inputs.params
+    nb = {k: v.numel() * v.element_size() for k, v in t.items()}
+    total = sum(v for k, v in nb.items() if k not in op.state) + sum(2 * nb[k] for k in op.state)
+    total += sum(o.numel() * o.element_size() for o in outputs)
+    if op.name == "attn_res_rmsnorm":       # blocks [B, slots, D]: the live ones read, the write slot written
+        B, slots, D = t["blocks"].shape
+        row = B * D * t["blocks"].element_size()
+        total += -2 * nb["blocks"] + p["n_blocks"] * row + (row if p["block_write"] >= 0 else 0)
+    if op.name == "mla_cache_write":        # cache: only the rows the slots name are written, none read
+        rows = int((t["slot_mapping"] >= 0).sum())
+        total += -2 * nb["cache"] + rows * t["cache"][0, 0].numel() * t["cache"].element_size()
+    return total
+
+
+def _byte_cases():
+    for op in all_ops().values():
+        if op.moved_bytes is None:
+            continue
+        for config, batches in (("tiny", (1, 3)), ("small", (2, 8))):
+            for B in batches:
+                for knobs in op.bench_knobs + ({},):
+                    yield op.name, config, B, tuple(sorted(knobs.items()))
+
+
+@pytest.mark.parametrize("name, config, batch, knobs", list(_byte_cases()))
+def test_moved_bytes_match_the_real_tensors(name, config, batch, knobs):
+    from verify.judge.candidates import reference_fn
+
+    op = get_op(name)
+    for seed in (0, 1):
+        inputs = op.make_inputs(Case(name, seed, batch, config, "bfloat16", "normal", 1, knobs))
+        tps = [1] + [T for T in (2, 4) if op.split is not None and T in op.split.tp_values]
+        for T in tps:
+            try:
+                rank = shapes.rank_inputs(op, inputs, T)
+            except ValueError:
+                continue                      # a split that does not divide this small shape
+            work = {k: v.clone() for k, v in rank.tensors.items()}
+            outs = _returned(reference_fn(op)(**work, **rank.params))
+            assert floor.declared_bytes(op, rank) == touched_bytes(op, rank, outs), (name, config, batch, knobs, T)
+
+
+def test_every_fused_op_declares_its_bytes():
+    missing = [o.name for o in all_ops().values() if o.fused and o.moved_bytes is None]
+    assert not missing, f"fused ops without moved_bytes (their floor): {missing}"
+
+
+@pytest.mark.parametrize("name", ["router_topk", "attn_res_rmsnorm", "kda_decode", "mla_cache_write"])
+def test_moved_bytes_at_k3(name):
+    from verify.judge.candidates import reference_fn
+
+    op = get_op(name)
+    for knobs in op.bench_knobs:
+        inputs = op.make_inputs(Case(name, 0, 2, "k3", "bfloat16", "normal", 1, tuple(sorted(knobs.items()))))
+        outs = _returned(reference_fn(op)(**{k: v.clone() for k, v in inputs.tensors.items()}, **inputs.params))
+        assert floor.declared_bytes(op, inputs) == touched_bytes(op, inputs, outs)
+
+
+def test_copy_half_moves_the_declared_traffic():
+    assert floor.copy_half(1000) == 496 and floor.copy_half(10) == 16
+    assert 2 * floor.copy_half(12_845_056) == 12_845_056
+
+
+# ------------------------------------------------------------------------------------ shapes
+@pytest.mark.parametrize("name", ["skinny_gemm", "router_topk", "attn_res_rmsnorm", "kda_decode", "mla_cache_write"])
+def test_a_smaller_batch_has_the_builders_shapes(name):
+    op = get_op(name)
+    knobs = tuple(sorted(op.bench_knobs[0].items()))
+    big = op.make_inputs(Case(name, 0, 8, "small", "bfloat16", "normal", 1, knobs))
+    small = op.make_inputs(Case(name, 0, 3, "small", "bfloat16", "normal", 1, knobs))
+    taken = shapes.take_batch(op, big, 3)
+    assert {k: (v.shape, v.dtype) for k, v in taken.tensors.items()} == \
+           {k: (v.shape, v.dtype) for k, v in small.tensors.items()}
+    assert taken.params == small.params
+
+
+def test_shapes_for_follows_the_op_declarations():
+    gemm, deq, kda = get_op("skinny_gemm"), get_op("mxfp4_dequant"), get_op("kda_decode")
+    s, notes = shapes.shapes_for(gemm, [1, 8, 3], [1, 64])
+    assert len(s) == 4 * 2 * 2 and any("T=3" in n for n in notes)
+    assert {dict(x.knobs)["proj"] for x in s} == {"o_proj", "g_proj", "latent_down", "latent_up"}
+    assert shapes.coverage_order([1, 2, 4, 8, 16, 32, 64]) == [1, 64, 8, 2, 16, 4, 32]
+    assert sorted(shapes.coverage_order([3, 1, 2, 9, 5])) == [1, 2, 3, 5, 9]
+    s, _ = shapes.shapes_for(deq, [1, 8], [1, 2, 4])
+    assert [(x.tp, x.batch) for x in s] == [(1, 7168), (8, 7168)]       # weight rows, not decode tokens
+    s, notes = shapes.shapes_for(get_op("router_topk"), [1, 8, 16], [1])
+    assert [x.tp for x in s] == [1] and any("replicated" in n for n in notes)
+    s, notes = shapes.shapes_for(kda, [1], [32, 64])
+    assert [x.batch for x in s] == [32, 64] and any("batch-invariance" in n for n in notes)
+    assert s[0].label == "T=1 B=32"
+
+
+# ------------------------------------------------------------------------------------ rule and score
+def test_rule_met_miss_and_incomplete():
+    ok = score.judge(5.0, {"eager": 50.0, "compiled": 10.0, "peer:x": 6.0}, 4.0)
+    assert ok["verdict"] == "met" and ok["floor_ratio"] == 1.25 and ok["floor_limit"] == 2.0
+    slow = score.judge(5.0, {"eager": 50.0, "compiled": 10.0, "peer:x": 4.9}, 4.0)
+    assert slow["verdict"] == "miss" and "peer:x" in slow["misses"][0]
+    tie = score.judge(5.0, {"eager": 5.0}, 4.0)
+    assert tie["verdict"] == "miss"                               # "faster" is strict
+    part = score.judge(5.0, {"eager": 50.0, "compiled": None}, 4.0)
+    assert part["verdict"] == "incomplete" and part["unjudged"] == ["compiled"]
+    nofloor = score.judge(5.0, {"eager": 50.0}, None)
+    assert nofloor["verdict"] == "incomplete" and "floor" in nofloor["unjudged"]
+
+
+def test_floor_limit_switches_at_ten_microseconds():
+    assert score.floor_limit(10.0) == 1.25 and score.floor_limit(9.99) == 2.0
+    assert score.judge(12.6, {}, 10.0)["verdict"] == "miss"       # 1.26x of a 10 us floor
+    assert score.judge(12.5, {}, 10.0)["verdict"] == "met"
+    assert score.judge(19.9, {}, 9.99)["verdict"] == "met"        # 1.99x of a latency-bound floor
+    assert score.judge(20.0, {}, 9.99)["verdict"] == "miss"
+
+
+def _row(op, shape, cand_us, eager, peer=None, floor_us=1.0, cands=("fused",)):
+    timings = {"eager": {"median_us": eager, "p10_us": eager, "p90_us": eager},
+               "compiled": {"median_us": eager, "p10_us": eager, "p90_us": eager}, "floor": {"median_us": floor_us}}
+    if cand_us is not None:
+        timings["fused"] = {"median_us": cand_us, "p10_us": cand_us, "p90_us": cand_us}
+    if peer is not None:
+        timings["peer:p"] = {"median_us": peer, "p10_us": peer, "p90_us": peer}
+    row = {"op": op, "shape": shape, "candidates": list(cands), "timings": timings, "errors": {}, "judged": {}}
+    run.judge_row(row, ["p"] if peer is not None else [])
+    return row
+
+
+def test_summary_shares_over_benchmarked_shapes():
+    rows = [_row("a", "B=1", 1.0, 2.5, peer=1.6), _row("a", "B=2", 1.0, 1.6, peer=0.9),
+            _row("a", "B=4", 1.0, 1.2), _row("b", "B=1", None, 3.0)]      # b: refused, never timed
+    s = score.summary(rows, ["fused"], {"fused": {"a"}})["fused"]
+    assert s["shapes"] == 4 and s["certified_and_timed"] == 3
+    assert s["vs_eager"] == {"1.0": 0.75, "1.5": 0.5, "2.0": 0.25}
+    assert s["peer_shapes"] == 2 and s["vs_best_peer"] == {"1.0": 0.5, "1.5": 0.5, "2.0": 0.0}
+    assert s["rule_met"] == 1 + 0 + 1                                     # B=2 is slower than its peer
+
+
+def test_summary_counts_an_uncertified_op_as_zero():
+    rows = [_row("a", "B=1", 1.0, 5.0)]
+    assert score.summary(rows, ["fused"], {})["fused"]["vs_eager"]["1.0"] == 0.0
+
+
+# ------------------------------------------------------------------------------------ one row, end to end
+def test_bench_shape_times_every_entry_and_reports_a_failing_one():
+    from verify.bench.peers import torch_linear
+    from verify.judge.candidates import reference_fn
+
+    op = get_op("skinny_gemm")
+    shape = shapes.Shape("skinny_gemm", 1, 4, (("proj", "o_proj"),))
+    inputs = op.make_inputs(shapes.case_for(op, shape))
+    ref = reference_fn(op)
+
+    def broken(s):
+        raise RuntimeError("no kernel for this shape\nsecond line")
+    makers = {"eager": run._op_launch(ref), "peer:torch_linear": run._peer_launch(torch_linear),
+              "fused": run._op_launch(ref), "compiled": broken}
+
+    class CpuClock(timing.GraphClock):       # a real host clock: the row's plumbing, not its numbers
+        def capture(self, calls):
+            return (lambda: [c() for c in calls]), "stream"
+
+        def elapsed_ms(self, replay, n):
+            import time
+            t0 = time.perf_counter()
+            for _ in range(n):
+                replay()
+            return (time.perf_counter() - t0) * 1e3
+
+    def transposed(t, p):                   # a peer that computes something else
+        return lambda: torch_linear(t, p)().T.contiguous().T * 1.5
+    row = run.bench_shape(op, shape, inputs, makers, {}, ["fused"], CpuClock(), "cpu",
+                          timing_kw={"min_calls": 2, "samples": 3, "replays": 1},
+                          checks={"peer:torch_linear": torch_linear, "peer:wrong": transposed})
+    assert row["peer_checks"]["peer:torch_linear"].startswith("ok")
+    assert row["peer_checks"]["peer:wrong"].startswith("DIFFERS")
+    assert set(row["timings"]) == {"eager", "peer:torch_linear", "fused", "floor"}
+    assert row["errors"] == {"compiled": "RuntimeError: no kernel for this shape"}
+    assert row["bytes"] == op.moved_bytes(inputs) and row["sets"] >= 1
+    j = row["judged"]["fused"]
+    assert "compiled" in j["unjudged"] and set(j["speedup"]) == {"eager", "peer:torch_linear"}
+
+
+# ------------------------------------------------------------------------------------ peers on the CPU
+def test_torch_peers_compute_the_op():
+    from verify.bench import peers
+    from verify.judge.candidates import reference_fn
+
+    op = get_op("router_topk")
+    inputs = op.make_inputs(Case("router_topk", 3, 5, "small", "bfloat16", "normal"))
+    ids, w = reference_fn(op)(**inputs.tensors, **inputs.params)
+    pids, pw = peers.cublas_logits_topk(inputs.tensors, inputs.params)()
+    assert torch.equal(pids.sort(-1).values, ids.sort(-1).values)
+    assert torch.allclose(pw.gather(1, pids.argsort(-1)), w.gather(1, ids.argsort(-1)), rtol=1e-5, atol=1e-6)
+    g = get_op("skinny_gemm")
+    gi = g.make_inputs(Case("skinny_gemm", 0, 3, "small", "bfloat16", "normal"))
+    y = reference_fn(g)(**gi.tensors)
+    assert torch.allclose(peers.torch_linear(gi.tensors, {})().float(), y.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_peer_check_compares_ids_as_sets_and_weights_in_their_order():
+    from verify.bench import peer_check
+
+    ids, w = torch.tensor([[3, 1, 2]]), torch.tensor([[0.5, 0.3, 0.2]])
+    assert peer_check.compare((ids, w), (ids[:, [1, 0, 2]], w[:, [1, 0, 2]])).startswith("ok")
+    assert peer_check.compare((ids, w), (torch.tensor([[3, 1, 4]]), w)) == "DIFFERS: ids differ in 1 of 1 rows"
+    assert peer_check.compare(torch.ones(2, 3), torch.ones(3, 2)).startswith("DIFFERS: outputs")
+    assert peer_check.compare(torch.ones(2, 3), torch.full((2, 3), float("nan"))).startswith("DIFFERS")
+
+
+def test_fla_peers_say_what_is_missing(monkeypatch):
+    from verify.bench import peers
+
+    monkeypatch.setitem(sys.modules, "fla", None)
+    with pytest.raises(ImportError, match="fla-core"):
+        peers._fla()
+
+
+# ------------------------------------------------------------------------------------ records
+def _record(rows):
+    class G:
+        certificate, refused, absent = None, [{"op": "b", "candidate": "fused", "state": "fail", "reason": "x"}], []
+    return output.record({"device": "cuda", "gpu": "H200"}, ["bench"], {}, G(),
+                         {"rows": rows, "not_reached": [], "notes": {}},
+                         score.summary(rows, ["fused"], {"fused": {"a"}}))
+
+
+def test_record_roundtrip_table_and_html(tmp_path):
+    from rich.console import Console
+
+    from verify.bench import html
+
+    rows = [_row("a", "T=1 B=1", 1.0, 2.5, peer=1.6), _row("a", "T=1 B=2", 1.2, 2.5, peer=1.0)]
+    for r, b in zip(rows, (1, 2)):
+        r.update(tp=1, batch=b, knobs={})
+    rec = _record(rows)
+    path = output.write(rec, tmp_path)
+    assert output.load(path) == json.loads(json.dumps(rec)) and output.is_bench(path)
+    console = Console(record=True, width=200)
+    output.print_report(console, rec, path)
+    text = console.export_text()
+    assert "met" in text and "miss" in text and "refused" in text and "score fused" in text
+    page = html.page(rec)
+    assert "data:image/png;base64," in page and "Speed (verify-kernels bench)" in page
+
+
+def test_load_refuses_a_certificate(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"format": "verify-kernels/certificate/v1", "rows": []}))
+    with pytest.raises(ValueError, match="is not 'verify-kernels/bench/v1'"):
+        output.load(p)
+
+
+def test_speed_diff_flags_slowdowns_beyond_the_spread():
+    old = {"rows": [{"op": "a", "shape": "B=1", "timings": {"fused": {"median_us": 10.0, "p10_us": 9.8, "p90_us": 10.2},
+                                                             "eager": {"median_us": 50.0, "p10_us": 40, "p90_us": 60}},
+                     "judged": {"fused": {"verdict": "met"}}, "candidates": ["fused"]}]}
+    new = json.loads(json.dumps(old))
+    new["rows"][0]["timings"]["fused"] = {"median_us": 11.0, "p10_us": 10.9, "p90_us": 11.1}
+    new["rows"][0]["timings"]["eager"] = {"median_us": 54.0, "p10_us": 45, "p90_us": 66}     # within its spread
+    new["rows"][0]["judged"]["fused"]["verdict"] = "miss"
+    ch = speed_diff.speed_diff(old, new)
+    assert [(c.entry, c.kind) for c in ch] == [("fused", "regression"), ("fused", "verdict")]
+    assert speed_diff.regressions(ch, {"fused"}) and not speed_diff.regressions(ch, {"eager"})
+    assert speed_diff.speed_diff(new, old)[0].kind == "improvement"
+    assert "SPEED REGRESSIONS" in speed_diff.render_text(ch)
+
+
+# ------------------------------------------------------------------------------------ CLI
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "verify.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "100", "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+
+
+def test_bench_without_a_gpu_exits_2_with_one_line():
+    r = _cli("bench", "--ops", "router_topk")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        "verify-kernels bench: needs a CUDA device (torch.cuda.is_available() is False)"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--tp", "x"], "--tp 'x': not a comma-separated list"),
+    (["--batch", "0"], "--batch '0': needs integers of 1 or more"),
+    (["--ops", "nope"], "unknown op 'nope'"),
+    (["--candidate", "weird"], "--candidate 'weird'"),
+    (["--certificate", "/nonexistent/c.json"], "--certificate /nonexistent/c.json: no such file"),
+    (["--time-budget", "0"], "--time-budget 0"),
+    (["--out", "property_tests/planted_release"], None),
+])
+def test_bench_bad_usage_is_one_line(args, words, tmp_path):
+    if words is None:            # a run's certificate in --out: the quick certification would replace it
+        (tmp_path / "certificate.json").write_text(json.dumps({"format": "verify-kernels/certificate/v1",
+                                                               "options": {"profile": "release"}}))
+        args, words = ["--out", str(tmp_path)], "holds a certificate of `verify-kernels run`"
+    r = _cli("bench", *args)
+    assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_diff_of_two_bench_records(tmp_path):
+    rows = [_row("a", "T=1 B=1", 1.0, 2.5)]
+    rows[0].update(tp=1, batch=1, knobs={})
+    old = _record(rows)
+    new = json.loads(json.dumps(old))
+    new["rows"][0]["timings"]["fused"] = {"median_us": 2.0, "p10_us": 1.9, "p90_us": 2.1}
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    a, b = output.write(old, tmp_path / "old"), output.write(new, tmp_path / "new")
+    r = _cli("diff", str(a), str(b))
+    assert r.returncode == 1 and "SPEED REGRESSIONS (1)" in r.stdout and "[fused]" in r.stdout
+    assert _cli("diff", str(a), str(a)).returncode == 0
+
+
+def test_report_includes_the_bench_section_beside_its_certificate(tmp_path):
+    from verify.record import certificate
+    from verify.model.verdict import OpVerdict
+
+    cert = certificate.build([OpVerdict("mla_cache_write", "fused", "pass", 4, 4)], all_ops(), {"profile": "quick"},
+                             "cuda")
+    path = certificate.write(cert, tmp_path)
+    r = _cli("report", str(path), "-o", str(tmp_path / "plain.html"))
+    assert r.returncode == 0 and "verify-kernels bench" not in (tmp_path / "plain.html").read_text()
+    rows = [_row("mla_cache_write", "T=1 B=1", 1.0, 9.0)]
+    rows[0].update(tp=1, batch=1, knobs={})
+    output.write(_record(rows), tmp_path)
+    r = _cli("report", str(path), "-o", str(tmp_path / "with.html"))
+    page = (tmp_path / "with.html").read_text()
+    assert r.returncode == 0 and "Speed (verify-kernels bench)" in page and "mla_cache_write: us against batch" in page
+
+
+def test_diff_of_two_certificates_shows_the_speed_of_the_bench_records_beside_them(tmp_path):
+    from verify.record import certificate
+    from verify.model.verdict import OpVerdict
+
+    rows = [_row("a", "T=1 B=1", 1.0, 2.5)]
+    rows[0].update(tp=1, batch=1, knobs={})
+    old = _record(rows)
+    new = json.loads(json.dumps(old))
+    new["rows"][0]["timings"]["fused"] = {"median_us": 2.0, "p10_us": 1.9, "p90_us": 2.1}
+    paths = []
+    for name, rec in (("old", old), ("new", new)):
+        d = tmp_path / name
+        cert = certificate.build([OpVerdict("mla_cache_write", "fused", "pass", 4, 4)], all_ops(), {}, "cuda")
+        paths.append(str(certificate.write(cert, d)))
+        output.write(rec, d)
+    r = _cli("diff", *paths)
+    assert r.returncode == 1 and "SPEED REGRESSIONS (1)" in r.stdout
+    r = _cli("diff", *paths, "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["speed"][0]["kind"] == "regression"
+
+
+def test_ncu_child_keeps_the_command_with_its_own_out():
+    from verify.bench import profile
+
+    argv = ["bench", "--ops", "router_topk", "--out", "x", "--profile-kernels", "ncu"]
+    assert profile._with_out(argv, "x/profile") == ["bench", "--ops", "router_topk", "--profile-kernels", "ncu",
+                                                    "--out", "x/profile"]

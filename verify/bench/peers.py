@@ -1,0 +1,125 @@
+"""Peers: other libraries' implementations of an op, as the registry declares them (OpDef.peers).
+
+Each is `prepare(tensors, params) -> launch`: the op's own inputs (one rank's, on the device) in,
+a zero-argument launch out. What a serving engine using that library would keep in the library's
+own layout (an fp32 router weight, fla's conv cache) is made here, untimed; the launch does only
+what the library does per decode step. A library that is not installed raises ImportError.
+"""
+from __future__ import annotations
+
+
+def torch_linear(tensors: dict, params: dict):
+    """skinny_gemm as torch.nn.functional.linear (cuBLAS / cuBLASLt): y = x @ w.T in the working dtype."""
+    import torch.nn.functional as F
+
+    x, w = tensors["x"], tensors["w"]
+    return lambda: F.linear(x, w)
+
+
+def cublas_logits(tensors: dict, params: dict):
+    """router_topk's logits GEMM alone, bf16 in and out through cuBLAS: a lower bound on any router
+    built on cuBLAS's GEMM (no sigmoid, no top-k)."""
+    import torch
+
+    x, w = tensors["x"], tensors["w_gate"]
+    return lambda: torch.matmul(x, w.T)
+
+
+def _fp32_logits(x, w):
+    """fp32 logits of bf16 x and w through one cuBLAS GEMM: bf16 operands with fp32 output where torch
+    offers it (torch.mm's out_dtype), else an fp32 GEMM of w converted once, here, untimed."""
+    import torch
+
+    try:
+        torch.mm(x[:1], w[:1].T, out_dtype=torch.float32)
+        return lambda: torch.mm(x, w.T, out_dtype=torch.float32)
+    except (TypeError, RuntimeError):
+        w32 = w.float()
+        return lambda: torch.mm(x.float(), w32.T)
+
+
+def cublas_logits_topk(tensors: dict, params: dict):
+    """router_topk as a serving engine composes it from library calls: the fp32 logits GEMM (cuBLAS),
+    sigmoid, + bias, torch.topk, gather and renormalise x routed_scale. Ties go as torch.topk puts
+    them (not the op's declared lower-id order): a speed peer, not a certified candidate."""
+    import torch
+
+    bias, k, scale = tensors["bias"].float(), int(params["top_k"]), float(params["routed_scale"])
+    logits = _fp32_logits(tensors["x"], tensors["w_gate"])
+
+    def launch():
+        s = torch.sigmoid(logits())
+        ids = torch.topk(s + bias, k, dim=-1, sorted=True).indices
+        w = s.gather(1, ids)
+        return ids, w / w.sum(-1, keepdim=True) * scale
+    return launch
+
+
+def _fla():
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d_update
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+        from fla.ops.kda import fused_recurrent_kda
+    except Exception as e:  # noqa: BLE001  (missing package, or triton without a device)
+        raise ImportError(f"fla-core is not importable here ({type(e).__name__}: {e}); "
+                          "install it with `pip install fla-core`") from None
+    return causal_conv1d_update, fused_recurrent_kda, rms_norm_gated
+
+
+def _kda_dims(tensors: dict) -> tuple[int, int, int, int]:
+    B, C = tensors["q_raw"].shape
+    H = tensors["A_log"].shape[0]
+    return B, C, H, C // H
+
+
+def _recurrence(fused_recurrent_kda, q, k, v, tensors: dict, params: dict):
+    """fla's recurrence on one decode token per sequence: q/k L2 norm, the lower-bound gate, sigmoid
+    beta in the kernel; the fp32 state V-first (the op's layout), written to a new tensor."""
+    B, C, H, Dh = _kda_dims(tensors)
+    g = tensors["g_raw"].view(B, 1, H, Dh)
+    beta = tensors["beta_raw"].view(B, 1, H)
+    return lambda: fused_recurrent_kda(
+        q.view(B, 1, H, Dh), k.view(B, 1, H, Dh), v.view(B, 1, H, Dh), g, beta,
+        A_log=tensors["A_log"], dt_bias=tensors["dt_bias"], scale=Dh ** -0.5, initial_state=tensors["state"],
+        output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, lower_bound=float(params["lower_bound"]), state_v_first=True)
+
+
+def fla_recurrence(tensors: dict, params: dict):
+    """kda_decode's recurrence alone through fla.ops.kda.fused_recurrent_kda, on the short convs'
+    outputs computed here, untimed: a lower bound on the op through fla (no convs, no gated norm)."""
+    from references.kda import short_conv_update
+
+    _, fused_recurrent_kda, _ = _fla()
+    conv_state = tensors["conv_state"].clone()
+    q, k, v = (short_conv_update(tensors[n], tensors["conv_w"][i], conv_state[:, i])
+               for i, n in enumerate(("q_raw", "k_raw", "v_raw")))
+    return _recurrence(fused_recurrent_kda, q, k, v, tensors, params)
+
+
+def fla_kda_decode(tensors: dict, params: dict):
+    """The whole of kda_decode through fla: three causal_conv1d_update launches (SiLU; fla's cache
+    layout [B, C, W], made here from the op's conv_state), fused_recurrent_kda, and the gated RMSNorm
+    (rms_norm_gated, sigmoid gate) -> y [B, C] in the working dtype."""
+    import torch
+
+    causal_conv1d_update, fused_recurrent_kda, rms_norm_gated = _fla()
+    B, C, H, Dh = _kda_dims(tensors)
+    conv_w, conv_state = tensors["conv_w"], tensors["conv_state"]
+    W = conv_w.shape[-1]
+    caches = [torch.cat([conv_state.new_zeros(B, C, 1), conv_state[:, i]], dim=-1).contiguous() for i in range(3)]
+    weights = [conv_w[i].contiguous() for i in range(3)]
+    assert caches[0].shape == (B, C, W)
+    outs = {}
+
+    def convs():
+        for i, n in enumerate(("q_raw", "k_raw", "v_raw")):
+            outs[n], _ = causal_conv1d_update(tensors[n], caches[i], weight=weights[i], activation="silu")
+
+    z, w_norm, eps = tensors["z"].view(B * H, Dh), tensors["o_norm_w"], float(params["norm_eps"])
+
+    def launch():
+        convs()
+        o, _ = _recurrence(fused_recurrent_kda, outs["q_raw"], outs["k_raw"], outs["v_raw"], tensors, params)()
+        return rms_norm_gated(o.reshape(B * H, Dh), z, w_norm, None, activation="sigmoid", eps=eps).view(B, C)
+    return launch

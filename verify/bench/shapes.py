@@ -1,0 +1,118 @@
+"""Which shapes `bench` times, and one rank's inputs for each.
+
+A shape is (op, T, B, knobs): the K3 config, bf16, the op's input builder's case at batch B with
+the knobs of one of the op's `bench_knobs` sets, split by the op's registry split rule, rank 0's
+shard. Building K3 weights takes seconds on a CPU, so the unsplit inputs are built once per (op,
+knobs) at the largest batch and a smaller batch takes the first B rows along the op's batch dims:
+the same shapes and dtypes as the builder's own case at B (the weights, drawn per name, are its
+own; activations differ in value only).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SEED = 0
+CONFIG = "k3"
+DTYPE = "bfloat16"
+
+
+@dataclass(frozen=True)
+class Shape:
+    op: str
+    tp: int
+    batch: int
+    knobs: tuple = ()            # sorted (key, value) pairs
+
+    @property
+    def label(self) -> str:
+        return " ".join([f"T={self.tp}", f"B={self.batch}"] + [f"{k}={v}" for k, v in self.knobs])
+
+    def to_dict(self) -> dict:
+        return {"op": self.op, "tp": self.tp, "batch": self.batch, "knobs": dict(self.knobs)}
+
+
+def op_tps(op, tps: list[int]) -> tuple[list[int], list[str]]:
+    """The T values of `tps` the op's split allows (T = 1 always; one T for a replicated op, whose
+    rank holds the whole op at every T), and a note per one left out."""
+    allowed = {1} | set(op.split.tp_values if op.split is not None else ())
+    keep = [t for t in tps if t in allowed]
+    notes = [f"T={t}: not in {op.name}'s split ({sorted(allowed)})" for t in tps if t not in allowed]
+    if op.split is not None and op.split.kind == "replicated" and len(keep) > 1:
+        notes.append(f"T={','.join(map(str, keep[1:]))}: {op.name} is replicated, one rank's shape is T={keep[0]}'s")
+        keep = keep[:1]
+    return keep, notes
+
+
+def coverage_order(values: list[int]) -> list[int]:
+    """The values reordered so that any prefix spans their range: ends first, then midpoints
+    (1,2,4,8,16,32,64 -> 1,64,8,2,16,4,32): a time budget that cuts an op keeps a spread of batches."""
+    vals = sorted(set(values))
+    if len(vals) <= 2:
+        return vals
+    out, spans = [vals[0], vals[-1]], [(0, len(vals) - 1)]
+    while spans:
+        nxt = []
+        for lo, hi in spans:
+            if hi - lo > 1:
+                mid = (lo + hi) // 2
+                out.append(vals[mid])
+                nxt += [(lo, mid), (mid, hi)]
+        spans = nxt
+    return out
+
+
+def shapes_for(op, tps: list[int], batches: list[int]) -> tuple[list[Shape], list[str]]:
+    """Every shape of one op, B in coverage order, then T, then the knob sets."""
+    keep, notes = op_tps(op, tps)
+    batch_list = sorted(set(op.bench_batches or batches))
+    if not op.bench_batches:
+        over = [b for b in batch_list if b > op.max_batch]
+        if over:       # timed all the same: a serving batch, certified through the batch-invariance guard
+            notes.append(f"B={','.join(map(str, over))}: over the batches {op.name}'s certification draws "
+                         f"(<= {op.max_batch}; larger ones are covered by its batch-invariance guard)")
+    shapes = [Shape(op.name, t, b, tuple(sorted(knobs.items())))
+              for b in coverage_order(batch_list) for t in keep for knobs in op.bench_knobs]
+    return shapes, notes
+
+
+def case_for(op, shape: Shape, batch: int | None = None):
+    from verify.model.case import Case
+
+    return Case(op.name, SEED, batch or shape.batch, CONFIG, DTYPE, "normal", shape.tp, shape.knobs)
+
+
+def take_batch(op, inputs, batch: int):
+    """The first `batch` rows of every tensor the op declares a batch dim for (contiguous copies)."""
+    from verify.model.opdef import OpInputs
+
+    t = {}
+    for name, x in inputs.tensors.items():
+        dim = op.batch_dims.get(name)
+        t[name] = x.narrow(dim, 0, batch).contiguous() if dim is not None and x.shape[dim] > batch else x
+    return OpInputs(t, dict(inputs.params))
+
+
+def rank_inputs(op, unsplit, tp: int):
+    """Rank 0's shard of the unsplit inputs under the op's split rule (the inputs themselves at T = 1)."""
+    from verify.model.opdef import OpInputs
+
+    if tp == 1:
+        return unsplit
+    shard = op.split.shard(unsplit, tp)[0]
+    return OpInputs(dict(shard.tensors), dict(shard.params))
+
+
+class InputCache:
+    """Unsplit CPU inputs per (op, knobs), built once at the largest batch a run asks of them; one
+    op's at a time."""
+
+    def __init__(self):
+        self._built: dict[tuple, tuple[int, object]] = {}
+
+    def inputs(self, op, shape: Shape, largest: int):
+        key = (op.name, shape.knobs)
+        if any(k[0] != op.name for k in self._built):
+            self._built = {}
+        if key not in self._built or self._built[key][0] < shape.batch:
+            self._built[key] = (largest, op.make_inputs(case_for(op, shape, largest)))
+        return take_batch(op, rank_inputs(op, self._built[key][1], shape.tp), shape.batch)

@@ -1,0 +1,129 @@
+"""The timing core: per-call device time of a rotation of launches, as a serving engine replays them.
+
+A timed thing is a list of zero-argument launches, one per input set. The sets are rotated so that
+together they hold more bytes than L2 (every call reads its operands from HBM, as a decode step
+does), and the rotation is repeated until one CUDA graph holds at least MIN_CALLS calls (a replay's
+own launch gap is then not charged to the 1-2 calls of a graph of large sets). Each sample is the
+time of REPLAYS graph replays between two CUDA events, divided by the calls replayed; the result
+is the median and the 10th / 90th percentiles of SAMPLES samples.
+
+The clock is an argument: `GraphClock` on a CUDA device, a fake one in the CPU tests.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Callable, Protocol, Sequence
+
+ROTATE_BYTES = 256 << 20        # >= 5 x the H200's 50 MB L2
+MAX_SETS = 64
+MIN_CALLS = 20
+SAMPLES = 25
+REPLAYS = 3
+
+Launch = Callable[[], object]
+
+
+@dataclass(frozen=True)
+class Stats:
+    median_us: float
+    p10_us: float
+    p90_us: float
+    samples: int
+    sets: int              # input sets rotated
+    calls: int             # calls per graph (the rotation repeated)
+    method: str            # "graph" | "stream" (not capturable: launched from Python, events around)
+
+    def to_dict(self) -> dict:
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+class Clock(Protocol):
+    """Captures a list of launches into one replayable unit, and times n replays of it in ms."""
+
+    def capture(self, calls: Sequence[Launch]) -> tuple[Callable[[], None], str]: ...
+
+    def elapsed_ms(self, replay: Callable[[], None], n: int) -> float: ...
+
+
+def sets_needed(set_bytes: int, rotate_bytes: int = ROTATE_BYTES, max_sets: int = MAX_SETS) -> int:
+    """Input sets to rotate so that they hold >= rotate_bytes together (1 when one set already does)."""
+    if set_bytes <= 0:
+        return max_sets
+    return max(1, min(max_sets, math.ceil(rotate_bytes / set_bytes)))
+
+
+def rotation(n_sets: int, min_calls: int = MIN_CALLS) -> list[int]:
+    """Set index of each call in one graph: 0..n-1 repeated until >= min_calls calls."""
+    if n_sets < 1:
+        raise ValueError(f"n_sets: {n_sets} must be 1 or more")
+    reps = max(1, math.ceil(min_calls / n_sets))
+    return [i % n_sets for i in range(n_sets * reps)]
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) of already sorted values."""
+    if not sorted_values:
+        raise ValueError("percentile of no values")
+    pos = (len(sorted_values) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def time_launches(per_set: Sequence[Launch], clock: Clock, *, min_calls: int = MIN_CALLS,
+                  samples: int = SAMPLES, replays: int = REPLAYS) -> Stats:
+    """Per-call time of the launches in `per_set` (one per input set), rotated as `rotation` says."""
+    if samples < 1 or replays < 1:
+        raise ValueError(f"samples {samples} and replays {replays} must be 1 or more")
+    order = rotation(len(per_set), min_calls)
+    replay, method = clock.capture([per_set[i] for i in order])
+    clock.elapsed_ms(replay, 1)                        # one untimed replay: first-touch costs
+    per_call = sorted(clock.elapsed_ms(replay, replays) * 1e3 / (replays * len(order)) for _ in range(samples))
+    return Stats(statistics.median(per_call), percentile(per_call, 10), percentile(per_call, 90), samples,
+                 len(per_set), len(order), method)
+
+
+class GraphClock:
+    """CUDA events around CUDA-graph replays. Launches warm up (compile, autotune) on a side stream
+    before capture; a sequence that cannot be captured (a host sync, a CPU fallback) is timed as
+    launched from Python on the current stream, and its Stats say "stream"."""
+
+    def capture(self, calls: Sequence[Launch]) -> tuple[Callable[[], None], str]:
+        import torch
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):          # the first call compiles or autotunes; the second runs warm
+                for call in calls:
+                    call()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream()
+        try:
+            with torch.cuda.graph(graph):
+                for call in calls:
+                    call()
+        except Exception:  # noqa: BLE001  (not capturable: time it launched from Python)
+            torch.cuda.set_stream(stream)     # a failed capture_end leaves the capture stream current
+            torch.cuda.synchronize()
+            del graph
+
+            def launch_all():
+                for call in calls:
+                    call()
+            return launch_all, "stream"
+        return graph.replay, "graph"
+
+    def elapsed_ms(self, replay: Callable[[], None], n: int) -> float:
+        import torch
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
