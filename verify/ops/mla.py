@@ -307,6 +307,17 @@ def mla_cache_write_bytes(inputs: OpInputs) -> int:
     return (N + written) * C * t["latent"].element_size() + N * t["slot_mapping"].element_size()
 
 
+def mla_decode_attn_bytes(inputs: OpInputs) -> int:
+    """q_abs, block_table and seq_lens read; of the cache, each sequence's first seq_len slots (the
+    keys and values it attends to: the rest of its pages is never read); o_latent written."""
+    t, p = inputs.tensors, inputs.params
+    B, Q, H, C = t["q_abs"].shape
+    es = t["q_abs"].element_size()
+    slots = int(t["seq_lens"].to(torch.int64).sum())
+    small = sum(t[k].numel() * t[k].element_size() for k in ("q_abs", "block_table", "seq_lens"))
+    return small + slots * C * t["cache"].element_size() + B * Q * H * p["kv_lora_rank"] * es
+
+
 _NOTE_TOKENS = "batch = decode tokens (rows)."
 OPS: list[OpDef] = [
     OpDef(
@@ -342,6 +353,7 @@ OPS: list[OpDef] = [
         batch_dims={"q_abs": 0, "block_table": 0, "seq_lens": 0, "o_latent": 0},
         split=head_split(lambda i: i.tensors["q_abs"].shape[2], {"q_abs": 2}, {"o_latent": 2}),
         magnitudes=decode_attn_magnitude, fused="fused.mla_decode_attn:mla_decode_attn",
+        moved_bytes=mla_decode_attn_bytes,
         knob_sweep=({"context": "long"},),
         notes=("batch = sequences, each with Q query tokens (knob `q_per_seq`, else drawn 1..8 from the seed); the "
                "cache is shared by all sequences and never permuted. Context is capped at MAX_CONTEXT_PAGES pages "

@@ -219,6 +219,18 @@ def router_topk_bytes(inputs: OpInputs) -> int:
     return (B * D + E * D) * t["x"].element_size() + E * 4 + B * k * (8 + 4)
 
 
+def moe_experts_mxfp4_bytes(inputs: OpInputs) -> int:
+    """z, ids and weights read; the MXFP4 weights and scales of the distinct experts the ids name
+    (0..E-1; padding ids are no expert), each once however many tokens chose it; y written."""
+    t = inputs.tensors
+    E = t["w13_packed"].shape[0]
+    ids = t["ids"]
+    distinct = int(torch.unique(ids[(ids >= 0) & (ids < E)]).numel())
+    per_expert = sum(t[k][0].numel() * t[k].element_size() for k in ("w13_packed", "w13_scale", "w2_packed", "w2_scale"))
+    small = sum(t[k].numel() * t[k].element_size() for k in ("z", "ids", "weights"))
+    return small + distinct * per_expert + t["z"].numel() * t["z"].element_size()
+
+
 ROUTER_PEERS = (Peer("cublas_logits_topk", "verify.bench.peers:cublas_logits_topk"),
                 Peer("cublas_logits", "verify.bench.peers:cublas_logits", part="the logits GEMM alone (bf16)"))
 
@@ -244,6 +256,7 @@ OPS = [
                    "situ_beta: float, situ_linear_beta: float -> y[B,L] wd"),
         batch_dims={"z": 0, "ids": 0, "weights": 0, "y": 0},
         split=MOE_EXPERTS_TP_SPLIT, fused="fused.moe_experts_mxfp4:moe_experts_mxfp4",
+        moved_bytes=moe_experts_mxfp4_bytes,
         configs=("tiny", "small"), compile_heavy=True, cpu_ok=False, max_batch=32,
         dists=GENERIC_DISTS + ("mxfp4_grid",),
         knob_sweep=({"scales": "extreme"}, {"scales": "every_byte"}, {"routing": "edges"}, {"routing": "same"}),
