@@ -1,7 +1,9 @@
 """verify-kernels: certify kernels of a Kimi K3 decode layer against their references.
 
 Heavy imports (torch, hypothesis, cutlass) are deferred so --help and list answer at once.
-Exit codes: 0 every op certified (skips allowed and listed), 1 any op failed, 2 bad usage or config.
+Exit codes: 0 every op certified by at least one candidate and none failed (skipped candidates are
+listed), 1 an op failed or had no certified candidate (every one skipped), 2 bad usage or config,
+130 interrupted (Ctrl-C; `run --resume` continues).
 `run` isolates candidates in a worker process (--no-isolate to run in-process), appends every verdict
 to OUT/run.jsonl (--resume continues a killed run, a cut op/candidate pair case by case), and writes
 OUT/certificate.json.
@@ -353,6 +355,7 @@ def _finish_run(args, verdicts, options, device, cases, console, carried, where:
     """Failures, the certificate (and JUnit), the summary table; the exit status."""
     from verify import certificate
     from verify.registry import all_ops
+    from verify.outcome import outcome
     from verify.reporters.terminal import print_failure, print_skips, summary_table
     from verify.verdict import FAIL, XPASS
 
@@ -367,12 +370,11 @@ def _finish_run(args, verdicts, options, device, cases, console, carried, where:
         write_junit(verdicts, args.junit)
     console.print(summary_table(verdicts))
     print_skips(console, verdicts)
-    failed = [v for v in verdicts if v.status in (FAIL, XPASS)]
-    console.print(f"certificate: {path}  ({len(verdicts) - len(failed)} of {len(verdicts)} op/candidate pairs "
-                  f"certified or skipped, {len(failed)} failed, {where})")
+    result = outcome(verdicts)
+    console.print(f"certificate: {path}  ({result.line()}; {where})", soft_wrap=True)
     if args.json:
         print(json.dumps(cert, indent=1, default=str))
-    return EXIT_FAIL if failed else EXIT_OK
+    return EXIT_OK if result.ok else EXIT_FAIL
 
 
 def _run_jobs(args, ops, candidates, device, options, console, carried: dict, profile, tps) -> int:

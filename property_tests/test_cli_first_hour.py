@@ -1,0 +1,38 @@
+"""A new user's first hour with the CLI: what the run says and what it exits with, a usage error in one
+line, a pipe closed early, Ctrl-C, progress in a CI log, fast answers from `list` / `describe`."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+UK = "property_tests.user_kernels"
+
+
+def _cli(*args, cwd=ROOT, timeout=600, **env):
+    e = {**os.environ, "COLUMNS": "100", **env}
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-m", "verify.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          env=e, timeout=timeout)
+
+
+def test_a_wrong_kernel_skipped_by_its_dtype_scope_is_not_a_success_and_check_agrees(tmp_path):
+    cand = f"{UK}.gemm_fp16_only_wrong:skinny_gemm"
+    run = _cli("run", "--ops", "skinny_gemm", "--candidate", cand, "--no-isolate", "--out", str(tmp_path))
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "0 certified, 1 skipped, 0 failed" in run.stdout
+    assert "no certified candidate (every one skipped): skinny_gemm" in run.stdout
+    check = _cli("check", str(tmp_path / "certificate.json"), "--ops", "skinny_gemm", "--candidate", cand)
+    assert check.returncode == 1, check.stdout + check.stderr
+
+
+def test_summary_counts_certified_skipped_and_failed_apart(tmp_path):
+    run = _cli("run", "--ops", "skinny_gemm,mxfp4_dequant", "--candidate", f"reference,fused,{UK}.gemm_ok:skinny_gemm",
+               "--no-isolate", "--out", str(tmp_path), "--examples", "2", "--device", "cpu")
+    # reference: 2 certified; fused: 2 skipped (no CUDA); the gemm module: skinny_gemm certified, and
+    # mxfp4_dequant failed (a GEMM is not a dequant: it raises)
+    assert "3 certified, 2 skipped, 1 failed op/candidate pairs; failed: mxfp4_dequant" in run.stdout, run.stdout
+    assert run.returncode == 1
