@@ -36,3 +36,11 @@ def test_summary_counts_certified_skipped_and_failed_apart(tmp_path):
     # mxfp4_dequant failed (a GEMM is not a dequant: it raises)
     assert "3 certified, 2 skipped, 1 failed op/candidate pairs; failed: mxfp4_dequant" in run.stdout, run.stdout
     assert run.returncode == 1
+
+
+def test_a_candidate_in_an_imported_module_that_is_not_a_kernel_is_a_one_line_usage_error():
+    for cand, words in (("os:path", "'os:path' is not callable"), ("os:no_such_fn", "has no attribute 'no_such_fn'")):
+        got = _cli("run", "--candidate", cand, "--ops", "skinny_gemm", "--no-isolate", "--out", "/tmp/vk-usage")
+        assert got.returncode == 2, got.stderr
+        lines = got.stderr.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0] and "--candidate" in lines[0], got.stderr

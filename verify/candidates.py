@@ -62,8 +62,11 @@ def import_checked(path: str, device: str):
     mod = path.split(":", 1)[0]
     if mod in _IMPORT_TAINT:
         raise CandidateImportError(_IMPORT_TAINT[mod])
-    if mod in sys.modules:
-        return import_callable(path)
+    if mod in sys.modules:         # imported already (by the harness, or a module of the stdlib)
+        try:
+            return import_callable(path)
+        except ImportError as e:
+            raise CandidateImportError(str(e)) from None
     before, overrides = ps.process_state(device), ps.dispatcher_overrides()
     try:
         fn = import_callable(path)
