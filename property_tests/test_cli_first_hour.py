@@ -44,3 +44,39 @@ def test_a_candidate_in_an_imported_module_that_is_not_a_kernel_is_a_one_line_us
         assert got.returncode == 2, got.stderr
         lines = got.stderr.strip().splitlines()
         assert len(lines) == 1 and words in lines[0] and "--candidate" in lines[0], got.stderr
+
+
+def test_list_into_a_closed_pipe_ends_quietly():
+    """`verify-kernels list | head -3`: the reader is gone before the listing is written (its end of the
+    pipe is closed first, so the write always fails): no BrokenPipeError traceback, SIGPIPE's status."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "verify.cli", "list"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141 and err == "", err
+
+
+def test_ctrl_c_keeps_the_results_and_names_the_resume_command(tmp_path):
+    import signal
+    import time
+
+    # the default isolated run; Ctrl-C as a terminal sends it: SIGINT to the whole process group
+    cmd = [sys.executable, "-m", "verify.cli", "run", "--ops", "kda_layer", "--candidate", "reference",
+           "--examples", "20", "--out", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    log = tmp_path / "run.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (log.exists() and '"kind":"case"' in log.read_text()):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 3, err
+    assert "--resume" in err and str(log) in err
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert any(x["kind"] == "case" for x in lines)                  # what was judged is kept
+    assert all(x["record"]["status"] == "pass" for x in lines if x["kind"] == "case"), lines   # no case judged by the ^C
+    assert not (tmp_path / "certificate.json").exists()

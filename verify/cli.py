@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141      # 128 + SIGINT, 128 + SIGPIPE, as a shell reports them
 
 
 class UsageError(Exception):
@@ -112,11 +113,33 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:
-        return {"list": cmd_list, "describe": cmd_describe, "run": cmd_run, "repro": cmd_repro,
-                "report": cmd_report, "diff": cmd_diff, "check": cmd_check}[args.command](args)
+        rc = {"list": cmd_list, "describe": cmd_describe, "run": cmd_run, "repro": cmd_repro,
+              "report": cmd_report, "diff": cmd_diff, "check": cmd_check}[args.command](args)
+        sys.stdout.flush()            # a closed pipe raises here, inside the handler below, not at exit
+        return rc
     except UsageError as e:
         print(f"verify-kernels: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:       # `verify-kernels list | head -3`: the reader left; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())      # the interpreter's final flush must not raise again
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        print(f"\nverify-kernels: interrupted{_resume_hint(args)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _resume_hint(args) -> str:
+    """Where a cut `run` left its results and the command that continues it."""
+    if args.command != "run" or getattr(args, "case_list", None):
+        return ""
+    import shlex
+
+    again = list(args.argv) if args.argv and args.argv[0] == "run" else ["run", *args.argv]
+    if "--resume" not in again:
+        again.append("--resume")
+    return (f"; every finished case is kept in {Path(args.out) / 'run.jsonl'}. Continue with:\n"
+            f"  verify-kernels {shlex.join(again)}")
 
 
 def _op_or_usage(name: str):
