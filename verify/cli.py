@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_args(run)
     rp = sub.add_parser("repro", help="rerun one case and print the worst elements")
     rp.add_argument("case", help="the case JSON printed with a failure")
-    rp.add_argument("--candidate", default="reference", help="fused | compiled | reference | module:attr")
+    rp.add_argument("--candidate", default="reference",
+                    help="fused | compiled | reference | module:attr | path/to/file.py:attr")
     rp.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     rep = sub.add_parser("report", help="one self-contained HTML page from a certificate")
     rep.add_argument("certificate", metavar="CERT.json")
