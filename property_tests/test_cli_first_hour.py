@@ -80,3 +80,35 @@ def test_ctrl_c_keeps_the_results_and_names_the_resume_command(tmp_path):
     assert any(x["kind"] == "case" for x in lines)                  # what was judged is kept
     assert all(x["record"]["status"] == "pass" for x in lines if x["kind"] == "case"), lines   # no case judged by the ^C
     assert not (tmp_path / "certificate.json").exists()
+
+
+def test_a_redirected_run_prints_progress_lines(tmp_path):
+    run = _cli("run", "--ops", "skinny_gemm", "--candidate", "reference", "--no-isolate", "--out", str(tmp_path))
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == "[1/1] skinny_gemm / reference: started", lines[:3]
+    assert any(x.startswith("[1/1] skinny_gemm / reference: ") and "cases judged, 0 failed" in x and x.endswith(": pass")
+               for x in lines), lines
+
+
+def test_progress_lines_come_at_most_every_interval():
+    import io
+
+    from rich.console import Console
+
+    from verify.reporters.progress import RunProgress
+    from verify.verdict import FAIL, PASS, CaseVerdict
+
+    buf = io.StringIO()
+    with RunProgress(Console(file=buf, width=200), 2, interval_s=0.0) as p:    # every case
+        p.start("skinny_gemm", "mine")
+        for status in (PASS, FAIL, PASS):
+            p.case(CaseVerdict("skinny_gemm", "mine", "", status))
+    lines = buf.getvalue().splitlines()
+    assert lines[-1].startswith("[1/2] skinny_gemm / mine: 3 cases judged, 1 failed"), lines
+    buf = io.StringIO()
+    with RunProgress(Console(file=buf, width=200), 1, interval_s=3600.0) as p:
+        p.start("skinny_gemm", "mine")
+        for _ in range(50):
+            p.case(CaseVerdict("skinny_gemm", "mine", "", PASS))
+    assert len(buf.getvalue().splitlines()) == 1, buf.getvalue()      # "started", then nothing within the hour

@@ -256,16 +256,19 @@ def replay(op: OpDef, case: Case, candidate: Candidate, device: str) -> CaseVerd
 def run_all(args, ops, candidates, profile, tps, device, log, console) -> tuple[list[OpVerdict], dict]:
     """Every op x candidate of a `run`, by mode; each verdict goes to the run log as it completes.
     Returns the op verdicts and (op, candidate) -> compact case records for the certificate."""
-    from rich.progress import Progress
-
+    from verify.reporters.progress import RunProgress
     from verify.runlog import case_record
 
     prev = log.previous
     cases: dict[tuple[str, str], list[dict]] = {k: list(v) for k, v in prev.cases.items()}
 
+    shown: list = []          # the progress reporter, once the pairs start (a bar, or lines in a log)
+
     def on_case(v: CaseVerdict) -> None:
         log.case(v)
         cases.setdefault((v.op, v.candidate), []).append(case_record(v))
+        for p in shown:
+            p.case(v)
 
     if args.distributed:
         from verify.distributed import certify_distributed, collective_ops
@@ -301,11 +304,11 @@ def run_all(args, ops, candidates, profile, tps, device, log, console) -> tuple[
         return [], cases
     verdicts = []
     try:
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("certifying", total=len(ops) * len(candidates))
+        with RunProgress(console, len(ops) * len(candidates)) as progress:
+            shown.append(progress)
             for op in ops:
                 for cand in candidates:
-                    progress.update(task, description=f"{op.name} / {cand.label}")
+                    progress.start(op.name, cand.label)
                     done = prev.op_verdicts.get((op.name, cand.label))
                     if done is not None:
                         v = done
@@ -326,7 +329,7 @@ def run_all(args, ops, candidates, profile, tps, device, log, console) -> tuple[
                     if done is None:
                         log.op(v)
                     verdicts.append(v)
-                    progress.advance(task)
+                    progress.done(v)
     finally:
         if runner is not None:
             runner.close()
