@@ -112,3 +112,12 @@ def test_progress_lines_come_at_most_every_interval():
         for _ in range(50):
             p.case(CaseVerdict("skinny_gemm", "mine", "", PASS))
     assert len(buf.getvalue().splitlines()) == 1, buf.getvalue()      # "started", then nothing within the hour
+
+
+def test_quick_shrinks_a_failure_to_the_smallest_case(tmp_path):
+    run = _cli("run", "--ops", "skinny_gemm", "--candidate", f"{UK}.gemm_ok:skinny_gemm_drops_k_tail", "--no-isolate",
+               "--out", str(tmp_path))
+    assert run.returncode == 1
+    cert = json.loads((tmp_path / "certificate.json").read_text())
+    case = json.loads(cert["ops"]["skinny_gemm"]["verdicts"][f"{UK}.gemm_ok:skinny_gemm_drops_k_tail"]["failure"]["case"])
+    assert (case["seed"], case["batch"], case["config"], case["tp"]) == (0, 1, "tiny", 1), case
