@@ -121,3 +121,31 @@ def test_quick_shrinks_a_failure_to_the_smallest_case(tmp_path):
     cert = json.loads((tmp_path / "certificate.json").read_text())
     case = json.loads(cert["ops"]["skinny_gemm"]["verdicts"][f"{UK}.gemm_ok:skinny_gemm_drops_k_tail"]["failure"]["case"])
     assert (case["seed"], case["batch"], case["config"], case["tp"]) == (0, 1, "tiny", 1), case
+
+
+def test_list_describe_and_help_do_not_import_torch():
+    code = ("import contextlib, io, sys\n"
+            "from verify import cli\n"
+            "for argv in (['list'], ['list', '--json'], ['describe', 'kda_decode'], ['describe', 'mla_layer', '--json']):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()):\n"
+            "        assert cli.main(argv) == 0, argv\n"
+            "try:\n"
+            "    with contextlib.redirect_stdout(io.StringIO()):\n"
+            "        cli.main(['run', '--help'])\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'hypothesis', 'cutlass'))))\n")
+    got = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == "[]", got.stdout
+
+
+def test_describe_is_readable_and_json_keeps_the_whole_spec():
+    text = _cli("describe", "skinny_gemm").stdout
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 100 and len(lines) > 15, max(map(len, lines))
+    assert "  derivation:" in lines and any(x.strip().startswith("Element rule (element_floor):") for x in lines)
+    blob = json.loads(_cli("describe", "skinny_gemm", "--json").stdout)
+    assert blob["spec"]["outputs"]["y"]["class"] == "derived" and len(blob["spec"]["derivation"]) > 2000
+    assert blob["signature"].startswith("x[M,K]")

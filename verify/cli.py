@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -152,20 +153,27 @@ def _op_or_usage(name: str):
         raise UsageError(str(e)) from None
 
 
-def _classes(op) -> dict[str, str]:
-    from verify.specs import SpecError, load_spec
+def _spec_classes(name: str) -> dict[str, str]:
+    """output -> class, read from the spec file as it stands (no validation, no torch: `list`)."""
+    spec_dir = Path(__file__).resolve().parent.parent / "tolerance_specs"     # verify.specs.SPEC_DIR, without pydantic
+    try:
+        import tomllib
+    except ModuleNotFoundError:      # Python 3.10
+        import tomli as tomllib
 
     try:
-        return {n: o.klass for n, o in load_spec(op.name).outputs.items()}
-    except SpecError as e:
+        raw = tomllib.loads((spec_dir / f"{name}.toml").read_text())
+        return {n: o.get("class", "?") for n, o in raw.get("outputs", {}).items()}
+    except (OSError, ValueError) as e:
         return {"error": str(e)}
 
 
 def cmd_list(args) -> int:
-    from verify.registry import all_ops
+    from verify import op_index
 
-    rows = [{"op": op.name, "family": op.family, "reference": op.reference, "fused": op.fused,
-             "classes": _classes(op), "split": op.split.kind if op.split else None} for op in all_ops().values()]
+    rows = [{"op": e["op"], "family": e["family"], "reference": e["reference"], "fused": e["fused"],
+             "classes": _spec_classes(e["op"]), "split": e["split"]["kind"] if e["split"] else None}
+            for e in op_index.load().values()]
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
@@ -175,33 +183,62 @@ def cmd_list(args) -> int:
     return EXIT_OK
 
 
+def _wrapped(label: str, text: str, width: int) -> str:
+    import textwrap
+
+    return textwrap.fill(" ".join(str(text).split()), width=width, initial_indent=f"  {label}: ",
+                         subsequent_indent="      ")
+
+
 def cmd_describe(args) -> int:
+    from verify import op_index
+    from verify.registry import UnknownOpError
     from verify.specs import SpecError, load_spec
 
-    op = _op_or_usage(args.op)
     try:
-        spec = load_spec(op.name).model_dump(by_alias=True)
-    except SpecError as e:
-        spec = {"error": str(e)}
-    info = {"op": op.name, "reference": op.reference, "fused": op.fused, "signature": op.signature,
-            "outputs": list(op.outputs), "state": list(op.state), "batch_dims": op.batch_dims,
-            "dtypes": list(op.dtypes), "configs": list(op.configs), "dists": list(op.dists),
-            "split": None if op.split is None else {"kind": op.split.kind, "reduction_order": op.split.reduction_order,
-                                                    "tp_values": list(op.split.tp_values)},
-            "spec": spec, "notes": op.notes}
+        e = op_index.lookup(args.op)
+    except UnknownOpError as err:
+        raise UsageError(str(err)) from None
+    try:
+        spec = load_spec(e["op"]).model_dump(by_alias=True)
+    except SpecError as err:
+        spec = {"error": str(err)}
+    info = {**e, "spec": spec}
     if args.json:
         print(json.dumps(info, indent=1, default=str))
         return EXIT_OK
-    print(f"{op.name}  ({op.reference})")
-    print(f"  signature: {op.signature}")
-    print(f"  outputs: {', '.join(op.outputs) or '-'}; state: {', '.join(op.state) or '-'}")
-    print(f"  dtypes: {', '.join(op.dtypes)}; configs: {', '.join(op.configs)}")
-    print(f"  split: {info['split']}")
-    print(f"  fused: {op.fused or '-'}")
-    print(f"  spec: {json.dumps(spec.get('outputs', spec))}")
-    if "claims" in spec:
-        print(f"  claims: {json.dumps(spec['claims'])}")
-        print("  derivation: " + " ".join(spec["derivation"].split()))
+    import shutil
+
+    width = min(100, shutil.get_terminal_size((100, 24)).columns)
+    split = e["split"]
+    lines = [f"{e['op']}  ({e['reference']})", _wrapped("signature", e["signature"], width),
+             f"  outputs: {', '.join(e['outputs']) or '-'}; state: {', '.join(e['state']) or '-'}",
+             f"  dtypes: {', '.join(e['dtypes'])}; configs: {', '.join(e['configs'])}; batch up to {e['max_batch']}",
+             _wrapped("dists", ", ".join(e["dists"]), width),
+             _wrapped("split", "none" if split is None else f"{split['kind']} over T in "
+                      f"{', '.join(map(str, split['tp_values']))}; reduction order: {split['reduction_order']}", width),
+             f"  fused: {e['fused'] or '-'}"]
+    if "error" in spec:
+        lines.append(_wrapped("spec", spec["error"], width))
+    else:
+        lines.append("  outputs judged:")
+        for name, o in spec["outputs"].items():
+            bounds = "" if o.get("k") is None else f": k = {o['k']:g}, floor = {o['floor_ulps']:g} ulps" + (
+                f", element floor = {o['element_floor']:g}" if o.get("element_floor") else "")
+            per = "".join(f"; {d}: k = {b['k']:g}, floor = {b['floor_ulps']:g} ulps"
+                          for d, b in (o.get("by_dtype") or {}).items())
+            lines.append(_wrapped(f"  {name}", f"{o['class']}{bounds}{per}", width))
+        claims = spec.get("claims") or {}
+        lines.append(_wrapped("claims", ", ".join(f"{k} = {v}" for k, v in claims.items()), width))
+        if spec.get("waivers"):
+            lines.append(f"  waivers: {len(spec['waivers'])} (see --json)")
+        lines.append("  derivation:")
+        # a paragraph per blank line, or per line opening with a heading ("Element rule (element_floor): ...")
+        for para in re.split(r"\n\s*\n|\n(?=[^\n]{0,60}\): )", spec["derivation"].strip()):
+            lines.append(_wrapped("  ", para, width).replace("    : ", "    ", 1))
+    if e["notes"]:
+        lines.append(_wrapped("notes", e["notes"], width))
+    print("\n".join(lines))
     return EXIT_OK
 
 
