@@ -100,9 +100,15 @@ def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions, judged: Sequen
         return OpVerdict(op.name, label, SKIP, reason=str(e))
     except CandidateImportError as e:
         return OpVerdict(op.name, label, FAIL, reason=f"candidate: {e}")
-    profile, scope = _candidate_scope(op, fn, opts.profile)
-    if profile is None:
-        return OpVerdict(op.name, label, SKIP, reason=scope)
+    from verify.scope import ScopeError, candidate_scope     # the module's DTYPES / PARAMS declarations
+
+    try:
+        declared = candidate_scope(op, fn, opts.profile)
+    except ScopeError as e:
+        return OpVerdict(op.name, label, FAIL, reason=f"candidate: {e}")
+    if declared.profile is None:
+        return OpVerdict(op.name, label, SKIP, reason=declared.skip_reason)
+    profile, scope = declared.profile, "; ".join(declared.notes)
     seen: list[CaseVerdict] = []
     waived_fail: list[CaseVerdict] = []       # failures a spec waiver expects
 
@@ -127,6 +133,7 @@ def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions, judged: Sequen
         record(v)
 
     def run_one(case: Case) -> CaseVerdict:
+        case = declared.apply(case)       # declared PARAMS pinned (a knob of the case: repro replays it)
         key = case.to_json()
         if key in done:
             return done[key]          # prop raises, from one place, so hypothesis sees one failure origin
@@ -175,28 +182,11 @@ def certify_op(op: OpDef, candidate: Candidate, opts: RunOptions, judged: Sequen
                 failure = v
                 break
     seconds = time.perf_counter() - t0 + sum(v.seconds for v in judged)     # a resumed pair's whole cost
-    return _summarise(op, label, opts, seen, failure, waived_fail, seconds, scope)
+    return _summarise(op, label, opts, seen, failure, waived_fail, seconds, scope, declared.notes)
 
 
-def _candidate_scope(op: OpDef, fn, profile: Profile) -> tuple[Profile | None, str]:
-    """A candidate's module may declare the working dtypes it implements (`DTYPES = ("bfloat16",
-    ...)`, like `variants()`): the others are not drawn, and the verdict says so. (None, reason)
-    when the candidate implements none of the dtypes this run draws."""
-    declared = getattr(sys.modules.get(getattr(fn, "__module__", ""), None), "DTYPES", None)
-    if declared is None:
-        return profile, ""
-    drawn = drawn_dtypes(op, profile)
-    keep = [d for d in drawn if d in declared]
-    left = [d for d in drawn if d not in declared]
-    why = f"{fn.__module__} declares DTYPES = {', '.join(declared)}"
-    if not keep:
-        return None, f"not drawn: {', '.join(left)} ({why})"
-    if not left:
-        return profile, ""
-    return replace(profile, dtypes=tuple(keep)), f"scope: {', '.join(left)} not drawn ({why})"
-
-
-def _summarise(op, label, opts, seen, failure, waived_fail, seconds, scope: str = "") -> OpVerdict:
+def _summarise(op, label, opts, seen, failure, waived_fail, seconds, scope: str = "",
+               notes: tuple[str, ...] = ()) -> OpVerdict:
     worst: dict[str, float] = {}
     for v in seen:
         for c in v.checks:
@@ -212,8 +202,9 @@ def _summarise(op, label, opts, seen, failure, waived_fail, seconds, scope: str 
                          repro=repro, **counts)
     if waived_fail:
         return OpVerdict(op.name, label, WAIVED, reason=f"{len(waived_fail)} waived cases failed as expected"
-                         + (f"; {scope}" if scope else ""), **counts)
-    return OpVerdict(op.name, label, PASS, reason=scope, details=(scope,) if scope else (), **counts)
+                         + (f"; {scope}" if scope else ""), scope=notes, **counts)
+    return OpVerdict(op.name, label, PASS, reason=scope, details=(scope,) if scope else (),
+                     scope=notes, **counts)
 
 
 def draw_cases(op: OpDef, candidate: Candidate, opts: RunOptions) -> list[str]:

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--candidate", default="fused", help="fused | compiled | reference | module:attr (default: fused)")
     ck.add_argument("--profile", default=None, help="count only certificates run with this profile, e.g. release")
     ck.add_argument("--device", default=None, choices=["cpu", "cuda"], help="count only certificates run on this device")
+    ck.add_argument("--full-scope", action="store_true",
+                    help="refuse a verdict certified only in the candidate's declared scope (its module's DTYPES "
+                         "or PARAMS); implied by --profile release")
     ck.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
@@ -506,7 +509,8 @@ def cmd_check(args) -> int:
         raise UsageError(str(e)) from None
     if args.candidate == "fused" and not args.ops:
         ops = [o for o in ops if o.fused]
-    states = gate.check(ops, certs, args.candidate, args.profile, args.device)
+    states = gate.check(ops, certs, args.candidate, args.profile, args.device,
+                        full_scope=args.full_scope or args.profile == "release")
     if args.json:
         print(json.dumps(gate.to_dict(states), indent=1))
     else:

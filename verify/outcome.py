@@ -18,13 +18,15 @@ class Outcome:
     failed: int
     uncertified_ops: tuple[str, ...]   # ops with no failure and no certified candidate (all skipped)
     failed_ops: tuple[str, ...]
+    scoped: int = 0                 # certified pairs only in a candidate's declared scope (DTYPES, PARAMS)
 
     @property
     def ok(self) -> bool:
         return not self.failed and not self.uncertified_ops
 
     def line(self) -> str:
-        text = f"{self.certified} certified, {self.skipped} skipped, {self.failed} failed op/candidate pairs"
+        scoped = f" ({self.scoped} only in a declared scope)" if self.scoped else ""
+        text = f"{self.certified} certified{scoped}, {self.skipped} skipped, {self.failed} failed op/candidate pairs"
         if self.failed_ops:
             text += f"; failed: {', '.join(self.failed_ops)}"
         if self.uncertified_ops:
@@ -41,4 +43,5 @@ def outcome(verdicts) -> Outcome:
                         if op not in failed_ops and not any(s in CERTIFIED for s in st))
     statuses = [v.status for v in verdicts]
     return Outcome(sum(s in CERTIFIED for s in statuses), sum(s == SKIP for s in statuses),
-                   sum(s in (FAIL, XPASS) for s in statuses), uncertified, failed_ops)
+                   sum(s in (FAIL, XPASS) for s in statuses), uncertified, failed_ops,
+                   sum(v.status in CERTIFIED and bool(getattr(v, "scope", ())) for v in verdicts))

@@ -48,6 +48,7 @@ def op_verdict_from_dict(d: dict):
     if d.get("failure"):
         d["failure"] = verdict_from_dict(d["failure"])
     d["details"] = tuple(d.get("details", ()))
+    d["scope"] = tuple(d.get("scope", ()))        # a candidate's declared scope (verify/scope.py)
     return OpVerdict(**d)
 
 
