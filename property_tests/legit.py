@@ -155,6 +155,28 @@ def judge_legit(op_name: str, case, element_floor: float | None | str = SPEC) ->
     return worst
 
 
+def legit_row_signs(op_name: str, case) -> dict[str, tuple[int, int, int, float]]:
+    """(rows above, rows below the baseline's signed errors, rows, their mean differences in ulps summed)
+    of every legitimate evaluation of the case (verify/bias.py's statistic), per 'evaluation:output'."""
+    from verify.bias import row_signs
+    from verify.candidates import reference_fn
+    from verify.evaluate import run_plain, to_oracle
+    from verify.registry import get_op
+    from verify.specs import load_spec
+    op, spec = get_op(op_name), load_spec(op_name)
+    inputs = op.make_inputs(case)
+    oracle = run_plain(reference_fn(op), op, to_oracle(inputs), "cpu")
+    base = run_plain(reference_fn(op), op, inputs, "cpu")
+    out = {}
+    for name, outs in LEGIT[op_name]({k: v.clone() for k, v in inputs.tensors.items()}, inputs.params).items():
+        for o, y in outs.items():
+            if spec.output(o).klass == "derived":
+                rn = op.row_ndims.get(o, 1)
+                rows = y[(...,) + (0,) * rn].numel() if y.dim() > rn else 1
+                out[f"{name}:{o}"] = (*row_signs(y, oracle[o], base[o], rn), rows)
+    return out
+
+
 def main() -> None:
     from verify.case import Case
     from verify.registry import get_op

@@ -290,6 +290,10 @@ def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu"
         run = list(first.checks)
         if all(c.ok for c in run):
             run += judge(op, spec, first.results, oracle, base, inputs, inputs64)
+        if all(c.ok for c in run):      # systematic error inside the tolerance (verify/bias.py)
+            from verify import bias
+
+            run += bias.case_checks(op, spec, first.results, oracle, base)
         if all(c.ok for c in run):
             kept.append(_keep(op, label, first.results))
             run += _extra_runs(op, spec, case, fn_v, inputs, base, first.results, oracle, inputs64, device,
