@@ -306,7 +306,9 @@ def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu"
         checks += [c if not label else Check(c.name, c.ok, label + c.detail, c.metrics, c.worst) for c in run]
         bad = [c for c in checks if not c.ok]
         if bad:
-            return verdict(FAIL, bad[0].name, bad[0].detail, checks)
+            from verify.invariance import stage     # a claim broken within tolerance: invariance:<guard>
+
+            return verdict(FAIL, stage(bad[0]), bad[0].detail, checks)
     return verdict(PASS, checks=checks)
 
 
@@ -356,7 +358,10 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
     if not reused.ok:           # before the determinism check, which would compare a tensor with itself
         return [reused]
     if spec.claims.deterministic:
-        checks.append(_bitwise_same("guard:deterministic", first, again.results))
+        from verify.invariance import claim_check
+
+        checks.append(claim_check(_bitwise_same("guard:deterministic", first, again.results),
+                                  lambda: judge(op, spec, again.results, oracle, base, inputs, inputs64)))
     batch = case.batch
     if op.batch_dims and batch > 1:
         perm = torch.randperm(batch, generator=torch.Generator().manual_seed(case.seed))
@@ -374,7 +379,10 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
         else:
             back = unpermute(op, moved.results, perm)
             if spec.claims.batch_invariant and strict:
-                checks.append(_bitwise_same("guard:batch_position", first, back))
+                from verify.invariance import claim_check
+
+                checks.append(claim_check(_bitwise_same("guard:batch_position", first, back),
+                                          lambda: judge(op, spec, back, oracle, base, inputs, inputs64)))
             else:
                 res = judge(op, spec, back, oracle, base, inputs, inputs64)
                 checks.append(Check("guard:batch_position", all(c.ok for c in res),
@@ -432,8 +440,11 @@ def _same_as_first(name: str, where: str, results: dict, first: dict, op: OpDef,
     """A later run's complete results against the first run's: bit for bit where the spec claims
     determinism and the candidate is held to its claims (`strict`), else judged like a first call."""
     if spec.claims.deterministic and strict:
+        from verify.invariance import claim_check
+
         same = _bitwise_same(name, first, results)
-        return Check(name, same.ok, f"{where}: {same.detail}", same.metrics, same.worst)
+        return claim_check(Check(name, same.ok, f"{where}: {same.detail}", same.metrics, same.worst),
+                           lambda: judge(op, spec, results, oracle, base, inputs, inputs64))
     bad = [c for c in judge(op, spec, results, oracle, base, inputs, inputs64) if not c.ok]
     return Check(name, not bad, f"{where}: " + ("; ".join(f"{c.name}: {c.detail}" for c in bad) or "within tolerance"),
                  bad[0].metrics if bad else {}, bad[0].worst if bad else ())

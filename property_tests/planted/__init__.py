@@ -138,9 +138,9 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "P rounded to bf16 before P @ V in an fp32 kernel (a bf16 MMA; legitimate only for bf16)"),
     ("mla_decode_attn", f"{P}.mla:mla_decode_attn_flat_tokens", "guard:output_type|shape",
      "wrong output shape [B*Q,H,C]"),
-    ("mla_decode_attn", f"{P}.mla:mla_decode_attn_last_bit_race", "guard:deterministic|differ bitwise",
+    ("mla_decode_attn", f"{P}.mla:mla_decode_attn_last_bit_race", "invariance:deterministic|differ bitwise",
      "nondeterministic last bit (atomic combine order)"),
-    ("mla_out_gate", f"{P}.mla:mla_out_gate_row_parity_path", "guard:batch_position|differ bitwise",
+    ("mla_out_gate", f"{P}.mla:mla_out_gate_row_parity_path", "invariance:batch_position|differ bitwise",
      "batch-position dependence: odd rows take another epilogue"),
     ("mla_out_gate", f"{P}.mla:mla_out_gate_swapped_rows", "compare:o|exceed",
      "swapped batch rows (pairs reversed)"),
@@ -232,6 +232,9 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "KDA recurrent state kept in scratch, never stored back"),
     ("mla_layer", f"{P}.layers:mla_layer_seq_lens_not_advanced", "compare:seq_lens",
      "seq_lens state not advanced after the cache writes"),
+    # ---- run to run: a wrong later call is guard:deterministic (invariance:deterministic is right values)
+    ("skinny_gemm", f"{P}.gemm:skinny_gemm_second_call_drops_k_tail", "guard:deterministic|differ bitwise",
+     "every second call drops the last K chunk (a plan cached after the first call)"),
     # ---- systematic error inside the element tolerance (verify/bias.py)
     ("skinny_gemm", f"{P}.bias:skinny_gemm_scaled_high", "bias:y|rows err above the baseline's",
      "every output 0.4 % too large: about half a bf16 ulp, inside the element tolerance"),
