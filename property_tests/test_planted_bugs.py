@@ -32,7 +32,7 @@ GUARDS = ("guard:output_type", "guard:no_aliasing", "guard:inputs_unchanged", "g
           "guard:strided_inputs", "guard:misaligned_inputs", "guard:outputs_kept", "guard:process_state",
           "guard:output_layout", "guard:warmed_up", "guard:inference_mode", "guard:partial_refresh",
           "guard:state_chain", "guard:out_omitted", "guard:owned_inputs", "guard:thread_count",
-          "guard:merged_inputs")
+          "guard:merged_inputs", "guard:grown_inputs", "guard:host_threads")
 _TABLE: list[tuple[str, str, str, str]] = []
 # quick, over every dtype of the op instead of the working dtype only (still no shrinking)
 # Fixed here, not the CLI's quick profile (which trims guard runs to fit its time budget): every
@@ -103,7 +103,10 @@ CONTROLS = [("kda_decode", "kda:kda_decode_control", QUICK_ALL_DTYPES, 25),
             ("skinny_gemm", "gemm:skinny_gemm_control", FULL_BATCHES, 6),
             ("attn_res_rmsnorm", "attn_res:attn_res_rmsnorm_control", PLANTED, 6),
             ("mxfp4_dequant", "mxfp4:mxfp4_dequant_control", QUICK_ALL_DTYPES, 6),
-            ("mla_decode_attn", "mla:mla_decode_attn_control", PLANTED, 6)]
+            ("mla_decode_attn", "mla:mla_decode_attn_control", PLANTED, 6),
+            # the correct twins of serving:mla_decode_attn_plan_per_seq_lens and skinny_gemm_shared_workspace
+            ("mla_decode_attn", "serving:mla_decode_attn_plan_per_call", PLANTED, 6),
+            ("skinny_gemm", "serving:skinny_gemm_workspace_per_thread", PLANTED, 6)]
 
 
 @pytest.mark.parametrize("op_name,candidate,profile,examples", CONTROLS, ids=[c[1] for c in CONTROLS])

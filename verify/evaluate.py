@@ -397,6 +397,9 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
         if (op.name, candidate) not in _WARMED and other is not None:
             _WARMED.add((op.name, candidate))
             checks.append(warmed_up_check(op, spec, fn, dinputs, other[1], device))
+        from verify.serving_calls import grown_inputs_check    # integer inputs grown in place
+
+        checks += [c for c in (grown_inputs_check(op, spec, fn, inputs, device),) if c is not None]
     if str(device).startswith("cuda") and spec.claims.deterministic:
         from verify.gpu_guards import concurrent_check, cuda_graph_check, side_stream_check, stream_order_check
 
@@ -409,6 +412,11 @@ def _extra_runs(op, spec, case, fn, inputs, base, first, oracle, inputs64, devic
         return checks + [held]     # same bits back into a reused buffer and hide it at the case's end
     if not strided_run:
         return checks
+    from verify.serving_calls import THREAD_CASES, host_threads_check
+
+    if refresh and other is not None and _THREADED.get((op.name, candidate), 0) < THREAD_CASES:
+        _THREADED[(op.name, candidate)] = _THREADED.get((op.name, candidate), 0) + 1      # a few cases per pair
+        checks.append(host_threads_check(op, spec, fn, inputs, other[1], device, strict))
     strided = guarded_call(fn, op, dinputs, base, device, strided=True)
     bad, complete = _call_failures(strided, first, "strided/offset views")
     checks += bad
@@ -540,6 +548,7 @@ def _judged_on_now(op: OpDef, spec: ToleranceSpec, inputs2: OpInputs, device) ->
 REFRESH_SEEDS = 2        # other seeds tried for a case with the same shapes and static params
 WARMUP_CALLS = 100       # calls of one shape before guard:warmed_up judges the next
 _WARMED: set[tuple[str, str]] = set()     # (op, candidate) pairs this process has warmed up once
+_THREADED: dict[tuple[str, str], int] = {}   # (op, candidate) -> cases judged by guard:host_threads (serving_calls.py)
 
 
 def warmed_up_check(op: OpDef, spec: ToleranceSpec, fn, dinputs: OpInputs, inputs2: OpInputs, device) -> Check:

@@ -253,7 +253,7 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "y written into an x that owns its whole storage (buffer donation)"),
     ("mxfp4_dequant", f"{P}.serving:mxfp4_dequant_fingerprint_memo", "guard:partial_refresh",
      "a dequant memo validated by the first and last rows: a partial weight update is missed"),
-    ("mla_decode_attn", f"{P}.serving:mla_decode_attn_plan_per_seq_lens", "guard:refreshed_inputs",
+    ("mla_decode_attn", f"{P}.serving:mla_decode_attn_plan_per_seq_lens", "guard:grown_inputs",
      "a split-KV plan per seq_lens tensor: lengths grown in place are not seen"),
     ("skinny_gemm", f"{P}.serving:skinny_gemm_out_none_unzeroed", "guard:outputs_written|a call without out=",
      "the out=None path accumulates split-K partials into torch.empty"),
@@ -263,7 +263,7 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "a fast path for an x at the start of its own allocation drops the K tail"),
     ("skinny_gemm", f"{P}.serving:skinny_gemm_split_k_over_threads", "guard:thread_count",
      "CPU split-K over get_num_threads() chunks drops the K % T remainder"),
-    ("skinny_gemm", f"{P}.serving:skinny_gemm_shared_workspace", "guard:concurrent_calls",
+    ("skinny_gemm", f"{P}.serving:skinny_gemm_shared_workspace", "guard:host_threads",
      "one module-level accumulator per shape: two host threads race on it"),
     ("skinny_gemm", f"{P}.serving_variants:skinny_gemm_variant_stale_prepack", "guard:refreshed_inputs",
      "a declared launch variant prepacks each weight tensor once"),
@@ -303,9 +303,6 @@ GAPS: dict[str, tuple[str, str | None]] = {
     # the router's declared lower-id tie-break (exact float64 ties are judged against it), and kda's
     # eps outside the sqrt of the q/k L2 norm (x / (|x| + eps) vs x / sqrt(|x|^2 + eps) differ only
     # where |x|^2 ~ l2_eps = 1e-6: the small_rows distribution of verify/values.py draws such q/k rows).
-    #
-    # Open: session 23's red-team probe (serving-engine calls; results/gpu/targets.md says each guard)
-    "mla_decode_attn_plan_per_seq_lens": ("the refreshed-inputs run keeps integer inputs (seq_lens, "
-                                          "block_table) as they were", None),
-    "skinny_gemm_shared_workspace": ("calls come from one host thread at a time", None),
+    # Integer inputs grown in place (guard:grown_inputs) and two host threads at once
+    # (guard:host_threads): verify/serving_calls.py.
 }
