@@ -158,7 +158,7 @@ def judge_legit(op_name: str, case, element_floor: float | None | str = SPEC) ->
 def legit_row_signs(op_name: str, case) -> dict[str, tuple[int, int, int, float]]:
     """(rows above, rows below the baseline's signed errors, rows, their mean differences in ulps summed)
     of every legitimate evaluation of the case (verify/bias.py's statistic), per 'evaluation:output'."""
-    from verify.bias import row_signs
+    from verify.bias import row_signs, unit_ulps
     from verify.candidates import reference_fn
     from verify.evaluate import run_plain, to_oracle
     from verify.registry import get_op
@@ -173,7 +173,8 @@ def legit_row_signs(op_name: str, case) -> dict[str, tuple[int, int, int, float]
             if spec.output(o).klass == "derived":
                 rn = op.row_ndims.get(o, 1)
                 rows = y[(...,) + (0,) * rn].numel() if y.dim() > rn else 1
-                out[f"{name}:{o}"] = (*row_signs(y, oracle[o], base[o], rn), rows)
+                out[f"{name}:{o}"] = (*row_signs(y, oracle[o], base[o], rn, unit_ulps(spec.output(o), base[o].dtype)),
+                                      rows)
     return out
 
 
