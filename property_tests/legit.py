@@ -106,7 +106,11 @@ def mla_decode_attn(t: dict, p: dict) -> dict[str, dict[str, torch.Tensor]]:
     wd, acc, lora, scale = q_abs.dtype, acc_dtype(q_abs), p["kv_lora_rank"], p["scale"]
     n_q = q_abs.shape[1]
     res = {}
-    for order in ("sdpa", "reversed_c", "blocked_c", "scale_in_q", "exp2", "p_rounded"):
+    # torch's CPU scaled_dot_product_attention turns a NaN score row into zeros where the oracle is
+    # NaN (a kernel doing that is wrong, and the element rule rejects it): it is a legitimate order
+    # only for finite inputs
+    finite = bool(torch.isfinite(q_abs).all() and torch.isfinite(cache).all())
+    for order in ("sdpa",) * finite + ("reversed_c", "blocked_c", "scale_in_q", "exp2", "p_rounded"):
         o = torch.zeros(*q_abs.shape[:3], lora, dtype=acc)
         for b in range(q_abs.shape[0]):
             length = int(lens[b])
@@ -149,6 +153,29 @@ def judge_legit(op_name: str, case, element_floor: float | None | str = SPEC) ->
                                   magnitude=mags.get(out), element_floor=rho)
             worst[f"{name}:{out}"] = chk.metrics["ratio"]
     return worst
+
+
+def legit_row_signs(op_name: str, case) -> dict[str, tuple[int, int, int, float]]:
+    """(rows above, rows below the baseline's signed errors, rows, their mean differences in ulps summed)
+    of every legitimate evaluation of the case (verify/judge/bias.py's statistic), per 'evaluation:output'."""
+    from verify.judge.bias import row_signs, unit_ulps
+    from verify.judge.candidates import reference_fn
+    from verify.judge.pipeline import run_plain, to_oracle
+    from verify.ops.registry import get_op
+    from verify.model.specs import load_spec
+    op, spec = get_op(op_name), load_spec(op_name)
+    inputs = op.make_inputs(case)
+    oracle = run_plain(reference_fn(op), op, to_oracle(inputs), "cpu")
+    base = run_plain(reference_fn(op), op, inputs, "cpu")
+    out = {}
+    for name, outs in LEGIT[op_name]({k: v.clone() for k, v in inputs.tensors.items()}, inputs.params).items():
+        for o, y in outs.items():
+            if spec.output(o).klass == "derived":
+                rn = op.row_ndims.get(o, 1)
+                rows = y[(...,) + (0,) * rn].numel() if y.dim() > rn else 1
+                out[f"{name}:{o}"] = (*row_signs(y, oracle[o], base[o], rn, unit_ulps(spec.output(o), base[o].dtype)),
+                                      rows)
+    return out
 
 
 def main() -> None:

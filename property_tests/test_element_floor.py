@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from property_tests.legit import LEGIT, judge_legit
 from verify.model.case import Case
 from verify.ops.registry import get_op
+from verify.model.values import EDGE_DISTS, GENERIC_DISTS
 
 SHARP_SCORES = (("n_blocks", 7), ("score_scale", 64.0))       # attn_res's knob-sweep case
 
@@ -17,12 +18,16 @@ SHARP_SCORES = (("n_blocks", 7), ("score_scale", 64.0))       # attn_res's knob-
 @pytest.mark.parametrize("op_name", sorted(LEGIT))
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), config=st.sampled_from(["tiny", "small"]),
-       dtype=st.sampled_from(["bfloat16", "float16", "float32"]), data=st.data())
-def test_legitimate_evaluations_pass_the_element_rule(op_name, seed, config, dtype, data):
+       dtype=st.sampled_from(["bfloat16", "float16", "float32"]), batch=st.integers(1, 64),
+       dist=st.sampled_from(sorted(set(GENERIC_DISTS + EDGE_DISTS))), sharp=st.booleans())
+# drawn in CI (2026-12-03): torch's CPU SDPA, then a "legitimate" mla_decode_attn order, returned 0
+# where the oracle is NaN (a length-3 sequence, one head); checked on every run since
+@example(seed=0, config="small", dtype="bfloat16", batch=36, dist="nonfinite", sharp=False)
+def test_legitimate_evaluations_pass_the_element_rule(op_name, seed, config, dtype, batch, dist, sharp):
     op = get_op(op_name)
-    dist = data.draw(st.sampled_from(op.dists))
-    extra = data.draw(st.sampled_from([(), SHARP_SCORES])) if "attn_res" in op_name else ()
-    case = Case(op_name, seed, data.draw(st.integers(1, op.max_batch)), config, dtype, dist, extra=extra)
+    dist = dist if dist in op.dists else op.dists[0]
+    extra = SHARP_SCORES if sharp and "attn_res" in op_name else ()
+    case = Case(op_name, seed, min(batch, op.max_batch), config, dtype, dist, extra=extra)
     worst = judge_legit(op_name, case)
     assert max(worst.values()) <= 1.0, (case.to_json(), worst)
 

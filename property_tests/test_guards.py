@@ -209,7 +209,7 @@ def flushes_then_raises(x, w):
     (flushes_then_raises, "candidate", "after setting FTZ"),
     (mutates_input, "guard:inputs_unchanged", "inputs modified in place: x"),
     (aliases_input, "guard:no_aliasing", "aliases input x"),
-    (nondeterministic, "guard:deterministic", "differ bitwise"),
+    (nondeterministic, "invariance:deterministic", "differ bitwise"),     # a last bit: right values
     (swapped_rows, "compare:y", "rows exceed"),
     (wrong_dtype, "guard:output_type", "dtype"),
     (subclass, "guard:output_type", "exactly torch.Tensor"),
@@ -238,7 +238,7 @@ def test_guard_rejects(fn, stage, needle):
     assert process_state("cpu") == before, "a candidate's change of process-wide settings outlived its call"
 
 
-@pytest.mark.parametrize("fn,stage", [(strided_last_bit, "guard:strided_inputs"),
+@pytest.mark.parametrize("fn,stage", [(strided_last_bit, "invariance:strided_inputs"),      # right values, other bits
                                       (position_dependent, "compare:y")])
 def test_kernels_are_held_to_bitwise_claims(fn, stage):
     """Kernels promise identical bits for strided views and other batch positions; a last-bit change

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,12 @@ def test_import_callable_errors_are_one_line():
         with pytest.raises(ImportError, match=msg) as e:
             import_callable(bad)
         assert "\n" not in str(e.value)
+
+
+def test_the_op_index_is_the_registry():
+    """`list` and `describe` read verify/ops/index.json (no torch import); it must say what the registry
+    says. After changing an op entry: python -m verify.ops.index"""
+    from verify.ops import index as op_index
+
+    assert op_index.load() == json.loads(json.dumps(op_index.build())), \
+        "verify/ops/index.json is stale: regenerate it with `python -m verify.ops.index`"

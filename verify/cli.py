@@ -1,7 +1,9 @@
 """verify-kernels: certify kernels of a Kimi K3 decode layer against their references.
 
 Heavy imports (torch, hypothesis, cutlass) are deferred so --help and list answer at once.
-Exit codes: 0 every op certified (skips allowed and listed), 1 any op failed, 2 bad usage or config.
+Exit codes: 0 every op certified by at least one candidate and none failed (skipped candidates are
+listed), 1 an op failed or had no certified candidate (every one skipped), 2 bad usage or config,
+130 interrupted (Ctrl-C; `run --resume` continues).
 `run` isolates candidates in a worker process (--no-isolate to run in-process), appends every verdict
 to OUT/run.jsonl (--resume continues a killed run, a cut op/candidate pair case by case), and writes
 OUT/certificate.json.
@@ -12,10 +14,12 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141      # 128 + SIGINT, 128 + SIGPIPE, as a shell reports them
 
 
 class UsageError(Exception):
@@ -42,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_args(run)
     rp = sub.add_parser("repro", help="rerun one case and print the worst elements")
     rp.add_argument("case", help="the case JSON printed with a failure")
-    rp.add_argument("--candidate", default="reference", help="fused | compiled | reference | module:attr")
+    rp.add_argument("--candidate", default="reference",
+                    help="fused | compiled | reference | module:attr | path/to/file.py:attr")
     rp.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     rep = sub.add_parser("report", help="one self-contained HTML page from a certificate")
     rep.add_argument("certificate", metavar="CERT.json")
@@ -71,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--candidate", default="fused", help="fused | compiled | reference | module:attr (default: fused)")
     ck.add_argument("--profile", default=None, help="count only certificates run with this profile, e.g. release")
     ck.add_argument("--device", default=None, choices=["cpu", "cuda"], help="count only certificates run on this device")
+    ck.add_argument("--full-scope", action="store_true",
+                    help="refuse a verdict certified only in the candidate's declared scope (its module's DTYPES "
+                         "or PARAMS); implied by --profile release")
     ck.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
@@ -122,12 +130,34 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:
-        return {"list": cmd_list, "describe": cmd_describe, "run": cmd_run, "repro": cmd_repro,
-                "report": cmd_report, "diff": cmd_diff, "check": cmd_check,
-                "merge": cmd_merge, "bench": cmd_bench}[args.command](args)
+        rc = {"list": cmd_list, "describe": cmd_describe, "run": cmd_run, "repro": cmd_repro,
+              "report": cmd_report, "diff": cmd_diff, "check": cmd_check, "merge": cmd_merge,
+              "bench": cmd_bench}[args.command](args)
+        sys.stdout.flush()            # a closed pipe raises here, inside the handler below, not at exit
+        return rc
     except UsageError as e:
         print(f"verify-kernels: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:       # `verify-kernels list | head -3`: the reader left; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())      # the interpreter's final flush must not raise again
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        print(f"\nverify-kernels: interrupted{_resume_hint(args)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _resume_hint(args) -> str:
+    """Where a cut `run` left its results and the command that continues it."""
+    if args.command != "run" or getattr(args, "case_list", None):
+        return ""
+    import shlex
+
+    again = list(args.argv) if args.argv and args.argv[0] == "run" else ["run", *args.argv]
+    if "--resume" not in again:
+        again.append("--resume")
+    return (f"; every finished case is kept in {Path(args.out) / 'run.jsonl'}. Continue with:\n"
+            f"  verify-kernels {shlex.join(again)}")
 
 
 def _op_or_usage(name: str):
@@ -139,20 +169,27 @@ def _op_or_usage(name: str):
         raise UsageError(str(e)) from None
 
 
-def _classes(op) -> dict[str, str]:
-    from verify.model.specs import SpecError, load_spec
+def _spec_classes(name: str) -> dict[str, str]:
+    """output -> class, read from the spec file as it stands (no validation, no torch: `list`)."""
+    spec_dir = Path(__file__).resolve().parent.parent / "tolerance_specs"     # verify.model.specs.SPEC_DIR, without pydantic
+    try:
+        import tomllib
+    except ModuleNotFoundError:      # Python 3.10
+        import tomli as tomllib
 
     try:
-        return {n: o.klass for n, o in load_spec(op.name).outputs.items()}
-    except SpecError as e:
+        raw = tomllib.loads((spec_dir / f"{name}.toml").read_text())
+        return {n: o.get("class", "?") for n, o in raw.get("outputs", {}).items()}
+    except (OSError, ValueError) as e:
         return {"error": str(e)}
 
 
 def cmd_list(args) -> int:
-    from verify.ops.registry import all_ops
+    from verify.ops import index as op_index
 
-    rows = [{"op": op.name, "family": op.family, "reference": op.reference, "fused": op.fused,
-             "classes": _classes(op), "split": op.split.kind if op.split else None} for op in all_ops().values()]
+    rows = [{"op": e["op"], "family": e["family"], "reference": e["reference"], "fused": e["fused"],
+             "classes": _spec_classes(e["op"]), "split": e["split"]["kind"] if e["split"] else None}
+            for e in op_index.load().values()]
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
@@ -162,33 +199,62 @@ def cmd_list(args) -> int:
     return EXIT_OK
 
 
+def _wrapped(label: str, text: str, width: int) -> str:
+    import textwrap
+
+    return textwrap.fill(" ".join(str(text).split()), width=width, initial_indent=f"  {label}: ",
+                         subsequent_indent="      ")
+
+
 def cmd_describe(args) -> int:
+    from verify.ops import index as op_index
+    from verify.ops.registry import UnknownOpError
     from verify.model.specs import SpecError, load_spec
 
-    op = _op_or_usage(args.op)
     try:
-        spec = load_spec(op.name).model_dump(by_alias=True)
-    except SpecError as e:
-        spec = {"error": str(e)}
-    info = {"op": op.name, "reference": op.reference, "fused": op.fused, "signature": op.signature,
-            "outputs": list(op.outputs), "state": list(op.state), "batch_dims": op.batch_dims,
-            "dtypes": list(op.dtypes), "configs": list(op.configs), "dists": list(op.dists),
-            "split": None if op.split is None else {"kind": op.split.kind, "reduction_order": op.split.reduction_order,
-                                                    "tp_values": list(op.split.tp_values)},
-            "spec": spec, "notes": op.notes}
+        e = op_index.lookup(args.op)
+    except UnknownOpError as err:
+        raise UsageError(str(err)) from None
+    try:
+        spec = load_spec(e["op"]).model_dump(by_alias=True)
+    except SpecError as err:
+        spec = {"error": str(err)}
+    info = {**e, "spec": spec}
     if args.json:
         print(json.dumps(info, indent=1, default=str))
         return EXIT_OK
-    print(f"{op.name}  ({op.reference})")
-    print(f"  signature: {op.signature}")
-    print(f"  outputs: {', '.join(op.outputs) or '-'}; state: {', '.join(op.state) or '-'}")
-    print(f"  dtypes: {', '.join(op.dtypes)}; configs: {', '.join(op.configs)}")
-    print(f"  split: {info['split']}")
-    print(f"  fused: {op.fused or '-'}")
-    print(f"  spec: {json.dumps(spec.get('outputs', spec))}")
-    if "claims" in spec:
-        print(f"  claims: {json.dumps(spec['claims'])}")
-        print("  derivation: " + " ".join(spec["derivation"].split()))
+    import shutil
+
+    width = min(100, shutil.get_terminal_size((100, 24)).columns)
+    split = e["split"]
+    lines = [f"{e['op']}  ({e['reference']})", _wrapped("signature", e["signature"], width),
+             f"  outputs: {', '.join(e['outputs']) or '-'}; state: {', '.join(e['state']) or '-'}",
+             f"  dtypes: {', '.join(e['dtypes'])}; configs: {', '.join(e['configs'])}; batch up to {e['max_batch']}",
+             _wrapped("dists", ", ".join(e["dists"]), width),
+             _wrapped("split", "none" if split is None else f"{split['kind']} over T in "
+                      f"{', '.join(map(str, split['tp_values']))}; reduction order: {split['reduction_order']}", width),
+             f"  fused: {e['fused'] or '-'}"]
+    if "error" in spec:
+        lines.append(_wrapped("spec", spec["error"], width))
+    else:
+        lines.append("  outputs judged:")
+        for name, o in spec["outputs"].items():
+            bounds = "" if o.get("k") is None else f": k = {o['k']:g}, floor = {o['floor_ulps']:g} ulps" + (
+                f", element floor = {o['element_floor']:g}" if o.get("element_floor") else "")
+            per = "".join(f"; {d}: k = {b['k']:g}, floor = {b['floor_ulps']:g} ulps"
+                          for d, b in (o.get("by_dtype") or {}).items())
+            lines.append(_wrapped(f"  {name}", f"{o['class']}{bounds}{per}", width))
+        claims = spec.get("claims") or {}
+        lines.append(_wrapped("claims", ", ".join(f"{k} = {v}" for k, v in claims.items()), width))
+        if spec.get("waivers"):
+            lines.append(f"  waivers: {len(spec['waivers'])} (see --json)")
+        lines.append("  derivation:")
+        # a paragraph per blank line, or per line opening with a heading ("Element rule (element_floor): ...")
+        for para in re.split(r"\n\s*\n|\n(?=[^\n]{0,60}\): )", spec["derivation"].strip()):
+            lines.append(_wrapped("  ", para, width).replace("    : ", "    ", 1))
+    if e["notes"]:
+        lines.append(_wrapped("notes", e["notes"], width))
+    print("\n".join(lines))
     return EXIT_OK
 
 
@@ -367,13 +433,9 @@ def cmd_run(args) -> int:
             for line in problems:
                 console.print(f"[bold red]{line}[/]")
         else:
-            judged = run_slice(plan, cfg, out, args.shard_of, args.resume)
+            judged = run_slice(plan, cfg, out, args.shard_of, args.resume, console)
     except PlanMismatch as e:
         raise UsageError(f"--resume: {e}") from None
-    except KeyboardInterrupt:
-        print(f"\ninterrupted: every case judged so far is kept in {out / 'run.jsonl'}; continue with\n"
-              f"  verify-kernels {' '.join(args.argv)} --resume", file=sys.stderr)
-        return EXIT_INTERRUPTED
     if args.shard_of != (0, 1):
         mine = [judged.verdicts[pc.index] for pc in plan.slice(*args.shard_of) if pc.index in judged.verdicts]
         bad = [v for v in mine if v.status in ("fail", "unexpected_pass")]
@@ -419,6 +481,7 @@ def _run_special(args, ops, candidates, device, tps, console, carried) -> int:
 def _finish_run(args, verdicts, cert, console, where: str) -> int:
     """Failures, the certificate (and JUnit), the summary table; the exit status."""
     from verify.record import certificate
+    from verify.record.outcome import outcome
     from verify.record.reporters.terminal import print_failure, print_skips, summary_table
     from verify.model.verdict import FAIL, XPASS
 
@@ -432,12 +495,11 @@ def _finish_run(args, verdicts, cert, console, where: str) -> int:
         write_junit(verdicts, args.junit)
     console.print(summary_table(verdicts))
     print_skips(console, verdicts)
-    failed = [v for v in verdicts if v.status in (FAIL, XPASS)]
-    console.print(f"certificate: {path}  ({len(verdicts) - len(failed)} of {len(verdicts)} op/candidate pairs "
-                  f"certified or skipped, {len(failed)} failed, {where})")
+    result = outcome(verdicts)
+    console.print(f"certificate: {path}  ({result.line()}; {where})", soft_wrap=True)
     if args.json:
         print(json.dumps(cert, indent=1, default=str))
-    return EXIT_FAIL if failed else EXIT_OK
+    return EXIT_OK if result.ok else EXIT_FAIL
 
 
 def cmd_merge(args) -> int:
@@ -543,7 +605,8 @@ def cmd_check(args) -> int:
         raise UsageError(str(e)) from None
     if args.candidate == "fused" and not args.ops:
         ops = [o for o in ops if o.fused]
-    states = gate.check(ops, certs, args.candidate, args.profile, args.device)
+    states = gate.check(ops, certs, args.candidate, args.profile, args.device,
+                        full_scope=args.full_scope or args.profile == "release")
     if args.json:
         print(json.dumps(gate.to_dict(states), indent=1))
     else:

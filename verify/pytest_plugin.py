@@ -72,7 +72,12 @@ def vk_certify(request):
         if v.status == SKIP:
             pytest.skip(f"{op_name}: {v.reason}")
         if v.status in (FAIL, XPASS):
-            pytest.fail(f"{op_name} not certified: {v.reason}\n  repro: {v.repro}", pytrace=False)
+            repro = v.repro
+            if callable(candidate) and v.failure is not None and v.failure.case:
+                from verify.repro import repro_text
+
+                repro = repro_text(op_name, v.failure.case, candidate, v.repro)
+            pytest.fail(f"{op_name} not certified: {v.reason}\n  repro: {repro}", pytrace=False)
         return v
 
     return run
@@ -80,8 +85,10 @@ def vk_certify(request):
 
 class _CallableCandidate:
     def __init__(self, fn):
+        from verify.judge.candidates import callable_label
+
         self.fn = fn
-        self.label = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+        self.label = callable_label(fn)[0]      # 'path/to/test_x.py:fn' where the module is not importable
 
     def resolve(self, op, device):
         return self.fn

@@ -253,3 +253,15 @@ def skinny_gemm_zero_lead_is_zero_row(x, w):
     """A "sparse row" fast path that tests one element: a row whose first x is exactly 0 is output as 0."""
     y = linear(x, w)
     return torch.where((x[:, :1] == 0), torch.zeros_like(y), y)
+
+
+_CALLS = [0]
+
+
+def skinny_gemm_second_call_drops_k_tail(x, w):
+    """A plan cached after the first call that drops the last 16-wide K chunk: every later call is wrong."""
+    _CALLS[0] += 1
+    if _CALLS[0] % 2 == 0:
+        k = x.shape[1] - 16
+        return linear(x[:, :k].contiguous(), w[:, :k].contiguous())
+    return linear(x, w)

@@ -186,3 +186,27 @@ def skinny_gemm_owned_x_fast_path(x, w):
         k = x.shape[1] - 16
         return (x[:, :k].float() @ w[:, :k].float().T).to(x.dtype)
     return _gemm_ref(x, w)
+
+
+# ---- the correct twins of the two serving bugs above that guard:grown_inputs / guard:host_threads reject
+
+
+def mla_decode_attn_plan_per_call(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank):
+    """The split-KV plan recomputed from seq_lens on every call: lengths grown in place are seen."""
+    return _decode_attn_ref(q_abs, cache, block_table, seq_lens.clone(), scale, kv_lora_rank)
+
+
+_PER_THREAD = __import__("threading").local()
+
+
+def skinny_gemm_workspace_per_thread(x, w):
+    """One fp32 accumulator per shape and per host thread: two engine workers never share one."""
+    spaces = getattr(_PER_THREAD, "spaces", None)
+    if spaces is None:
+        spaces = _PER_THREAD.spaces = {}
+    key = (x.shape[0], w.shape[0], x.device)
+    acc = spaces.get(key)
+    if acc is None:
+        acc = spaces[key] = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
+    torch.matmul(x.float(), w.float().T, out=acc)
+    return acc.to(x.dtype, copy=True)

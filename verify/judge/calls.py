@@ -32,7 +32,7 @@ def to_oracle(inputs: OpInputs) -> OpInputs:
                     dict(inputs.params))
 
 
-def _collect(op: OpDef, returned, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def collect(op: OpDef, returned, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     names = op.outputs
     got = () if not names else ((returned,) if len(names) == 1 and not isinstance(returned, (tuple, list))
                                 else tuple(returned))
@@ -44,7 +44,7 @@ def _collect(op: OpDef, returned, tensors: dict[str, torch.Tensor]) -> dict[str,
 def run_plain(fn, op: OpDef, inputs: OpInputs, device) -> dict[str, torch.Tensor]:
     """Run a trusted function (the reference) on private copies; return outputs and state after."""
     tensors = {k: v.to(device).clone() for k, v in inputs.tensors.items()}
-    return _collect(op, fn(**tensors, **inputs.params), tensors)
+    return collect(op, fn(**tensors, **inputs.params), tensors)
 
 
 class CandidateExit(RuntimeError):

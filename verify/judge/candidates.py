@@ -62,11 +62,14 @@ def import_checked(path: str, device: str):
     mod = path.split(":", 1)[0]
     if mod in _IMPORT_TAINT:
         raise CandidateImportError(_IMPORT_TAINT[mod])
-    if mod in sys.modules:
-        return import_callable(path)
+    if mod in sys.modules:         # imported already (by the harness, or a module of the stdlib)
+        try:
+            return _import_path(path)
+        except ImportError as e:
+            raise CandidateImportError(str(e)) from None
     before, overrides = ps.process_state(device), ps.dispatcher_overrides()
     try:
-        fn = import_callable(path)
+        fn = _import_path(path)
     except ImportError as e:
         raise CandidateImportError(str(e)) from None
     changed = ps.import_changes(before, overrides, device)
@@ -75,6 +78,58 @@ def import_checked(path: str, device: str):
                               f"on it can be trusted: {'; '.join(changed)}")
         raise CandidateImportError(_IMPORT_TAINT[mod])
     return fn
+
+
+def _import_path(path: str):
+    """import_callable, also for 'path/to/file.py:attr' (a file not importable by module name: a test
+    file, a script), loaded once per file under a private module name so its DTYPES / PARAMS /
+    variants() are found as for any candidate module."""
+    mod, _, attr = path.partition(":")
+    if not mod.endswith(".py"):
+        return import_callable(path)
+    import importlib.util
+    import os
+    import sys
+
+    file = os.path.abspath(mod)
+    if not os.path.isfile(file):
+        raise ImportError(f"candidate {path!r}: no file {file}")
+    name = "vk_file_" + "".join(c if c.isalnum() else "_" for c in file)
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except (Exception, SystemExit) as e:
+            del sys.modules[name]
+            raise ImportError(f"cannot import {file} for {path!r}: {type(e).__name__}: {e}") from None
+    return import_callable(f"{name}:{attr}")
+
+
+def callable_label(fn) -> tuple[str, bool]:
+    """A candidate label naming `fn` for a fresh process, and whether one exists. A function at the top
+    of an installed module: 'module:qualname'. One at the top of any other file (a test file, which
+    pytest imported through a sys.path entry a shell does not have): 'path/to/file.py:qualname',
+    loadable from any directory. A lambda or a function defined inside another: no process can reach
+    it by name ('module:qualname', False)."""
+    import inspect
+    import sys
+
+    mod, qual = getattr(fn, "__module__", None) or "?", getattr(fn, "__qualname__", None) or repr(fn)
+    module = sys.modules.get(mod)
+    obj = module
+    for part in qual.split(".") if "<" not in qual else ["<"]:
+        obj = getattr(obj, part, None)
+    if obj is not fn:                   # <lambda>, f.<locals>.g, or not reachable from its module
+        return f"{mod}:{qual}", False
+    try:
+        file = inspect.getsourcefile(fn)
+    except TypeError:
+        file = None
+    if not file or "site-packages" in file or "dist-packages" in file:
+        return f"{mod}:{qual}", True
+    return f"{file}:{qual}", True
 
 
 def parse_candidate(text: str) -> Candidate:

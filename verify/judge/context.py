@@ -59,8 +59,11 @@ class CaseContext:
         """A later run's complete results against the first run's: bit for bit where the spec claims
         determinism and the candidate is held to its claims, else judged like a first call."""
         if self.spec.claims.deterministic and self.strict:
+            from verify.judge.invariance import claim_check
+
             same = bitwise_same(name, self.first, results)
-            return Check(name, same.ok, f"{where}: {same.detail}", same.metrics, same.worst)
+            return claim_check(Check(name, same.ok, f"{where}: {same.detail}", same.metrics, same.worst),
+                               lambda: self.judge(results))
         bad = [c for c in self.judge(results) if not c.ok]
         return Check(name, not bad, f"{where}: " + ("; ".join(f"{c.name}: {c.detail}" for c in bad) or "within tolerance"),
                      bad[0].metrics if bad else {}, bad[0].worst if bad else ())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import traceback
 
+from verify.judge import bias, invariance
 from verify.judge.calls import guarded_call, on_device, run_plain, to_oracle
 from verify.judge.classes import derived_vacuity
 from verify.judge.context import CaseContext
@@ -50,8 +51,8 @@ def evaluate_case(op: OpDef, case: Case, fn, candidate: str, device: str = "cpu"
             return verdict(FAIL, "candidate", f"{label}candidate raised {raised}", checks)
         checks += [c if not label else Check(c.name, c.ok, label + c.detail, c.metrics, c.worst) for c in run]
         bad = [c for c in checks if not c.ok]
-        if bad:
-            return verdict(FAIL, bad[0].name, bad[0].detail, checks)
+        if bad:                         # a claim broken with right values: invariance:<guard>
+            return verdict(FAIL, invariance.stage(bad[0]), bad[0].detail, checks)
     return verdict(PASS, checks=checks)
 
 
@@ -66,6 +67,8 @@ def judge_launch(ctx: CaseContext) -> tuple[str, list[Check]]:
     run = list(first.checks)
     if all(c.ok for c in run):
         run += ctx.judge(first.results)
+    if all(c.ok for c in run):          # systematic error inside the tolerance (judge/bias.py)
+        run += bias.case_checks(ctx.op, ctx.spec, first.results, ctx.oracle, ctx.base)
     if not all(c.ok for c in run):
         return "", run
     ctx.kept.append(keep(ctx.op, ctx.variant, first.results))

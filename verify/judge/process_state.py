@@ -171,19 +171,39 @@ class _Overrides:
     def __init__(self):
         import torch.library
         self.all = frozenset(torch.library._impls)      # a C-level copy; filtered only when it differs
+        self.defs = frozenset(torch.library._defs)      # operators defined from Python, by qualified name
 
     @property
     def kernels(self) -> frozenset[str]:
         return frozenset(i for i in self.all if i.startswith(("aten/", "prims/")) and not i.endswith(("/Meta", "/Fake")))
 
+    def over_existing(self, now: "_Overrides") -> list[str]:
+        """Kernels registered since this reading over operators that existed at it. An operator defined
+        since (torch._inductor defines prims ops as it loads, which any module-level torch.compile
+        triggers) and its kernels are new, not an override: nothing the reference calls changed."""
+        new_ops = {_base_op(d) for d in now.defs - self.defs}
+        return sorted(k for k in now.kernels - self.kernels if _base_op(k) not in new_ops)
+
     def __eq__(self, other) -> bool:
-        return isinstance(other, _Overrides) and (self.all == other.all or self.kernels == other.kernels)
+        if not isinstance(other, _Overrides):
+            return False
+        early, late = (self, other) if self.defs <= other.defs else (other, self)   # definitions only grow
+        return self.all == other.all or not (early.over_existing(late) or early.kernels - late.kernels)
 
     def __repr__(self) -> str:
         return f"<{len(self.all)} torch.library kernels>"
 
     def describe(self, now: "_Overrides") -> str:
-        return "registered: " + _listing(sorted(now.kernels - self.kernels))
+        gone = sorted(self.kernels - now.kernels)
+        return "; ".join(x for x in ("registered: " + _listing(self.over_existing(now)) if self.over_existing(now) else "",
+                                     "removed: " + _listing(gone) if gone else "") if x)
+
+
+def _base_op(name: str) -> str:
+    """'prims::foo', 'prims::foo.out' or a torch.library._impls key 'prims/foo.out/CPU' -> 'prims::foo'."""
+    if "::" not in name:
+        name = "::".join(name.split("/")[:2])
+    return name.split(".", 1)[0]
 
 
 def _default_device():

@@ -83,6 +83,9 @@ class OpDef:
     # whose combine sums runs there), "split" (shard, run per rank, gather, combine), or a form of
     # verify/run/distributed.py's FORMS ("gathered_partials", "gathered_scores")
     collective: str | None = None
+    # inputs -> the integer tensors an engine grows in place between steps (seq_lens, block tables), or
+    # None: guard:grown_inputs calls again after writing them into the same tensors
+    grow_inputs: Callable[[OpInputs], dict[str, torch.Tensor] | None] | None = None
     # bench: bytes the op must read and write for these inputs (its floor is a copy of them; checked
     # against the real tensors in property_tests/test_bench.py), the peers it is timed against, the
     # knob sets each timed shape is run with, and case batches replacing the run's --batch list

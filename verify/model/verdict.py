@@ -49,6 +49,7 @@ class OpVerdict:
     worst_ratio: dict[str, float] = field(default_factory=dict)   # output -> max err / tolerance seen
     seconds: float = 0.0
     details: tuple[str, ...] = ()
+    scope: tuple[str, ...] = ()   # the candidate's declared scope ("scope: l2_eps = 1e-6 only (...)"); () = the whole contract
 
     def to_dict(self) -> dict:
         return asdict(self)

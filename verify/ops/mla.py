@@ -307,6 +307,26 @@ def mla_cache_write_bytes(inputs: OpInputs) -> int:
     return (N + written) * C * t["latent"].element_size() + N * t["slot_mapping"].element_size()
 
 
+def grow_paged_lengths(inputs: OpInputs) -> dict[str, torch.Tensor] | None:
+    """seq_lens grown by 1..3 tokens per sequence; a sequence whose last page is full takes a spare page
+    (one not in any block table) into its table's first free column, as an engine appends a page
+    (guard:grown_inputs); None when nothing can grow."""
+    page = inputs.tensors["cache"].shape[1]
+    table, lens = inputs.tensors["block_table"].clone(), inputs.tensors["seq_lens"].clone()
+    used = set(int(p) for p in table.flatten().tolist() if p >= 0)
+    spare = [p for p in range(inputs.tensors["cache"].shape[0]) if p not in used]
+    for b in range(lens.shape[0]):
+        n_pages = int((table[b] >= 0).sum())
+        room = n_pages * page - int(lens[b])
+        if room == 0 and spare and n_pages < table.shape[1]:
+            table[b, n_pages] = spare.pop(0)
+            room = page
+        lens[b] += min(room, 1 + b % 3)
+    if torch.equal(lens, inputs.tensors["seq_lens"]):
+        return None
+    return {"block_table": table, "seq_lens": lens}
+
+
 def mla_decode_attn_bytes(inputs: OpInputs) -> int:
     """q_abs, block_table and seq_lens read; of the cache, each sequence's first seq_len slots (the
     keys and values it attends to: the rest of its pages is never read); o_latent written."""
@@ -353,7 +373,7 @@ OPS: list[OpDef] = [
         batch_dims={"q_abs": 0, "block_table": 0, "seq_lens": 0, "o_latent": 0},
         split=head_split(lambda i: i.tensors["q_abs"].shape[2], {"q_abs": 2}, {"o_latent": 2}),
         magnitudes=decode_attn_magnitude, fused="fused.mla_decode_attn:mla_decode_attn",
-        moved_bytes=mla_decode_attn_bytes,
+        moved_bytes=mla_decode_attn_bytes, grow_inputs=grow_paged_lengths,
         knob_sweep=({"context": "long"},),
         notes=("batch = sequences, each with Q query tokens (knob `q_per_seq`, else drawn 1..8 from the seed); the "
                "cache is shared by all sequences and never permuted. Context is capped at MAX_CONTEXT_PAGES pages "

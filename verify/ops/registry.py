@@ -6,7 +6,10 @@ import functools
 import importlib
 import pkgutil
 
-from verify.model.opdef import OpDef
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:         # the registry is read by torch-free commands (list, describe) through it
+    from verify.model.opdef import OpDef
 
 
 class UnknownOpError(ValueError):

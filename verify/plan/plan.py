@@ -18,6 +18,7 @@ from verify.model.case import Case
 from verify.model.opdef import OpDef
 from verify.model.profile import Profile
 from verify.plan.draw import planned_cases
+from verify.plan.scope import pin
 
 PLAN_NAME = "plan.json"
 FORMAT = "verify-kernels/plan/v1"
@@ -29,11 +30,13 @@ JUDGE, SKIP, FAIL = "judge", "skip", "fail"
 class PairScope:
     """What the run stage found out about an op/candidate pair before planning it: whether it can run
     here (status judge, or skip / fail with the reason) and, for a candidate that declares a narrower
-    contract (DTYPES), the profile it is drawn with and the scope line its verdict carries."""
+    contract (plan/scope.py: DTYPES, PARAMS), the profile it is drawn with, the parameter values each
+    case is pinned to, and the scope lines its verdict carries."""
     status: str = JUDGE
     reason: str = ""
     profile: Profile | None = None
-    scope: str = ""
+    scope: tuple[str, ...] = ()
+    params: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ class PairPlan:
     candidate: str
     status: str               # judge | skip | fail (decided before any case: no GPU, import failure)
     reason: str = ""
-    scope: str = ""
+    scope: tuple[str, ...] = ()       # the candidate's declared scope ("scope: ..." lines)
     cases: tuple[int, ...] = ()       # indices into Plan.cases
 
 
@@ -92,7 +95,8 @@ class Plan:
             raise ValueError(f"{where}: not JSON ({e})") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise ValueError(f"{where}: not a plan this harness wrote (format {FORMAT})")
-        pairs = tuple(PairPlan(**{**p, "cases": tuple(p["cases"])}) for p in d["pairs"])
+        pairs = tuple(PairPlan(**{**p, "cases": tuple(p["cases"]), "scope": tuple(p.get("scope", ()))})
+                      for p in d["pairs"])
         plan = cls(d["options"], pairs, tuple(PlannedCase(**c) for c in d["cases"]), d["format"])
         plan = plan.with_id()
         if plan.id != d.get("id"):
@@ -127,7 +131,8 @@ def make_plan(ops: list[OpDef], candidates: list[str], profile: Profile, seed: i
                 pairs.append(PairPlan(op.name, label, sc.status, sc.reason))
                 continue
             prof = sc.profile or profile
-            listed = planned_cases(op, prof, seed, tps, examples)
+            listed = [pin(c, sc.params) for c in planned_cases(op, prof, seed, tps, examples)]
+            listed = list({c.to_json(): c for c in listed}.values())
             unsplit = [c for c in listed if c.tp == 1][:WARMUP_CASES]
             start = len(cases)
             for c in listed:

@@ -19,7 +19,7 @@ OK_STATUSES = ("pass", "waived")
 @dataclass(frozen=True)
 class OpState:
     op: str
-    state: str                 # certified | failed | not_certified | stale | missing
+    state: str                 # certified | failed | not_certified | partial_scope | stale | missing
     certificate: str = ""      # the file whose verdict holds (or the newest one seen, when stale)
     created: str = ""
     git_commit: str = ""
@@ -44,7 +44,7 @@ def _entries(certs: list[tuple[str, dict]], op: str, candidate: str):
 
 
 def op_state(op, certs: list[tuple[str, dict]], candidate: str, profile: str | None = None,
-             device: str | None = None) -> OpState:
+             device: str | None = None, full_scope: bool = False) -> OpState:
     from verify.record.certificate import op_sources
 
     found = [f for f in _entries(certs, op.name, candidate)
@@ -57,6 +57,10 @@ def op_state(op, certs: list[tuple[str, dict]], candidate: str, profile: str | N
     for path, cert, entry, verdict in found:
         if entry.get("sources") == now:
             status = verdict.get("status")
+            if status in OK_STATUSES and full_scope and verdict.get("scope"):
+                return _state(op.name, "partial_scope", path, cert,
+                              f"certified only in its declared scope ({'; '.join(verdict['scope'])}); "
+                              "the whole contract is demanded here (--full-scope, or --profile release)")
             if status in OK_STATUSES:
                 return _state(op.name, "certified", path, cert, verdict.get("reason", ""))
             if status == "skip":
@@ -91,8 +95,10 @@ def _state(op: str, state: str, path: str, cert: dict, detail: str) -> OpState:
 
 
 def check(ops, certs: list[tuple[str, dict]], candidate: str, profile: str | None = None,
-          device: str | None = None) -> list[OpState]:
-    return [op_state(op, certs, candidate, profile, device) for op in ops]
+          device: str | None = None, full_scope: bool = False) -> list[OpState]:
+    """full_scope: a verdict certified only in a candidate's declared scope (DTYPES, PARAMS) does not
+    count (the release gate demands the whole contract)."""
+    return [op_state(op, certs, candidate, profile, device, full_scope) for op in ops]
 
 
 def to_dict(states: list[OpState]) -> dict:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from verify.model.verdict import FAIL, XPASS, CaseVerdict
@@ -16,43 +15,38 @@ from verify.plan.plan import PLAN_NAME, Plan, PlannedCase, load
 from verify.run import runlog
 from verify.run.runner import InProcess, Judged, RunConfig, judge_cases
 
-PROGRESS_EVERY_S = 10.0       # a plain progress line at most this often when stderr is not a terminal
-
-
 class PlanMismatch(ValueError):
     """An output directory holds another plan's log, or a plan or log this harness did not write: one
     line naming it."""
 
 
-class Progress:
-    """Progress per case: a rich bar on a terminal, else a plain line every PROGRESS_EVERY_S seconds
-    (and at the end), so a CI log shows the run is alive."""
+class _PairProgress:
+    """Drives RunProgress over a slice of the plan: a pair starts where its first case comes and ends
+    (pass or fail, as far as this slice judged it) where the next pair's begins."""
 
-    def __init__(self, total: int, label: str, stream=None):
-        self.total, self.done, self.failed, self.label = total, 0, 0, label
-        self.stream = stream or sys.stderr
-        self._last = time.monotonic()
-        self._bar = None
-        if self.stream.isatty() and total:
-            from rich.progress import Progress as Bar
+    def __init__(self, console, todo: list[PlannedCase]):
+        from verify.run.progress import RunProgress
 
-            self._bar = Bar(transient=True)
-            self._task = self._bar.add_task(label, total=total)
-            self._bar.start()
+        pairs = len({(pc.op, pc.candidate) for pc in todo})
+        self.progress = RunProgress(console, pairs).__enter__()
+        self.pair, self.failed = None, False
 
     def step(self, pc: PlannedCase, v: CaseVerdict) -> None:
-        self.done += 1
-        self.failed += v.status in (FAIL, XPASS)
-        if self._bar is not None:
-            self._bar.update(self._task, advance=1, description=f"{pc.op} / {pc.candidate}")
-        elif time.monotonic() - self._last >= PROGRESS_EVERY_S or self.done == self.total:
-            self._last = time.monotonic()
-            print(f"{self.label}: {self.done}/{self.total} cases judged, {self.failed} failed "
-                  f"(now {pc.op} / {pc.candidate})", file=self.stream, flush=True)
+        if (pc.op, pc.candidate) != self.pair:
+            self._end()
+            self.pair, self.failed = (pc.op, pc.candidate), False
+            self.progress.start(pc.op, pc.candidate)
+        self.failed |= v.status in (FAIL, XPASS)
+        self.progress.case(v)
+
+    def _end(self) -> None:
+        if self.pair is not None:
+            self.progress.done(CaseVerdict(self.pair[0], self.pair[1], "", "fail" if self.failed else "pass"))
+            self.pair = None
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
+        self._end()
+        self.progress.__exit__(None, None, None)
 
 
 def _evaluator(cfg: RunConfig, threads: int):
@@ -78,7 +72,7 @@ def prepare_out(plan: Plan, out: Path, resume: bool) -> None:
 
 
 def run_slice(plan: Plan, cfg: RunConfig, out: Path, shard: tuple[int, int] = (0, 1), resume: bool = False,
-              label: str = "verify-kernels") -> Judged:
+              console=None) -> Judged:
     """Judge shard I of N of the plan into OUT/run.jsonl (on --resume only the cases the log lacks).
     Returns every verdict the log holds for the plan, earlier ones included."""
     prepare_out(plan, out, resume)
@@ -94,7 +88,11 @@ def run_slice(plan: Plan, cfg: RunConfig, out: Path, shard: tuple[int, int] = (0
     log = runlog.RunLog(out, resume=resume)
     log.start(plan.id, shard, {"isolated": cfg.isolate, "case_timeout": cfg.case_timeout})
     ops = {o: get_op(o) for o in {pc.op for pc in todo}}
-    progress = Progress(len(todo), label if shard == (0, 1) else f"{label} shard {shard[0]}/{shard[1]}")
+    if console is None:
+        from rich.console import Console
+
+        console = Console(stderr=True)
+    progress = _PairProgress(console, todo)
     evaluator = _evaluator(cfg, plan.options.get("threads", 0))
     try:
         judge_cases(todo, ops, cfg.device, evaluator, lambda pc, v: (log.case(pc.index, v), progress.step(pc, v)),

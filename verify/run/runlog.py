@@ -31,6 +31,11 @@ def case_record(v: CaseVerdict) -> dict:
             if ch.metrics.get("max_abs") is not None:
                 errs[name] = max(errs.get(name) or 0.0, ch.metrics["max_abs"])
     rec["ratio"], rec["max_abs"] = ratios, errs
+    bias = {ch.name[5:]: [ch.metrics["rows_above"], ch.metrics["rows_below"], ch.metrics.get("rows", 0),
+                          ch.metrics.get("ulps_sum", 0.0)] for ch in v.checks
+            if ch.name.startswith("bias:") and "rows_above" in ch.metrics}
+    if bias:        # the pair's bias test sums these over its cases (judge/bias.py), from any log
+        rec["bias"] = bias
     if v.reason and v.status != "pass":
         rec["reason"] = v.reason[:300]
     return rec
@@ -52,6 +57,8 @@ def case_verdict_from_line(obj: dict) -> CaseVerdict:
     rec = obj["record"]
     checks = tuple(Check(f"compare:{name}", True, metrics={"ratio": r, "max_abs": rec.get("max_abs", {}).get(name)})
                    for name, r in rec.get("ratio", {}).items())
+    checks += tuple(Check(f"bias:{name}", True, metrics={"rows_above": a, "rows_below": b, "rows": n, "ulps_sum": u})
+                    for name, (a, b, n, u) in rec.get("bias", {}).items())
     return CaseVerdict(obj["op"], obj["candidate"], obj["case"], rec["status"], rec.get("stage", ""),
                        rec.get("reason", ""), checks, rec.get("seconds", 0.0))
 

@@ -8,12 +8,12 @@ cases of it (batch, config, dtype, T toward the smallest), in the process that f
 from __future__ import annotations
 
 import shlex
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 from verify.judge.candidates import Candidate, CandidateImportError, CandidateUnavailable
+from verify.judge import bias
 from verify.judge.pipeline import judge_case
 from verify.model.case import Case
 from verify.model.opdef import OpDef
@@ -22,6 +22,7 @@ from verify.model.specs import SpecError, load_spec
 from verify.model.verdict import FAIL, PASS, SKIP, VACUOUS, WAIVED, XPASS, CaseVerdict, OpVerdict
 from verify.plan.plan import FAIL as PLAN_FAIL
 from verify.plan.plan import JUDGE, PairScope, Plan, PlannedCase, make_plan
+from verify.plan.scope import ScopeError, candidate_scope
 
 FATAL_STAGES = ("timeout", "crash")     # after one, the pair's later cases in this process are not judged
 SHRINK_STEPS = 12                        # re-judged cases at most when shrinking one failure
@@ -61,7 +62,7 @@ def _default_threads() -> int:
 
 def pair_scope(op: OpDef, candidate: Candidate, profile: Profile, device: str) -> PairScope:
     """Whether a pair can be judged here, before any case: its spec loads, its candidate resolves (a
-    fused kernel needs a GPU: a skip), and the working dtypes its module declares (DTYPES)."""
+    fused kernel needs a GPU: a skip), and the scope its module declares (DTYPES, PARAMS)."""
     label = candidate.label
     try:
         load_spec(op.name)
@@ -76,18 +77,13 @@ def pair_scope(op: OpDef, candidate: Candidate, profile: Profile, device: str) -
         return PairScope("skip", str(e))
     except CandidateImportError as e:
         return PairScope(PLAN_FAIL, f"candidate: {e}")
-    declared = getattr(sys.modules.get(getattr(fn, "__module__", ""), None), "DTYPES", None)
-    if declared is None:
-        return PairScope()
-    drawn = drawn_dtypes(op, profile)
-    keep = [d for d in drawn if d in declared]
-    left = [d for d in drawn if d not in declared]
-    why = f"{fn.__module__} declares DTYPES = {', '.join(declared)}"
-    if not keep:
-        return PairScope("skip", f"not drawn: {', '.join(left)} ({why})")
-    if not left:
-        return PairScope()
-    return PairScope(JUDGE, "", replace(profile, dtypes=tuple(keep)), f"scope: {', '.join(left)} not drawn ({why})")
+    try:
+        declared = candidate_scope(op, fn, profile)
+    except ScopeError as e:
+        return PairScope(PLAN_FAIL, f"candidate: {e}")
+    if declared.profile is None:
+        return PairScope("skip", declared.skip_reason)
+    return PairScope(JUDGE, "", declared.profile, declared.notes, dict(declared.params))
 
 
 def build_plan(cfg: RunConfig, ops: list[OpDef], candidates: list[Candidate]) -> Plan:
@@ -238,6 +234,8 @@ def summarise(plan: Plan, judged: Judged, device: str) -> list[OpVerdict]:
                                   "(a cut run: --resume, or merge every shard)")
         if failure is None and seen and all(v.status == VACUOUS for v in seen):
             failure = CaseVerdict(pair.op, pair.candidate, "", FAIL, "inputs", "every planned case was vacuous")
+        if failure is None and not missing:     # a bias too small for one case shows over all of them
+            failure = bias.pair_failure(pair.op, pair.candidate, seen)
         out.append(_op_verdict(pair, seen, failure, waived, device))
     return out
 
@@ -252,7 +250,7 @@ def _op_verdict(pair, seen: list[CaseVerdict], failure, waived, device: str) -> 
     counts = dict(cases_run=sum(v.status != SKIP for v in seen), cases_passed=sum(v.status == PASS for v in seen),
                   cases_vacuous=sum(v.status == VACUOUS for v in seen), worst_ratio=worst,
                   seconds=sum(v.seconds for v in seen))
-    scope = pair.scope
+    scope = "; ".join(pair.scope)
     if failure is not None:
         status = XPASS if failure.status == XPASS else FAIL
         repro = repro_command(Case.from_json(failure.case), pair.candidate, device) if failure.case else ""
@@ -260,8 +258,9 @@ def _op_verdict(pair, seen: list[CaseVerdict], failure, waived, device: str) -> 
                          failure=failure, repro=repro, **counts)
     if waived:
         return OpVerdict(pair.op, pair.candidate, WAIVED, reason=f"{len(waived)} waived cases failed as expected"
-                         + (f"; {scope}" if scope else ""), **counts)
-    return OpVerdict(pair.op, pair.candidate, PASS, reason=scope, details=(scope,) if scope else (), **counts)
+                         + (f"; {scope}" if scope else ""), scope=pair.scope, **counts)
+    return OpVerdict(pair.op, pair.candidate, PASS, reason=scope, details=(scope,) if scope else (),
+                     scope=pair.scope, **counts)
 
 
 # -- one pair, in one call (the pytest plugin, tests) ----------------------------------------------

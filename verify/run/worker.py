@@ -57,6 +57,9 @@ def serve() -> None:
     # Protocol on a private copy of stdout; anything the candidate prints goes to stderr.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
+    # Ctrl-C reaches the whole process group: the parent stops the run (its log kept) and kills this
+    # worker; here it would end a case as a failing verdict that the log would keep
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch  # noqa: F401  (warm the import before saying ready)
 
     proto.write(json.dumps({"ready": os.getpid()}) + "\n")

@@ -6,7 +6,7 @@ are verify.judge.placement's, made by every guarded call."""
 from __future__ import annotations
 
 from verify.judge.guards import (batch_position, determinism, gpu, inference_mode, outputs, refresh, serving,
-                                 views)
+                                 serving_calls, views)
 
 LATER_GUARDS = (
     determinism.second_run,            # guard:deterministic (and a second call handing back the same storage)
@@ -15,10 +15,12 @@ LATER_GUARDS = (
     serving.partial_refresh,           # guard:partial_refresh
     serving.state_chain,               # guard:state_chain
     refresh.warmed_up,                 # guard:warmed_up (cases the plan marks)
+    serving_calls.grown_inputs,        # guard:grown_inputs (ops whose entry says how they grow)
     gpu.check,                         # guard:side_stream, cuda_graph, stream_order, concurrent (CUDA)
     outputs.outputs_kept_so_far,       # guard:outputs_kept, before the runs that could hide it
-    views.strided_inputs,              # guard:strided_inputs        } not in the quick profile
-    views.misaligned_inputs,           # guard:misaligned_inputs     }
+    serving_calls.host_threads,        # guard:host_threads (cases the plan marks)  } not in the
+    views.strided_inputs,              # guard:strided_inputs                        } quick profile
+    views.misaligned_inputs,           # guard:misaligned_inputs                     }
     serving.call_forms,                # guard:out_omitted, owned_inputs, merged_inputs, thread_count
     inference_mode.check,              # guard:inference_mode
 )

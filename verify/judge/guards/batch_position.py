@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from verify.judge.calls import bitwise_same, call_failures, guarded_call, run_plain
+from verify.judge.invariance import claim_check
 from verify.model.opdef import OpDef, OpInputs
 from verify.model.verdict import Check
 
@@ -37,8 +38,8 @@ def check(ctx) -> list[Check]:
     if not complete:
         return checks + [Check("guard:batch_position", False, "the permuted batch's outputs are incomplete")]
     back = unpermute(op, moved.results, perm)
-    if ctx.spec.claims.batch_invariant and ctx.strict:
-        return checks + [bitwise_same("guard:batch_position", ctx.first, back)]
+    if ctx.spec.claims.batch_invariant and ctx.strict:     # right values with other bits: invariance:batch_position
+        return checks + [claim_check(bitwise_same("guard:batch_position", ctx.first, back), lambda: ctx.judge(back))]
     res = ctx.judge(back)
     return checks + [Check("guard:batch_position", all(c.ok for c in res),
                            "; ".join(c.detail for c in res if not c.ok) or "within tolerance after permutation")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from verify.judge.calls import bitwise_same, call_failures, guarded_call
 from verify.judge import placement
 from verify.judge.guards.outputs import outputs_kept
+from verify.judge.invariance import claim_check
 from verify.model.verdict import Check
 
 
@@ -22,6 +23,7 @@ def second_run(ctx) -> list[Check]:
         else outputs_kept([ctx.kept[-1]], "the second call")
     if not reused.ok:           # before the determinism check, which would compare a tensor with itself
         return [reused]
-    if ctx.spec.claims.deterministic:
-        return [bitwise_same("guard:deterministic", ctx.first, again.results)]
+    if ctx.spec.claims.deterministic:     # right values with other bits: invariance:deterministic
+        return [claim_check(bitwise_same("guard:deterministic", ctx.first, again.results),
+                            lambda: ctx.judge(again.results))]
     return []

@@ -16,7 +16,10 @@ def summary_table(verdicts: list[OpVerdict]) -> Table:
         t.add_column(col, overflow="fold")
     for v in verdicts:
         worst = max(v.worst_ratio.values(), default=None)
-        t.add_row(v.op, v.candidate, f"[{STYLE.get(v.status, '')}]{WORD.get(v.status, v.status)}[/]",
+        word = WORD.get(v.status, v.status)
+        if v.failure is not None and v.failure.stage.startswith("invariance:"):
+            word = "NOT INVARIANT"      # right values, a broken bitwise claim (verify/judge/invariance.py)
+        t.add_row(v.op, v.candidate, f"[{STYLE.get(v.status, '')}]{word}[/]",
                   f"{v.cases_passed}/{v.cases_run}" + (f" (+{v.cases_vacuous} vacuous)" if v.cases_vacuous else ""),
                   "" if worst is None else f"{worst:.3g}", f"{v.seconds:.1f}", v.reason[:160])
     return t
