@@ -10,7 +10,7 @@ import difflib
 import json
 from pathlib import Path
 
-INDEX = Path(__file__).resolve().parent / "ops" / "index.json"
+INDEX = Path(__file__).resolve().parent / "index.json"
 
 
 def entry(op) -> dict:
