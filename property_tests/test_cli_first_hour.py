@@ -85,7 +85,8 @@ def test_ctrl_c_keeps_the_results_and_names_the_resume_command(tmp_path):
 def test_a_redirected_run_prints_progress_lines(tmp_path):
     run = _cli("run", "--ops", "skinny_gemm", "--candidate", "reference", "--no-isolate", "--out", str(tmp_path))
     assert run.returncode == 0, run.stdout + run.stderr
-    lines = run.stdout.splitlines()
+    assert run.stdout.splitlines()[0].startswith("plan "), run.stdout[:300]     # the plan is written first
+    lines = [x for x in run.stdout.splitlines() if x.startswith("[")]
     assert lines[0] == "[1/1] skinny_gemm / reference: started", lines[:3]
     assert any(x.startswith("[1/1] skinny_gemm / reference: ") and "cases judged, 0 failed" in x and x.endswith(": pass")
                for x in lines), lines

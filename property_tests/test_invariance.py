@@ -3,7 +3,7 @@ bitwise claim get the stage invariance:<guard>; wrong values keep the guard's ow
 from __future__ import annotations
 
 from verify.judge.candidates import Candidate
-from verify.plan.draw import get_profile
+from verify.model.profile import get_profile
 from verify.run.runner import RunOptions, certify_op
 from verify.ops.registry import get_op
 from verify.model.verdict import FAIL

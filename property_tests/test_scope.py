@@ -12,7 +12,7 @@ import pytest
 
 from verify.judge.candidates import Candidate
 from verify.model.case import Case
-from verify.plan.draw import get_profile
+from verify.model.profile import get_profile
 from verify.run.runner import RunOptions, certify_op, replay
 from verify.ops.registry import get_op
 from verify.plan.scope import ScopeError, declared_params

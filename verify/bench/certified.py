@@ -68,7 +68,7 @@ def by_quick_certification(ops, labels: list[str], device: str, out_dir, log=pri
 
     from verify.record import certificate
     from verify.judge.candidates import Candidate
-    from verify.plan.draw import get_profile
+    from verify.model.profile import get_profile
     from verify.run.runner import RunOptions, certify_op
     from verify.ops.registry import all_ops
 
