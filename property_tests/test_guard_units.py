@@ -6,7 +6,7 @@ import pytest
 
 from verify.judge.context import CaseContext
 from verify.judge.guards import (LATER_GUARDS, batch_position, determinism, gpu, inference_mode, outputs, refresh,
-                                 serving, views)
+                                 serving, serving_calls, views)
 from verify.model.case import Case
 from verify.ops.registry import get_op, import_callable
 
@@ -32,15 +32,41 @@ UNITS = {
                                 Case("skinny_gemm", 5, 3, "tiny", "bfloat16", "normal")),
     "serving.call_forms": (serving.call_forms, "skinny_gemm", f"{P}.serving:skinny_gemm_owned_x_fast_path",
                            Case("skinny_gemm", 5, 3, "tiny", "bfloat16", "normal")),
+    "serving_calls.grown_inputs": (serving_calls.grown_inputs, "mla_decode_attn",
+                                   f"{P}.serving:mla_decode_attn_plan_per_seq_lens",
+                                   Case("mla_decode_attn", 5, 3, "tiny", "bfloat16", "normal")),
+    "serving_calls.host_threads": (serving_calls.host_threads, "skinny_gemm",
+                                   "property_tests.test_guard_units:gemm_wrong_while_another_call_runs",
+                                   Case("skinny_gemm", 5, 3, "tiny", "bfloat16", "normal")),
     "inference_mode.check": (inference_mode.check, "skinny_gemm", f"{P}.gemm:skinny_gemm_serving_path_drops_k_tail",
                              Case("skinny_gemm", 5, 3, "tiny", "bfloat16", "normal")),
 }
 
 
+_IN_FLIGHT = [0]
+
+
+def gemm_wrong_while_another_call_runs(x, w):
+    """Right alone; wrong whenever another call is in flight (one workspace for every caller), and
+    each call lasts long enough (2 ms) for two host threads started together to overlap."""
+    import time
+
+    from references.gemm import skinny_gemm
+
+    _IN_FLIGHT[0] += 1
+    try:
+        time.sleep(0.002)
+        y = skinny_gemm(x, w)
+        return y * 2 if _IN_FLIGHT[0] > 1 else y
+    finally:
+        _IN_FLIGHT[0] -= 1
+
+
 def _ctx(op_name: str, case: Case, candidate: str) -> CaseContext:
     op = get_op(op_name)
     fn = import_callable(candidate if ":" in candidate else op.reference)
-    ctx = CaseContext.first_launch(op, case, fn, candidate, "cpu", strict=True, strided_run=True, warmup=True)
+    ctx = CaseContext.first_launch(op, case, fn, candidate, "cpu", strict=candidate != "reference", strided_run=True,
+                                   warmup=True)
     assert not ctx.first_call.error and all(c.ok for c in ctx.first_call.checks), ctx.first_call
     return ctx
 
