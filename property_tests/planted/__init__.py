@@ -2,7 +2,7 @@
 signature, and the harness stage that must reject it.
 
 CATALOGUE rows: (op, candidate 'module:attr', expected, description). `expected` is
-"<stage>" or "<stage>|<substring of the reason>" (a stage ending in ':' matches any stage it starts);
+"<stage>" or "<stage>|<substring of the reason>" (a stage ending in ':' matches any stage it starts; "a or b": either);
 the op verdict's reason reads "<stage>: <detail>"
 (split cases prefix the detail with "T=<n>: " or "rank r/T: "). Stages: candidate (raised),
 guard:<name>, compare:<output or state>.
@@ -164,7 +164,7 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "the new state clamped to fp16's range (+-64504) on every dtype: wrong only past it (the range_edges dist)"),
     ("kda_decode", f"{P}.kda:kda_decode_resets_nonfinite_state", "compare:",
      "NaN / inf state elements read as zeros (a self-healing state hides a corrupted sequence; the nonfinite dist)"),
-    ("kda_decode", f"{P}.kda:kda_decode_l2_eps_outside_sqrt", "compare:",
+    ("kda_decode", f"{P}.kda:kda_decode_l2_eps_outside_sqrt", "compare: or bias:",
      "eps outside the sqrt in the q/k L2 norm"),
     ("kda_in_proj", f"{P}.kda:kda_in_proj_no_variant", "candidate|raised RuntimeError: kda_in_proj: no tuned kernel variant",
      "a candidate that raises (no variant for untuned M)"),
