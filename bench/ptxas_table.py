@@ -2,7 +2,7 @@
 variant is compiled for sm_90a in a fresh process with its PTX dumped, and the CUDA toolkit's ptxas -v
 reads it. What the H200 would run (the driver JITs the same PTX with the same ptxas rules), without
 device time: a variant whose registers do not fit the CTAs per SM its dispatcher assumes, or that
-spills, shows here first (session 15: the row-chunked kda kernel at 194 registers).
+spills, shows here first (a row-chunked kda kernel at 194 registers did).
 
     python3 bench/ptxas_table.py [kda] [attn] [--jobs 2]
 """
@@ -38,7 +38,7 @@ def regs(code: str) -> tuple[int, int] | str:
 def ctas_per_sm(regs: int, warps: int) -> int:
     """CTAs of `warps` warps an sm_90 SM holds by registers: registers go to a warp in units of 256,
     and each of the 4 sub-partitions has 16 K for the warps dealt to it (Nsight Compute's "Block Limit
-    Registers"; session 16: 1 CTA at 134 registers x 7 warps, where the SM's 64 K alone would fit 2)."""
+    Registers": 1 CTA at 134 registers x 7 warps, where the SM's 64 K alone would fit 2)."""
     per_warp = -(-regs // 8) * 8 * 32
     c = 0
     while -(-(c + 1) * warps // 4) * per_warp <= 16384 and c < 32:
