@@ -193,3 +193,15 @@ def test_a_case_verdict_does_not_depend_on_what_ran_before_it():
             v = ev.evaluate(op, Case.from_json(pc.case), "reference", "cpu", pc.strided_run, pc.warmup)
         names.append(sorted(c.name for c in v.checks))
     assert names[0] == names[1] and "guard:warmed_up" in names[0]
+
+
+def test_a_failing_case_is_reported_shrunk(tmp_path):
+    """The planted K-tail bug fails its first off-tile case at B = 5; the same case at B = 1 fails too,
+    so the report names the smaller case and the one it was shrunk from (kept in the log for merges)."""
+    bug = "property_tests.planted.gemm:skinny_gemm_drops_k_tail"
+    run = _cli(["run", "--ops", "skinny_gemm", "--candidate", bug, "--no-isolate", "--out", "q"], tmp_path, 1)
+    v = _cert(tmp_path / "q")["ops"]["skinny_gemm"]["verdicts"][bug]
+    assert '"batch":1' in v["failure"]["case"] and "shrunk from skinny_gemm[seed=200,B=5" in v["reason"], v["reason"]
+    assert '"batch":1' in v["repro"] and "verify-kernels repro" in run.stdout
+    lines = [json.loads(x) for x in (tmp_path / "q" / "run.jsonl").read_text().splitlines()]
+    assert any(x["kind"] == "shrunk" and isinstance(x["index"], int) for x in lines)

@@ -96,7 +96,7 @@ def run_slice(plan: Plan, cfg: RunConfig, out: Path, shard: tuple[int, int] = (0
     evaluator = _evaluator(cfg, plan.options.get("threads", 0))
     try:
         judge_cases(todo, ops, cfg.device, evaluator, lambda pc, v: (log.case(pc.index, v), progress.step(pc, v)),
-                    log.shrunk, cfg.profile)
+                    lambda pc, v: log.shrunk(pc.index, v), cfg.profile)
     finally:
         evaluator.close()
         progress.close()
