@@ -201,7 +201,7 @@ def test_a_failing_case_is_reported_shrunk(tmp_path):
     bug = "property_tests.planted.gemm:skinny_gemm_drops_k_tail"
     run = _cli(["run", "--ops", "skinny_gemm", "--candidate", bug, "--no-isolate", "--out", "q"], tmp_path, 1)
     v = _cert(tmp_path / "q")["ops"]["skinny_gemm"]["verdicts"][bug]
-    assert '"batch":1' in v["failure"]["case"] and "shrunk from skinny_gemm[seed=200,B=5" in v["reason"], v["reason"]
-    assert '"batch":1' in v["repro"] and "verify-kernels repro" in run.stdout
+    assert '"batch":1' in v["failure"]["case"] and "(shrunk from the case at B=5, tiny, bfloat16, T=1)" in v["reason"], v["reason"]
+    assert '"batch":1' in v["repro"] and "verify-kernels repro" in run.stdout and "shrunk from the case" in run.stdout
     lines = [json.loads(x) for x in (tmp_path / "q" / "run.jsonl").read_text().splitlines()]
     assert any(x["kind"] == "shrunk" and isinstance(x["index"], int) for x in lines)

@@ -227,7 +227,9 @@ def summarise(plan: Plan, judged: Judged, device: str) -> list[OpVerdict]:
             elif v.status == FAIL and failure is None:
                 failure = judged.shrunk.get(i, v)
                 if i in judged.shrunk:
-                    failure = replace(failure, reason=f"{failure.reason} (shrunk from {Case.from_json(v.case).short()})")
+                    c = Case.from_json(v.case)
+                    failure = replace(failure, reason=f"{failure.reason} (shrunk from the case at B={c.batch}, "
+                                                      f"{c.config}, {c.dtype}, T={c.tp})")
         if failure is None and missing:
             failure = CaseVerdict(pair.op, pair.candidate, "", FAIL, "incomplete",
                                   f"{len(missing)} of {len(pair.cases)} planned cases have no verdict "
