@@ -406,11 +406,7 @@ def cmd_run(args) -> int:
                                                  else None), device)
     carried = {}
     if args.changed_since:
-        try:
-            old = certificate.load(args.changed_since)
-        except ValueError as e:
-            raise UsageError(f"--changed-since: {e}") from None
-        carried, changed = certificate.carry_forward(old, {o.name: o for o in ops}, [c.label for c in candidates])
+        carried, changed = _carry_forward(args.changed_since, {o.name: o for o in ops}, [c.label for c in candidates])
         ops = [o for o in ops if o.name in changed]
         console.print(f"changed since {args.changed_since}: {', '.join(changed) or 'nothing'}; "
                       f"carried forward: {', '.join(carried) or 'nothing'}")
@@ -502,6 +498,17 @@ def _finish_run(args, verdicts, cert, console, where: str) -> int:
     return EXIT_OK if result.ok else EXIT_FAIL
 
 
+def _carry_forward(path: str, ops: dict, candidates: list[str]) -> tuple[dict, list[str]]:
+    """--changed-since: (the entries of OLD.json whose sources are unchanged, the op names to judge)."""
+    from verify.record import certificate
+
+    try:
+        old = certificate.load(path)
+    except ValueError as e:
+        raise UsageError(f"--changed-since: {e}") from None
+    return certificate.carry_forward(old, ops, candidates)
+
+
 def cmd_merge(args) -> int:
     from rich.console import Console
 
@@ -515,14 +522,9 @@ def cmd_merge(args) -> int:
     carried = {}
     if args.changed_since:
         from verify.ops.registry import all_ops
-        from verify.record import certificate
 
-        try:
-            old = certificate.load(args.changed_since)
-        except ValueError as e:
-            raise UsageError(f"--changed-since: {e}") from None
         unjudged = {n: o for n, o in all_ops().items() if n not in plan.options.get("ops", ())}
-        carried, _ = certificate.carry_forward(old, unjudged, list(plan.options.get("candidates", ())))
+        carried, _ = _carry_forward(args.changed_since, unjudged, list(plan.options.get("candidates", ())))
     verdicts, cert = assemble(plan, judged, carried)
     console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 160)
     return _finish_run(args, verdicts, cert, console, f"merged {len(args.dirs)} outputs of plan {plan.id}; "
