@@ -55,11 +55,50 @@ def test_sharded_then_merged_equals_unsharded(tmp_path):
     assert all(len(rs) > 5 for e in whole["ops"].values() for rs in e["cases"].values())
 
 
+def _indices(log: Path) -> list[int]:
+    return [x["index"] for x in map(json.loads, log.read_text().splitlines()) if x["kind"] == "case"]
+
+
 def test_jobs_equal_an_unsharded_run(tmp_path):
     _cli(RUN + ["--out", "whole"], tmp_path, 0)
-    _cli(RUN + ["--out", "jobs", "--jobs", "2"], tmp_path, 0)
+    _cli(RUN + ["--out", "jobs", "--jobs", "3"], tmp_path, 0)
     assert _judged(_cert(tmp_path / "whole")) == _judged(_cert(tmp_path / "jobs"))
-    assert (tmp_path / "jobs" / "shards" / "1" / "run.jsonl").exists()
+    judged = [i for j in range(3) for i in _indices(tmp_path / "jobs" / "shards" / str(j) / "run.jsonl")]
+    assert sorted(judged) == sorted(set(judged))                  # the children's claims never overlap
+    assert len(judged) == len(json.loads((tmp_path / "whole" / "plan.json").read_text())["cases"])
+    # A rerun with fewer jobs in the same directory does not read the earlier children's logs.
+    _cli(RUN + ["--seed", "2", "--out", "jobs", "--jobs", "2"], tmp_path, 0)
+    assert not (tmp_path / "jobs" / "shards" / "2").exists()
+
+
+def test_shards_spread_over_jobs_merge_to_the_unsharded_run(tmp_path):
+    _cli(RUN + ["--out", "whole"], tmp_path, 0)
+    _cli(RUN + ["--out", "s0", "--shard", "0/2", "--jobs", "2"], tmp_path, 0)
+    _cli(RUN + ["--out", "s1", "--shard", "1/2"], tmp_path, 0)
+    _cli(["merge", "s0", "s1", "--out", "merged"], tmp_path, 0)
+    assert _judged(_cert(tmp_path / "whole")) == _judged(_cert(tmp_path / "merged"))
+
+
+def test_jobs_resume_claims_what_the_logs_hold(tmp_path, monkeypatch):
+    """--resume with --jobs: each case a child's log holds is claimed before any child starts, so none
+    is judged twice although the children may now start elsewhere."""
+    from verify.plan.plan import load
+    from verify.run import execute
+
+    _cli(RUN + ["--out", "whole"], tmp_path, 0)
+    _cli(RUN + ["--out", "jobs", "--jobs", "2"], tmp_path, 0)
+    plan = load(tmp_path / "jobs" / "plan.json")
+    log = tmp_path / "jobs" / "shards" / "0" / "run.jsonl"
+    kept = log.read_text().splitlines()[:3]                        # the start line and two verdicts
+    log.write_text("\n".join(kept) + "\n")
+    (tmp_path / "jobs" / "shards" / "1" / "run.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    judged, problems = execute.run_jobs(plan, execute.config_of(plan, isolate=False), Path("jobs"), 2, resume=True)
+    assert problems == []
+    again = _indices(log)
+    assert len(again) == len(set(again))
+    assert sorted(judged.verdicts) == list(range(len(plan.cases)))
 
 
 def test_merge_refuses_mixed_plans_and_missing_shards(tmp_path):

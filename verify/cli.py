@@ -113,8 +113,8 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
     run.add_argument("--sanitize", default=None, choices=["memcheck", "racecheck", "synccheck", "initcheck"],
                      help="run each op's GPU cases under compute-sanitizer with this tool")
     run.add_argument("--jobs", type=int, default=1, metavar="N",
-                     help="judge the plan's N slices at once in N child processes (one GPU each where several "
-                          "are visible; their logs under OUT/shards/), one certificate")
+                     help="judge the plan (or its --shard slice) in N child processes that share its cases "
+                          "(one GPU each where several are visible; their logs under OUT/shards/)")
     run.add_argument("--threads", type=int, default=0, metavar="N",
                      help="torch intra-op threads for every case (default: torch's here); part of the plan, "
                           "since CPU BLAS results depend on it")
@@ -370,8 +370,8 @@ def _run_setup(args):
     if jobs > 1 and set(modes) & {"distributed", "sanitize"}:
         raise UsageError(f"--jobs and --{(set(modes) & {'distributed', 'sanitize'}).pop()} cannot be combined")
     args.shard_of = _shard(args.shard)
-    if args.shard_of != (0, 1) and (jobs > 1 or set(modes) & {"distributed", "sanitize"}):
-        raise UsageError("--shard judges one slice of a plain run; it cannot be combined with --jobs, "
+    if args.shard_of != (0, 1) and set(modes) & {"distributed", "sanitize"}:
+        raise UsageError("--shard judges one slice of a plain run; it cannot be combined with "
                          "--distributed or --sanitize")
     return ops, profile, tps
 
@@ -425,7 +425,7 @@ def cmd_run(args) -> int:
                   f"({out / 'plan.json'})")
     try:
         if args.jobs > 1:
-            judged, problems = run_jobs(plan, cfg, out, args.jobs, args.resume)
+            judged, problems = run_jobs(plan, cfg, out, args.jobs, args.resume, args.shard_of)
             for line in problems:
                 console.print(f"[bold red]{line}[/]")
         else:

@@ -9,7 +9,7 @@ from verify.model.verdict import OpVerdict
 from verify.ops.registry import all_ops
 from verify.plan.plan import PLAN_NAME, Plan, load
 from verify.record import certificate
-from verify.run.execute import judged_in
+from verify.run.execute import judged_in, logs_in
 from verify.run.runlog import LOG_NAME, case_record
 from verify.run.runner import Judged, summarise
 
@@ -34,7 +34,7 @@ def load_shards(dirs: list[Path]) -> tuple[Plan, Judged]:
     directory has no plan or log, the plans differ, or some planned case has no verdict."""
     plans = []
     for d in dirs:
-        if not (Path(d) / PLAN_NAME).is_file() or not (Path(d) / LOG_NAME).is_file():
+        if not (Path(d) / PLAN_NAME).is_file() or not logs_in(Path(d)):
             raise MergeError(f"{d}: no {PLAN_NAME} and {LOG_NAME} here (not a `verify-kernels run` output directory)")
         try:
             plans.append(load(Path(d) / PLAN_NAME))
@@ -45,7 +45,10 @@ def load_shards(dirs: list[Path]) -> tuple[Plan, Judged]:
         where = ", ".join(f"{d}: {p.id}" for d, p in zip(dirs, plans))
         raise MergeError(f"the outputs are of different plans ({where}); merge shards of one plan only")
     plan = plans[0]
-    judged = judged_in(dirs)
+    try:
+        judged = judged_in(dirs, plan.id)
+    except ValueError as e:
+        raise MergeError(str(e)) from None
     missing = [pc.index for pc in plan.cases if pc.index not in judged.verdicts]
     if missing:
         raise MergeError(f"{len(missing)} of {len(plan.cases)} planned cases have no verdict in these outputs "

@@ -1,6 +1,13 @@
 """Where a plan's cases run: one slice of it in this process's workers (`run`, `run --shard I/N`,
-`run --resume`), or all of it spread over child processes, one slice each (`run --jobs N`, one GPU
-per child where several are visible). Every verdict is in OUT/run.jsonl as soon as it is judged.
+`run --resume`), or a slice spread over child processes (`run [--shard I/N] --jobs M`, one GPU per
+child where several are visible). Every verdict is in a run.jsonl as soon as it is judged.
+
+`--jobs` children share the slice through claims: before judging a case a child creates
+OUT/claims/<index> exclusively and skips a case another child claimed. Child j starts at the j-th of M
+equal positions in the slice and walks forward, so each begins on cases of one or two ops (the
+kernels it compiles) and a child whose part was cheap goes on to take the untouched cases of the
+next: cases cost from milliseconds to a minute (a new kernel compile), and fixed blocks left most
+children idle while two judged the slow ops.
 """
 from __future__ import annotations
 
@@ -58,8 +65,15 @@ def _evaluator(cfg: RunConfig, threads: int):
 
 
 def prepare_out(plan: Plan, out: Path, resume: bool) -> None:
-    """Write the plan to OUT (a resume needs the same plan there)."""
+    """Write the plan to OUT (a resume needs the same plan there). A fresh run first clears what an
+    earlier run's --jobs children left in OUT (shards/, claims/), which would otherwise be read as
+    this run's verdicts."""
+    import shutil
+
     path = out / PLAN_NAME
+    if not resume:
+        for leftover in ("shards", "claims"):
+            shutil.rmtree(out / leftover, ignore_errors=True)
     if resume and path.exists():
         try:
             old = load(path)
@@ -71,10 +85,22 @@ def prepare_out(plan: Plan, out: Path, resume: bool) -> None:
     plan.write(out)
 
 
+def _claimed(entries: list[PlannedCase], claims: Path):
+    """The entries this process claims, in order: a case is ours when we create claims/<index> first."""
+    for pc in entries:
+        try:
+            os.close(os.open(claims / str(pc.index), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        yield pc
+
+
 def run_slice(plan: Plan, cfg: RunConfig, out: Path, shard: tuple[int, int] = (0, 1), resume: bool = False,
-              console=None) -> Judged:
+              console=None, claims: tuple[Path, int, int] | None = None) -> Judged:
     """Judge shard I of N of the plan into OUT/run.jsonl (on --resume only the cases the log lacks).
-    Returns every verdict the log holds for the plan, earlier ones included."""
+    With claims (DIR, j, M): the slice from its j-th of M positions on, wrapping round, each case
+    judged only where this process claims it in DIR. Returns every verdict the log holds for the
+    plan, earlier ones included."""
     prepare_out(plan, out, resume)
     try:
         before = runlog.read(out / runlog.LOG_NAME) if resume and (out / runlog.LOG_NAME).exists() else None
@@ -85,6 +111,12 @@ def run_slice(plan: Plan, cfg: RunConfig, out: Path, shard: tuple[int, int] = (0
                            f"not {plan.id}")
     done = set(before.verdicts) if before else set()
     todo = [pc for pc in plan.slice(*shard) if pc.index not in done]
+    entries = todo
+    if claims is not None:
+        cdir, j, m = claims
+        start = j * len(todo) // m
+        todo = todo[start:] + todo[:start]
+        entries = _claimed(todo, cdir)
     log = runlog.RunLog(out, resume=resume)
     log.start(plan.id, shard, {"isolated": cfg.isolate, "case_timeout": cfg.case_timeout})
     ops = {o: get_op(o) for o in {pc.op for pc in todo}}
@@ -95,20 +127,32 @@ def run_slice(plan: Plan, cfg: RunConfig, out: Path, shard: tuple[int, int] = (0
     progress = _PairProgress(console, todo)
     evaluator = _evaluator(cfg, plan.options.get("threads", 0))
     try:
-        judge_cases(todo, ops, cfg.device, evaluator, lambda pc, v: (log.case(pc.index, v), progress.step(pc, v)),
+        judge_cases(entries, ops, cfg.device, evaluator, lambda pc, v: (log.case(pc.index, v), progress.step(pc, v)),
                     lambda pc, v: log.shrunk(pc.index, v), cfg.profile)
     finally:
         evaluator.close()
         progress.close()
         log.close()
-    return judged_in([out])
+    return judged_in([out], plan.id)
 
 
-def judged_in(dirs: list[Path]) -> Judged:
-    """Every case verdict in these output directories' logs, by plan index."""
+def logs_in(d: Path) -> list[Path]:
+    """The run logs of an output directory: its own, and its `--jobs` children's (d/shards/*)."""
+    d = Path(d)
+    own = [d / runlog.LOG_NAME] if (d / runlog.LOG_NAME).is_file() else []
+    kids = sorted(d.glob(f"shards/*/{runlog.LOG_NAME}"), key=lambda p: (len(p.parent.name), p.parent.name))
+    return own + kids
+
+
+def judged_in(dirs: list[Path], plan_id: str | None = None) -> Judged:
+    """Every case verdict in these output directories' logs (their --jobs children's included), by
+    plan index; with plan_id, a log that holds another plan's verdicts is a ValueError naming it."""
     judged = Judged()
-    for d in dirs:
-        contents = runlog.read(Path(d) / runlog.LOG_NAME)
+    for log in (p for d in dirs for p in logs_in(d)):
+        contents = runlog.read(log)
+        if plan_id is not None and contents.plans - {plan_id}:
+            raise ValueError(f"{log} holds verdicts of plan {', '.join(sorted(map(str, contents.plans - {plan_id})))}, "
+                             f"not {plan_id}")
         for i, v in contents.verdicts.items():
             judged.verdicts.setdefault(i, v)
         for i, v in contents.shrunk.items():
@@ -135,33 +179,49 @@ def child_env(gpu: str | None) -> dict[str, str]:
     return env
 
 
-def run_jobs(plan: Plan, cfg: RunConfig, out: Path, jobs: int, resume: bool = False) -> tuple[Judged, list[str]]:
-    """`run --jobs N`: the plan's N slices judged at once by N child processes (OUT/shards/I, each a
-    `--shard I/N` run of the same plan file), spread over the visible GPUs; returns their verdicts
-    merged, and a line per child that did not finish cleanly."""
+def run_jobs(plan: Plan, cfg: RunConfig, out: Path, jobs: int, resume: bool = False,
+             shard: tuple[int, int] = (0, 1)) -> tuple[Judged, list[str]]:
+    """`run [--shard I/N] --jobs M`: the slice judged at once by M child processes (OUT/shards/j), which
+    share it through claims in OUT/claims, spread over the visible GPUs; returns their verdicts
+    merged, and a line per child that did not finish cleanly. On --resume every case a child's log
+    already holds is claimed before any child starts."""
+    import shutil
+
     prepare_out(plan, out, resume)
     gpus = visible_gpus(cfg.device)
+    claims = out / "claims"
+    shutil.rmtree(claims, ignore_errors=True)
+    claims.mkdir(parents=True)
+    if resume:
+        try:
+            before = judged_in([out], plan.id)
+        except ValueError as e:
+            raise PlanMismatch(str(e)) from None
+        for i in before.verdicts:
+            (claims / str(i)).touch()
     procs = []
-    for i in range(jobs):
-        d = out / "shards" / str(i)
+    for j in range(jobs):
+        d = out / "shards" / str(j)
         d.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "verify.run.execute", str(out / PLAN_NAME), f"{i}/{jobs}", str(d),
+        argv = [sys.executable, "-m", "verify.run.execute", str(out / PLAN_NAME), f"{shard[0]}/{shard[1]}", str(d),
+                "--claims", str(claims), "--start", f"{j}/{jobs}",
                 "--case-timeout", str(cfg.case_timeout)] + ([] if cfg.isolate else ["--no-isolate"]) \
             + (["--resume"] if resume else [])
         console = open(d / "console.log", "w")
-        procs.append((i, d, subprocess.Popen(argv, env=child_env(gpus[i % len(gpus)] if gpus else None),
+        procs.append((j, d, subprocess.Popen(argv, env=child_env(gpus[j % len(gpus)] if gpus else None),
                                              stdout=console, stderr=subprocess.STDOUT), console))
     problems = []
-    for i, d, proc, console in procs:
+    for j, d, proc, console in procs:
         rc = proc.wait()
         console.close()
         if rc not in (0, 1):
-            problems.append(f"shard {i}/{jobs} exited with status {rc}; its log: {d / 'console.log'}")
-    return judged_in([d for _, d, _, _ in procs]), problems
+            problems.append(f"job {j} of {jobs} exited with status {rc}; its log: {d / 'console.log'}")
+    return judged_in([out], plan.id), problems
 
 
 def main(argv: list[str] | None = None) -> int:
-    """A `--jobs` child: python -m verify.run.execute PLAN I/N OUT [--case-timeout S] [--no-isolate] [--resume]."""
+    """A `--jobs` child: python -m verify.run.execute PLAN I/N OUT [--claims DIR --start J/M]
+    [--case-timeout S] [--no-isolate] [--resume]."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m verify.run.execute")
@@ -171,13 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--case-timeout", type=float, default=120.0)
     p.add_argument("--no-isolate", action="store_true")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--claims")
+    p.add_argument("--start", default="0/1")
     a = p.parse_args(argv)
     plan = load(Path(a.plan))
     i, n = (int(x) for x in a.shard.split("/"))
+    j, m = (int(x) for x in a.start.split("/"))
     cfg = config_of(plan, isolate=not a.no_isolate, case_timeout=a.case_timeout)
-    judged = run_slice(plan, cfg, Path(a.out), (i, n), a.resume)
-    mine = [judged.verdicts.get(pc.index) for pc in plan.slice(i, n)]
-    return 1 if any(v is not None and v.status in (FAIL, XPASS) for v in mine) else 0
+    claims = (Path(a.claims), j, m) if a.claims else None
+    judged = run_slice(plan, cfg, Path(a.out), (i, n), a.resume, claims=claims)
+    return 1 if any(v.status in (FAIL, XPASS) for v in judged.verdicts.values()) else 0
 
 
 def config_of(plan: Plan, isolate: bool = True, case_timeout: float = 120.0) -> RunConfig:
