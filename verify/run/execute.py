@@ -3,11 +3,12 @@
 child where several are visible). Every verdict is in a run.jsonl as soon as it is judged.
 
 `--jobs` children share the slice through claims: before judging a case a child creates
-OUT/claims/<index> exclusively and skips a case another child claimed. Child j starts at the j-th of M
-equal positions in the slice and walks forward, so each begins on cases of one or two ops (the
-kernels it compiles) and a child whose part was cheap goes on to take the untouched cases of the
-next: cases cost from milliseconds to a minute (a new kernel compile), and fixed blocks left most
-children idle while two judged the slow ops.
+OUT/claims/<index> exclusively, and judges only the cases it claimed. Child j starts at the j-th of M
+equal positions in the slice and walks forward while the cases are unclaimed, so each begins on the
+cases of one or two ops (the kernels it compiles); when it runs into claimed cases it jumps to the
+middle of the longest unclaimed run, which halves the work left to the child on that run. Cases cost
+from milliseconds to a minute (a new kernel compile): fixed blocks left most children idle while
+the few holding the slow ops worked on.
 """
 from __future__ import annotations
 
@@ -85,21 +86,52 @@ def prepare_out(plan: Plan, out: Path, resume: bool) -> None:
     plan.write(out)
 
 
-def _claimed(entries: list[PlannedCase], claims: Path):
-    """The entries this process claims, in order: a case is ours when we create claims/<index> first."""
-    for pc in entries:
-        try:
-            os.close(os.open(claims / str(pc.index), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            continue
-        yield pc
+def _claim(claims: Path, index: int) -> bool:
+    """True when this process creates claims/<index> first: the case is ours to judge."""
+    try:
+        os.close(os.open(claims / str(index), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def _largest_gap(todo: list[PlannedCase], claims: Path) -> tuple[int, int] | None:
+    """[a, b): the longest run of unclaimed cases in todo, None when every case is claimed."""
+    taken = {int(n) for n in os.listdir(claims) if n.isdigit()}
+    best, a = None, None
+    for k, pc in enumerate(todo + [None]):
+        free = pc is not None and pc.index not in taken
+        if free and a is None:
+            a = k
+        elif not free and a is not None:
+            if best is None or k - a > best[1] - best[0]:
+                best = (a, k)
+            a = None
+    return best
+
+
+def _claimed(todo: list[PlannedCase], claims: Path, start: int):
+    """The cases of todo this process judges: from `start` forward while they are unclaimed; then,
+    again and again, from the middle of the longest run nobody has claimed (the process working that
+    run from its front keeps the first half), until every case is claimed."""
+    pos = start
+    while True:
+        while pos < len(todo) and _claim(claims, todo[pos].index):
+            yield todo[pos]
+            pos += 1
+        gap = _largest_gap(todo, claims)
+        if gap is None:
+            return
+        a, b = gap
+        pos = a if a == 0 else a + (b - a) // 2      # a > 0: the case before a is claimed, its claimer works on into a
 
 
 def run_slice(plan: Plan, cfg: RunConfig, out: Path, shard: tuple[int, int] = (0, 1), resume: bool = False,
               console=None, claims: tuple[Path, int, int] | None = None) -> Judged:
     """Judge shard I of N of the plan into OUT/run.jsonl (on --resume only the cases the log lacks).
-    With claims (DIR, j, M): the slice from its j-th of M positions on, wrapping round, each case
-    judged only where this process claims it in DIR. Returns every verdict the log holds for the
+    With claims (DIR, j, M): the slice from its j-th of M positions on, then the middle of whatever
+    run of it nobody has claimed yet (_claimed), each case judged only where this process claims it
+    in DIR. Returns every verdict the log holds for the
     plan, earlier ones included."""
     prepare_out(plan, out, resume)
     try:
@@ -114,9 +146,7 @@ def run_slice(plan: Plan, cfg: RunConfig, out: Path, shard: tuple[int, int] = (0
     entries = todo
     if claims is not None:
         cdir, j, m = claims
-        start = j * len(todo) // m
-        todo = todo[start:] + todo[:start]
-        entries = _claimed(todo, cdir)
+        entries = _claimed(todo, cdir, j * len(todo) // m)
     log = runlog.RunLog(out, resume=resume)
     log.start(plan.id, shard, {"isolated": cfg.isolate, "case_timeout": cfg.case_timeout})
     ops = {o: get_op(o) for o in {pc.op for pc in todo}}
