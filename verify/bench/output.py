@@ -147,7 +147,8 @@ def markdown(rec: dict) -> str:
     entry, each candidate's floor ratio, speedups and verdict), the misses, what was not timed, the
     scores."""
     env = rec.get("environment", {})
-    lines = [f"Measured {rec.get('created', '?')} on {env.get('gpu') or env.get('device', '?')} "
+    lines = [f"## Speed: verify-kernels bench ({(rec.get('created') or '?')[:10]})", "",
+             f"Measured {rec.get('created', '?')} on {env.get('gpu') or env.get('device', '?')} "
              f"(driver {env.get('driver') or '-'}, CUDA {env.get('cuda') or '-'}, torch {env.get('torch', '-')}, "
              f"CuTe DSL {env.get('cutlass_dsl') or '-'}, triton {env.get('triton') or '-'}, "
              f"fla-core {env.get('fla_core') or 'not installed'}); commit `{(env.get('git_commit') or '-')[:12]}`"

@@ -234,7 +234,10 @@ def bench_all(plan: Plan, clock, on_row: Callable[[dict, dict], None], profile: 
             row["seconds"] = round(time.monotonic() - t0, 2)
             rows.append(row)
             on_row(row, state())
-            _free(plan.device)
+            try:
+                _free(plan.device)
+            except Exception as e:  # noqa: BLE001  (a sticky device error: every later shape would fail alike)
+                raise Interrupted(f"device error after {op.name} {shape.label}: {type(e).__name__}: {e}"[:300]) from None
             if on_round is not None and id(shape) in round_end:
                 on_round(state())
     except (Interrupted, KeyboardInterrupt) as e:
