@@ -195,6 +195,17 @@ def test_a_smaller_batch_has_the_builders_shapes(name):
     assert taken.params == small.params
 
 
+def test_input_cache_gives_the_shard_of_the_batch_as_built_directly():
+    op = get_op("kda_decode")
+    cache = shapes.InputCache()
+    for b in (4, 2):
+        shape = shapes.Shape("kda_decode", 8, b)
+        got = cache.inputs(op, shape, 4)
+        want = shapes.take_batch(op, shapes.rank_inputs(op, op.make_inputs(shapes.case_for(op, shape, 4)), 8), b)
+        assert got.params == want.params and got.tensors.keys() == want.tensors.keys()
+        assert all(torch.equal(got.tensors[k], want.tensors[k]) for k in want.tensors)
+
+
 def test_shapes_for_follows_the_op_declarations():
     gemm, deq, kda = get_op("skinny_gemm"), get_op("mxfp4_dequant"), get_op("kda_decode")
     s, notes = shapes.shapes_for(gemm, [1, 8, 3], [1, 64])
