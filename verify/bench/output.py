@@ -132,8 +132,9 @@ def print_report(console, rec: dict, out_path) -> None:
         console.print(f"not run {x['op']} / {x['candidate']}: {x['reason']}")
     for reason, shapes in not_reached_by_reason(rec).items():
         console.print(f"[yellow]not timed, {reason}: {len(shapes)} shapes: {'; '.join(shapes)}[/]")
-    for line in rec.get("notes", {}).get("run", []):
-        console.print(f"[yellow]{line}[/]")
+    for op, lines in rec.get("notes", {}).items():
+        for line in lines:
+            console.print(f"[yellow]{line}[/]" if op == "run" else f"note {op}: {line}")
     for c, s in rec["scores"].items():
         eager = ", ".join(f">= {p}x {'-' if v is None else f'{v:.0%}'}" for p, v in s["vs_eager"].items())
         peer = ", ".join(f">= {p}x {'-' if v is None else f'{v:.0%}'}" for p, v in s["vs_best_peer"].items())
@@ -190,6 +191,10 @@ def markdown(rec: dict) -> str:
             for (op, name, err), where in errors.items()] + [""]
     for reason, shapes in not_reached_by_reason(rec).items():
         lines += [f"Shapes not timed, {reason} ({len(shapes)}): " + "; ".join(shapes), ""]
+    notes = [f"- {op}: {line}" if op != "run" else f"- {line}"
+             for op, ls in rec.get("notes", {}).items() for line in ls]
+    if notes:
+        lines += ["Notes:", ""] + notes + [""]
     for x in rec.get("refused", []):
         lines += [f"Refused {x['op']} / {x['candidate']}: {x['state']}: {x['reason']}", ""]
     for c, s in rec.get("scores", {}).items():
