@@ -115,8 +115,8 @@ def cmd_bench(args) -> int:
 def _bench(args, ops, labels, tps, batches, certs, out, argv, device: str = "cuda", clock=None) -> int:
     """The run itself; device and clock are parameters for a CPU dry run of the plumbing (tests).
 
-    Nothing timed is lost to a cut: bench.json is rewritten after every row with the shapes not yet
-    timed listed as pending; bench.txt (the terminal report) and bench.md (its tables for results/)
+    Nothing timed is lost to a cut: bench.json and bench.md (its tables for results/) are rewritten
+    after every row with the shapes not yet timed listed as pending; bench.txt (the terminal report)
     every few rows and after every round; SIGTERM (what `timeout` sends) stops the run between two
     steps and writes them and bench.html with the rest listed."""
     import json
@@ -224,8 +224,9 @@ def signal_name(signum: int) -> str:
 
 
 class _Saver:
-    """Writes the record so far: bench.json every time; bench.txt (the terminal report, a second to
-    render at a full grid) and bench.md at most every TEXT_EVERY_S and when asked (after each round);
+    """Writes the record so far: bench.json and bench.md (its tables) every time; bench.txt (the
+    terminal report, a second to render at a full grid) at most every TEXT_EVERY_S and when asked
+    (after each round);
     bench.html when asked (at the end: its plots take seconds; `html.page(output.load(bench.json))`
     draws it from a record cut by SIGKILL)."""
 
@@ -246,11 +247,11 @@ class _Saver:
         scores = score.summary(state["rows"], self.labels, self.gate.certified_ops())
         rec = output.record(self.env, self.argv, self.options, self.gate, state, scores)
         path = output.write(rec, self.out)
+        _atomic_write(self.out / "bench.md", output.markdown(rec))
         if text or html or self.text_at is None or time.monotonic() - self.text_at >= self.TEXT_EVERY_S:
             text = Console(record=True, width=250, file=_Null(), color_system=None)
             output.print_report(text, rec, path)
             _atomic_write(self.out / "bench.txt", text.export_text())
-            _atomic_write(self.out / "bench.md", output.markdown(rec))
             self.text_at = time.monotonic()
         if html:
             try:
