@@ -370,6 +370,23 @@ def test_bench_all_runs_rounds_and_writes_the_rest_as_pending_after_every_row(mo
     assert [(r["op"], r["batch"]) for r in res["rows"]] == sorted(ROUNDS, key=lambda x: (x[0] != "router_topk", x[1]))
 
 
+def test_an_entry_failing_the_same_way_twice_is_not_tried_again(monkeypatch):
+    calls = {"n": 0}
+
+    def entries(op, allowed_fns, device="cuda"):
+        def broken(s):
+            calls["n"] += 1
+            raise RuntimeError("inductor: the compile failed")
+        return {"compiled": broken, "fused": lambda s: (lambda: None)}, {}, {}
+    plan, seen = _dry_plan(monkeypatch, ops=("router_topk",), batches=(1, 2, 4, 8))
+    monkeypatch.setattr(run, "entries_for", entries)
+    res = run.bench_all(plan, CountingClock(), lambda row, st: None, timing_kw=FAST)
+    errs = [r["errors"]["compiled"] for r in sorted(res["rows"], key=lambda r: seen.index(("router_topk", r["batch"])))]
+    assert calls["n"] == run.GIVE_UP_AFTER and errs[:2] == ["RuntimeError: inductor: the compile failed"] * 2
+    assert all(e.startswith("not tried: the same error at the 2 shapes before: RuntimeError") for e in errs[2:])
+    assert all("fused" in r["timings"] for r in res["rows"])
+
+
 def test_rounds_put_one_batch_of_every_op_in_each():
     gemm, deq = get_op("skinny_gemm"), get_op("mxfp4_dequant")
     per_op = [(gemm, shapes.shapes_for(gemm, [1, 8], [1, 64])[0]), (deq, shapes.shapes_for(deq, [1, 8], [1, 64])[0])]

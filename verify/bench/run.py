@@ -92,10 +92,35 @@ def _device_sets(inputs, n: int, device: str) -> list:
                       for _ in range(n - 1)]
 
 
+GIVE_UP_AFTER = 2       # an entry that failed with the same error at this many shapes in a row is not tried again
+
+
+def _given_up(failures: dict, name: str) -> str | None:
+    f = failures.get(name)
+    if f is None or f[1] < GIVE_UP_AFTER:
+        return None
+    return f"not tried: the same error at the {f[1]} shapes before: {f[0]}"[:300]
+
+
+def _note_failure(failures: dict, name: str, err: str | None) -> None:
+    """Count consecutive identical errors per entry (a success or another error restarts the count)."""
+    if err is None:
+        failures.pop(name, None)
+        return
+    prev = failures.get(name)
+    failures[name] = [err, prev[1] + 1 if prev and prev[0] == err else 1]
+
+
 def bench_shape(op, shape, inputs, makers: dict, errors: dict, candidates: list[str], clock, device: str,
-                profile: Callable | None = None, timing_kw: dict | None = None, checks: dict | None = None) -> dict:
+                profile: Callable | None = None, timing_kw: dict | None = None, checks: dict | None = None,
+                failures: dict | None = None) -> dict:
     """One row: every entry timed over the same rotated sets, the floor, and each candidate judged;
-    each whole-op peer in `checks` (name -> prepare) first run against the reference once."""
+    each whole-op peer in `checks` (name -> prepare) first run against the reference once.
+
+    failures (kept by the caller across one op's shapes): an entry that failed with the same error at
+    GIVE_UP_AFTER shapes in a row is not tried again (a compile that fails would cost its compile
+    time at every shape); its row says so."""
+    failures = {} if failures is None else failures
     nbytes = floor.declared_bytes(op, inputs)
     n_sets = timing.sets_needed(max(floor.input_bytes(inputs.tensors), nbytes or 0))
     row = {"op": op.name, "shape": shape.label, **shape.to_dict(), "bytes": nbytes, "sets": n_sets,
@@ -106,19 +131,29 @@ def bench_shape(op, shape, inputs, makers: dict, errors: dict, candidates: list[
 
         row["peer_checks"] = {}
         for name, prepare in checks.items():
+            if _given_up(failures, name):
+                row["peer_checks"][name] = "not checked: the peer is not tried (see its error)"
+                continue
             try:
                 row["peer_checks"][name] = peer_check.check(op, sets[0], reference_fn(op), prepare)
             except Exception as e:  # noqa: BLE001
                 row["peer_checks"][name] = f"not checked: {type(e).__name__}: {e}"[:300]
     try:
         for name, make in makers.items():
+            skip = _given_up(failures, name)
+            if skip:
+                row["errors"][name] = skip
+                continue
+            err = None
             try:
                 launches = [make(s) for s in sets]
                 row["timings"][name] = timing.time_launches(launches, clock, **(timing_kw or {})).to_dict()
                 if profile is not None:
                     profile(op.name, shape.label, name, launches)
             except Exception as e:  # noqa: BLE001  (one entry's failure is its row's error)
-                row["errors"][name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                row["errors"][name] = err
+            _note_failure(failures, name, err)
         if nbytes:
             try:
                 row["timings"][FLOOR] = timing.time_launches(floor.floor_launches(nbytes, n_sets, device), clock,
@@ -220,11 +255,11 @@ def bench_all(plan: Plan, clock, on_row: Callable[[dict, dict], None], profile: 
             cands = plan.candidates.get(op.name, [])
             try:
                 if op.name not in entries:
-                    entries[op.name] = entries_for(op, plan.allowed[op.name], plan.device)
-                makers, errors, checks = entries[op.name]
+                    entries[op.name] = (*entries_for(op, plan.allowed[op.name], plan.device), {})
+                makers, errors, checks, failures = entries[op.name]
                 inputs = cache.inputs(op, shape, largest[op.name])
                 row = bench_shape(op, shape, inputs, makers, errors, cands, clock, plan.device, profile,
-                                  timing_kw, checks)
+                                  timing_kw, checks, failures)
             except Exception as e:  # noqa: BLE001  (inputs or a split that cannot be built: the row says so)
                 row = untimed_row(op, shape, cands, "")
                 row["errors"] = {"inputs": f"{type(e).__name__}: {e}"[:300]}
