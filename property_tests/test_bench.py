@@ -399,8 +399,10 @@ def test_bench_all_time_budget_lists_every_shape_it_did_not_start(monkeypatch):
     plan, seen = _dry_plan(monkeypatch, budget=1e-9)
     res = run.bench_all(plan, CountingClock(), lambda row, st: None)
     assert seen == [] and res["rows"] == []
-    assert [(d["op"], d["batch"], d["reason"]) for d in res["not_reached"]] == [(op, b, "time budget") for op, b in ROUNDS]
-    assert res["notes"]["run"][0].startswith("time budget of 1e-09 s reached") and "6 shapes not started" in res["notes"]["run"][0]
+    assert [(d["op"], d["batch"], d["reason"]) for d in res["not_reached"]] == [
+        (op, b, "time budget") for op, b in ROUNDS]
+    note = res["notes"]["run"][0]
+    assert note.startswith("time budget of 1e-09 s reached") and "6 shapes not started" in note
 
 
 def test_bench_all_interrupted_keeps_the_rows_and_lists_the_rest(monkeypatch):

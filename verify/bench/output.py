@@ -166,7 +166,8 @@ def markdown(rec: dict) -> str:
             head += [f"{c} / floor", f"{c} x eager/compiled/peer", f"{c} rule"]
         lines += [f"### {op}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in rows:
-            cells = [r["shape"], "-" if not r.get("bytes") else f"{r['bytes'] / 1e6:.3g}", _us(r["timings"].get("floor"))]
+            cells = [r["shape"], "-" if not r.get("bytes") else f"{r['bytes'] / 1e6:.3g}",
+                     _us(r["timings"].get("floor"))]
             cells += [_us(r["timings"].get(n)) for n in names]
             for c in cands:
                 j = r["judged"].get(c)

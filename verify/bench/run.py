@@ -272,7 +272,8 @@ def bench_all(plan: Plan, clock, on_row: Callable[[dict, dict], None], profile: 
             try:
                 _free(plan.device)
             except Exception as e:  # noqa: BLE001  (a sticky device error: every later shape would fail alike)
-                raise Interrupted(f"device error after {op.name} {shape.label}: {type(e).__name__}: {e}"[:300]) from None
+                why = f"device error after {op.name} {shape.label}: {type(e).__name__}: {e}"
+                raise Interrupted(why[:300]) from None
             if on_round is not None and id(shape) in round_end:
                 on_round(state())
     except (Interrupted, KeyboardInterrupt) as e:
