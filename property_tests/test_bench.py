@@ -85,6 +85,24 @@ def test_time_launches_median_and_spread_from_noisy_samples():
     assert st.method == "stream"
 
 
+def test_plan_samples_deals_the_replays_by_the_graphs_length():
+    assert timing.plan_samples(0.04) == (timing.SAMPLES, timing.REPLAYS)     # short: the full count
+    assert timing.plan_samples(1.0, measure_ms=60) == (25, 2)                # 60 replays of 1 ms
+    assert timing.plan_samples(10.0, measure_ms=60) == (timing.MIN_SAMPLES, 1)   # long: the minimum
+    assert timing.plan_samples(0.0) == (timing.SAMPLES, timing.REPLAYS)
+
+
+def test_time_launches_without_counts_times_a_probe_and_deals_the_rest():
+    clock = FakeClock()
+    calls = [lambda: 2.0]                              # 2 ms a call: a long eager graph
+    st = timing.time_launches(calls, clock, min_calls=5, measure_ms=60)
+    assert (st.samples, st.replays, st.calls) == (timing.MIN_SAMPLES, 1, 5)   # 10 ms replays: 10 of 1
+    assert st.median_us == pytest.approx(2000.0)
+    assert clock.now == pytest.approx(10.0 * (1 + 1 + timing.MIN_SAMPLES))   # warm, probe, samples
+    short = timing.time_launches([lambda: 0.001], FakeClock(), min_calls=20, measure_ms=60)
+    assert (short.samples, short.replays) == (timing.SAMPLES, timing.REPLAYS)
+
+
 # ------------------------------------------------------------------------------------ byte counts
 def _returned(result) -> list[torch.Tensor]:
     if result is None:
@@ -175,6 +193,17 @@ def test_a_smaller_batch_has_the_builders_shapes(name):
     assert {k: (v.shape, v.dtype) for k, v in taken.tensors.items()} == \
            {k: (v.shape, v.dtype) for k, v in small.tensors.items()}
     assert taken.params == small.params
+
+
+def test_input_cache_gives_the_shard_of_the_batch_as_built_directly():
+    op = get_op("kda_decode")
+    cache = shapes.InputCache()
+    for b in (4, 2):
+        shape = shapes.Shape("kda_decode", 8, b)
+        got = cache.inputs(op, shape, 4)
+        want = shapes.take_batch(op, shapes.rank_inputs(op, op.make_inputs(shapes.case_for(op, shape, 4)), 8), b)
+        assert got.params == want.params and got.tensors.keys() == want.tensors.keys()
+        assert all(torch.equal(got.tensors[k], want.tensors[k]) for k in want.tensors)
 
 
 def test_shapes_for_follows_the_op_declarations():
@@ -280,6 +309,179 @@ def test_bench_shape_times_every_entry_and_reports_a_failing_one():
     assert row["bytes"] == op.moved_bytes(inputs) and row["sets"] >= 1
     j = row["judged"]["fused"]
     assert "compiled" in j["unjudged"] and set(j["speedup"]) == {"eager", "peer:torch_linear"}
+
+
+# ------------------------------------------------------------------------------------ a whole run, cut or not
+class CountingClock:
+    """Captures the calls; a replay runs them and counts 1 us per call: numbers that say the plumbing ran."""
+
+    def capture(self, calls):
+        calls = list(calls)
+
+        def replay():
+            for c in calls:
+                c()
+            return len(calls)
+        return replay, "graph"
+
+    def elapsed_ms(self, replay, n):
+        return sum(replay() for _ in range(n)) * 1e-3
+
+
+def _dry_plan(monkeypatch, ops=("router_topk", "mla_cache_write"), budget=None, allowed=None, on_shape=None,
+              batches=(1, 2, 4)):
+    """A plan over real ops at T = 1 on the CPU, every entry a no-op launch (no reference runs, nothing
+    compiles); on_shape(shape) is called as each shape starts; `seen` lists (op, B) in run order."""
+    seen = []
+
+    def entries(op, allowed_fns, device="cuda"):
+        return {"eager": lambda s: (lambda: None), "fused": lambda s: (lambda: None)}, {}, {}
+    monkeypatch.setattr(run, "entries_for", entries)
+    real = run.bench_shape
+
+    def bench_shape(op, shape, *a, **k):
+        seen.append((op.name, shape.batch))
+        if on_shape is not None:
+            on_shape(shape)
+        return real(op, shape, *a, **k)
+    monkeypatch.setattr(run, "bench_shape", bench_shape)
+    plan = run.Plan(ops=[get_op(n) for n in ops], candidates={n: ["fused"] for n in ops},
+                    allowed=allowed if allowed is not None else {n: {"fused": None} for n in ops},
+                    tps=[1], batches=list(batches), device="cpu", budget_s=budget)
+    return plan, seen
+
+
+ROUNDS = [("router_topk", 1), ("mla_cache_write", 1), ("router_topk", 4), ("mla_cache_write", 4),
+          ("router_topk", 2), ("mla_cache_write", 2)]          # B in coverage order 1, 4, 2; every op each round
+FAST = {"min_calls": 2, "samples": 2, "replays": 1}
+
+
+def test_bench_all_runs_rounds_and_writes_the_rest_as_pending_after_every_row(monkeypatch):
+    plan, seen = _dry_plan(monkeypatch)
+    states, ends = [], []
+    res = run.bench_all(plan, CountingClock(), lambda row, st: states.append(json.loads(json.dumps(st))),
+                        timing_kw=FAST, on_round=lambda st: ends.append(len(st["rows"])))
+    assert seen == ROUNDS and res["not_reached"] == [] and ends == [2, 4, 6]
+    assert [len(s["rows"]) for s in states] == [1, 2, 3, 4, 5, 6]
+    assert [len(s["not_reached"]) for s in states] == [5, 4, 3, 2, 1, 0]
+    assert [(d["op"], d["batch"], d["reason"]) for d in states[0]["not_reached"]] == [
+        (op, b, "pending") for op, b in ROUNDS[1:]]
+    assert all(r["timings"]["fused"]["median_us"] > 0 and "floor" in r["timings"] for r in res["rows"])
+    assert [(r["op"], r["batch"]) for r in res["rows"]] == sorted(ROUNDS, key=lambda x: (x[0] != "router_topk", x[1]))
+
+
+def test_an_entry_failing_the_same_way_twice_is_not_tried_again(monkeypatch):
+    calls = {"n": 0}
+
+    def entries(op, allowed_fns, device="cuda"):
+        def broken(s):
+            calls["n"] += 1
+            raise RuntimeError("inductor: the compile failed")
+        return {"compiled": broken, "fused": lambda s: (lambda: None)}, {}, {}
+    plan, seen = _dry_plan(monkeypatch, ops=("router_topk",), batches=(1, 2, 4, 8))
+    monkeypatch.setattr(run, "entries_for", entries)
+    res = run.bench_all(plan, CountingClock(), lambda row, st: None, timing_kw=FAST)
+    errs = [r["errors"]["compiled"] for r in sorted(res["rows"], key=lambda r: seen.index(("router_topk", r["batch"])))]
+    assert calls["n"] == run.GIVE_UP_AFTER and errs[:2] == ["RuntimeError: inductor: the compile failed"] * 2
+    assert all(e.startswith("not tried: the same error at the 2 shapes before: RuntimeError") for e in errs[2:])
+    assert all("fused" in r["timings"] for r in res["rows"])
+
+
+def test_rounds_put_one_batch_of_every_op_in_each():
+    gemm, deq = get_op("skinny_gemm"), get_op("mxfp4_dequant")
+    per_op = [(gemm, shapes.shapes_for(gemm, [1, 8], [1, 64])[0]), (deq, shapes.shapes_for(deq, [1, 8], [1, 64])[0])]
+    r = run.rounds(per_op)
+    assert [[(op.name, s.batch) for op, s in rd] for rd in r] == [
+        [("skinny_gemm", 1)] * 8 + [("mxfp4_dequant", 7168)] * 2, [("skinny_gemm", 64)] * 8]
+
+
+def test_bench_all_time_budget_lists_every_shape_it_did_not_start(monkeypatch):
+    plan, seen = _dry_plan(monkeypatch, budget=1e-9)
+    res = run.bench_all(plan, CountingClock(), lambda row, st: None)
+    assert seen == [] and res["rows"] == []
+    assert [(d["op"], d["batch"], d["reason"]) for d in res["not_reached"]] == [
+        (op, b, "time budget") for op, b in ROUNDS]
+    note = res["notes"]["run"][0]
+    assert note.startswith("time budget of 1e-09 s reached") and "6 shapes not started" in note
+
+
+def test_bench_all_interrupted_keeps_the_rows_and_lists_the_rest(monkeypatch):
+    def stop_at_third(shape, n=[0]):
+        n[0] += 1
+        if n[0] == 3:
+            raise run.Interrupted("SIGTERM")
+    plan, seen = _dry_plan(monkeypatch, on_shape=stop_at_third)
+    res = run.bench_all(plan, CountingClock(), lambda row, st: None, timing_kw=FAST)
+    assert [(r["op"], r["batch"]) for r in res["rows"]] == ROUNDS[:2]
+    assert [(d["op"], d["batch"]) for d in res["not_reached"]] == ROUNDS[2:]
+    assert {d["reason"] for d in res["not_reached"]} == {"interrupted (Interrupted: SIGTERM)"}
+    assert "interrupted" in res["notes"]["run"][0]
+
+
+def test_an_op_with_nothing_certified_is_listed_untimed(monkeypatch):
+    plan, seen = _dry_plan(monkeypatch, allowed={"router_topk": {"fused": None}})
+    res = run.bench_all(plan, CountingClock(), lambda row, st: None, timing_kw=FAST)
+    untimed = [r for r in res["rows"] if r["op"] == "mla_cache_write"]
+    assert len(untimed) == 3 and all(r["timings"] == {} and "passing verdict" in r["errors"]["not timed"]
+                                     for r in untimed)
+    assert seen == [("router_topk", 1), ("router_topk", 4), ("router_topk", 2)]   # no baseline timed for nothing
+    s = score.summary(res["rows"], ["fused"], {"fused": {"router_topk"}})["fused"]
+    assert s["shapes"] == 6 and s["certified_and_timed"] == 3
+
+
+def _bench_args(**kw):
+    import argparse
+
+    return argparse.Namespace(**{"json": False, "time_budget": None, "profile_kernels": None, **kw})
+
+
+def _dry_gate(monkeypatch, ops):
+    from verify.bench import certified
+
+    gate = certified.Gate(allowed={o: {"fused": None} for o in ops}, applies={o: ["fused"] for o in ops},
+                          certificate="c.json")
+    monkeypatch.setattr(certified, "from_certificates", lambda *a, **k: gate)
+
+
+def test_bench_command_writes_json_table_and_html(monkeypatch, tmp_path):
+    from verify.bench import command
+
+    ops = ("router_topk", "mla_cache_write")
+    plan, seen = _dry_plan(monkeypatch, ops)
+    _dry_gate(monkeypatch, ops)
+    monkeypatch.setattr(timing, "plan_samples", lambda *a, **k: (2, 1))
+    rc = command._bench(_bench_args(), [get_op(o) for o in ops], ["fused"], [1], [1, 2, 4], ["c.json"], tmp_path,
+                        ["bench"], device="cpu", clock=CountingClock())
+    assert rc == 0 and seen == ROUNDS
+    rec = output.load(tmp_path / "bench.json")
+    assert len(rec["rows"]) == 6 and rec["not_reached"] == [] and rec["scores"]["fused"]["shapes"] == 6
+    assert "router_topk: us per call" in (tmp_path / "bench.txt").read_text()
+    md = (tmp_path / "bench.md").read_text()
+    assert "### router_topk" in md and "| T=1 B=2 |" in md and "Command: `verify-kernels bench`" in md
+    assert "data:image/png;base64," in (tmp_path / "bench.html").read_text()
+
+
+def test_bench_command_on_sigterm_writes_what_it_has_and_lists_the_rest(monkeypatch, tmp_path):
+    import signal
+
+    from verify.bench import command
+
+    ops = ("router_topk", "mla_cache_write")
+    plan, seen = _dry_plan(monkeypatch, ops, on_shape=lambda s: len(seen) == 3 and os.kill(os.getpid(), signal.SIGTERM))
+    _dry_gate(monkeypatch, ops)
+    monkeypatch.setattr(timing, "plan_samples", lambda *a, **k: (2, 1))
+    before = signal.getsignal(signal.SIGTERM)
+    rc = command._bench(_bench_args(), [get_op(o) for o in ops], ["fused"], [1], [1, 2, 4], ["c.json"], tmp_path,
+                        ["bench"], device="cpu", clock=CountingClock())
+    assert rc == 1 and signal.getsignal(signal.SIGTERM) == before
+    rec = output.load(tmp_path / "bench.json")
+    assert [(r["op"], r["batch"]) for r in rec["rows"]] == [("router_topk", 1), ("mla_cache_write", 1)]
+    assert [(d["op"], d["batch"], d["reason"]) for d in rec["not_reached"]] == [
+        (op, b, "interrupted (Interrupted: SIGTERM)") for op, b in ROUNDS[2:]]
+    text = (tmp_path / "bench.txt").read_text()
+    assert ("not timed, interrupted (Interrupted: SIGTERM): 4 shapes: router_topk T=1 B=4; mla_cache_write T=1 B=4; "
+            "router_topk T=1 B=2; mla_cache_write T=1 B=2") in text
+    assert "Not timed, interrupted" in (tmp_path / "bench.html").read_text()
 
 
 # ------------------------------------------------------------------------------------ peers on the CPU

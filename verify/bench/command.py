@@ -32,7 +32,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-kernels", default=None, choices=["ncu", "torch"],
                    help="also profile each timed entry once: Nsight Compute, or torch.profiler tables")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
-                   help="stop starting new shapes after S seconds, shared over the ops; the rest are listed")
+                   help="stop starting new shapes after S seconds (shapes run in rounds of one batch size of every "
+                        "op, so a cut keeps a spread of batches for each); the rest are listed")
 
 
 class UsageError(Exception):
@@ -112,12 +113,18 @@ def cmd_bench(args) -> int:
 
 
 def _bench(args, ops, labels, tps, batches, certs, out, argv, device: str = "cuda", clock=None) -> int:
-    """The run itself; device and clock are parameters for a CPU dry run of the plumbing (tests)."""
+    """The run itself; device and clock are parameters for a CPU dry run of the plumbing (tests).
+
+    Nothing timed is lost to a cut: bench.json and bench.md (its tables for results/) are rewritten
+    after every row with the shapes not yet timed listed as pending; bench.txt (the terminal report)
+    every few rows and after every round; SIGTERM (what `timeout` sends) stops the run between two
+    steps and writes them and bench.html with the rest listed."""
     import json
+    import signal
 
     from rich.console import Console
 
-    from verify.bench import certified, html, output, run, score
+    from verify.bench import certified, run
     from verify.bench import profile as prof
     from verify.bench.timing import GraphClock
     from verify.record.certificate import environment
@@ -125,40 +132,149 @@ def _bench(args, ops, labels, tps, batches, certs, out, argv, device: str = "cud
     console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 200)
     out.mkdir(parents=True, exist_ok=True)
     torch_settings()
+    previous = _on_sigterm(_interrupt)
     try:
-        gate = (certified.from_certificates(ops, labels, certs, device) if certs
-                else certified.by_quick_certification(ops, labels, device, out, log=console.print))
-    except ValueError as e:
-        console.print(f"verify-kernels bench: --certificate: {e}")
-        return EXIT_USAGE
-    for x in gate.refused:
-        console.print(f"[bold red]refused[/] {x['op']} / {x['candidate']}: {x['state']}: {x['reason']}")
-    plan = run.Plan(ops=[o for o in ops if o.name in gate.applies], candidates=gate.applies, allowed=gate.allowed,
-                    tps=tps, batches=batches, device=device, budget_s=args.time_budget)
-    hook = {"torch": prof.torch_profiler(out), "ncu": prof.nvtx_marker()}.get(args.profile_kernels)
-    options = {"ops": [o.name for o in plan.ops], "candidates": labels, "tp": tps, "batch": batches,
-               "certificate": certs or None, "profile_kernels": args.profile_kernels, "time_budget": args.time_budget}
-    env = environment(device)
-    partial = {"rows": [], "not_reached": [], "notes": {}}
+        try:
+            gate = (certified.from_certificates(ops, labels, certs, device) if certs
+                    else certified.by_quick_certification(ops, labels, device, out, log=console.print))
+        except ValueError as e:
+            console.print(f"verify-kernels bench: --certificate: {e}")
+            return EXIT_USAGE
+        except run.Interrupted as e:
+            console.print(f"verify-kernels bench: {e} before any shape was timed (while gating the candidates)")
+            return EXIT_FAIL
+        for x in gate.refused:
+            console.print(f"[bold red]refused[/] {x['op']} / {x['candidate']}: {x['state']}: {x['reason']}")
+        plan = run.Plan(ops=[o for o in ops if o.name in gate.applies], candidates=gate.applies,
+                        allowed=gate.allowed, tps=tps, batches=batches, device=device, budget_s=args.time_budget)
+        hook = {"torch": prof.torch_profiler(out), "ncu": prof.nvtx_marker()}.get(args.profile_kernels)
+        options = {"ops": [o.name for o in plan.ops], "candidates": labels, "tp": tps, "batch": batches,
+                   "certificate": certs or None, "profile_kernels": args.profile_kernels,
+                   "time_budget": args.time_budget}
+        saver = _Saver(out, environment(device) | bench_versions(), argv, options, gate, labels)
+        from verify.bench import shapes
 
-    def on_row(row: dict) -> None:             # the record so far, on disk after every row (a cut run keeps it)
-        partial["rows"].append(row)
-        console.print(f"{row['op']} {row['shape']}: " + ", ".join(
-            f"{k} {v['median_us']:.2f}" for k, v in row["timings"].items()) + f" ({row['seconds']} s)")
-        output.write(output.record(env, argv, options, gate, partial, {}), out)
+        planned = {o.name: len(shapes.shapes_for(o, tps, batches)[0]) for o in plan.ops}
+        console.print(f"bench: {sum(planned.values())} shapes (" + ", ".join(f"{k} {v}" for k, v in planned.items()) +
+                      ")" + (f", time budget {args.time_budget:g} s" if args.time_budget else ""))
 
-    result = run.bench_all(plan, clock or GraphClock(), on_row, hook)
-    scores = score.summary(result["rows"], labels, gate.certified_ops())
-    rec = output.record(env, argv, options, gate, result, scores)
-    path = output.write(rec, out)
-    (out / "bench.html").write_text(html.page(rec))
-    output.print_report(console, rec, path)
+        def on_row(row: dict, state: dict) -> None:
+            console.print(f"{row['op']} {row['shape']}: " + (", ".join(
+                f"{k} {v['median_us']:.2f}" for k, v in row["timings"].items()) or "not timed") +
+                f" ({row.get('seconds', 0)} s)")
+            saver.save(state)
+
+        try:
+            result = run.bench_all(plan, clock or GraphClock(), on_row, hook,
+                                   on_round=lambda st: saver.save(st, text=True))
+        finally:
+            _on_sigterm(signal.SIG_IGN)      # a second one would cut the writing short
+        rec = saver.save(result, html=True)
+    finally:
+        _on_sigterm(previous)
+    from verify.bench import output
+
+    output.print_report(console, rec, out / output.FILE)
     if args.json:
         print(json.dumps(rec, indent=1, default=str))
     failed = gate.refused or rec["not_reached"] or any(
         c in gate.allowed.get(r["op"], {}) and ("eager" if c == "reference" else c) not in r["timings"]
         for r in rec["rows"] for c in r["candidates"])
     return EXIT_FAIL if failed else EXIT_OK
+
+
+def bench_versions() -> dict:
+    """Versions of what the peers run on (None where not installed)."""
+    from importlib import metadata
+
+    out = {}
+    for key, dist in (("triton", "triton"), ("fla_core", "fla-core")):
+        try:
+            out[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[key] = None
+    return out
+
+
+def _on_sigterm(handler):
+    """Install a SIGTERM handler where Python allows one (the main thread); the previous handler."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, handler if handler is not None else signal.SIG_DFL)
+    return previous
+
+
+def _interrupt(signum, frame):
+    from verify.bench.run import Interrupted
+
+    raise Interrupted(signal_name(signum))
+
+
+def signal_name(signum: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class _Saver:
+    """Writes the record so far: bench.json and bench.md (its tables) every time; bench.txt (the
+    terminal report, a second to render at a full grid) at most every TEXT_EVERY_S and when asked
+    (after each round);
+    bench.html when asked (at the end: its plots take seconds; `html.page(output.load(bench.json))`
+    draws it from a record cut by SIGKILL)."""
+
+    TEXT_EVERY_S = 15.0
+
+    def __init__(self, out, env: dict, argv: list[str], options: dict, gate, labels: list[str]):
+        self.out, self.env, self.argv, self.options, self.gate, self.labels = out, env, argv, options, gate, labels
+        self.plots: dict = {}         # op -> its plot against its rows (html.plots draws only what changed)
+        self.text_at = None
+
+    def save(self, state: dict, text: bool = False, html: bool = False) -> dict:
+        import time
+
+        from rich.console import Console
+
+        from verify.bench import output, score
+
+        scores = score.summary(state["rows"], self.labels, self.gate.certified_ops())
+        rec = output.record(self.env, self.argv, self.options, self.gate, state, scores)
+        path = output.write(rec, self.out)
+        _atomic_write(self.out / "bench.md", output.markdown(rec))
+        if text or html or self.text_at is None or time.monotonic() - self.text_at >= self.TEXT_EVERY_S:
+            text = Console(record=True, width=250, file=_Null(), color_system=None)
+            output.print_report(text, rec, path)
+            _atomic_write(self.out / "bench.txt", text.export_text())
+            self.text_at = time.monotonic()
+        if html:
+            try:
+                from verify.bench import html as page
+
+                _atomic_write(self.out / "bench.html", page.page(rec, self.plots))
+            except Exception as e:  # noqa: BLE001  (the report is not the record: bench.json stands)
+                print(f"verify-kernels bench: bench.html not written: {type(e).__name__}: {e}", file=sys.stderr)
+        return rec
+
+
+class _Null:
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _atomic_write(path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def torch_settings() -> None:

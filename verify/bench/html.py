@@ -18,6 +18,8 @@ the op's bytes) where the floor is 10 us or more, &lt;= 2 x below.</p>
 <td>{{ pct(s.vs_eager) }}</td><td>{{ pct(s.vs_best_peer) }} ({{ s.peer_shapes }} shapes)</td></tr>{% endfor %}</table>
 {% if rec.refused %}<h3>Refused (no passing verdict)</h3><table>{% for x in rec.refused %}<tr><td>{{ x.op }}</td>
 <td>{{ x.candidate }}</td><td>{{ x.state }}</td><td class="mono">{{ x.reason }}</td></tr>{% endfor %}</table>{% endif %}
+{% for reason, shapes in not_reached.items() %}<h3>Not timed, {{ reason }}: {{ shapes|length }} shapes</h3>
+<p class="mono">{{ "; ".join(shapes) }}</p>{% endfor %}
 {% for title, img in plots %}<h3>{{ title }}</h3><img alt="{{ title }}" src="data:image/png;base64,{{ img }}">{% endfor %}
 <h3>Rows</h3><table><tr><th>op</th><th>shape</th><th>floor us</th><th>candidate</th><th>us</th><th>x floor</th>
 <th>verdict</th><th>misses</th></tr>
@@ -43,46 +45,60 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def plots(rec: dict) -> list[tuple[str, str]]:
-    """(title, base64 PNG) per op: us against batch, one panel per (knobs, T)."""
+def plots(rec: dict, cache: dict | None = None) -> list[tuple[str, str]]:
+    """(title, base64 PNG) per op: us against batch, one panel per (knobs, T). `cache` (a dict the
+    caller keeps) holds each op's plot against its rows, so a record rewritten after every op draws
+    only the op that changed."""
+    import json
+
+    if cache is None:
+        cache = {}
+    out = []
+    for op in dict.fromkeys(r["op"] for r in rec["rows"]):
+        key = json.dumps([r for r in rec["rows"] if r["op"] == op], sort_keys=True, default=str)
+        if cache.get(op, (None,))[0] != key:
+            cache[op] = (key, _op_plot(rec, op))
+        if cache[op][1] is not None:
+            out.append(cache[op][1])
+    return out
+
+
+def _op_plot(rec: dict, op: str) -> tuple[str, str] | None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import ScalarFormatter
 
-    out = []
-    for op in dict.fromkeys(r["op"] for r in rec["rows"]):
-        rows = [r for r in rec["rows"] if r["op"] == op and r["timings"]]
-        panels = list(dict.fromkeys((tuple(sorted(r["knobs"].items())), r["tp"]) for r in rows))
-        if not panels:
-            continue
-        cols = len(dict.fromkeys(t for _, t in panels))
-        nrows = -(-len(panels) // cols)
-        fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
-        for ax, (knobs, tp) in zip(axes.flat, panels):
-            mine = sorted((r for r in rows if r["tp"] == tp and tuple(sorted(r["knobs"].items())) == knobs),
-                          key=lambda r: r["batch"])
-            names = list(dict.fromkeys(k for r in mine for k in r["timings"]))
-            for name in names:
-                pts = [(r["batch"], r["timings"][name]["median_us"]) for r in mine if name in r["timings"]]
-                if not pts:
-                    continue
-                xs, ys = zip(*pts)
-                style = dict(color="black", ls="--", lw=1.2) if name == "floor" else dict(marker="o", ms=3)
-                ax.plot(xs, ys, label=name.replace("peer:", ""), **style)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.xaxis.set_major_formatter(ScalarFormatter())
-            ax.set_title(" ".join([f"T={tp}"] + [f"{k}={v}" for k, v in knobs]), fontsize=9)
-            ax.set_xlabel("batch B")
-            ax.set_ylabel("us per call")
-            ax.legend(fontsize=7)
-        for ax in list(axes.flat)[len(panels):]:
-            ax.set_visible(False)
-        fig.tight_layout()
-        out.append((f"{op}: us against batch (floor dashed)", _png(fig)))
-    return out
+    rows = [r for r in rec["rows"] if r["op"] == op and r["timings"]]
+    panels = list(dict.fromkeys((tuple(sorted(r["knobs"].items())), r["tp"]) for r in rows))
+    if not panels:
+        return None
+    cols = len(dict.fromkeys(t for _, t in panels))
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+    for ax, (knobs, tp) in zip(axes.flat, panels):
+        mine = sorted((r for r in rows if r["tp"] == tp and tuple(sorted(r["knobs"].items())) == knobs),
+                      key=lambda r: r["batch"])
+        names = list(dict.fromkeys(k for r in mine for k in r["timings"]))
+        for name in names:
+            pts = [(r["batch"], r["timings"][name]["median_us"]) for r in mine if name in r["timings"]]
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            style = dict(color="black", ls="--", lw=1.2) if name == "floor" else dict(marker="o", ms=3)
+            ax.plot(xs, ys, label=name.replace("peer:", ""), **style)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.set_title(" ".join([f"T={tp}"] + [f"{k}={v}" for k, v in knobs]), fontsize=9)
+        ax.set_xlabel("batch B")
+        ax.set_ylabel("us per call")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    return f"{op}: us against batch (floor dashed)", _png(fig)
 
 
 def _pct(shares: dict) -> str:
@@ -93,15 +109,18 @@ def _fmt(t: dict | None) -> str:
     return "-" if not t or t.get("median_us") is None else f"{t['median_us']:.2f}"
 
 
-def section(rec: dict) -> str:
+def section(rec: dict, cache: dict | None = None) -> str:
     import jinja2
 
+    from verify.bench.output import not_reached_by_reason
+
     env = jinja2.Environment(autoescape=True)
-    return env.from_string(_SECTION).render(rec=rec, plots=plots(rec), pct=_pct, fmt=_fmt)
+    return env.from_string(_SECTION).render(rec=rec, plots=plots(rec, cache), pct=_pct, fmt=_fmt,
+                                            not_reached=not_reached_by_reason(rec))
 
 
-def page(rec: dict) -> str:
+def page(rec: dict, cache: dict | None = None) -> str:
     import jinja2
     from markupsafe import Markup
 
-    return jinja2.Environment(autoescape=True).from_string(_PAGE).render(section=Markup(section(rec)))
+    return jinja2.Environment(autoescape=True).from_string(_PAGE).render(section=Markup(section(rec, cache)))

@@ -97,6 +97,16 @@ def tables(rec: dict):
     return out
 
 
+def not_reached_by_reason(rec: dict) -> dict[str, list[str]]:
+    """reason (time budget, pending, interrupted ...) -> "op T=.. B=.. knobs" of each shape not timed."""
+    out: dict[str, list[str]] = {}
+    for d in rec.get("not_reached", []):
+        knobs = " ".join(f"{k}={v}" for k, v in sorted(d.get("knobs", {}).items()))
+        label = " ".join(x for x in (d.get("op", "?"), f"T={d.get('tp')}", f"B={d.get('batch')}", knobs) if x)
+        out.setdefault(d.get("reason", "time budget"), []).append(label)
+    return out
+
+
 def print_report(console, rec: dict, out_path) -> None:
     """Tables, then what went wrong (errors, refusals, budget), then the scores; one line per item."""
     for t in tables(rec):
@@ -120,11 +130,77 @@ def print_report(console, rec: dict, out_path) -> None:
         console.print(f"[bold red]refused[/] {x['op']} / {x['candidate']}: {x['state']}: {x['reason']}")
     for x in rec["absent"]:
         console.print(f"not run {x['op']} / {x['candidate']}: {x['reason']}")
-    if rec["not_reached"]:
-        console.print(f"[yellow]time budget: {len(rec['not_reached'])} shapes not reached[/]")
+    for reason, shapes in not_reached_by_reason(rec).items():
+        console.print(f"[yellow]not timed, {reason}: {len(shapes)} shapes: {'; '.join(shapes)}[/]")
+    for op, lines in rec.get("notes", {}).items():
+        for line in lines:
+            console.print(f"[yellow]{line}[/]" if op == "run" else f"note {op}: {line}")
     for c, s in rec["scores"].items():
         eager = ", ".join(f">= {p}x {'-' if v is None else f'{v:.0%}'}" for p, v in s["vs_eager"].items())
         peer = ", ".join(f">= {p}x {'-' if v is None else f'{v:.0%}'}" for p, v in s["vs_best_peer"].items())
         console.print(f"score {c}: {s['rule_met']} of {s['shapes']} shapes meet the rule; certified and faster than "
                       f"eager {eager}; than the best peer ({s['peer_shapes']} shapes) {peer}")
     console.print(f"bench record: {out_path}")
+
+
+def markdown(rec: dict) -> str:
+    """The record as markdown for results/: where and how it was measured, one table per op (us per
+    entry, each candidate's floor ratio, speedups and verdict), the misses, what was not timed, the
+    scores."""
+    env = rec.get("environment", {})
+    lines = [f"## Speed: verify-kernels bench ({(rec.get('created') or '?')[:10]})", "",
+             f"Measured {rec.get('created', '?')} on {env.get('gpu') or env.get('device', '?')} "
+             f"(driver {env.get('driver') or '-'}, CUDA {env.get('cuda') or '-'}, torch {env.get('torch', '-')}, "
+             f"CuTe DSL {env.get('cutlass_dsl') or '-'}, triton {env.get('triton') or '-'}, "
+             f"fla-core {env.get('fla_core') or 'not installed'}); commit `{(env.get('git_commit') or '-')[:12]}`"
+             + (" (dirty tree)" if env.get("git_dirty") else "") + ".",
+             "", f"Command: `{rec.get('command', '')}`", "",
+             "Times: us per call, median of CUDA-graph replays (`*`: not capturable, launched from Python); "
+             "x eager / compiled / peer: how many times faster the candidate is (> 1 is faster).", ""]
+    for op in dict.fromkeys(r["op"] for r in rec["rows"]):
+        rows = [r for r in rec["rows"] if r["op"] == op]
+        names = list(dict.fromkeys(k for r in rows for k in r["timings"] if k != "floor"))
+        cands = list(dict.fromkeys(c for r in rows for c in r["judged"]))
+        head = ["shape", "MB", "floor"] + [n.replace("peer:", "") for n in names]
+        for c in cands:
+            head += [f"{c} / floor", f"{c} x eager/compiled/peer", f"{c} rule"]
+        lines += [f"### {op}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in rows:
+            cells = [r["shape"], "-" if not r.get("bytes") else f"{r['bytes'] / 1e6:.3g}",
+                     _us(r["timings"].get("floor"))]
+            cells += [_us(r["timings"].get(n)) for n in names]
+            for c in cands:
+                j = r["judged"].get(c)
+                if j is None:
+                    cells += ["-", "-", "not timed" if c in r["candidates"] else "-"]
+                    continue
+                cells += ["-" if j["floor_ratio"] is None else f"{j['floor_ratio']:.2f}x", _speedups(j["speedup"]),
+                          j["verdict"]]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    misses = [f"- {r['op']} {r['shape']} {c}: " + "; ".join(j["misses"])
+              for r in rec["rows"] for c, j in r["judged"].items() if j["verdict"] == "miss"]
+    if misses:
+        lines += ["Misses of the speed rule:", ""] + misses + [""]
+    errors: dict[tuple, list[str]] = {}
+    for r in rec["rows"]:
+        for name, err in r.get("errors", {}).items():
+            errors.setdefault((r["op"], name, err), []).append(r["shape"])
+    if errors:
+        lines += ["Entries not timed:", ""] + [
+            f"- {op} {name} ({where[0] if len(where) == 1 else f'{len(where)} shapes'}): {err}"
+            for (op, name, err), where in errors.items()] + [""]
+    for reason, shapes in not_reached_by_reason(rec).items():
+        lines += [f"Shapes not timed, {reason} ({len(shapes)}): " + "; ".join(shapes), ""]
+    notes = [f"- {op}: {line}" if op != "run" else f"- {line}"
+             for op, ls in rec.get("notes", {}).items() for line in ls]
+    if notes:
+        lines += ["Notes:", ""] + notes + [""]
+    for x in rec.get("refused", []):
+        lines += [f"Refused {x['op']} / {x['candidate']}: {x['state']}: {x['reason']}", ""]
+    for c, s in rec.get("scores", {}).items():
+        eager = ", ".join(f">= {p}x {'-' if v is None else f'{v:.0%}'}" for p, v in s["vs_eager"].items())
+        peer = ", ".join(f">= {p}x {'-' if v is None else f'{v:.0%}'}" for p, v in s["vs_best_peer"].items())
+        lines += [f"Score {c}: {s['rule_met']} of {s['shapes']} shapes meet the rule; certified and faster than eager "
+                  f"{eager}; than the best peer ({s['peer_shapes']} shapes) {peer}.", ""]
+    return "\n".join(lines)

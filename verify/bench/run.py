@@ -2,8 +2,10 @@
 of it, the op's peers and the floor, on the same rotated input sets; judge each candidate's row.
 
 Anything that fails to prepare or time (an import, a compile, a capture, a kernel error) is that
-entry's error in its row, never the end of the run. A time budget, shared out evenly over the ops
-(time an op leaves unused passes on), stops starting new shapes; the shapes not reached are listed.
+entry's error in its row, never the end of the run. The shapes run in rounds, one batch size of
+every op per round, in each op's coverage order (B = 1, 64, 8, 2, 16, 4, 32): a time budget that
+stops starting new shapes, or a SIGTERM, cuts the last rounds of every op alike, and every op keeps
+a spread of batches. The shapes not timed are listed with the reason.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ def _peer_launch(prepare):
     return lambda s: prepare(s.tensors, s.params)
 
 
-def entries_for(op, allowed: dict[str, Callable]) -> tuple[dict[str, Callable], dict[str, str], dict[str, Callable]]:
+def entries_for(op, allowed: dict[str, Callable], device: str = "cuda"
+                ) -> tuple[dict[str, Callable], dict[str, str], dict[str, Callable]]:
     """name -> (input set -> launch) for the baselines, the peers and the allowed candidates; name ->
     error for those that cannot even be resolved here; and name -> prepare of each whole-op peer (the
     ones checked against the reference, peer_check)."""
@@ -61,7 +64,24 @@ def entries_for(op, allowed: dict[str, Callable]) -> tuple[dict[str, Callable], 
     for label, fn in allowed.items():
         if label not in (EAGER, COMPILED, "reference"):
             makers[label] = _op_launch(fn)
+    if device == "cuda":
+        parallel_compile()
     return makers, errors, whole
+
+
+def parallel_compile() -> None:
+    """Inductor compiles its kernels in torch's worker pool sized by the host's cores (torch's own
+    default). compiled_fn pins one thread for the harness's 2-core CPU runs; on a GPU host the
+    reference's Triton kernels then compile one by one. The generated code is the same either way."""
+    try:
+        import torch._inductor.config as inductor_config
+        from torch._inductor.async_compile import AsyncCompile
+
+        inductor_config.compile_threads = inductor_config.decide_compile_threads()
+        AsyncCompile.warm_pool()           # start the pool now: until its workers are up, inductor
+        AsyncCompile.use_process_pool()    # compiles in-process
+    except Exception:  # noqa: BLE001  (a torch without these: its own default stands)
+        pass
 
 
 def _device_sets(inputs, n: int, device: str) -> list:
@@ -72,10 +92,35 @@ def _device_sets(inputs, n: int, device: str) -> list:
                       for _ in range(n - 1)]
 
 
+GIVE_UP_AFTER = 2       # an entry that failed with the same error at this many shapes in a row is not tried again
+
+
+def _given_up(failures: dict, name: str) -> str | None:
+    f = failures.get(name)
+    if f is None or f[1] < GIVE_UP_AFTER:
+        return None
+    return f"not tried: the same error at the {f[1]} shapes before: {f[0]}"[:300]
+
+
+def _note_failure(failures: dict, name: str, err: str | None) -> None:
+    """Count consecutive identical errors per entry (a success or another error restarts the count)."""
+    if err is None:
+        failures.pop(name, None)
+        return
+    prev = failures.get(name)
+    failures[name] = [err, prev[1] + 1 if prev and prev[0] == err else 1]
+
+
 def bench_shape(op, shape, inputs, makers: dict, errors: dict, candidates: list[str], clock, device: str,
-                profile: Callable | None = None, timing_kw: dict | None = None, checks: dict | None = None) -> dict:
+                profile: Callable | None = None, timing_kw: dict | None = None, checks: dict | None = None,
+                failures: dict | None = None) -> dict:
     """One row: every entry timed over the same rotated sets, the floor, and each candidate judged;
-    each whole-op peer in `checks` (name -> prepare) first run against the reference once."""
+    each whole-op peer in `checks` (name -> prepare) first run against the reference once.
+
+    failures (kept by the caller across one op's shapes): an entry that failed with the same error at
+    GIVE_UP_AFTER shapes in a row is not tried again (a compile that fails would cost its compile
+    time at every shape); its row says so."""
+    failures = {} if failures is None else failures
     nbytes = floor.declared_bytes(op, inputs)
     n_sets = timing.sets_needed(max(floor.input_bytes(inputs.tensors), nbytes or 0))
     row = {"op": op.name, "shape": shape.label, **shape.to_dict(), "bytes": nbytes, "sets": n_sets,
@@ -86,19 +131,29 @@ def bench_shape(op, shape, inputs, makers: dict, errors: dict, candidates: list[
 
         row["peer_checks"] = {}
         for name, prepare in checks.items():
+            if _given_up(failures, name):
+                row["peer_checks"][name] = "not checked: the peer is not tried (see its error)"
+                continue
             try:
                 row["peer_checks"][name] = peer_check.check(op, sets[0], reference_fn(op), prepare)
             except Exception as e:  # noqa: BLE001
                 row["peer_checks"][name] = f"not checked: {type(e).__name__}: {e}"[:300]
     try:
         for name, make in makers.items():
+            skip = _given_up(failures, name)
+            if skip:
+                row["errors"][name] = skip
+                continue
+            err = None
             try:
                 launches = [make(s) for s in sets]
                 row["timings"][name] = timing.time_launches(launches, clock, **(timing_kw or {})).to_dict()
                 if profile is not None:
                     profile(op.name, shape.label, name, launches)
             except Exception as e:  # noqa: BLE001  (one entry's failure is its row's error)
-                row["errors"][name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                row["errors"][name] = err
+            _note_failure(failures, name, err)
         if nbytes:
             try:
                 row["timings"][FLOOR] = timing.time_launches(floor.floor_launches(nbytes, n_sets, device), clock,
@@ -128,39 +183,107 @@ def judge_row(row: dict, peer_names: list[str]) -> None:
         row["judged"][cand] = verdict
 
 
-def bench_all(plan: Plan, clock, on_row: Callable[[dict], None], profile: Callable | None = None,
-              timing_kw: dict | None = None) -> dict:
-    """Every op of the plan, shape by shape. Returns {"rows": [...], "not_reached": [...], "notes": {...}}."""
-    rows, not_reached, notes = [], [], dict(plan.notes)
+class Interrupted(BaseException):
+    """The run was told to stop (SIGTERM, as `timeout` sends): a BaseException, so no entry's
+    `except Exception` takes it for that entry's error."""
+
+
+def untimed_row(op, shape, candidates: list[str], why: str) -> dict:
+    """A row of the plan that is not timed, saying why (counted in the score's shapes)."""
+    return {"op": op.name, "shape": shape.label, **shape.to_dict(), "bytes": None, "sets": 0,
+            "candidates": list(candidates), "timings": {}, "judged": {}, "errors": {"not timed": why}}
+
+
+def rounds(per_op: list[tuple[object, list]]) -> list[list[tuple[object, object]]]:
+    """[(op, shape)] per round: round k holds the k-th batch size (in the op's shape order) of every
+    op that has one, ops in plan order, each batch's shapes (T, knobs) together."""
+    out: list[list] = []
+    for op, op_shapes in per_op:
+        by_batch: dict[int, list] = {}
+        for s in op_shapes:
+            by_batch.setdefault(s.batch, []).append(s)
+        for k, group in enumerate(by_batch.values()):
+            if k == len(out):
+                out.append([])
+            out[k] += [(op, s) for s in group]
+    return out
+
+
+def bench_all(plan: Plan, clock, on_row: Callable[[dict, dict], None], profile: Callable | None = None,
+              timing_kw: dict | None = None, on_round: Callable[[dict], None] | None = None) -> dict:
+    """Every shape of the plan, round by round (`rounds`). Returns {"rows", "not_reached", "notes"}.
+
+    After each row, on_row(row, state) gets the state so far, whose not_reached lists every shape not
+    yet timed ("pending"): a record written from it and then cut keeps the plan's rest; on_round(state)
+    after each round. An op with no allowed candidate gets untimed rows (no baseline is timed for
+    nothing). Past plan.budget_s no new shape starts ("time budget"); an Interrupted (or
+    KeyboardInterrupt) ends the run between two steps ("interrupted"); either way the state so far
+    is returned."""
     start = time.monotonic()
-    cache = shapes.InputCache()
-    for i, op in enumerate(plan.ops):
+    notes = {k: list(v) for k, v in plan.notes.items()}
+    rows, not_reached, per_op = [], [], []
+    for op in plan.ops:
         op_shapes, op_notes = shapes.shapes_for(op, plan.tps, plan.batches)
         notes.setdefault(op.name, []).extend(op_notes)
-        makers, errors, checks = entries_for(op, plan.allowed.get(op.name, {}))
-        left = None if plan.budget_s is None else plan.budget_s - (time.monotonic() - start)
-        deadline = None if left is None else time.monotonic() + left / (len(plan.ops) - i)
-        largest = max((s.batch for s in op_shapes), default=1)
-        for shape in op_shapes:
-            if deadline is not None and time.monotonic() > deadline:
-                not_reached.append(shape.to_dict())
+        if plan.allowed.get(op.name):
+            per_op.append((op, op_shapes))
+        else:
+            why = "no asked candidate holds a passing verdict for this op (see refused)"
+            rows += [untimed_row(op, s, plan.candidates.get(op.name, []), why) for s in op_shapes]
+    plan_rounds = rounds(per_op)
+    todo = [x for r in plan_rounds for x in r]
+    pending = [s.to_dict() | {"reason": "pending"} for _, s in todo]
+    round_end = {id(r[-1][1]) for r in plan_rounds if r}
+
+    def state() -> dict:
+        return {"rows": rows, "not_reached": not_reached + pending,
+                "notes": {k: v for k, v in notes.items() if v}}
+
+    cache, entries = shapes.InputCache(), {}
+    largest = {op.name: max((s.batch for s in ss), default=1) for op, ss in per_op}
+    try:
+        for op, shape in todo:
+            pending.pop(0)
+            if plan.budget_s is not None and time.monotonic() - start > plan.budget_s:
+                if not any(d["reason"] == "time budget" for d in not_reached):
+                    notes.setdefault("run", []).append(
+                        f"time budget of {plan.budget_s:g} s reached after {time.monotonic() - start:.0f} s: "
+                        f"{len(pending) + 1} shapes not started")
+                not_reached.append(shape.to_dict() | {"reason": "time budget"})
                 continue
             t0 = time.monotonic()
+            cands = plan.candidates.get(op.name, [])
             try:
-                inputs = cache.inputs(op, shape, largest)
-                row = bench_shape(op, shape, inputs, makers, errors, plan.candidates.get(op.name, []), clock,
-                                  plan.device, profile, timing_kw, checks)
+                if op.name not in entries:
+                    entries[op.name] = (*entries_for(op, plan.allowed[op.name], plan.device), {})
+                makers, errors, checks, failures = entries[op.name]
+                inputs = cache.inputs(op, shape, largest[op.name])
+                row = bench_shape(op, shape, inputs, makers, errors, cands, clock, plan.device, profile,
+                                  timing_kw, checks, failures)
             except Exception as e:  # noqa: BLE001  (inputs or a split that cannot be built: the row says so)
-                row = {"op": op.name, "shape": shape.label, **shape.to_dict(), "bytes": None, "sets": 0,
-                       "candidates": plan.candidates.get(op.name, []), "timings": {}, "judged": {},
-                       "errors": {"inputs": f"{type(e).__name__}: {e}"[:300]}}
+                row = untimed_row(op, shape, cands, "")
+                row["errors"] = {"inputs": f"{type(e).__name__}: {e}"[:300]}
+            except BaseException:
+                pending.insert(0, shape.to_dict() | {"reason": "pending"})
+                raise
             row["seconds"] = round(time.monotonic() - t0, 2)
             rows.append(row)
-            on_row(row)
-            _free(plan.device)
+            on_row(row, state())
+            try:
+                _free(plan.device)
+            except Exception as e:  # noqa: BLE001  (a sticky device error: every later shape would fail alike)
+                why = f"device error after {op.name} {shape.label}: {type(e).__name__}: {e}"
+                raise Interrupted(why[:300]) from None
+            if on_round is not None and id(shape) in round_end:
+                on_round(state())
+    except (Interrupted, KeyboardInterrupt) as e:
+        why = f"interrupted ({type(e).__name__}{': ' + str(e) if str(e) else ''})"
+        not_reached.extend(d | {"reason": why} for d in pending)
+        pending.clear()
+        notes.setdefault("run", []).append(f"{why} after {time.monotonic() - start:.0f} s")
     order = {op.name: i for i, op in enumerate(plan.ops)}
     rows.sort(key=lambda r: (order[r["op"]], sorted(r["knobs"].items()), r["tp"], r["batch"]))
-    return {"rows": rows, "not_reached": not_reached, "notes": {k: v for k, v in notes.items() if v}}
+    return state()
 
 
 def _free(device: str) -> None:

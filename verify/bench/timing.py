@@ -4,8 +4,13 @@ A timed thing is a list of zero-argument launches, one per input set. The sets a
 together they hold more bytes than L2 (every call reads its operands from HBM, as a decode step
 does), and the rotation is repeated until one CUDA graph holds at least MIN_CALLS calls (a replay's
 own launch gap is then not charged to the 1-2 calls of a graph of large sets). Each sample is the
-time of REPLAYS graph replays between two CUDA events, divided by the calls replayed; the result
-is the median and the 10th / 90th percentiles of SAMPLES samples.
+time of a few graph replays between two CUDA events, divided by the calls replayed; the result is
+the median and the 10th / 90th percentiles of the samples.
+
+How many: a timed probe replay gives the graph's length, and the replays are dealt so that the
+timed ones add up to about MEASURE_MS: SAMPLES samples of REPLAYS replays for a short graph, down
+to MIN_SAMPLES samples of one replay for a long one (a reference composition's eager graph of 64
+calls runs for milliseconds; each of its samples already averages over those calls).
 
 The clock is an argument: `GraphClock` on a CUDA device, a fake one in the CPU tests.
 """
@@ -21,6 +26,8 @@ MAX_SETS = 64
 MIN_CALLS = 20
 SAMPLES = 25
 REPLAYS = 3
+MIN_SAMPLES = 10
+MEASURE_MS = 60.0          # timed replays per entry add up to about this (at least MIN_SAMPLES replays)
 
 Launch = Callable[[], object]
 
@@ -34,6 +41,7 @@ class Stats:
     sets: int              # input sets rotated
     calls: int             # calls per graph (the rotation repeated)
     method: str            # "graph" | "stream" (not capturable: launched from Python, events around)
+    replays: int = 1       # graph replays per sample
 
     def to_dict(self) -> dict:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -71,17 +79,32 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
+def plan_samples(replay_ms: float, measure_ms: float = MEASURE_MS, samples: int = SAMPLES,
+                 replays: int = REPLAYS, min_samples: int = MIN_SAMPLES) -> tuple[int, int]:
+    """(samples, replays per sample) whose timed replays add up to about `measure_ms` for a graph
+    replay of `replay_ms`: at most samples x replays, at least min_samples x 1."""
+    total = samples * replays if replay_ms <= 0 else int(measure_ms // replay_ms)
+    total = max(min_samples, min(samples * replays, total))
+    n = min(samples, total)
+    return n, max(1, min(replays, total // n))
+
+
 def time_launches(per_set: Sequence[Launch], clock: Clock, *, min_calls: int = MIN_CALLS,
-                  samples: int = SAMPLES, replays: int = REPLAYS) -> Stats:
-    """Per-call time of the launches in `per_set` (one per input set), rotated as `rotation` says."""
-    if samples < 1 or replays < 1:
+                  samples: int | None = None, replays: int | None = None,
+                  measure_ms: float = MEASURE_MS) -> Stats:
+    """Per-call time of the launches in `per_set` (one per input set), rotated as `rotation` says.
+    samples and replays fixed, or None: dealt by `plan_samples` from a timed probe replay."""
+    if (samples is not None and samples < 1) or (replays is not None and replays < 1):
         raise ValueError(f"samples {samples} and replays {replays} must be 1 or more")
     order = rotation(len(per_set), min_calls)
     replay, method = clock.capture([per_set[i] for i in order])
     clock.elapsed_ms(replay, 1)                        # one untimed replay: first-touch costs
+    if samples is None or replays is None:
+        n, r = plan_samples(clock.elapsed_ms(replay, 1), measure_ms)     # the probe: one warm replay
+        samples, replays = samples or n, replays or r
     per_call = sorted(clock.elapsed_ms(replay, replays) * 1e3 / (replays * len(order)) for _ in range(samples))
     return Stats(statistics.median(per_call), percentile(per_call, 10), percentile(per_call, 90), samples,
-                 len(per_set), len(order), method)
+                 len(per_set), len(order), method, replays)
 
 
 class GraphClock:
