@@ -1,9 +1,9 @@
 """fused mla_decode_attn on a CUDA device (K3 dims: C = 576, kv_lora = 512, page 64, scale 192^-0.5):
 every launch variant against the float64 oracle on a grid of edge shapes (heads 96 / 12 / 6, drafts
 1..8, ragged lengths n_q, 1, page - 1, page, page + 1, split size + 1, past 2^16 slots, pages past slot
-2^16, fp16 scores past 2^24), the LSE, errors before launch, a CUDA-graph replay with lengths changed in place, and a timing
-table (CUDA graphs) against the reference eager and a copy of the cache bytes read (the floor); and cases
-of the op's draw (RELEASE_CASES) through the harness's whole pipeline.
+2^16, fp16 scores past 2^24), the LSE, errors before launch, a CUDA-graph replay with lengths changed
+in place, cases of the op's draw (RELEASE_CASES) through the harness's whole pipeline, and a timing
+table (CUDA graphs) against the reference eager and a copy of the cache bytes read (the floor).
 
 Run on the H200: `python3 -m pytest -q -m gpu property_tests/test_mla_decode_attn_gpu.py`; the timing
 table and a pass count per path are printed at the end and written to $OUT/mla_decode_attn_gpu.md when OUT
@@ -125,23 +125,24 @@ def test_flat_softmax_over_128k_slots(dtype):
     oracle_check(q, cache, table, lens, _variants(), f"{dtype} flat 128k")
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_scores_past_2_24(dtype):
+def test_fp16_scores_past_2_24():
     """q and cache elements ~2^12 (fp16's wide range): scores in log2 units pass 2^24, where fp32 m - 15
     rounds to m - 16; fp16 P = exp2((x - m) + 15) must still stay <= 2^15 (not 2^16 = inf)."""
-    q, cache, table, lens = build([5, 64, 65, 300, 4097], 3, 12, dtype=dtype, seed=13)
+    q, cache, table, lens = build([5, 64, 65, 300, 4097], 3, 12, dtype=torch.float16, seed=13)
     q.mul_(4096)
     cache.mul_(4096)
-    oracle_check(q, cache, table, lens, _variants(), f"{dtype} scores past 2^24")
+    oracle_check(q, cache, table, lens, _variants(), "fp16 scores past 2^24")
 
 
 # Cases of the op's draw, judged by the harness's whole pipeline (every variant, every guard) as the
-# release run judges them: the first was rejected at guard:outputs_written (fp16 P overflowed to inf).
+# release run judges them: the first was rejected at guard:outputs_written (fp16 P overflowed to inf);
+# the k3 and range_edges ones reach the same overflow in the old order (property_tests/test_mla_decode_attn.py
+# _emulate), the bf16 one is the control.
 RELEASE_CASES = [
     '{"batch":27,"config":"tiny","dist":"wide_range","dtype":"float16","extra":[],"op":"mla_decode_attn","seed":691,"tp":1}',
     '{"batch":27,"config":"tiny","dist":"wide_range","dtype":"bfloat16","extra":[],"op":"mla_decode_attn","seed":691,"tp":1}',
     '{"batch":5,"config":"k3","dist":"wide_range","dtype":"float16","extra":[],"op":"mla_decode_attn","seed":691,"tp":1}',
-    '{"batch":9,"config":"small","dist":"range_edges","dtype":"float16","extra":[],"op":"mla_decode_attn","seed":17,"tp":1}',
+    '{"batch":9,"config":"small","dist":"range_edges","dtype":"float16","extra":[],"op":"mla_decode_attn","seed":18,"tp":1}',
 ]
 
 
