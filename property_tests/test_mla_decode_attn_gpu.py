@@ -138,12 +138,11 @@ def test_fp16_scores_past_2_24():
 # release run judges them: the first was rejected at guard:outputs_written (fp16 P overflowed to inf);
 # the k3 and range_edges ones reach the same overflow in the old order (property_tests/test_mla_decode_attn.py
 # _emulate), the bf16 one is the control.
-RELEASE_CASES = [
-    '{"batch":27,"config":"tiny","dist":"wide_range","dtype":"float16","extra":[],"op":"mla_decode_attn","seed":691,"tp":1}',
-    '{"batch":27,"config":"tiny","dist":"wide_range","dtype":"bfloat16","extra":[],"op":"mla_decode_attn","seed":691,"tp":1}',
-    '{"batch":5,"config":"k3","dist":"wide_range","dtype":"float16","extra":[],"op":"mla_decode_attn","seed":691,"tp":1}',
-    '{"batch":9,"config":"small","dist":"range_edges","dtype":"float16","extra":[],"op":"mla_decode_attn","seed":18,"tp":1}',
-]
+_CASE = '{{"batch":{},"config":"{}","dist":"{}","dtype":"{}","extra":[],"op":"mla_decode_attn","seed":{},"tp":1}}'
+RELEASE_CASES = [_CASE.format(27, "tiny", "wide_range", "float16", 691),
+                 _CASE.format(27, "tiny", "wide_range", "bfloat16", 691),
+                 _CASE.format(5, "k3", "wide_range", "float16", 691),
+                 _CASE.format(9, "small", "range_edges", "float16", 18)]
 
 
 @pytest.mark.parametrize("case_json", RELEASE_CASES, ids=lambda c: c.split('"seed":')[1].split(",")[0] + "-"
