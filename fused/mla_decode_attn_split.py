@@ -11,7 +11,9 @@ block table per slot row) and used by every row of the CTA. Warp (wm, wd) owns m
 output columns [wd * DW, (wd + 1) * DW), DW = min(D, 128), WD = D / DW. Per tile: the atom's scores
 S = Q K^T over C (mma.sync m16n8k16, fp32 accumulate), an online softmax in log2 units (scale * log2 e
 folded in, ex2.approx), and O += P V for the warp's columns with P rounded to the working dtype
-(FlashMLA's choice; the spec's k = 4). Paths (PATHS): "whole", every warp of the atom computes all of S
+(FlashMLA's choice; the spec's k = 4). Only P and the operands are in the working dtype: scores, m,
+l, O and the split partials are fp32; fp16 P is exp2((x - m) + P_SHIFT) <= 2^15 (p_exponent) at any
+score size (fp16 wide-range scores pass 2^24). Paths (PATHS): "whole", every warp of the atom computes all of S
 (the same bits in each, no exchange); "split", warp wd takes the k-steps wd, wd + WD, .. of C and the
 atom's WD partial scores are summed through shared memory in warp order, so every warp again holds the
 same S; "split_ldsm", split, with P V's B fragments loaded by ldmatrix.x4.trans instead of 2-byte loads.
@@ -49,7 +51,7 @@ from cutlass import Float32, Int32, Int64, const_expr  # noqa: E402
 LOG2E = math.log2(math.e)
 # fp16 P is exp2(x - m + P_SHIFT) (max 2^15 < 65504): a probability down to 2^-14 / 2^15 stays a normal
 # fp16 number, where [0, 1] would leave a 128k-slot flat softmax (p ~ 2^-17) subnormal at ~1 % precision.
-# l sums the same shifted p, so o = acc / l is unchanged; the lse takes the shift back.
+# l sums the same shifted p, so o = acc / l is unchanged; the lse takes the shift back (p_exponent, lse_log2).
 P_SHIFT = 15.0
 LN2 = math.log(2.0)
 VEC = 8            # elements per 16-byte chunk
@@ -61,6 +63,20 @@ def _swz(n, c, row_chunks: int):
     """Index of 16-byte chunk c of smem row n (rows of `row_chunks` chunks, a multiple of 8), swizzled."""
     f = ((n & 1) << 2) | ((n >> 1) & 3)
     return n * row_chunks + ((c & ~7) | ((c ^ f) & 7))
+
+
+def p_exponent(x, m, shift: float):
+    """log2 of P for a scaled score x (log2 units) and its row's running max m >= x: (x - m) + shift.
+    The difference comes first, so the exponent is at most `shift` however large m is; x - (m - shift)
+    would round m - shift by ulp(m) (2 from |m| = 2^24, fp16 wide-range scores reach 2^25) and give
+    P = 2^16 = inf in fp16. Plain DSL or torch arithmetic: the kernel and its CPU emulation share it."""
+    return x - m if shift == 0.0 else (x - m) + shift
+
+
+def lse_log2(m, log2_l, shift: float):
+    """The row's lse in log2 units from its max m and log2 of its l (a sum of shifted p): the shift
+    leaves the small term, so m is rounded against once."""
+    return m + log2_l if shift == 0.0 else m + (log2_l - shift)
 
 
 class SplitPartial:
@@ -272,12 +288,11 @@ class SplitPartial:
             if m == -math.inf:                       # nothing visible yet: exp2(-inf - 0) = 0
                 m_use = Float32(0.0)
             alpha = cute.math.exp2(ml[h] - m_use, fastmath=True)
-            m_p = m_use - self.p_shift
             ml[h] = m
             lsum = Float32(0.0)
             for j in cutlass.range_constexpr(nj):
                 for e in cutlass.range_constexpr(2):
-                    p = cute.math.exp2(sc[2 * h + e, 0, j] - m_p, fastmath=True)
+                    p = cute.math.exp2(p_exponent(sc[2 * h + e, 0, j], m_use, self.p_shift), fastmath=True)
                     lsum = lsum + p
                     pf[2 * h + e, j] = p.to(self.dtype)
             ml[2 + h] = ml[2 + h] * alpha + lsum
@@ -339,7 +354,7 @@ class SplitPartial:
             lrow = lrow + cute.arch.shuffle_sync_bfly(lrow, offset=1)
             lrow = lrow + cute.arch.shuffle_sync_bfly(lrow, offset=2)
             inv = Float32(1.0) / lrow
-            lse = (ml[h] - self.p_shift + cute.math.log2(lrow, fastmath=False)) * LN2
+            lse = lse_log2(ml[h], cute.math.log2(lrow, fastmath=False), self.p_shift) * LN2
             if const_expr(not self.direct):
                 if lrow == 0.0:
                     inv = Float32(0.0)
