@@ -275,6 +275,6 @@ def test_cprofile_dir_writes_one_profile_per_case(tmp_path, monkeypatch):
     dumps = sorted((tmp_path / "prof").glob("mxfp4_dequant-*.pstats"))
     assert dumps
     assert any("evaluate_case" in fn for (_, _, fn) in pstats.Stats(str(dumps[0])).stats)
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_summary.py"), str(tmp_path / "prof"),
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "profile_summary.py"), str(tmp_path / "prof"),
                           "--top", "5"], capture_output=True, text=True, check=True).stdout
     assert f"{len(dumps)} cases" in out and "evaluate_case" in out

@@ -1,6 +1,6 @@
 """Diagnose one case of a fused op on the GPU: the harness's own verdict with every failing check's
 worst elements, and the fused outputs (first call, and on the refreshed-inputs run's values) saved
-for a CPU-side analysis. Usage: python3 bench/diag_case.py OUT CASE_JSON [CASE_JSON ...]"""
+for a CPU-side analysis. Usage: python3 tools/diag_case.py OUT CASE_JSON [CASE_JSON ...]"""
 from __future__ import annotations
 
 import sys

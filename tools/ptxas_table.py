@@ -4,7 +4,7 @@ reads it. What the H200 would run (the driver JITs the same PTX with the same pt
 device time: a variant whose registers do not fit the CTAs per SM its dispatcher assumes, or that
 spills, shows here first (a row-chunked kda kernel at 194 registers did).
 
-    python3 bench/ptxas_table.py [kda] [attn] [--jobs 2]
+    python3 tools/ptxas_table.py [kda] [attn] [--jobs 2]
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 at, and for what.
 
     ncu --import OUT/profile/bench.ncu-rep --page source --print-source sass --csv > source.csv
-    python3 bench/ncu_source_summary.py source.csv [--top 12] [--kernel SUBSTR]
+    python3 tools/ncu_source_summary.py source.csv [--top 12] [--kernel SUBSTR]
 """
 from __future__ import annotations
 

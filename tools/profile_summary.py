@@ -1,9 +1,9 @@
 """Where a certification run's time goes: merge the per-case cProfile dumps a run wrote with
-VERIFY_CPROFILE_DIR=DIR (verify/certify.py) and print the top functions by cumulative and own time.
+VERIFY_CPROFILE_DIR=DIR (verify/judge/pipeline.py) and print the top functions by cumulative and own time.
 
     VERIFY_CPROFILE_DIR=/tmp/prof verify-kernels run --ops attn_res_rmsnorm --candidate fused \\
         --device cuda --profile release --examples 30 --no-isolate
-    python3 bench/profile_summary.py /tmp/prof [--top 40] [--match k3]
+    python3 tools/profile_summary.py /tmp/prof [--top 40] [--match k3]
 """
 import argparse
 import io
