@@ -226,3 +226,19 @@ def test_worst_elements_break_ties_by_position():
     d = torch.tensor([[0.0, 3.0, 1.0, 3.0], [5.0, 0.0, float("nan"), 1.0]])
     got = compare_derived("y", d, o, o.float(), k=1.0, floor_ulps=1.0)
     assert [w[0] for w in got.worst][:4] == [(1, 2), (1, 0), (0, 1), (0, 3)]
+
+
+def test_tie_aware_ids_judge_the_slot_order():
+    """The ids of a row are listed by descending score; a swap is allowed only within the tie band,
+    and equal scores list the lower id first."""
+    s = torch.tensor([[0.1, 0.9, 0.5, 0.7, 0.2, 0.7]], dtype=torch.float64)
+    swd = s.float()
+    ok = compare_tie_aware_ids("ids", torch.tensor([[1, 3, 5, 2]]), s, swd, 4)
+    assert ok.ok, ok.detail
+    by_id = compare_tie_aware_ids("ids", torch.tensor([[1, 2, 3, 5]]), s, swd, 4)
+    assert not by_id.ok and "order" in by_id.detail
+    higher_first = compare_tie_aware_ids("ids", torch.tensor([[1, 5, 3, 2]]), s, swd, 4)
+    assert not higher_first.ok and "lower id first" in higher_first.detail
+    near = torch.tensor([[0.1, 0.9, 0.5, 0.7, 0.2, 0.7 + 1e-12]], dtype=torch.float64)
+    swapped = compare_tie_aware_ids("ids", torch.tensor([[1, 3, 5, 2]]), near, near.float(), 4)
+    assert swapped.ok, swapped.detail        # 1e-12 apart: within the band, either order

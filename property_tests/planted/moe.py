@@ -17,6 +17,15 @@ def router_topk_higher_id_wins(x, w_gate, bias, top_k: int, routed_scale: float)
     return ids, w / (w.sum(-1, keepdim=True) + RENORM_EPS) * routed_scale
 
 
+def router_topk_ids_by_expert(x, w_gate, bias, top_k: int, routed_scale: float):
+    """The right experts and weights, listed by expert id (a bitmask select's natural order) instead of
+    by descending score: the MoE combine then sums the slots in another order."""
+    s, choice = router_choice_scores(x, w_gate, bias)
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k].sort(-1).values.contiguous()
+    w = s.gather(1, ids)
+    return ids, w / (w.sum(-1, keepdim=True) + RENORM_EPS) * routed_scale
+
+
 def router_topk_renorm_over_all(x, w_gate, bias, top_k: int, routed_scale: float):
     """Renormalises by the sum of ALL experts' scores instead of the selected top-k."""
     s, choice = router_choice_scores(x, w_gate, bias)

@@ -234,9 +234,23 @@ def malformed_ids(ids: torch.Tensor, shape: tuple, n_choices: int) -> str | None
     return None
 
 
+def _out_of_order(row: list[int], scores: torch.Tensor, band: float) -> str:
+    """Why a row's ids are not in the declared order ('' when they are): a later slot's score above an
+    earlier one's by more than the band, or equal scores with the higher id first."""
+    for j in range(len(row) - 1):
+        a, b = float(scores[row[j]]), float(scores[row[j + 1]])
+        if b > a + band or (a == b and row[j] > row[j + 1]):
+            return (f"ids out of the declared order (descending score, equal scores lower id first): slot {j} holds "
+                    f"expert {row[j]} (score {a:.6g}), slot {j + 1} expert {row[j + 1]} (score {b:.6g})")
+    return ""
+
+
 def compare_tie_aware_ids(name: str, ids: torch.Tensor, scores64: torch.Tensor, scores_wd: torch.Tensor,
                           k: int, magnitude: torch.Tensor | None = None) -> Check:
-    """Selected sets must match wherever the k-th and (k+1)-th scores differ by more than the band."""
+    """Selected sets must match wherever the k-th and (k+1)-th scores differ by more than the band, and
+    each row lists its ids in the declared order: descending score (the MoE combine sums in slot
+    order), two slots swapped only where their scores lie within the band of each other, and equal
+    scores in exact arithmetic ordered lower id first."""
     ids = ids.detach().cpu().to(torch.int64)
     B, E = scores64.shape
     if ids.shape != (B, k):
@@ -267,6 +281,10 @@ def compare_tie_aware_ids(name: str, ids: torch.Tensor, scores64: torch.Tensor, 
             if 0 < len(picked) < len(tied) and picked != tied[:len(picked)]:
                 bad_rows.append((r, f"exact tie at the k-th score broken against the declared lower-id rule: "
                                     f"chose {picked[:4]} of tied {tied[:8]}"))
+            else:
+                why = _out_of_order(ids[r].tolist(), scores64[r], float(band[r]))
+                if why:
+                    bad_rows.append((r, why))
     metrics = {"rows": B, "rows_in_tie_band": ties, "bad_rows": len(bad_rows)}
     if not bad_rows:
         return Check(f"compare:{name}", True, f"sets match ({ties} rows inside the tie band)", metrics)
