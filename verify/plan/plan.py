@@ -3,8 +3,8 @@ judges, written to OUT/plan.json before any case is judged.
 
 Judging a case depends on that case alone, so every way of spreading a run is a slice of this list:
 `--jobs`, `--resume` (the cases without a verdict in the log) and `run --shard I/N` (the I-th of N
-contiguous blocks of equal size: a block holds one or two ops, and within an op runs of cases that
-share a compiled kernel, so a process compiles few kernels; see compile_locality). `merge` joins the verdicts of shards of one plan, recognised by its id (a hash of
+contiguous blocks of equal size: a block holds one or two ops, so a process compiles the kernels of
+those only). `merge` joins the verdicts of shards of one plan, recognised by its id (a hash of
 everything in it).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from verify.model.case import Case
 from verify.model.opdef import OpDef
-from verify.model.profile import CONFIG_ORDER, Profile
+from verify.model.profile import Profile
 from verify.plan.draw import planned_cases
 from verify.plan.scope import pin
 
@@ -132,24 +132,13 @@ def make_plan(ops: list[OpDef], candidates: list[str], profile: Profile, seed: i
                 continue
             prof = sc.profile or profile
             listed = [pin(c, sc.params) for c in planned_cases(op, prof, seed, tps, examples)]
-            listed = sorted({c.to_json(): c for c in listed}.values(), key=compile_locality)
+            listed = list({c.to_json(): c for c in listed}.values())
             unsplit = [c for c in listed if c.tp == 1][:WARMUP_CASES]
             start = len(cases)
             for c in listed:
                 cases.append(PlannedCase(len(cases), op.name, label, c.to_json(), c in unsplit, prof.strided_run))
             pairs.append(PairPlan(op.name, label, JUDGE, "", sc.scope, tuple(range(start, len(cases)))))
     return Plan(dict(options), tuple(pairs), tuple(cases)).with_id()
-
-
-def compile_locality(c: Case) -> tuple:
-    """A pair's cases are listed by what a kernel is compiled for (config, then working dtype, then the
-    rank split that sets the per-rank dims, then batch, which picks a launch variant); the draw's own
-    order breaks ties (a stable sort). A slice or a --jobs child then holds runs of cases that reuse
-    one compiled kernel: in draw order every process met every (config, dtype, T) and compiled each,
-    and kernel compiles were most of a release run's time. Simpler cases also come first, so a pair's
-    first failing case, the one it reports, tends to be a small one."""
-    rank = CONFIG_ORDER.index(c.config) if c.config in CONFIG_ORDER else len(CONFIG_ORDER)
-    return (rank, c.config, c.dtype, c.tp, c.batch)
 
 
 def case_of(pc: PlannedCase) -> Case:
