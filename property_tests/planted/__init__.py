@@ -193,8 +193,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
     ("allreduce_attn_res_rmsnorm", f"{P}.attn_res:allreduce_attn_res_rmsnorm_reverse_fold", "compare:",
      "all-reduce summed in the wrong order (order-sensitive partials)"),
     # ---- moe
-    ("router_topk", f"{P}.moe:router_topk_higher_id_wins", "compare:ids or invariance:thread_count",
-     "wrong tie-break in router top-k (higher id wins); its weights also change bits with the thread count"),
+    ("router_topk", f"{P}.moe:router_topk_higher_id_wins", "compare:ids",
+     "wrong tie-break in router top-k (higher id wins)"),
     ("router_topk", f"{P}.moe:router_topk_ids_by_expert", "compare:ids|order",
      "the right experts listed by id instead of by descending score (the combine sums in slot order)"),
     ("router_topk", f"{P}.moe:router_topk_renorm_over_all", "compare:weights|exceed",
