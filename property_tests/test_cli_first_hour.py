@@ -63,7 +63,7 @@ def test_ctrl_c_keeps_the_results_and_names_the_resume_command(tmp_path):
 
     # the default isolated run; Ctrl-C as a terminal sends it: SIGINT to the whole process group
     cmd = [sys.executable, "-m", "verify.cli", "run", "--ops", "kda_layer", "--candidate", "reference",
-           "--examples", "20", "--out", str(tmp_path)]
+           "--examples", "200", "--out", str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
