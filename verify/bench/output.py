@@ -61,37 +61,47 @@ def _speedups(sp: dict) -> str:
     return "/".join("-" if v is None else f"{v:.2f}" for v in cells)
 
 
+def _op_table(rec: dict, op: str) -> tuple[list[str], list[list[str]]]:
+    """One op's table, shared by the terminal and markdown forms: the header and the rows' cells (a
+    candidate's "rule" column holds its verdict, "not timed" or "-")."""
+    rows = [r for r in rec["rows"] if r["op"] == op]
+    names = list(dict.fromkeys(k for r in rows for k in r["timings"] if k != "floor"))
+    cands = list(dict.fromkeys(c for r in rows for c in r["judged"]))
+    head = ["shape", "MB", "floor"] + [n.replace("peer:", "") for n in names]
+    for c in cands:
+        head += [f"{c} / floor", f"{c} x eager/compiled/peer", f"{c} rule"]
+    body = []
+    for r in rows:
+        cells = [r["shape"], "-" if not r.get("bytes") else f"{r['bytes'] / 1e6:.3g}", _us(r["timings"].get("floor"))]
+        cells += [_us(r["timings"].get(n)) for n in names]
+        for c in cands:
+            j = r["judged"].get(c)
+            if j is None:
+                cells += ["-", "-", "not timed" if c in r["candidates"] else "-"]
+                continue
+            cells += ["-" if j["floor_ratio"] is None else f"{j['floor_ratio']:.2f}x", _speedups(j["speedup"]),
+                      j["verdict"]]
+        body.append(cells)
+    return head, body
+
+
 def tables(rec: dict):
     """One rich Table per op: us per entry (median; * = not capturable, timed from Python), the
     floor, and each candidate's floor ratio and verdict."""
     from rich.table import Table
 
+    colors = {"met": "green", "miss": "bold red", "-": ""}
     out = []
     for op in dict.fromkeys(r["op"] for r in rec["rows"]):
-        rows = [r for r in rec["rows"] if r["op"] == op]
-        names = list(dict.fromkeys(k for r in rows for k in r["timings"] if k != "floor"))
-        cands = list(dict.fromkeys(c for r in rows for c in r["judged"]))
+        head, body = _op_table(rec, op)
         t = Table(title=f"{op}: us per call (median of CUDA-graph replays)", title_justify="left")
-        t.add_column("shape")
-        t.add_column("MB", justify="right")
-        t.add_column("floor", justify="right")
-        for n in names:
-            t.add_column(n.replace("peer:", ""), justify="right")
-        for c in cands:
-            t.add_column(f"{c}/floor", justify="right")
-            t.add_column(f"{c} x eager/compiled/peer", justify="right")
-            t.add_column(f"{c} rule")
-        for r in rows:
-            cells = [r["shape"], "-" if not r.get("bytes") else f"{r['bytes'] / 1e6:.3g}", _us(r["timings"].get("floor"))]
-            cells += [_us(r["timings"].get(n)) for n in names]
-            for c in cands:
-                j = r["judged"].get(c)
-                if j is None:
-                    cells += ["-", "-", "[yellow]not timed[/]" if c in r["candidates"] else "-"]
-                    continue
-                ratio = "-" if j["floor_ratio"] is None else f"{j['floor_ratio']:.2f}x"
-                color = {"met": "green", "miss": "bold red"}.get(j["verdict"], "yellow")
-                cells += [ratio, _speedups(j["speedup"]), f"[{color}]{j['verdict']}[/]"]
+        rule = [k for k, name in enumerate(head) if name.endswith(" rule")]
+        for k, name in enumerate(head):
+            t.add_column(name, justify="left" if k == 0 or k in rule else "right")
+        for cells in body:
+            for k in rule:
+                color = colors.get(cells[k], "yellow")
+                cells[k] = f"[{color}]{cells[k]}[/]" if color else cells[k]
             t.add_row(*cells)
         out.append(t)
     return out
@@ -158,25 +168,9 @@ def markdown(rec: dict) -> str:
              "Times: us per call, median of CUDA-graph replays (`*`: not capturable, launched from Python); "
              "x eager / compiled / peer: how many times faster the candidate is (> 1 is faster).", ""]
     for op in dict.fromkeys(r["op"] for r in rec["rows"]):
-        rows = [r for r in rec["rows"] if r["op"] == op]
-        names = list(dict.fromkeys(k for r in rows for k in r["timings"] if k != "floor"))
-        cands = list(dict.fromkeys(c for r in rows for c in r["judged"]))
-        head = ["shape", "MB", "floor"] + [n.replace("peer:", "") for n in names]
-        for c in cands:
-            head += [f"{c} / floor", f"{c} x eager/compiled/peer", f"{c} rule"]
+        head, body = _op_table(rec, op)
         lines += [f"### {op}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for r in rows:
-            cells = [r["shape"], "-" if not r.get("bytes") else f"{r['bytes'] / 1e6:.3g}",
-                     _us(r["timings"].get("floor"))]
-            cells += [_us(r["timings"].get(n)) for n in names]
-            for c in cands:
-                j = r["judged"].get(c)
-                if j is None:
-                    cells += ["-", "-", "not timed" if c in r["candidates"] else "-"]
-                    continue
-                cells += ["-" if j["floor_ratio"] is None else f"{j['floor_ratio']:.2f}x", _speedups(j["speedup"]),
-                          j["verdict"]]
-            lines.append("| " + " | ".join(cells) + " |")
+        lines += ["| " + " | ".join(cells) + " |" for cells in body]
         lines.append("")
     misses = [f"- {r['op']} {r['shape']} {c}: " + "; ".join(j["misses"])
               for r in rec["rows"] for c, j in r["judged"].items() if j["verdict"] == "miss"]
