@@ -13,6 +13,7 @@ the few holding the slow ops worked on.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,15 +67,11 @@ def _evaluator(cfg: RunConfig, threads: int):
 
 
 def prepare_out(plan: Plan, out: Path, resume: bool) -> None:
-    """Write the plan to OUT (a resume needs the same plan there). A fresh run first clears what an
-    earlier run's --jobs children left in OUT (shards/, claims/), which would otherwise be read as
-    this run's verdicts."""
-    import shutil
-
+    """Write the plan to OUT (a resume needs the same plan there). A fresh run first clears the logs an
+    earlier run's --jobs children left in OUT/shards, which would otherwise be read as this run's."""
     path = out / PLAN_NAME
     if not resume:
-        for leftover in ("shards", "claims"):
-            shutil.rmtree(out / leftover, ignore_errors=True)
+        shutil.rmtree(out / "shards", ignore_errors=True)
     if resume and path.exists():
         try:
             old = load(path)
@@ -131,17 +128,9 @@ def run_slice(plan: Plan, cfg: RunConfig, out: Path, shard: tuple[int, int] = (0
     """Judge shard I of N of the plan into OUT/run.jsonl (on --resume only the cases the log lacks).
     With claims (DIR, j, M): the slice from its j-th of M positions on, then the middle of whatever
     run of it nobody has claimed yet (_claimed), each case judged only where this process claims it
-    in DIR. Returns every verdict the log holds for the
-    plan, earlier ones included."""
+    in DIR. Returns every verdict the logs in OUT hold for the plan, earlier ones included."""
     prepare_out(plan, out, resume)
-    try:
-        before = runlog.read(out / runlog.LOG_NAME) if resume and (out / runlog.LOG_NAME).exists() else None
-    except ValueError as e:
-        raise PlanMismatch(str(e)) from None
-    if before is not None and before.plans - {plan.id}:
-        raise PlanMismatch(f"{out / runlog.LOG_NAME} holds verdicts of plan {', '.join(sorted(before.plans - {plan.id}))}, "
-                           f"not {plan.id}")
-    done = set(before.verdicts) if before else set()
+    done = set(_judged_before(plan, out).verdicts) if resume else set()
     todo = [pc for pc in plan.slice(*shard) if pc.index not in done]
     entries = todo
     if claims is not None:
@@ -172,6 +161,14 @@ def logs_in(d: Path) -> list[Path]:
     own = [d / runlog.LOG_NAME] if (d / runlog.LOG_NAME).is_file() else []
     kids = sorted(d.glob(f"shards/*/{runlog.LOG_NAME}"), key=lambda p: (len(p.parent.name), p.parent.name))
     return own + kids
+
+
+def _judged_before(plan: Plan, out: Path) -> Judged:
+    """What a resumed run finds judged in OUT; a PlanMismatch when a log there holds another plan."""
+    try:
+        return judged_in([out], plan.id)
+    except ValueError as e:
+        raise PlanMismatch(str(e)) from None
 
 
 def judged_in(dirs: list[Path], plan_id: str | None = None) -> Judged:
@@ -215,20 +212,13 @@ def run_jobs(plan: Plan, cfg: RunConfig, out: Path, jobs: int, resume: bool = Fa
     share it through claims in OUT/claims, spread over the visible GPUs; returns their verdicts
     merged, and a line per child that did not finish cleanly. On --resume every case a child's log
     already holds is claimed before any child starts."""
-    import shutil
-
     prepare_out(plan, out, resume)
     gpus = visible_gpus(cfg.device)
     claims = out / "claims"
     shutil.rmtree(claims, ignore_errors=True)
     claims.mkdir(parents=True)
-    if resume:
-        try:
-            before = judged_in([out], plan.id)
-        except ValueError as e:
-            raise PlanMismatch(str(e)) from None
-        for i in before.verdicts:
-            (claims / str(i)).touch()
+    for i in _judged_before(plan, out).verdicts if resume else ():
+        (claims / str(i)).touch()
     procs = []
     for j in range(jobs):
         d = out / "shards" / str(j)
