@@ -2,6 +2,8 @@
 tie-aware ids), and the vacuity rule (a derived output whose oracle is all zeros or not finite)."""
 from __future__ import annotations
 
+import torch
+
 from verify.judge import compare
 from verify.model.opdef import OpDef, OpInputs
 from verify.model.specs import ToleranceSpec
@@ -17,7 +19,7 @@ def judge_outputs(op: OpDef, spec: ToleranceSpec, cand: dict, oracle: dict, base
     reported ~1e5x over tolerance); where malformed, the outputs that depend on them fail unjudged."""
     checks = []
     names = list(op.outputs + op.state)
-    magnitudes = op.magnitudes(inputs64, cand) if op.magnitudes is not None else {}
+    magnitudes = op.magnitudes(_beside(inputs64, oracle), cand) if op.magnitudes is not None else {}
     unjudged: dict[str, str] = {}        # output -> why it was not judged (its ids are malformed)
     at_failed_ids: dict[str, str] = {}   # output -> the note that it was judged at ids that failed
     for name in [n for n in names if spec.output(n).klass == "tie_aware_ids"]:
@@ -56,6 +58,16 @@ def judge_outputs(op: OpDef, spec: ToleranceSpec, cand: dict, oracle: dict, base
             done = checks[-1]
             checks[-1] = Check(done.name, done.ok, f"{done.detail}; {at_failed_ids[name]}", done.metrics, done.worst)
     return checks
+
+
+def _beside(inputs: OpInputs, oracle: dict) -> OpInputs:
+    """The float64 inputs on the oracle's device: the running-error magnitudes (OpDef.magnitudes) are
+    a few passes over the largest tensors (a K3 KDA state of 64 rows is 70 M float64 elements), which a
+    GPU makes in milliseconds where one CPU thread per worker takes seconds, a dozen times a case."""
+    dev = next((t.device for t in oracle.values() if isinstance(t, torch.Tensor)), None)
+    if dev is None or dev.type == "cpu":
+        return inputs
+    return OpInputs({k: v.to(dev) for k, v in inputs.tensors.items()}, dict(inputs.params))
 
 
 def derived_vacuity(op: OpDef, spec: ToleranceSpec, oracle: dict) -> str | None:
