@@ -69,3 +69,27 @@ def test_check_full_scope_refuses_a_scoped_verdict(tmp_path):
     assert cli("check", path, "--ops", "kda_decode", "--candidate", DECLARED).returncode == 0
     full = cli("check", path, "--ops", "kda_decode", "--candidate", DECLARED, "--full-scope")
     assert full.returncode == 1 and "partial_scope" in full.stdout and "l2_eps = 1e-06 only" in full.stdout, full.stdout
+
+
+def test_a_seed_drawn_parameter_is_named_with_the_failure():
+    """l2_eps is drawn from the seed (the case's JSON does not show it): a kernel that bakes in the
+    config's 1e-6 fails the case that draws 1e-5 even on normal rows (its state errs one way: the
+    bias check), passes the same case pinned to 1e-6, and the report prints the value it ran with.
+    fla-core's KDA kernel, which fixes its eps the same way, failed this case on the H200."""
+    import io
+
+    from rich.console import Console
+
+    from verify.judge.pipeline import evaluate_case
+    from verify.record.reporters.terminal import print_case
+
+    fn = Candidate(DECLARED).resolve(get_op("kda_decode"), "cpu")
+    drawn = Case.from_json('{"batch":1,"config":"tiny","dist":"normal","dtype":"bfloat16","extra":[],'
+                           '"op":"kda_decode","seed":6802,"tp":1}')
+    v = evaluate_case(get_op("kda_decode"), drawn, fn, "user.module:fn")
+    assert v.status == FAIL and v.stage == "bias:state", (v.status, v.stage, v.reason)
+    out = io.StringIO()
+    print_case(Console(file=out, width=300), v)
+    assert "params: lower_bound=-8, l2_eps=1e-05, norm_eps=1e-06" in out.getvalue(), out.getvalue()
+    pinned = Case.from_json(drawn.to_json().replace('"extra":[]', '"extra":[["l2_eps",1e-06]]'))
+    assert evaluate_case(get_op("kda_decode"), pinned, fn, "user.module:fn").status == PASS

@@ -11,11 +11,16 @@ ROOT=$(pwd)
 SITE="$OUT/site"
 python3 -m pip install --quiet --no-deps --target "$SITE" .whl/einops-*.whl .whl/fla_core-*.whl || { echo "pip install of .whl/ failed"; exit 2; }
 export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# the harness's own dependencies (pydantic, ...) where they are not installed: the .device bundle, as
+# .ci/gpu-certify unpacks it (../shared/device/README.md)
+if ! python3 -c "import pydantic" 2>/dev/null && [ -d .device/wheels ]; then
+  for w in .device/wheels/*.whl; do python3 -m zipfile -e "$w" "$SITE"; done
+fi
 REC="$OUT/record.txt"
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
-  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (dirty tree)')"
+  echo "commit: ${VERIFY_GIT_COMMIT:-$(cat .device/commit 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)}"
   echo "torch: $(python3 -c 'import torch; print(torch.__version__, torch.version.cuda)')"
   echo "fla-core: $(python3 -c 'import importlib.metadata as m; print(m.version("fla-core"))' 2>/dev/null || ls .whl/fla_core-*.whl)"
 } > "$REC"
