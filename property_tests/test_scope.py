@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
@@ -91,5 +92,5 @@ def test_a_seed_drawn_parameter_is_named_with_the_failure():
     out = io.StringIO()
     print_case(Console(file=out, width=300), v)
     assert "params: lower_bound=-8, l2_eps=1e-05, norm_eps=1e-06" in out.getvalue(), out.getvalue()
-    pinned = Case.from_json(drawn.to_json().replace('"extra":[]', '"extra":[["l2_eps",1e-06]]'))
+    pinned = replace(drawn, extra=(("l2_eps", 1e-6),))
     assert evaluate_case(get_op("kda_decode"), pinned, fn, "user.module:fn").status == PASS
