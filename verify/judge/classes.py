@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from verify.judge import compare
+from verify.judge.calls import on_device
 from verify.model.opdef import OpDef, OpInputs
 from verify.model.specs import ToleranceSpec
 from verify.model.verdict import Check
@@ -65,9 +66,7 @@ def _beside(inputs: OpInputs, oracle: dict) -> OpInputs:
     a few passes over the largest tensors (a K3 KDA state of 64 rows is 70 M float64 elements), which a
     GPU makes in milliseconds where one CPU thread per worker takes seconds, a dozen times a case."""
     dev = next((t.device for t in oracle.values() if isinstance(t, torch.Tensor)), None)
-    if dev is None or dev.type == "cpu":
-        return inputs
-    return OpInputs({k: v.to(dev) for k, v in inputs.tensors.items()}, dict(inputs.params))
+    return inputs if dev is None else on_device(inputs, dev)
 
 
 def derived_vacuity(op: OpDef, spec: ToleranceSpec, oracle: dict) -> str | None:

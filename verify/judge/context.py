@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from verify.judge.calls import bitwise_same, run_plain, to_oracle
+from verify.judge.calls import bitwise_same, on_device, run_plain, to_oracle
 from verify.judge.classes import derived_vacuity, judge_outputs
 from verify.model.case import Case
 from verify.model.opdef import OpDef, OpInputs
@@ -67,6 +67,16 @@ class CaseContext:
         bad = [c for c in self.judge(results) if not c.ok]
         return Check(name, not bad, f"{where}: " + ("; ".join(f"{c.name}: {c.detail}" for c in bad) or "within tolerance"),
                      bad[0].metrics if bad else {}, bad[0].worst if bad else ())
+
+    def on_device(self, values: OpInputs) -> OpInputs:
+        """`values` on the case's device, copied once per case: the guards place and compare other
+        values device to device, as they do the case's own (the host copy stays the oracle's)."""
+        if values is self.inputs:
+            return self.dinputs
+        held = self.memo.get(("device", id(values)))
+        if held is None or held[0] is not values:       # held keeps values alive: its id is not reused
+            held = self.memo[("device", id(values))] = (values, on_device(values, self.device))
+        return held[1]
 
     def memoised(self, key: tuple, compute):
         if key not in self.memo:

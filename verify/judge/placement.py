@@ -46,14 +46,19 @@ class Guarded:
     view: torch.Tensor
     before: torch.Tensor      # the whole buffer's bits before the call
 
+    def changed_outside(self) -> torch.Tensor:
+        """How many elements of the buffer outside the view changed bits since the call, as a 0-d
+        tensor on the buffer's device (read with the other checks of a call in one transfer)."""
+        diff = _bits(self.buf) != _bits(self.before)     # buf is allocated contiguous: diff shares its strides
+        diff.as_strided(self.view.shape, self.view.stride(), self.view.storage_offset() - self.buf.storage_offset()).zero_()
+        return diff.sum()
+
     def outside_changed(self) -> int:
-        after = self.buf.clone()
-        before = self.before.clone()
-        for t in (after, before):
-            t.as_strided(self.view.shape, self.view.stride(), self.view.storage_offset()).zero_()
-        if after.is_floating_point():
-            return int((after.view(_int_like(after)) != before.view(_int_like(before))).sum())
-        return int((after != before).sum())
+        return int(self.changed_outside())
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_int_like(t)) if t.is_floating_point() else t
 
 
 def _int_like(t: torch.Tensor) -> torch.dtype:
@@ -287,21 +292,25 @@ def _strides(t: torch.Tensor) -> tuple:
 
 def check_inputs_and_canaries(op, guarded: dict[str, Guarded], originals: dict[str, torch.Tensor],
                               out_buffers: dict[str, Guarded]) -> list[Check]:
-    mutated, stomped = [], []
+    """guard:inputs_unchanged (every non-state input bit-identical to its original after the call) and
+    guard:canaries (nothing written outside a tensor). Every count stays on the device until one
+    transfer reads them all: a device-wide wait per tensor would serialise runs sharing the GPU."""
+    counts: list[tuple[str, str, torch.Tensor]] = []         # (kind, name, count of differing elements)
+    mutated = []
     for name, g in guarded.items():
         if name not in op.state:
             orig = originals[name].to(g.view.device)
-            same = torch.equal(g.view.view(_int_like(g.view)) if g.view.is_floating_point() else g.view,
-                               orig.view(_int_like(orig)) if orig.is_floating_point() else orig)
-            if not same:
+            if orig.shape != g.view.shape or orig.dtype != g.view.dtype:
                 mutated.append(name)
-        n = g.outside_changed()
-        if n:
-            stomped.append(f"{name} ({n} elements)")
+            else:
+                counts.append(("mutated", name, (_bits(g.view) != _bits(orig)).sum()))
+        counts.append(("stomped", name, g.changed_outside()))
     for name, g in out_buffers.items():
-        n = g.outside_changed()
-        if n:
-            stomped.append(f"out {name} ({n} elements)")
+        counts.append(("stomped", f"out {name}", g.changed_outside()))
+    read = torch.stack([c.to(torch.int64) for _, _, c in counts]).tolist() if counts else []
+    mutated += [name for (kind, name, _), n in zip(counts, read) if kind == "mutated" and n]
+    stomped = [f"{name} ({n} elements)" for (kind, name, _), n in zip(counts, read) if kind == "stomped" and n]
+    mutated = [n for n in guarded if n in mutated]          # signature order
     return [
         Check("guard:inputs_unchanged", not mutated,
               f"inputs modified in place: {', '.join(mutated)}" if mutated else "all inputs bit-identical after the call"),

@@ -12,7 +12,6 @@ the few holding the slow ops worked on.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -21,7 +20,7 @@ from pathlib import Path
 
 from verify.model.verdict import FAIL, XPASS, CaseVerdict
 from verify.ops.registry import get_op
-from verify.plan.plan import PLAN_NAME, Plan, PlannedCase, load
+from verify.plan.plan import PLAN_NAME, Plan, PlannedCase, case_of, load
 from verify.run import runlog
 from verify.run.runner import InProcess, Judged, RunConfig, judge_cases
 
@@ -114,9 +113,8 @@ def _locality(pc: PlannedCase) -> tuple:
     traces for about a second per static configuration and every process keeps its own cache: walked
     in plan order, each of 16 children compiled most of an op's keys. The plan and the verdicts are the
     same either way; only which child judges which case changes."""
-    c = json.loads(pc.case)
-    return (pc.op, pc.candidate, c.get("config", ""), c.get("dtype", ""), c.get("tp", 1), c.get("batch", 0),
-            pc.index)
+    c = case_of(pc)
+    return pc.op, pc.candidate, c.config, c.dtype, c.tp, c.batch, pc.index
 
 
 def _claimed(todo: list[PlannedCase], claims: Path, start: int):

@@ -149,7 +149,8 @@ def check(ctx) -> list[Check]:
            cuda_graph_check(ctx.fn, ctx.op, ctx.dinputs, ctx.first, ctx.device)]
     other = ctx.refreshed()
     if other is not None:
-        out.append(stream_order_check(ctx.fn, ctx.op, ctx.dinputs, other[1], ctx.base, ctx.first, ctx.device))
-        out.append(concurrent_check(ctx.fn, ctx.op, ctx.dinputs, other[1], ctx.base, ctx.first, ctx.device,
+        other = ctx.on_device(other[1])          # placed from the device, as this case's values are
+        out.append(stream_order_check(ctx.fn, ctx.op, ctx.dinputs, other, ctx.base, ctx.first, ctx.device))
+        out.append(concurrent_check(ctx.fn, ctx.op, ctx.dinputs, other, ctx.base, ctx.first, ctx.device,
                                     ctx.reference))
     return out

@@ -26,11 +26,12 @@ def refreshed_inputs(ctx) -> list[Check]:
     if judged is None:
         return [Check(name, True, "not run: the other seed's case is vacuous")]
     inputs64_2, oracle2, base2 = judged
-    placed = Placed(ctx.fn, ctx.op, ctx.inputs, base2, ctx.device)
+    placed = Placed(ctx.fn, ctx.op, ctx.dinputs, base2, ctx.device)
+    new = ctx.on_device(inputs2)
     try:
         placed.call(ctx.fn, ctx.inputs.params)
         for k, g in placed.inputs.items():     # through .data: no _version bump, as a graph replay,
-            g.view.data.copy_(inputs2.tensors[k].to(ctx.device))   # a DLPack or IPC alias writes
+            g.view.data.copy_(new.tensors[k])  # a DLPack or IPC alias writes
         for g in placed.outs.values():
             g.view.fill_(placement.poison_value(g.view.dtype))
         returned = placed.call(ctx.fn, inputs2.params)
@@ -52,7 +53,7 @@ def stale_or_wrong(ctx, name: str, values: OpInputs, judged, bad: list[Check], l
     wrong on these values? A first call on them in fresh buffers tells which. `later` says what the
     failed call was, `values_are` what the values are."""
     inputs64_2, oracle2, base2 = judged
-    fresh = guarded_call(ctx.fn, ctx.op, values, base2, ctx.device)
+    fresh = guarded_call(ctx.fn, ctx.op, ctx.on_device(values), base2, ctx.device)
     fresh_ok = not fresh.error and all(c.ok for c in fresh.checks)
     if fresh_ok:
         plain = [c for c in ctx.judge(fresh.results, oracle2, base2, values, inputs64_2) if not c.ok]
@@ -86,7 +87,7 @@ def warmed_up(ctx) -> list[Check]:
             placed.call(ctx.fn, ctx.dinputs.params)
     except Exception as e:  # the candidate's own failure is a verdict
         return [Check(name, False, f"one of {WARMUP_CALLS} calls of the same shape raised {one_line(e)}")]
-    after = guarded_call(ctx.fn, ctx.op, inputs2, base2, ctx.device)
+    after = guarded_call(ctx.fn, ctx.op, ctx.on_device(inputs2), base2, ctx.device)
     if after.error:
         return [Check(name, False, f"after {WARMUP_CALLS} calls of the same shape, a call raised {after.error}")]
     bad = [c for c in after.checks if not c.ok]

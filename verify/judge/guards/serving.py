@@ -77,16 +77,17 @@ def partial_refresh(ctx) -> list[Check]:
     judged = ctx.judged_on(mixed, ("mixed",))
     if judged is None:
         return [Check(name, True, "not run: the partly rewritten case is vacuous")]
-    placed = Placed(ctx.fn, op, ctx.inputs, judged[2], ctx.device)
+    placed = Placed(ctx.fn, op, ctx.dinputs, judged[2], ctx.device)
     try:
         placed.call(ctx.fn, ctx.inputs.params)
     except Exception as e:  # the candidate's own failure is a verdict
         return [Check(name, False, f"the first call raised {one_line(e)}")]
+    new = ctx.on_device(mixed)
     for k, g in placed.inputs.items():
         if k in op.state:                      # the first call moved the state: the mix's, whole
-            g.view.data.copy_(mixed.tensors[k].to(ctx.device))
+            g.view.data.copy_(new.tensors[k])
         elif k in changed:                     # rows 1..n-2 only, as a streamed weight sync writes
-            g.view.data[1:-1].copy_(mixed.tensors[k][1:-1].to(ctx.device))
+            g.view.data[1:-1].copy_(new.tensors[k][1:-1])
     return [_second_call(ctx, name, placed, mixed, judged,
                          f"new values written into rows 1..n-2 of {', '.join(changed)} after a first call")]
 
@@ -100,7 +101,7 @@ def state_chain(ctx) -> list[Check]:
     if found is None:
         return [Check(name, True, "not run: no other step inputs with this case's shapes could be drawn")]
     step2 = found[1]
-    placed = Placed(ctx.fn, op, ctx.inputs, ctx.base, ctx.device)
+    placed = Placed(ctx.fn, op, ctx.dinputs, ctx.base, ctx.device)
     try:
         placed.call(ctx.fn, ctx.inputs.params)
     except Exception as e:  # the candidate's own failure is a verdict
@@ -115,7 +116,7 @@ def state_chain(ctx) -> list[Check]:
         return [Check(name, True, "not run: the chained step is vacuous")]
     for k, g in placed.inputs.items():
         if k not in op.state:
-            g.view.copy_(step2.tensors[k].to(ctx.device))
+            g.view.copy_(ctx.on_device(step2).tensors[k])
     return [_second_call(ctx, name, placed, chained, judged,
                          "a second step on the state the first call wrote, in the same buffers")]
 
