@@ -278,3 +278,21 @@ def test_cprofile_dir_writes_one_profile_per_case(tmp_path, monkeypatch):
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "profile_summary.py"), str(tmp_path / "prof"),
                           "--top", "5"], capture_output=True, text=True, check=True).stdout
     assert f"{len(dumps)} cases" in out and "evaluate_case" in out
+
+
+def test_a_gzipped_certificate_reads_as_the_plain_one(base_cert, tmp_path, capsys):
+    """results/ keeps certificates as .json.gz: check and diff read them as the plain file; a .gz
+    that is not gzip is a one-line error naming the file."""
+    import gzip
+
+    gz = tmp_path / "certificate.json.gz"
+    gz.write_bytes(gzip.compress(base_cert.read_bytes()))
+    assert certificate.load(gz) == certificate.load(base_cert)
+    assert main(["diff", str(base_cert), str(gz)]) == 0
+    capsys.readouterr()
+    bad = tmp_path / "broken.json.gz"
+    bad.write_bytes(base_cert.read_bytes())             # JSON text under a .gz name
+    got = subprocess.run([sys.executable, "-m", "verify.cli", "check", str(bad)], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert got.returncode == 2 and "cannot read it" in got.stderr and len(got.stderr.strip().splitlines()) == 1, \
+        got.stderr

@@ -37,12 +37,17 @@ padding:2px 6px;font-size:13px}.pass{background:#dafbe1}.fail{background:#ffebe9
 
 
 def _png(fig) -> str:
+    """The figure as a base64 PNG of at most 64 colours (a line plot needs no more), so a page that
+    embeds one per op stays a few hundred KB and can be kept beside the record."""
     import matplotlib.pyplot as plt
+    from PIL import Image
 
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=72, bbox_inches="tight")
     plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode()
+    small = io.BytesIO()
+    Image.open(io.BytesIO(buf.getvalue())).convert("RGB").quantize(colors=64).save(small, format="PNG", optimize=True)
+    return base64.b64encode(small.getvalue()).decode()
 
 
 def plots(rec: dict, cache: dict | None = None) -> list[tuple[str, str]]:

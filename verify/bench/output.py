@@ -5,6 +5,8 @@ import datetime as _dt
 import json
 from pathlib import Path
 
+from verify.record.files import read_text
+
 FORMAT = "verify-kernels/bench/v1"
 FILE = "bench.json"
 
@@ -29,8 +31,8 @@ def write(rec: dict, out_dir: str | Path) -> Path:
 def load(path: str | Path) -> dict:
     p = Path(path)
     try:
-        rec = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        rec = json.loads(read_text(p))
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"bench record {p}: cannot read it: {e}") from None
     if not isinstance(rec, dict) or rec.get("format") != FORMAT:
         raise ValueError(f"bench record {p}: format {rec.get('format') if isinstance(rec, dict) else None!r} "
@@ -43,8 +45,8 @@ def load(path: str | Path) -> dict:
 def is_bench(path: str | Path) -> bool:
     """True when the file is a bench record (by its format field), so `diff` can tell it from a certificate."""
     try:
-        return json.loads(Path(path).read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
+        return json.loads(read_text(path)).get("format") == FORMAT
+    except (OSError, EOFError, ValueError, AttributeError):
         return False
 
 

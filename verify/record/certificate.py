@@ -15,6 +15,7 @@ from importlib import metadata
 from pathlib import Path
 
 from verify.model.opdef import OpDef
+from verify.record.files import read_text
 from verify.model.specs import SPEC_DIR
 from verify.model.verdict import OpVerdict
 
@@ -270,8 +271,8 @@ def write(cert: dict, out_dir: Path) -> Path:
 def load(path: str | Path) -> dict:
     p = Path(path)
     try:
-        cert = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        cert = json.loads(read_text(p))
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"certificate {p}: cannot read it: {e}") from None
     if not isinstance(cert, dict):
         raise ValueError(f"certificate {p}: a JSON object is expected, not {type(cert).__name__}")
