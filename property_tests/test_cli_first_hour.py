@@ -65,8 +65,11 @@ def test_ctrl_c_keeps_the_results_and_names_the_resume_command(tmp_path):
     cmd = [sys.executable, "-m", "verify.cli", "run", "--ops", "kda_layer", "--candidate", "reference",
            "--examples", "200", "--out", str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # A shell starts background jobs with SIGINT ignored, and Python keeps an ignored SIGINT ignored:
+    # the suite run with `&` or nohup would hand that to the CLI, which then never sees the ^C. A
+    # terminal's foreground job has the default disposition; give the CLI that.
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     log = tmp_path / "run.jsonl"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not (log.exists() and '"kind":"case"' in log.read_text()):
