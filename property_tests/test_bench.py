@@ -658,3 +658,44 @@ def test_ncu_child_keeps_the_command_with_its_own_out():
     argv = ["bench", "--ops", "router_topk", "--out", "x", "--profile-kernels", "ncu"]
     assert profile._with_out(argv, "x/profile") == ["bench", "--ops", "router_topk", "--profile-kernels", "ncu",
                                                     "--out", "x/profile"]
+
+
+def test_variants_are_timed_beside_the_dispatchers_pick_and_the_slower_picks_are_named(tmp_path):
+    """--variants: each declared launch variant timed on the same sets, unjudged; the row names the
+    fastest and the dispatcher's ratio to it; the report lists picks over SLOWER_PICK x the fastest."""
+    import io
+
+    from rich.console import Console
+
+    from property_tests.user_kernels import gemm_variants as gv
+    from verify.bench.shapes import Shape
+
+    op, rows = get_op("skinny_gemm"), []
+    for b in (2, 16):
+        inputs = op.make_inputs(Case("skinny_gemm", 0, b, "tiny", "bfloat16", "normal"))
+        allowed = {"fused": gv.skinny_gemm}
+        rows.append(run.bench_shape(op, Shape("skinny_gemm", 1, b), inputs, {"fused": run._op_launch(gv.skinny_gemm)},
+                                    {}, ["fused"], FakeClock(), "cpu", timing_kw=FAST,
+                                    variants=run.variant_makers(allowed, inputs)))
+    assert set(rows[0]["variant_timings"]) == {"fused@m1", "fused@m8", "fused@m64"}
+    assert list(rows[0]["timings"]) == ["fused"] and list(rows[0]["judged"]) == ["fused"]   # variants unjudged
+    v2, v16 = rows[0]["variants"]["fused"], rows[1]["variants"]["fused"]
+    assert v2["fastest"] == "m8" and v2["timed"] == 3
+    assert v2["dispatcher_over_fastest"] == pytest.approx(0.004 / 0.0015, rel=0.01)    # m1 picked at M = 2
+    assert v16["fastest"] == "m8" and v16["dispatcher_over_fastest"] == pytest.approx(0.002 / 0.0015, rel=0.01)
+    rec = {"rows": rows, "refused": [], "absent": [], "scores": {}, "not_reached": []}
+    buf = io.StringIO()
+    output.print_report(Console(file=buf, width=300), rec, tmp_path / "bench.json")
+    text = buf.getvalue()
+    assert "variant skinny_gemm T=1 B=2 fused: dispatcher" in text and "fastest of 3 variants m8" in text
+    assert "variants: at 0 of 2 shapes the dispatcher's pick is within 1.05x of the fastest" in text
+    md = output.markdown(rec | {"created": "x"})
+    assert "| skinny_gemm | T=1 B=16 | fused |" in md and "| m8 |" in md
+
+
+def test_variants_of_a_module_that_declares_none_add_nothing():
+    op = get_op("skinny_gemm")
+    inputs = op.make_inputs(Case("skinny_gemm", 0, 2, "tiny", "bfloat16", "normal"))
+    from property_tests.user_kernels import gemm_ok
+
+    assert run.variant_makers({"mine": gemm_ok.skinny_gemm, "eager": gemm_ok.skinny_gemm}, inputs) == {}

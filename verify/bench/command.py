@@ -31,6 +31,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="verdicts to gate on, comma-separated files (default: certify the quick profile first)")
     p.add_argument("--profile-kernels", default=None, choices=["ncu", "torch"],
                    help="also profile each timed entry once: Nsight Compute, or torch.profiler tables")
+    p.add_argument("--variants", action="store_true",
+                   help="also time every launch variant a candidate's module declares (variants(tensors, params)) "
+                        "at each shape, beside the one its dispatcher picks: which is fastest, by how much")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="stop starting new shapes after S seconds (shapes run in rounds of one batch size of every "
                         "op, so a cut keeps a spread of batches for each); the rest are listed")
@@ -146,11 +149,12 @@ def _bench(args, ops, labels, tps, batches, certs, out, argv, device: str = "cud
         for x in gate.refused:
             console.print(f"[bold red]refused[/] {x['op']} / {x['candidate']}: {x['state']}: {x['reason']}")
         plan = run.Plan(ops=[o for o in ops if o.name in gate.applies], candidates=gate.applies,
-                        allowed=gate.allowed, tps=tps, batches=batches, device=device, budget_s=args.time_budget)
+                        allowed=gate.allowed, tps=tps, batches=batches, device=device, budget_s=args.time_budget,
+                        variants=getattr(args, "variants", False))
         hook = {"torch": prof.torch_profiler(out), "ncu": prof.nvtx_marker()}.get(args.profile_kernels)
         options = {"ops": [o.name for o in plan.ops], "candidates": labels, "tp": tps, "batch": batches,
                    "certificate": certs or None, "profile_kernels": args.profile_kernels,
-                   "time_budget": args.time_budget}
+                   "time_budget": args.time_budget, "variants": getattr(args, "variants", False)}
         saver = _Saver(out, environment(device) | bench_versions(), argv, options, gate, labels)
         from verify.bench import shapes
 

@@ -119,6 +119,20 @@ def not_reached_by_reason(rec: dict) -> dict[str, list[str]]:
     return out
 
 
+SLOWER_PICK = 1.05       # a dispatcher's pick this much slower than the fastest declared variant is listed
+
+
+def variant_rows(rec: dict) -> list[tuple[str, str, str, dict]]:
+    """(op, shape, candidate, summary) of every row timed with --variants (run.fastest_variants)."""
+    return [(r["op"], r["shape"], c, v) for r in rec["rows"] for c, v in r.get("variants", {}).items()]
+
+
+def _variant_line(op, shape, c, v) -> str:
+    pick = "-" if v["dispatcher_us"] is None else f"{v['dispatcher_us']:.2f}"
+    ratio = "" if v["dispatcher_over_fastest"] is None else f" ({v['dispatcher_over_fastest']:.2f}x)"
+    return f"{op} {shape} {c}: dispatcher {pick} us, fastest of {v['timed']} variants {v['fastest']} {v['fastest_us']:.2f} us{ratio}"
+
+
 def print_report(console, rec: dict, out_path) -> None:
     """Tables, then what went wrong (errors, refusals, budget), then the scores; one line per item."""
     for t in tables(rec):
@@ -138,6 +152,13 @@ def print_report(console, rec: dict, out_path) -> None:
         for c, j in r["judged"].items():
             if j["verdict"] == "miss":
                 console.print(f"miss {r['op']} {r['shape']} {c}: " + "; ".join(j["misses"]))
+    vrows = variant_rows(rec)
+    slow = [x for x in vrows if (x[3]["dispatcher_over_fastest"] or 0) > SLOWER_PICK]
+    for x in slow:
+        console.print("variant " + _variant_line(*x))
+    if vrows:
+        console.print(f"variants: at {len(vrows) - len(slow)} of {len(vrows)} shapes the dispatcher's pick is within "
+                      f"{SLOWER_PICK:g}x of the fastest declared variant")
     for x in rec["refused"]:
         console.print(f"[bold red]refused[/] {x['op']} / {x['candidate']}: {x['state']}: {x['reason']}")
     for x in rec["absent"]:
@@ -173,6 +194,16 @@ def markdown(rec: dict) -> str:
         head, body = _op_table(rec, op)
         lines += [f"### {op}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(cells) + " |" for cells in body]
+        lines.append("")
+    vrows = variant_rows(rec)
+    if vrows:
+        lines += ["Launch variants (`--variants`): the dispatcher's pick against the fastest variant the module "
+                  "declares at each shape.", "", "| op | shape | candidate | dispatcher us | fastest variant | us | "
+                  "dispatcher / fastest |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {op} | {shape} | {c} | " + ("-" if v["dispatcher_us"] is None else f"{v['dispatcher_us']:.2f}")
+                  + f" | {v['fastest']} | {v['fastest_us']:.2f} | "
+                  + ("-" if v["dispatcher_over_fastest"] is None else f"{v['dispatcher_over_fastest']:.2f}x") + " |"
+                  for op, shape, c, v in vrows]
         lines.append("")
     misses = [f"- {r['op']} {r['shape']} {c}: " + "; ".join(j["misses"])
               for r in rec["rows"] for c, j in r["judged"].items() if j["verdict"] == "miss"]

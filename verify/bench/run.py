@@ -29,6 +29,7 @@ class Plan:
     device: str = "cuda"
     budget_s: float | None = None
     notes: dict[str, list[str]] = field(default_factory=dict)
+    variants: bool = False                      # also time each candidate's declared launch variants
 
 
 def _op_launch(fn):
@@ -67,6 +68,37 @@ def entries_for(op, allowed: dict[str, Callable], device: str = "cuda"
     if device == "cuda":
         parallel_compile()
     return makers, errors, whole
+
+
+def variant_makers(allowed: dict[str, Callable], inputs) -> dict[str, tuple[str, Callable]]:
+    """"LABEL@VARIANT" -> (candidate label, input set -> launch) for every launch variant the module of
+    each allowed candidate declares at this shape (`variants(tensors, params)`, the declaration the
+    certification judges every variant by: verify.judge.pipeline.launch_variants)."""
+    from verify.judge.pipeline import launch_variants
+
+    out = {}
+    for label, fn in allowed.items():
+        if label in (EAGER, COMPILED, "reference"):
+            continue
+        for prefix, launch in launch_variants(fn, inputs)[1:]:
+            name = prefix.removeprefix("variant ").removesuffix(": ")
+            out[f"{label}@{name}"] = (label, (lambda f: lambda s: (lambda: f(**s.tensors, **s.params)))(launch))
+    return out
+
+
+def fastest_variants(row: dict) -> None:
+    """row["variants"][label]: the fastest of the label's variants timed here, its median, the
+    dispatcher's (the candidate's own entry) and their ratio (> 1: the dispatcher's pick is slower)."""
+    med = {k: v.get("median_us") for k, v in row.get("variant_timings", {}).items()}
+    for label in row["candidates"]:
+        mine = {k.split("@", 1)[1]: us for k, us in med.items() if k.startswith(label + "@") and us is not None}
+        pick = row["timings"].get(label, {}).get("median_us")
+        if not mine:
+            continue
+        best = min(mine, key=mine.get)
+        row.setdefault("variants", {})[label] = {
+            "fastest": best, "fastest_us": mine[best], "dispatcher_us": pick, "timed": len(mine),
+            "dispatcher_over_fastest": None if pick is None else round(pick / mine[best], 3)}
 
 
 def parallel_compile() -> None:
@@ -113,13 +145,14 @@ def _note_failure(failures: dict, name: str, err: str | None) -> None:
 
 def bench_shape(op, shape, inputs, makers: dict, errors: dict, candidates: list[str], clock, device: str,
                 profile: Callable | None = None, timing_kw: dict | None = None, checks: dict | None = None,
-                failures: dict | None = None) -> dict:
+                failures: dict | None = None, variants: dict | None = None) -> dict:
     """One row: every entry timed over the same rotated sets, the floor, and each candidate judged;
     each whole-op peer in `checks` (name -> prepare) first run against the reference once.
 
     failures (kept by the caller across one op's shapes): an entry that failed with the same error at
     GIVE_UP_AFTER shapes in a row is not tried again (a compile that fails would cost its compile
-    time at every shape); its row says so."""
+    time at every shape); its row says so. variants (variant_makers): timed on the same sets into
+    row["variant_timings"], unjudged, and summarised by fastest_variants."""
     failures = {} if failures is None else failures
     nbytes = floor.declared_bytes(op, inputs)
     n_sets = timing.sets_needed(max(floor.input_bytes(inputs.tensors), nbytes or 0))
@@ -154,6 +187,14 @@ def bench_shape(op, shape, inputs, makers: dict, errors: dict, candidates: list[
                 err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
                 row["errors"][name] = err
             _note_failure(failures, name, err)
+        for name, (_, make) in (variants or {}).items():
+            try:
+                row.setdefault("variant_timings", {})[name] = timing.time_launches(
+                    [make(s) for s in sets], clock, **(timing_kw or {})).to_dict()
+            except Exception as e:  # noqa: BLE001  (a variant that cannot run at this shape: its error)
+                row["errors"][name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        if variants:
+            fastest_variants(row)
         if nbytes:
             try:
                 row["timings"][FLOOR] = timing.time_launches(floor.floor_launches(nbytes, n_sets, device), clock,
@@ -259,7 +300,8 @@ def bench_all(plan: Plan, clock, on_row: Callable[[dict, dict], None], profile: 
                 makers, errors, checks, failures = entries[op.name]
                 inputs = cache.inputs(op, shape, largest[op.name])
                 row = bench_shape(op, shape, inputs, makers, errors, cands, clock, plan.device, profile,
-                                  timing_kw, checks, failures)
+                                  timing_kw, checks, failures,
+                                  variant_makers(plan.allowed[op.name], inputs) if plan.variants else None)
             except Exception as e:  # noqa: BLE001  (inputs or a split that cannot be built: the row says so)
                 row = untimed_row(op, shape, cands, "")
                 row["errors"] = {"inputs": f"{type(e).__name__}: {e}"[:300]}
