@@ -182,6 +182,30 @@ def test_copy_half_moves_the_declared_traffic():
     assert 2 * floor.copy_half(12_845_056) == 12_845_056
 
 
+def test_both_floor_copies_move_the_bytes_and_the_faster_is_the_floor(monkeypatch):
+    """memcpy and the SM copy each write every byte of their destination from their source; the row's
+    floor is the faster of the two, with both kept."""
+    for kind in floor.FLOOR_KINDS:
+        (launch,) = floor.floor_launches(4096, 1, "cpu", kind)
+        src = launch.__defaults__[0]
+        src.copy_(torch.randint(0, 256, src.shape, dtype=torch.uint8).view(src.dtype) if src.dtype == torch.uint8
+                  else torch.randint(-2**31, 2**31 - 1, src.shape, dtype=torch.int32))
+        out = launch()
+        want = src if kind == "memcpy" else torch.bitwise_not(src)
+        assert torch.equal(out, want) and out.numel() * out.element_size() == floor.copy_half(4096), kind
+    with pytest.raises(ValueError, match="floor kind 'dma'"):
+        floor.floor_launches(4096, 1, "cpu", "dma")
+    fake_ms = {"memcpy": 0.003, "sm_copy": 0.002}
+    monkeypatch.setattr(floor, "floor_launches", lambda nbytes, n, device, kind: [lambda: fake_ms[kind]] * n)
+    op = get_op("skinny_gemm")
+    inputs = op.make_inputs(Case("skinny_gemm", 0, 2, "tiny", "bfloat16", "normal"))
+    row = run.bench_shape(op, shapes.Shape("skinny_gemm", 1, 2), inputs, {"fused": lambda s: (lambda: 0.001)}, {},
+                          ["fused"], FakeClock(), "cpu", timing_kw=FAST)
+    assert row["timings"]["floor"]["kind"] == "sm_copy" and row["timings"]["floor"]["median_us"] == pytest.approx(2.0)
+    assert row["floor_copies"] == {"memcpy": pytest.approx(3.0), "sm_copy": pytest.approx(2.0)}
+    assert row["judged"]["fused"]["floor_ratio"] == pytest.approx(0.5)
+
+
 # ------------------------------------------------------------------------------------ shapes
 @pytest.mark.parametrize("name", ["skinny_gemm", "router_topk", "attn_res_rmsnorm", "kda_decode", "mla_cache_write"])
 def test_a_smaller_batch_has_the_builders_shapes(name):
