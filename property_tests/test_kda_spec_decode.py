@@ -94,9 +94,9 @@ def contract_violations(verify, accept, d: dict, n_tokens: torch.Tensor, accepte
     y, t, conv_ckpt, state_ckpt = run_verify(verify, d, n_tokens)
     if not (_same(t["conv_state"], d["tensors"]["conv_state"]) and _same(t["state"], d["tensors"]["state"])):
         out.append("verify changed the committed state")
-    for b in range(n_tokens.shape[0]):
-        n, a = int(n_tokens[b]), int(accepted[b])
-        ys, css, ss = alone(d, b, n)
+    runs = [alone(d, b, int(n_tokens[b])) for b in range(n_tokens.shape[0])]   # accepted <= n_tokens
+    for b, (ys, css, ss) in enumerate(runs):
+        n = int(n_tokens[b])
         for i in range(n):
             if not _same(y[b, i], ys[i]):
                 out.append(f"sequence {b} token {i}: output differs from the token run alone")
@@ -114,7 +114,7 @@ def contract_violations(verify, accept, d: dict, n_tokens: torch.Tensor, accepte
     for b in range(n_tokens.shape[0]):
         a = int(accepted[b])
         want_cs, want_s = ((d["tensors"]["conv_state"][b], d["tensors"]["state"][b]) if a == 0
-                           else (lambda r: (r[1][a - 1], r[2][a - 1]))(alone(d, b, a)))
+                           else (runs[b][1][a - 1], runs[b][2][a - 1]))
         if not _same(t["conv_state"][b], want_cs):
             out.append(f"sequence {b}: committed conv state is not the one after its {a} accepted tokens")
         if not _same(t["state"][b], want_s):

@@ -50,11 +50,15 @@ def _check_verify_args(q_raw, beta_raw, n_tokens, conv_state, state, conv_ckpt, 
     return B, n_q
 
 
+def _first(bad: torch.Tensor) -> int | None:
+    """The first sequence whose count is out of range, or None (reads `bad` on the host)."""
+    return int(bad.nonzero()[0, 0]) if bool(bad.any()) else None
+
+
 def check_verify_counts(n_tokens: torch.Tensor, n_q: int) -> None:
     """Every sequence verifies 1..n_q tokens (reads n_tokens on the host)."""
-    bad = (n_tokens < 1) | (n_tokens > n_q)
-    if bool(bad.any()):
-        b = int(bad.nonzero()[0, 0])
+    b = _first((n_tokens < 1) | (n_tokens > n_q))
+    if b is not None:
         raise ValueError(f"n_tokens: sequence {b} verifies {int(n_tokens[b])} tokens; expected 1..{n_q} "
                          f"(the draft slots of q_raw)")
 
@@ -90,9 +94,8 @@ def kda_verify(q_raw: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tensor, g_
 
 def check_accept_counts(accepted: torch.Tensor, n_tokens: torch.Tensor) -> None:
     """Each sequence accepts 0..n_tokens of its verified tokens (reads both on the host)."""
-    bad = (accepted < 0) | (accepted > n_tokens)
-    if bool(bad.any()):
-        b = int(bad.nonzero()[0, 0])
+    b = _first((accepted < 0) | (accepted > n_tokens))
+    if b is not None:
         raise ValueError(f"accepted: sequence {b} accepts {int(accepted[b])} tokens of the {int(n_tokens[b])} "
                          f"it verified; expected 0..{int(n_tokens[b])}")
 

@@ -127,10 +127,16 @@ def variant_rows(rec: dict) -> list[tuple[str, str, str, dict]]:
     return [(r["op"], r["shape"], c, v) for r in rec["rows"] for c, v in r.get("variants", {}).items()]
 
 
+def _variant_cells(v: dict) -> tuple[str, str]:
+    """(the dispatcher's us, its ratio to the fastest variant), "-" where not timed."""
+    return ("-" if v["dispatcher_us"] is None else f"{v['dispatcher_us']:.2f}",
+            "-" if v["dispatcher_over_fastest"] is None else f"{v['dispatcher_over_fastest']:.2f}x")
+
+
 def _variant_line(op, shape, c, v) -> str:
-    pick = "-" if v["dispatcher_us"] is None else f"{v['dispatcher_us']:.2f}"
-    ratio = "" if v["dispatcher_over_fastest"] is None else f" ({v['dispatcher_over_fastest']:.2f}x)"
-    return f"{op} {shape} {c}: dispatcher {pick} us, fastest of {v['timed']} variants {v['fastest']} {v['fastest_us']:.2f} us{ratio}"
+    pick, ratio = _variant_cells(v)
+    return (f"{op} {shape} {c}: dispatcher {pick} us, fastest of {v['timed']} variants {v['fastest']} "
+            f"{v['fastest_us']:.2f} us" + ("" if ratio == "-" else f" ({ratio})"))
 
 
 def print_report(console, rec: dict, out_path) -> None:
@@ -200,9 +206,8 @@ def markdown(rec: dict) -> str:
         lines += ["Launch variants (`--variants`): the dispatcher's pick against the fastest variant the module "
                   "declares at each shape.", "", "| op | shape | candidate | dispatcher us | fastest variant | us | "
                   "dispatcher / fastest |", "|---|---|---|---|---|---|---|"]
-        lines += [f"| {op} | {shape} | {c} | " + ("-" if v["dispatcher_us"] is None else f"{v['dispatcher_us']:.2f}")
-                  + f" | {v['fastest']} | {v['fastest_us']:.2f} | "
-                  + ("-" if v["dispatcher_over_fastest"] is None else f"{v['dispatcher_over_fastest']:.2f}x") + " |"
+        lines += ["| {} | {} | {} | {} | {} | {:.2f} | {} |".format(op, shape, c, _variant_cells(v)[0], v["fastest"],
+                                                                  v["fastest_us"], _variant_cells(v)[1])
                   for op, shape, c, v in vrows]
         lines.append("")
     misses = [f"- {r['op']} {r['shape']} {c}: " + "; ".join(j["misses"])

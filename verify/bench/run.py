@@ -70,8 +70,8 @@ def entries_for(op, allowed: dict[str, Callable], device: str = "cuda"
     return makers, errors, whole
 
 
-def variant_makers(allowed: dict[str, Callable], inputs) -> dict[str, tuple[str, Callable]]:
-    """"LABEL@VARIANT" -> (candidate label, input set -> launch) for every launch variant the module of
+def variant_makers(allowed: dict[str, Callable], inputs) -> dict[str, Callable]:
+    """"LABEL@VARIANT" -> (input set -> launch) for every launch variant the module of
     each allowed candidate declares at this shape (`variants(tensors, params)`, the declaration the
     certification judges every variant by: verify.judge.pipeline.launch_variants)."""
     from verify.judge.pipeline import launch_variants
@@ -82,7 +82,7 @@ def variant_makers(allowed: dict[str, Callable], inputs) -> dict[str, tuple[str,
             continue
         for prefix, launch in launch_variants(fn, inputs)[1:]:
             name = prefix.removeprefix("variant ").removesuffix(": ")
-            out[f"{label}@{name}"] = (label, (lambda f: lambda s: (lambda: f(**s.tensors, **s.params)))(launch))
+            out[f"{label}@{name}"] = _op_launch(launch)
     return out
 
 
@@ -122,6 +122,11 @@ def _device_sets(inputs, n: int, device: str) -> list:
     first = OpInputs({k: v.to(device) for k, v in inputs.tensors.items()}, dict(inputs.params))
     return [first] + [OpInputs({k: v.clone() for k, v in first.tensors.items()}, dict(first.params))
                       for _ in range(n - 1)]
+
+
+def _error_line(e: Exception) -> str:
+    """An entry's error for its row: the type and the message's first line, at most 300 characters."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
 
 GIVE_UP_AFTER = 2       # an entry that failed with the same error at this many shapes in a row is not tried again
@@ -184,15 +189,14 @@ def bench_shape(op, shape, inputs, makers: dict, errors: dict, candidates: list[
                 if profile is not None:
                     profile(op.name, shape.label, name, launches)
             except Exception as e:  # noqa: BLE001  (one entry's failure is its row's error)
-                err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-                row["errors"][name] = err
+                err = row["errors"][name] = _error_line(e)
             _note_failure(failures, name, err)
-        for name, (_, make) in (variants or {}).items():
+        for name, make in (variants or {}).items():
             try:
                 row.setdefault("variant_timings", {})[name] = timing.time_launches(
                     [make(s) for s in sets], clock, **(timing_kw or {})).to_dict()
             except Exception as e:  # noqa: BLE001  (a variant that cannot run at this shape: its error)
-                row["errors"][name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                row["errors"][name] = _error_line(e)
         if variants:
             fastest_variants(row)
         if nbytes:

@@ -15,9 +15,9 @@ from importlib import metadata
 from pathlib import Path
 
 from verify.model.opdef import OpDef
-from verify.record.files import read_text
 from verify.model.specs import SPEC_DIR
 from verify.model.verdict import OpVerdict
+from verify.record.files import read_text
 
 ROOT = Path(__file__).resolve().parents[2]
 FORMAT = "verify-kernels/certificate/v1"
