@@ -92,6 +92,17 @@ WGMMA_DEFAULTS: dict[tuple[int, int], tuple[int, dict[int, tuple]]] = {
     (7168, 1536): (2, {8: (64, 1), 16: (64, 1), 32: (64, 1), 64: (64, 1)}),
     (3584, 7168): (3, {p: (64, 1, "cpush") for p in wgmma.M_PADS}),
     (896, 7168): (2, {p: (64, 1, "cpush", 8) for p in wgmma.M_PADS}),
+    # The column-split shapes of one rank (T = 1, 8, 16: g_proj, latent_up, o_proj): the fastest
+    # shipped variant of each bucket timed beside the SIMT buckets by `bench --variants` on the H200.
+    # Not listed, where no wgmma variant beat the SIMT kernel at any M: 448 and 224 columns of K = 7168
+    # (latent_down), 448 of K = 3584 (latent_up at T = 16).
+    (12288, 7168): (3, {8: (64, 1), 16: (64, 2), 32: (64, 2), 64: (64, 2)}),
+    (1536, 7168): (5, {p: (64, 1) for p in wgmma.M_PADS}),
+    (768, 7168): (5, {p: (64, 1) for p in wgmma.M_PADS}),
+    (7168, 3584): (2, {p: (64, 1) for p in wgmma.M_PADS}),
+    (896, 3584): (9, {p: (64, 1) for p in wgmma.M_PADS}),
+    (896, 12288): (5, {p: (64, 1) for p in wgmma.M_PADS}),
+    (448, 12288): (5, {p: (64, 1) for p in wgmma.M_PADS}),
 }
 
 

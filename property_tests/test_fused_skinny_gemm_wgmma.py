@@ -35,6 +35,32 @@ def test_wgmma_variants_listed_and_compile_m64(K, N):
         assert runtime.compile_for_cpu_check("skinny_gemm", "bfloat16", "bfloat16", N, K, cfg) is not None
 
 
+# One rank's column-split shapes (K, N) at T = 1, 8, 16 that have a WGMMA_DEFAULTS entry of their own.
+RANK_SHAPES = [(7168, 12288), (7168, 1536), (7168, 768), (3584, 7168), (3584, 896), (12288, 896), (12288, 448)]
+
+
+@pytest.mark.parametrize("K,N", RANK_SHAPES, ids=[f"{k}to{n}" for k, n in RANK_SHAPES])
+def test_per_rank_defaults_are_certified_variants_and_compile(K, N):
+    """At each per-rank shape with its own default, every M from the default's min_M to 64 is
+    dispatched to a wgmma variant that variants() lists (the harness certifies it) and that compiles
+    for sm_90a; below min_M the SIMT kernel."""
+    import torch
+
+    from fused import skinny_gemm as sg
+    from fused.skinny_gemm_wgmma import SkinnyGemmWgmmaConfig
+    min_m = sg.WGMMA_DEFAULTS[(N, K)][0]
+    picks = set()
+    for M in range(1, 65):
+        cfg = sg.default_config(M, N, K)
+        assert isinstance(cfg, SkinnyGemmWgmmaConfig) == (M >= min_m), (M, cfg)
+        listed = sg.variants({"x": torch.empty(M, K, device="meta"), "w": torch.empty(N, K, device="meta")}, {})
+        assert cfg in listed, (M, cfg)
+        if isinstance(cfg, SkinnyGemmWgmmaConfig):
+            picks.add(cfg)
+    for cfg in sorted(picks, key=lambda c: c.m_pad):
+        assert runtime.compile_for_cpu_check("skinny_gemm", "bfloat16", "bfloat16", N, K, cfg) is not None
+
+
 @pytest.mark.parametrize("m_pad", [8, 16, 32])
 def test_wgmma_variants_compile_other_m_pads(m_pad):
     K, N = 7168, 896                                         # split-K path (counter + fold)
