@@ -6,10 +6,10 @@ query token j sees slots t < L - n_q + j + 1. All rows share the sequence's one 
 `SplitPartial`, grid (S, row tiles, B), 32 * m_atoms * WD threads. CTA (s, tile, b) takes 16 * m_atoms
 rows and split s of the sequence's pages: ceil(pages / S) pages each, so split boundaries are page
 aligned (references.mla.mla_decode_attn_split_kv's chunks). It walks its slots in tiles of N, each
-tile of N slots x C brought into shared memory once by cp.async (two stages, page ids read from the
-block table per slot row) and used by every row of the CTA. Warp (wm, wd) owns m16 row atom wm and
-output columns [wd * DW, (wd + 1) * DW), DW = min(D, 128), WD = D / DW. Per tile: the atom's scores
-S = Q K^T over C (mma.sync m16n8k16, fp32 accumulate), an online softmax in log2 units (scale * log2 e
+tile of N slots x C brought into shared memory once by cp.async (two stages; the tile's page ids read
+from the block table once, before its copies) and used by every row of the CTA. Warp (wm, wd) owns
+m16 row atom wm and output columns [wd * DW, (wd + 1) * DW), DW = min(D, 128), WD = D / DW. Per tile:
+the atom's scores S = Q K^T over C (mma.sync m16n8k16, fp32 accumulate), an online softmax in log2 units (scale * log2 e
 folded in, ex2.approx), and O += P V for the warp's columns with P rounded to the working dtype
 (FlashMLA's choice; the spec's k = 4). Only P and the operands are in the working dtype: scores, m,
 l, O and the split partials are fp32; fp16 P is exp2((x - m) + P_SHIFT) <= 2^15 (p_exponent) at any
@@ -86,7 +86,10 @@ class SplitPartial:
             raise ValueError(f"mla_decode_attn: path {path!r} is not one of {PATHS}")
         if C % VEC or D % 16 or n_tile % 16:
             raise ValueError(f"mla_decode_attn: C={C} must be a multiple of 8, kv_lora={D} of 16, tile {n_tile} of 16")
+        if page % n_tile and n_tile % page:
+            raise ValueError(f"mla_decode_attn: page {page} and tile {n_tile}: one must divide the other")
         self.dtype, self.C, self.D, self.page = dtype, C, D, page
+        self.pages_per_tile = max(1, n_tile // page)
         self.WM, self.N, self.direct = m_atoms, n_tile, direct
         self.DW = 128 if D % 128 == 0 else D
         self.WD = D // self.DW
@@ -197,12 +200,23 @@ class SplitPartial:
                                    self.dtype, num_bits_per_copy=128)
         gC = cute.zipped_divide(mCache, (1, 1, VEC))
         n_pages = mCache.shape[0]
+        # The tile's page ids, read once before its copies (PT independent loads): an id read per chunk
+        # put a dependent global load in front of every cp.async. t0 is a multiple of N from a page-aligned
+        # split start, so the tile starts a page (page <= N) or lies inside one (N divides page).
+        PT = self.pages_per_tile
+        pids = cute.make_rmem_tensor(cute.make_layout(PT), Int32)
+        for k in cutlass.range_constexpr(PT):
+            tk = cutlass.min(t0 + k * self.page, stop - 1)
+            pids[k] = cutlass.max(cutlass.min(mBT[b, tk // self.page], n_pages - 1), 0)
         for i in cutlass.range(tidx, self.N * self.Cc, self.threads):
             n, c = i // self.Cc, i % self.Cc
             dst = sKVc[None, stage * self.N * self.Cpc + _swz(n, c, self.Cpc)]
             t = t0 + n
             if t < stop:
-                pid = cutlass.max(cutlass.min(mBT[b, t // self.page], n_pages - 1), 0)
+                pid = pids[0]
+                for k in cutlass.range_constexpr(1, PT):
+                    if n >= k * self.page:
+                        pid = pids[k]
                 src = gC[None, (pid, t % self.page, c)]
                 cute.copy(atom, cute.make_tensor(src.iterator, cute.make_layout(VEC)), dst)
             else:
