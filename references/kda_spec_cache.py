@@ -22,8 +22,8 @@ Layouts (B sequences, n_q draft slots, C = H*Dh, the rest as references.kda.kda_
   base_conv     [B, 3, C, W-1] wd, base_state [B, H, Dh, Dh] fp32
 
 Every replay runs whole-batch kda_decode launches and keeps each sequence's rows by mask (rows past a
-sequence's count are computed and dropped), so the step never reads a tensor's values on the host and a
-sequence's bits are those of its tokens run one kda_decode launch each.
+sequence's count are computed and dropped), so a sequence's bits are those of its tokens run one
+kda_decode launch each; the one value read on the host is the longest replay's length.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ class KdaInputCache:
         conv, state = self.base_conv.clone(), self.base_state.clone()
         if not self.cache:
             return conv, state
-        for s in range(self._slots()):
+        for s in range(int(count.max())):                  # the longest replay (read on the host)
             token = {name: self.cache[name][:, s] for name in TOKEN_INPUTS}
             _, conv, state = self._step(token, conv, state, count > s)
         return conv, state

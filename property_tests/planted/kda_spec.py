@@ -12,19 +12,26 @@ from references.kda_spec import kda_accept, kda_verify
 from references.kda_spec_cache import KdaInputCache
 from verify.spec_decode.design import CheckpointDesign
 
-SPEC_DECODE_CATALOGUE: list[tuple[str, str, str]] = [
-    ("accept_off_by_one", "prefix", "commits the checkpoint of token a (one past the accepted prefix) where a < n"),
-    ("accept_conv_only", "accept-zero",
+SPEC_DECODE_CATALOGUE: list[tuple[str, frozenset, str]] = [
+    ("accept_off_by_one", frozenset({"prefix", "growth"}),
+     "commits the checkpoint of token a (one past the accepted prefix) where a < n"),
+    ("accept_conv_only", frozenset({"prefix", "accept-zero", "growth"}),
      "rolls the conv window back but leaves the recurrent state at the last verified token"),
-    ("checkpoints_before_update", "prefix", "writes each token's checkpoint from the state before its update"),
-    ("accept_neighbours_length", "prefix", "applies each sequence's accept length to its neighbour"),
-    ("input_cache_replay_skips_oldest", "growth",
+    ("checkpoints_before_update", frozenset({"prefix", "growth"}),
+     "writes each token's checkpoint from the state before its update"),
+    ("accept_neighbours_length", frozenset({"prefix", "accept-zero", "growth"}),
+     "applies each sequence's accept length to its neighbour"),
+    ("input_cache_replay_skips_oldest", frozenset({"prefix", "growth"}),
      "the input cache's replay starts at its second cached token, dropping the oldest"),
-    ("input_cache_writeback_early", "poison",
+    ("input_cache_writeback_early", frozenset({"prefix", "growth"}),                 # + poison where it lands at W-1
      "the input cache writes back with W-1 tokens cached, replaying the buffer's W slots (one past the prefix)"),
-    ("input_cache_writeback_drops_overshoot", "prefix",
+    ("input_cache_writeback_drops_overshoot", frozenset({"prefix", "growth"}),
      "the input cache writes back only the buffer's first W tokens when an accept filled it past W"),
+    ("accept_blends_by_arithmetic", frozenset({"poison"}),
+     "commits keep * checkpoint + (1 - keep) * state: right values, but a = 0 reads slot 0, past the prefix"),
 ]
+"""(name, the properties that must each report it, what the bug is). accept_blends_by_arithmetic is right
+in every value the clean copy shows, so only the poisoned twin (4) can see it."""
 
 
 # ---- per-token checkpoints (references.kda_spec) --------------------------------------------------
@@ -56,6 +63,13 @@ def _verify_checkpoints_before_update(**kw):
     return y
 
 
+def _accept_blends_by_arithmetic(accepted, n_tokens, conv_state, state, conv_ckpt, state_ckpt):
+    rows, slot = torch.arange(state.shape[0]), (accepted.long() - 1).clamp(min=0)
+    for now, ckpt in ((conv_state, conv_ckpt), (state, state_ckpt)):
+        keep = (accepted > 0).to(now.dtype).view(-1, *(1,) * (now.dim() - 1))
+        now.copy_(keep * ckpt[rows, slot] + (1 - keep) * now)
+
+
 def accept_off_by_one():
     return CheckpointDesign(accept_fn=_accept_off_by_one)
 
@@ -66,6 +80,10 @@ def accept_conv_only():
 
 def accept_neighbours_length():
     return CheckpointDesign(accept_fn=_accept_neighbours_length)
+
+
+def accept_blends_by_arithmetic():
+    return CheckpointDesign(accept_fn=_accept_blends_by_arithmetic)
 
 
 def checkpoints_before_update():
@@ -79,7 +97,7 @@ class _SkipsOldest(KdaInputCache):
         conv, state = self.base_conv.clone(), self.base_state.clone()
         if not self.cache:
             return conv, state
-        for s in range(1, self._slots()):                     # slot 0, the oldest cached token, never replayed
+        for s in range(1, int(count.max())):                  # slot 0, the oldest cached token, never replayed
             token = {name: self.cache[name][:, s] for name in self.cache}
             _, conv, state = self._step(token, conv, state, count > s)
         return conv, state
