@@ -42,8 +42,9 @@ def _validated(args):
     from verify.ops.kda import DECODE_MAX_BATCH
     from verify.spec_decode.contract import Drive
 
-    if args.steps < 1:
-        raise ValueError(f"--steps {args.steps}: must be 1 or more (the growth property wants 64 or more)")
+    if args.steps < 2:
+        raise ValueError(f"--steps {args.steps}: must be 2 or more (step 1 is where every sequence accepts 0; "
+                         f"the growth property wants 64 or more)")
     if not 1 <= args.batch <= DECODE_MAX_BATCH:
         raise ValueError(f"--batch {args.batch}: must be in 1..{DECODE_MAX_BATCH}")
     if not 1 <= args.n_q <= MAX_N_Q:
@@ -99,11 +100,13 @@ def cmd_spec_decode(args) -> int:
     first = {}
     for v in report.violations:
         first.setdefault(v.prop, v)
-    repros = {p: repro_command(args.design, drive, v.step + 1) for p, v in first.items()}
+    repros = {p: repro_command(args.design, drive, max(2, v.step + 1)) for p, v in first.items()}
     if args.json:
         print(json.dumps({
             "design": args.design, "drive": drive.__dict__, "ok": report.ok, "steps_run": report.steps_run,
-            "properties": {p: {"what": PROPERTIES[p], "ok": t.violations == 0, "checks": t.checks,
+            "unjudged": report.unjudged,
+            "properties": {p: {"what": PROPERTIES[p], "ok": t.violations == 0 and p not in report.unjudged,
+                               "checks": t.checks,
                                "violations": t.violations, "worst_ratio": t.worst_ratio, "worst_step": t.worst_step,
                                "repro": repros.get(p)} for p, t in report.tally.items()},
             "violations": [{"property": v.prop, "step": v.step, "sequence": v.sequence, "message": v.message}
@@ -116,7 +119,8 @@ def cmd_spec_decode(args) -> int:
             continue
         worst = f", worst err/tol {t.worst_ratio:.3g} (step {t.worst_step})" if t.worst_step is not None else ""
         found = f"; {t.violations} failing (step, sequence) findings" if t.violations else ""
-        print(f"{'PASS' if not t.violations else 'FAIL'} {p}: {PROPERTIES[p]}")
+        verdict = "FAIL" if t.violations else "NOT JUDGED" if p in report.unjudged else "PASS"
+        print(f"{verdict} {p}: {PROPERTIES[p]}")
         print(f"     {t.checks} checks{worst}{found}")
         shown = [x for x in report.violations if x.prop == p][:SHOWN]
         for v in shown:
@@ -129,5 +133,7 @@ def cmd_spec_decode(args) -> int:
         print(f"verdict: {args.design} meets the contract over {report.steps_run} steps")
         return EXIT_OK
     bad = [p for p, t in report.tally.items() if t.violations]
-    print(f"verdict: {args.design} FAILED {', '.join(bad)} (ran {report.steps_run} of {drive.steps} steps)")
+    unjudged = f"; not judged: {', '.join(report.unjudged)}" if report.unjudged else ""
+    print(f"verdict: {args.design} FAILED {', '.join(bad) or '-'}{unjudged} (ran {report.steps_run} of "
+          f"{drive.steps} steps)")
     return EXIT_FAIL

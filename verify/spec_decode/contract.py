@@ -97,8 +97,13 @@ class ContractReport:
     steps_run: int = 0
 
     @property
+    def unjudged(self) -> list[str]:
+        """Contract properties the drive never checked (it stopped early, or too few steps)."""
+        return [p for p, t in self.tally.items() if p != "run" and not t.checks]
+
+    @property
     def ok(self) -> bool:
-        return not any(t.violations for t in self.tally.values())
+        return not any(t.violations for t in self.tally.values()) and not self.unjudged
 
     def add(self, v: Violation) -> None:
         t = self.tally[v.prop]
