@@ -49,6 +49,15 @@ def test_planted_rollback_bugs_are_named_by_each_property_they_break(name, must,
         assert f"step {v.step}" in str(v) and (("err/tol" in v.message) or ("differ bitwise" in v.message))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_fused_kda_decode_one_token_at_a_time_meets_the_contract_on_gpu():
+    """The fused kernel judged as a design: one launch per draft token, checkpoints between them."""
+    report = check_contract(resolve_design("one-token:fused.kda_decode:kda_decode", "cuda"),
+                            Drive(config="small", batch=3, steps=64, device="cuda"))
+    assert report.ok, "\n".join(map(str, report.violations))
+
+
 def test_the_planted_input_cache_machinery_without_a_bug_passes():
     """_WritebackAt at the right length and count: the input-cache bugs are the bugs, not the subclass."""
     report = check_contract(resolve_design(f"{PLANTED}:input_cache_control"), Drive(config="tiny", batch=3, steps=16))

@@ -13,7 +13,10 @@ prefix (1)       After n_tokens drafted and `a` accepted, the outputs of the fir
                  tolerances (tolerance_specs/kda_decode.toml; the baseline is the same reference in the
                  working dtype from the same state): y of every verified token derived, the committed
                  conv_state bitwise, the committed state derived with its running-error magnitude
-                 (verify.ops.kda.decode_state_magnitude of the last accepted token).
+                 (verify.ops.kda.decode_state_magnitude of the last accepted token). The a accepted
+                 tokens are a steps of kda_decode: the baseline carries a steps of rounding as the
+                 candidate does, and kda_layer.toml's growth argument (below) keeps a candidate within
+                 k of the baseline per step within k of it after a steps; the floor is the last step's.
 accept-zero (2)  A sequence that accepts 0 tokens keeps its committed state bit for bit.
 growth (3)       Over the whole drive, against the float64 oracle run over the accepted tokens from the
                  first committed state, with the reference in the working dtype over the same tokens as
@@ -25,7 +28,9 @@ growth (3)       Over the whole drive, against the float64 oracle run over the a
                  a carried error never grows and each step adds one write's relative error; a candidate
                  within k = 4 of the baseline per step (kda_decode.toml) stays within k = 4 of the
                  baseline's own accumulated error at every step (the contraction carries both alike).
-                 Nothing is loosened: the same k and floors as the specs, judged by verify.judge.compare.
+                 Nothing is loosened: the same k and floors as the specs, judged by verify.judge.compare;
+                 as in judge_outputs, an output's bounds are those of its own dtype (the fp32 state takes
+                 recurrent_state's by_dtype.float32: k = 4, 16 ulps of the row maximum).
 poison (4)       A second copy of the design runs the same drive while the harness overwrites its
                  declared rollback storage past the accepted prefix (NaN, integer garbage) between its
                  verify and accept and again after the accept: its outputs and committed states must be
