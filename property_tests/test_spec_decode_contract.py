@@ -20,7 +20,7 @@ from verify.spec_decode.design import CheckpointDesign, resolve_design
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANTED = "property_tests.planted.kda_spec"
-CORRECT = ("checkpoints", "one-token", "input-cache")
+CORRECT = ("checkpoints", "one-token", "replay", "input-cache")
 
 
 def _failed(report) -> set[str]:
@@ -130,7 +130,8 @@ def test_cli_passes_a_correct_design_and_fails_a_planted_one_with_a_repro():
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--design", "nope"], "--design 'nope' is unknown; choose one of checkpoints, one-token, input-cache"),
+    (["--design", "nope"], "--design 'nope' is unknown; choose one of checkpoints, one-token, replay, input-cache"),
+    (["--design", "replay:references.kda:nothere"], "the kda_decode after 'replay:' does not import"),
     (["--design", "nomodule_xyz:make"], "cannot import module 'nomodule_xyz'"),
     (["--design", "references.kda:kda_decode"], "a kda_decode goes after 'one-token:'"),
     (["--design", "references.kda:QKV"], "is not callable"),

@@ -22,9 +22,9 @@ METHODS = ("begin", "verify", "accept", "committed", "rollback_buffers")
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--design", required=True,
-                   help="checkpoints | one-token | one-token:MODULE:ATTR (any kda_decode, e.g. "
-                        "fused.kda_decode:kda_decode) | input-cache | input-cache:W | MODULE:ATTR (a callable "
-                        "returning a design: begin, verify, accept, committed, rollback_buffers)")
+                   help="checkpoints | one-token[:MODULE:ATTR] | replay[:MODULE:ATTR] (over any kda_decode, e.g. "
+                        "fused.kda_decode:kda_decode) | input-cache[:W] | MODULE:ATTR (a callable returning a "
+                        "design: begin, verify, accept, committed, rollback_buffers)")
     p.add_argument("--config", default="tiny", choices=CONFIGS, help="model dimensions (default: tiny)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="working dtype (default: bfloat16)")
     p.add_argument("--steps", type=int, default=64, help="verify+accept steps (default: 64)")

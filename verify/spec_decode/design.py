@@ -30,7 +30,8 @@ copy.deepcopy, or with the design's fork() where it has one.
 Named designs (`resolve_design`): `checkpoints` (references.kda_spec: kda_verify + kda_accept),
 `one-token` (one kda_decode launch per draft token and a checkpoint after each, over the reference's
 kda_decode; `one-token:MODULE:ATTR` over any function with kda_decode's signature, e.g.
-fused.kda_decode:kda_decode), `input-cache` (references.kda_spec_cache, window 6; `input-cache:W`
+fused.kda_decode:kda_decode), `replay` (snapshot + replay: the draft runs on scratch copies, accept
+replays the accepted prefix; `replay:MODULE:ATTR` over any kda_decode), `input-cache` (references.kda_spec_cache, window 6; `input-cache:W`
 another window), or `MODULE:ATTR` naming a callable that returns a design (a class, a factory).
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch
 
 LAYER = ("conv_w", "A_log", "dt_bias", "o_norm_w")
 TOKEN_INPUTS = ("q_raw", "k_raw", "v_raw", "g_raw", "beta_raw", "z")
-NAMED = ("checkpoints", "one-token", "input-cache")
+NAMED = ("checkpoints", "one-token", "replay", "input-cache")
 
 
 class SpecDecodeDesign(Protocol):
@@ -126,6 +127,59 @@ def per_token_verify(decode: Callable) -> Callable:
     return verify
 
 
+def _step(decode: Callable, token: dict, layer: dict, params: dict, conv: torch.Tensor, state: torch.Tensor,
+          live: torch.Tensor):
+    """One `decode` launch over the batch from (conv, state): (y, conv, state), rows where live [B] is False
+    keeping their state."""
+    cs, st = conv.clone(), state.clone()
+    y = decode(**token, **layer, conv_state=cs, state=st, **params)
+    keep = live.view(-1, 1, 1, 1)
+    return y, torch.where(keep, cs, conv), torch.where(keep, st, state)
+
+
+class ReplayDesign:
+    """Snapshot + replay over any one-token step with kda_decode's signature: verify runs the draft from
+    the committed state on scratch copies and keeps the draft's inputs; accept replays each sequence's
+    accepted prefix from the committed state, one launch per token. The kept draft inputs [B, n_q, ...]
+    are the rollback storage (kept = 0: only the accepted prefix of the draft is read again)."""
+
+    def __init__(self, decode: Callable | None = None):
+        if decode is None:
+            from references.kda import kda_decode as decode
+        self.decode = decode
+
+    def begin(self, *, conv_state, state, conv_w, A_log, dt_bias, o_norm_w, lower_bound, l2_eps, norm_eps, n_q):
+        self.conv_state, self.state = conv_state.clone(), state.clone()
+        self.layer = {"conv_w": conv_w, "A_log": A_log, "dt_bias": dt_bias, "o_norm_w": o_norm_w}
+        self.params = {"lower_bound": lower_bound, "l2_eps": l2_eps, "norm_eps": norm_eps}
+        self.draft: dict[str, torch.Tensor] = {}
+
+    def verify(self, *, n_tokens, **tokens):
+        self.draft = {name: t.clone() for name, t in tokens.items()}
+        conv, state = self.conv_state, self.state
+        y = torch.zeros_like(tokens["q_raw"])
+        for t in range(y.shape[1]):
+            live = n_tokens > t
+            y_t, conv, state = _step(self.decode, {n: x[:, t] for n, x in tokens.items()}, self.layer, self.params,
+                                     conv, state, live)
+            y[:, t] = torch.where(live.view(-1, 1), y_t, torch.zeros_like(y_t))
+        return y
+
+    def accept(self, accepted):
+        conv, state = self.conv_state, self.state
+        for t in range(self.draft["q_raw"].shape[1]):
+            _, conv, state = _step(self.decode, {n: x[:, t] for n, x in self.draft.items()}, self.layer, self.params,
+                                   conv, state, accepted > t)
+        self.conv_state, self.state = conv, state
+
+    def committed(self):
+        return self.conv_state.clone(), self.state.clone()
+
+    def rollback_buffers(self):
+        none = torch.zeros(self.state.shape[0], dtype=torch.int64, device=self.state.device)
+        return [(f"draft.{name}", t, none) for name, t in self.draft.items()]
+
+
 def one_token_design(decode: Callable | None = None) -> CheckpointDesign:
     """One `decode` launch per draft token (the reference's kda_decode by default), a checkpoint after
     each, committed by references.kda_spec.kda_accept: any kda_decode kernel judged as a design."""
@@ -164,14 +218,24 @@ def resolve_design(name: str, device: str = "cpu") -> Callable[[], SpecDecodeDes
         except ImportError as e:
             raise DesignError(f"--design {name!r}: the kda_decode after 'one-token:' does not import: {e}") from None
         return lambda: one_token_design(decode)
+    if name == "replay":
+        return ReplayDesign
+    if name.startswith("replay:"):
+        path = name.removeprefix("replay:")
+        try:
+            decode = _import(path, device)
+        except ImportError as e:
+            raise DesignError(f"--design {name!r}: the kda_decode after 'replay:' does not import: {e}") from None
+        return lambda: ReplayDesign(decode)
     if name == "input-cache" or name.startswith("input-cache:"):
         w = name.partition(":")[2] or "6"
         if not w.isdigit() or int(w) < 1:
             raise DesignError(f"--design {name!r}: the window after 'input-cache:' must be an int >= 1, got {w!r}")
         return lambda: input_cache_design(int(w))
     if ":" not in name:
-        raise DesignError(f"--design {name!r} is unknown; choose one of {', '.join(NAMED)}, one-token:MODULE:ATTR "
-                          f"(a kda_decode), input-cache:W, or MODULE:ATTR (a callable returning a design)")
+        raise DesignError(f"--design {name!r} is unknown; choose one of {', '.join(NAMED)}, one-token:MODULE:ATTR or "
+                          f"replay:MODULE:ATTR (over a kda_decode), input-cache:W, or MODULE:ATTR (a callable "
+                          f"returning a design)")
     try:
         factory = _import(name, device)
     except ImportError as e:
