@@ -47,7 +47,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verify.spec_decode.design import LAYER, TOKEN_INPUTS
+from verify.spec_decode.design import LAYER
+from verify.spec_decode.drive import (Drive, as_drafted, at_count, draft_tokens, draw_counts,  # noqa: F401
+                                      last_token_magnitude, reference_draft, start_inputs)
 
 PROPERTIES = {
     "prefix": "(1) n_tokens drafted then a accepted = a tokens run alone (bitwise against the design itself; "
@@ -60,18 +62,6 @@ PROPERTIES = {
 }
 MAX_REPORTED = 6          # violations kept per property (the rest are counted)
 INT_POISON = -0x5A5A5A5
-
-
-@dataclass(frozen=True)
-class Drive:
-    """One contract run: what the harness drives the design over (all of it from `seed`)."""
-    config: str = "tiny"
-    dtype: str = "bfloat16"
-    batch: int = 4
-    n_q: int = 8
-    steps: int = 64
-    seed: int = 0
-    device: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -119,95 +109,6 @@ class ContractReport:
 
 class _Stop(Exception):
     """The design cannot be driven further (it raised, or broke the layout): already recorded."""
-
-
-# ---- drawing -------------------------------------------------------------------------------------
-
-def _case(drive: Drive, seed: int):
-    from verify.model.case import Case
-
-    return Case(op="kda_decode", seed=seed, batch=drive.batch, config=drive.config, dtype=drive.dtype)
-
-
-def start_inputs(drive: Drive):
-    """The layer weights, scalars and first committed state: the kda_decode case of `seed`."""
-    from verify.ops.kda import make_kda_decode_inputs
-
-    return make_kda_decode_inputs(_case(drive, drive.seed))
-
-
-def draft_tokens(drive: Drive, step: int) -> dict[str, torch.Tensor]:
-    """Step `step`'s n_q draft tokens [B, n_q, ...]: token t is the token inputs of the kda_decode case of
-    its own seed (the same token whatever n_q)."""
-    from verify.ops.kda import make_kda_decode_inputs
-
-    per = [make_kda_decode_inputs(_case(drive, drive.seed * 1_000_003 + 1 + 64 * step + t)).tensors
-           for t in range(drive.n_q)]
-    return {n: torch.stack([p[n] for p in per], dim=1) for n in TOKEN_INPUTS}
-
-
-def draw_counts(drive: Drive, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n_tokens, accepted) [B] int32 for `step`: all drafted and accepted at step 0, none accepted at
-    step 1; then n_tokens = n_q half the time (else 1..n_q) and accepted 0, n_tokens or in between."""
-    B, n = drive.batch, drive.n_q
-    g = torch.Generator().manual_seed(drive.seed * 7919 + step)
-    if step == 0:
-        return torch.full((B,), n, dtype=torch.int32), torch.full((B,), n, dtype=torch.int32)
-    n_tokens = torch.where(torch.rand(B, generator=g) < 0.5, torch.full((B,), n),
-                           torch.randint(1, n + 1, (B,), generator=g)).to(torch.int32)
-    if step == 1:
-        return n_tokens, torch.zeros(B, dtype=torch.int32)
-    kind = torch.randint(0, 4, (B,), generator=g)
-    between = (torch.rand(B, generator=g) * (n_tokens + 1).double()).floor().to(torch.int32)
-    accepted = torch.where(kind == 0, 0, torch.where(kind == 1, n_tokens, between)).to(torch.int32)
-    return n_tokens, accepted
-
-
-def _past(tokens: dict, n_tokens: torch.Tensor) -> dict:
-    """The draft as a design sees it: the slots past each sequence's n_tokens hold no token (NaN)."""
-    n_q = next(iter(tokens.values())).shape[1]
-    dead = torch.arange(n_q, device=n_tokens.device).view(1, n_q) >= n_tokens.view(-1, 1)
-    return {k: v.masked_fill(dead.view(dead.shape + (1,) * (v.dim() - 2)), float("nan")) for k, v in tokens.items()}
-
-
-# ---- the reference over a draft ------------------------------------------------------------------
-
-def reference_draft(layer: dict, params: dict, conv: torch.Tensor, state: torch.Tensor, tokens: dict,
-                    n_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """references.kda.kda_decode once per draft slot over the batch from (conv, state); a sequence
-    keeps its state past its n_tokens. Returns y [B, n_q, C] and the conv and recurrent states after t
-    tokens for t = 0..n_q, stacked [n_q + 1, B, ...]. Float64 tensors give the oracle."""
-    from references.kda import kda_decode
-
-    n_q = tokens["q_raw"].shape[1]
-    B = conv.shape[0]
-    ys, convs, states = [], [conv], [state]
-    for t in range(n_q):
-        cs, st = convs[-1].clone(), states[-1].clone()
-        ys.append(kda_decode(**{n: tokens[n][:, t] for n in TOKEN_INPUTS}, **layer, conv_state=cs, state=st,
-                             **params))
-        live = (n_tokens > t).view(B, 1, 1, 1)
-        convs.append(torch.where(live, cs, convs[-1]))
-        states.append(torch.where(live, st, states[-1]))
-    return torch.stack(ys, 1), torch.stack(convs), torch.stack(states)
-
-
-def _at(stacked: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """Row b of stacked[count[b]] ([n_q + 1, B, ...] -> [B, ...])."""
-    return stacked[count.long(), torch.arange(stacked.shape[1], device=stacked.device)]
-
-
-def _last_token_magnitude(layer64: dict, params: dict, tokens64: dict, convs64, states64, accepted) -> torch.Tensor:
-    """decode_state_magnitude of each sequence's last accepted token (from the state before it): the
-    floor scale kda_decode's spec judges that token's new state by (rows with a = 0 are not used)."""
-    from verify.model.opdef import OpInputs
-    from verify.ops.kda import decode_state_magnitude
-
-    last = (accepted.long() - 1).clamp(min=0)
-    rows = torch.arange(last.shape[0], device=last.device)
-    t = {n: tokens64[n][rows, last] for n in TOKEN_INPUTS}
-    t.update(layer64, conv_state=_at(convs64, last), state=_at(states64, last))
-    return decode_state_magnitude(OpInputs(t, params))["state"]
 
 
 # ---- judging by the specs ------------------------------------------------------------------------
@@ -337,8 +238,7 @@ def check_contract(factory, drive: Drive) -> ContractReport:
     layer = {n: start.tensors[n].to(dev) for n in LAYER}
     params = dict(start.params)
     conv0, state0 = start.tensors["conv_state"].to(dev), start.tensors["state"].to(dev)
-    layer64 = {n: v.double() for n, v in layer.items()}
-    wd = conv0.dtype
+    ref = _Reference(layer, {n: v.double() for n, v in layer.items()}, params)
     begin = dict(conv_state=conv0, state=state0, **layer, **params, n_q=drive.n_q)
     try:
         design = _call(report, 0, "the design factory", factory)
@@ -349,91 +249,146 @@ def check_contract(factory, drive: Drive) -> ContractReport:
         traj = {"wd": (conv0.clone(), state0.clone()), "64": (conv0.double(), state0.double())}
         judge = _Judge(report)
         for step in range(drive.steps):
-            _one_step(report, judge, step, design, twin, traj, layer, layer64, params, drive, dev, wd)
+            run = _drive_step(report, step, drive, design, twin, traj["wd"])
+            _judge_poison(judge, run)
+            _judge_prefix(judge, run, ref)
+            _judge_accept_zero(judge, run)
+            traj = _judge_growth(judge, run, ref, traj)
             report.steps_run = step + 1
     except _Stop:
         pass
     return report
 
 
-def _one_step(report, judge, step, design, twin, traj, layer, layer64, params, drive, dev, wd):
-    B, n_q = drive.batch, drive.n_q
+@dataclass(frozen=True)
+class _Reference:
+    layer: dict
+    layer64: dict
+    params: dict
+
+    def draft(self, conv, state, tokens, n_tokens, f64: bool = False):
+        if f64:
+            return reference_draft(self.layer64, self.params, conv.double(), state.double(),
+                                   {k: v.double() for k, v in tokens.items()}, n_tokens)
+        return reference_draft(self.layer, self.params, conv, state, tokens, n_tokens)
+
+
+@dataclass(frozen=True)
+class _StepRun:
+    """What one step showed: the draft, and the design's, its poisoned twin's and its fork's answers."""
+    step: int
+    tokens: dict
+    n_tokens: torch.Tensor
+    accepted: torch.Tensor
+    before: tuple           # the design's committed (conv_state, state) before the step
+    y: torch.Tensor         # its verify's outputs [B, n_q, C]
+    after: tuple            # its committed state after the accept
+    y_poisoned: torch.Tensor
+    after_poisoned: tuple   # the twin's, its rollback storage poisoned past the accepted prefix
+    y_alone: torch.Tensor
+    after_alone: tuple      # the fork's, verifying only the accepted tokens (max(a, 1)) and accepting them
+
+    @property
+    def live(self) -> torch.Tensor:
+        """[B, n_q]: the verified slots."""
+        n_q = self.y.shape[1]
+        return torch.arange(n_q, device=self.y.device).view(1, n_q) < self.n_tokens.view(-1, 1)
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """[B, n_q]: the accepted slots."""
+        n_q = self.y.shape[1]
+        return torch.arange(n_q, device=self.y.device).view(1, n_q) < self.accepted.view(-1, 1)
+
+
+def _drive_step(report, step, drive, design, twin, like) -> _StepRun:
+    dev = torch.device(drive.device)
     tokens = {k: v.to(dev) for k, v in draft_tokens(drive, step).items()}
     n_tokens, accepted = (x.to(dev) for x in draw_counts(drive, step))
-    conv0, state0 = traj["wd"]
-    C = tokens["q_raw"].shape[-1]
+    shape_y, wd = (drive.batch, drive.n_q, tokens["q_raw"].shape[-1]), like[0].dtype
 
-    before = _committed(report, step, design, "design", conv0, state0)
+    def verify(d, who, n):
+        y = _call(report, step, f"{who}verify()", d.verify, **as_drafted(tokens, n), n_tokens=n.clone())
+        return _expect(report, step, f"{who}verify() y", y, shape_y, wd)
+
+    before = _committed(report, step, design, "design", *like)
     alone = _call(report, step, "fork", _fork, design)
-    y = _expect(report, step, "verify() y", _call(report, step, "verify()", design.verify, **_past(tokens, n_tokens),
-                                                  n_tokens=n_tokens.clone()), (B, n_q, C), wd)
+    y = verify(design, "", n_tokens)
     _call(report, step, "accept()", design.accept, accepted.clone())
-    after = _committed(report, step, design, "design", conv0, state0)
+    after = _committed(report, step, design, "design", *like)
 
-    # (4) the twin, its rollback storage poisoned before and after its accept
-    y_p = _expect(report, step, "verify() y", _call(report, step, "verify()", twin.verify, **_past(tokens, n_tokens),
-                                                    n_tokens=n_tokens.clone()), (B, n_q, C), wd)
-    poison(report, step, twin, accepted)
+    y_p = verify(twin, "", n_tokens)
+    poison(report, step, twin, accepted)                         # between verify and accept: past kept + a
     _call(report, step, "accept()", twin.accept, accepted.clone())
-    poison(report, step, twin, torch.zeros_like(accepted))
-    after_p = _committed(report, step, twin, "poisoned twin", conv0, state0)
-    all_seqs = torch.ones(B, dtype=torch.bool, device=dev)
-    live = torch.arange(n_q, device=dev).view(1, n_q) < n_tokens.view(B, 1)          # [B, n_q] verified slots
-    judge.rows("poison", step, "y with the rollback storage poisoned vs left alone", all_seqs,
-               lambda m: _bitwise(y_p[m][live[m]], y[m][live[m]]))
-    for i, what in enumerate(("conv_state", "state")):
-        judge.rows("poison", step, f"committed {what} with the rollback storage poisoned vs left alone", all_seqs,
-                   lambda m, i=i: _bitwise(after_p[i][m], after[i][m]))
+    poison(report, step, twin, torch.zeros_like(accepted))       # after the accept: past kept
+    after_p = _committed(report, step, twin, "poisoned twin", *like)
 
-    # (1) against the design itself: the accepted tokens alone, from the same committed state
-    some = accepted > 0
-    n_alone = accepted.clamp(min=1)
-    y_a = _expect(report, step, "verify() y (accepted tokens alone)",
-                  _call(report, step, "verify() of the accepted tokens alone", alone.verify,
-                        **_past(tokens, n_alone), n_tokens=n_alone), (B, n_q, C), wd)
-    _call(report, step, "accept() of the accepted tokens alone", alone.accept, accepted.clone())
-    after_a = _committed(report, step, alone, "fork", conv0, state0)
-    kept = torch.arange(n_q, device=dev).view(1, n_q) < accepted.view(B, 1)
-    judge.rows("prefix", step, "y of the accepted tokens vs the design run on them alone", some,
-               lambda m: _bitwise(y[m][kept[m]], y_a[m][kept[m]]))
-    for i, what in enumerate(("conv_state", "state")):
-        judge.rows("prefix", step, f"committed {what} vs the design run on its accepted tokens alone", some,
-                   lambda m, i=i: _bitwise(after[i][m], after_a[i][m]))
+    n_alone = accepted.clamp(min=1)                              # a verify holds >= 1 token; a = 0 rows unjudged
+    y_a = verify(alone, "fork: ", n_alone)
+    _call(report, step, "fork: accept()", alone.accept, accepted.clone())
+    after_a = _committed(report, step, alone, "fork", *like)
+    return _StepRun(step, tokens, n_tokens, accepted, before, y, after, y_p, after_p, y_a, after_a)
 
-    # (1) against the float64 oracle from the design's own committed state, kda_decode's classes
-    tok64 = {k: v.double() for k, v in tokens.items()}
-    y_b, conv_b, st_b = reference_draft(layer, params, before[0], before[1], tokens, n_tokens)
-    y_o, conv_o, st_o = reference_draft(layer64, params, before[0].double(), before[1].double(), tok64, n_tokens)
-    judge.rows("prefix", step, "y of the verified tokens vs the float64 oracle (kda_decode y)", all_seqs,
-               lambda m: _judge("kda_decode", "y", y[m][live[m]], y_o[m][live[m]], y_b[m][live[m]]))
-    judge.rows("prefix", step, "committed conv_state vs the reference after the accepted tokens (kda_decode conv_state)",
-               some, lambda m: _judge("kda_decode", "conv_state", after[0][m], _at(conv_o, accepted)[m],
-                                      _at(conv_b, accepted)[m]))
+
+STATES = ("conv_state", "state")
+
+
+def _judge_poison(judge: _Judge, r: _StepRun) -> None:
+    """(4) the poisoned twin answers as the untouched design, bit for bit."""
+    every, live = torch.ones_like(r.accepted, dtype=torch.bool), r.live
+    judge.rows("poison", r.step, "y with the rollback storage poisoned vs left alone", every,
+               lambda m: _bitwise(r.y_poisoned[m][live[m]], r.y[m][live[m]]))
+    for i, what in enumerate(STATES):
+        judge.rows("poison", r.step, f"committed {what} with the rollback storage poisoned vs left alone", every,
+                   lambda m, i=i: _bitwise(r.after_poisoned[i][m], r.after[i][m]))
+
+
+def _judge_prefix(judge: _Judge, r: _StepRun, ref: _Reference) -> None:
+    """(1) against the design itself (its fork on the accepted tokens alone, bitwise) and against the
+    float64 oracle from its own committed state (kda_decode's classes)."""
+    some, kept, live, a = r.accepted > 0, r.kept, r.live, r.accepted
+    judge.rows("prefix", r.step, "y of the accepted tokens vs the design run on them alone", some,
+               lambda m: _bitwise(r.y[m][kept[m]], r.y_alone[m][kept[m]]))
+    for i, what in enumerate(STATES):
+        judge.rows("prefix", r.step, f"committed {what} vs the design run on its accepted tokens alone", some,
+                   lambda m, i=i: _bitwise(r.after[i][m], r.after_alone[i][m]))
+    y_b, conv_b, st_b = ref.draft(*r.before, r.tokens, r.n_tokens)
+    y_o, conv_o, st_o = ref.draft(*r.before, r.tokens, r.n_tokens, f64=True)
+    judge.rows("prefix", r.step, "y of the verified tokens vs the float64 oracle (kda_decode y)",
+               torch.ones_like(some), lambda m: _judge("kda_decode", "y", r.y[m][live[m]], y_o[m][live[m]],
+                                                       y_b[m][live[m]]))
+    judge.rows("prefix", r.step, "committed conv_state vs the reference after the accepted tokens (kda_decode "
+               "conv_state)", some, lambda m: _judge("kda_decode", "conv_state", r.after[0][m], at_count(conv_o, a)[m],
+                                                     at_count(conv_b, a)[m]))
     if bool(some.any()):
-        mag = _last_token_magnitude(layer64, params, tok64, conv_o, st_o, accepted)
-        judge.rows("prefix", step, "committed state vs the float64 oracle after the accepted tokens (kda_decode state)",
-                   some, lambda m: _judge("kda_decode", "state", after[1][m], _at(st_o, accepted)[m],
-                                          _at(st_b, accepted)[m], mag[m]))
+        mag = last_token_magnitude(ref.layer64, ref.params, {k: v.double() for k, v in r.tokens.items()}, conv_o,
+                                    st_o, a)
+        judge.rows("prefix", r.step, "committed state vs the float64 oracle after the accepted tokens (kda_decode "
+                   "state)", some, lambda m: _judge("kda_decode", "state", r.after[1][m], at_count(st_o, a)[m],
+                                                    at_count(st_b, a)[m], mag[m]))
 
-    # (2) accepting nothing changes nothing
-    none = accepted == 0
-    for i, what in enumerate(("conv_state", "state")):
-        judge.rows("accept-zero", step, f"committed {what} after accepting 0 tokens vs before the step", none,
-                   lambda m, i=i: _bitwise(after[i][m], before[i][m]))
 
-    # (3) against the float64 oracle over every accepted token since the first step
-    (cw, sw), (c64, s64) = traj["wd"], traj["64"]
-    ty_b, tconv_b, tst_b = reference_draft(layer, params, cw, sw, tokens, n_tokens)
-    ty_o, tconv_o, tst_o = reference_draft(layer64, params, c64, s64, tok64, n_tokens)
-    traj["wd"] = (_at(tconv_b, accepted), _at(tst_b, accepted))
-    traj["64"] = (_at(tconv_o, accepted), _at(tst_o, accepted))
-    judge.rows("growth", step, "y of the verified tokens vs the float64 run of every accepted token (kda_decode y)",
-               all_seqs, lambda m: _judge("kda_decode", "y", y[m][live[m]], ty_o[m][live[m]], ty_b[m][live[m]]))
-    judge.rows("growth", step, "committed conv_state vs the reference run of every accepted token (kda_decode conv_state)",
-               all_seqs, lambda m: _judge("kda_decode", "conv_state", after[0][m], traj["64"][0][m], traj["wd"][0][m]))
-    judge.rows("growth", step, "committed state vs the float64 run of every accepted token (kda_layer recurrent_state)",
-               all_seqs, lambda m: _judge("kda_layer", "recurrent_state", after[1][m], traj["64"][1][m],
-                                          traj["wd"][1][m]))
+def _judge_accept_zero(judge: _Judge, r: _StepRun) -> None:
+    """(2) a sequence that accepted nothing has the bits it had before the step."""
+    for i, what in enumerate(STATES):
+        judge.rows("accept-zero", r.step, f"committed {what} after accepting 0 tokens vs before the step",
+                   r.accepted == 0, lambda m, i=i: _bitwise(r.after[i][m], r.before[i][m]))
+
+
+def _judge_growth(judge: _Judge, r: _StepRun, ref: _Reference, traj: dict) -> dict:
+    """(3) against the float64 run of every accepted token since the first step, the reference in the
+    working dtype over the same tokens as the baseline; returns both runs advanced by this step."""
+    every, live, a = torch.ones_like(r.accepted, dtype=torch.bool), r.live, r.accepted
+    y_b, conv_b, st_b = ref.draft(*traj["wd"], r.tokens, r.n_tokens)
+    y_o, conv_o, st_o = ref.draft(*traj["64"], r.tokens, r.n_tokens, f64=True)
+    (cb, sb), (co, so) = (at_count(conv_b, a), at_count(st_b, a)), (at_count(conv_o, a), at_count(st_o, a))
+    judge.rows("growth", r.step, "y of the verified tokens vs the float64 run of every accepted token (kda_decode y)",
+               every, lambda m: _judge("kda_decode", "y", r.y[m][live[m]], y_o[m][live[m]], y_b[m][live[m]]))
+    judge.rows("growth", r.step, "committed conv_state vs the reference run of every accepted token (kda_decode "
+               "conv_state)", every, lambda m: _judge("kda_decode", "conv_state", r.after[0][m], co[m], cb[m]))
+    judge.rows("growth", r.step, "committed state vs the float64 run of every accepted token (kda_layer "
+               "recurrent_state)", every, lambda m: _judge("kda_layer", "recurrent_state", r.after[1][m], so[m], sb[m]))
+    return {"wd": (cb, sb), "64": (co, so)}
 
 
 def contract_violations(factory, **drive) -> list[Violation]:
