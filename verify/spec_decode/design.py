@@ -31,8 +31,11 @@ Named designs (`resolve_design`): `checkpoints` (references.kda_spec: kda_verify
 `one-token` (one kda_decode launch per draft token and a checkpoint after each, over the reference's
 kda_decode; `one-token:MODULE:ATTR` over any function with kda_decode's signature, e.g.
 fused.kda_decode:kda_decode), `replay` (snapshot + replay: the draft runs on scratch copies, accept
-replays the accepted prefix; `replay:MODULE:ATTR` over any kda_decode), `input-cache` (references.kda_spec_cache, window 6; `input-cache:W`
-another window), or `MODULE:ATTR` naming a callable that returns a design (a class, a factory).
+replays the accepted prefix; `replay:MODULE:ATTR` over any kda_decode), `input-cache`
+(references.kda_spec_cache, window 6; `input-cache:W` another window), or `MODULE:ATTR` naming a
+callable that returns a design (a class, a factory; e.g. `lambda: CheckpointDesign(my_verify,
+my_accept)` for a fused pair with kda_verify's and kda_accept's signatures). The rollback_buffers
+tensors are the design's own storage, not copies: poison written to a copy proves nothing.
 """
 from __future__ import annotations
 
