@@ -18,7 +18,7 @@ def _cli(*args, **env):
                           env={**os.environ, "COLUMNS": "100", **env}, timeout=120)
 
 
-@pytest.mark.parametrize("command", ["top", "run", "merge", "report", "diff", "check", "bench"])
+@pytest.mark.parametrize("command", ["top", "run", "merge", "report", "diff", "check", "bench", "spec-decode"])
 def test_help_is_pinned(command):
     got = _cli(*([] if command == "top" else [command]), "--help")
     assert got.returncode == 0
@@ -63,6 +63,8 @@ def test_help_is_pinned(command):
     (["repro", '{"op": "mla_cache_write", "seed": 99999999999999999999999, "batch": 2}'], "CASE seed"),
     (["check", "property_tests/planted_release/help/run.txt"], "cannot read it"),
     (["check", "pyproject.toml"], "cannot read it"),
+    (["spec-decode", "--design", "no_such_design"], "--design 'no_such_design' is unknown"),
+    (["spec-decode", "--design", "nomodule_xyz:make"], "--design 'nomodule_xyz:make'"),
 ])
 def test_bad_usage_exits_2_with_one_line(args, words):
     got = _cli(*args)

@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the op's bytes (needs a CUDA device)")
     from verify.bench.command import add_args as add_bench_args
     add_bench_args(be)
+    sd = sub.add_parser("spec-decode", help="judge a speculative-decoding rollback design through KDA over many "
+                        "verify+accept steps: each contract property's verdict")
+    from verify.spec_decode.command import add_args as add_spec_decode_args
+    add_spec_decode_args(sd)
     ck = sub.add_parser("check", help="which certificate still holds for this tree (the release gate)")
     ck.add_argument("certificates", metavar="CERT.json", nargs="+",
                     help="certificates to look in; per op, the newest verdict whose sources match the tree counts")
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = {"list": cmd_list, "describe": cmd_describe, "run": cmd_run, "repro": cmd_repro,
               "report": cmd_report, "diff": cmd_diff, "check": cmd_check, "merge": cmd_merge,
-              "bench": cmd_bench}[args.command](args)
+              "bench": cmd_bench, "spec-decode": cmd_spec_decode}[args.command](args)
         sys.stdout.flush()            # a closed pipe raises here, inside the handler below, not at exit
         return rc
     except UsageError as e:
@@ -535,6 +539,15 @@ def cmd_bench(args) -> int:
     from verify.bench.command import cmd_bench as bench
 
     return bench(args)
+
+
+def cmd_spec_decode(args) -> int:
+    from verify.spec_decode.command import cmd_spec_decode as spec_decode
+
+    try:
+        return spec_decode(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _bench_beside(cert_path: str):
