@@ -132,6 +132,7 @@ def test_cli_passes_a_correct_design_and_fails_a_planted_one_with_a_repro():
 @pytest.mark.parametrize("args, words", [
     (["--design", "nope"], "--design 'nope' is unknown; choose one of checkpoints, one-token, replay, input-cache"),
     (["--design", "replay:references.kda:nothere"], "the kda_decode after 'replay:' does not import"),
+    (["--design", "checkpoints:references.kda"], "the module after 'checkpoints:' must hold kda_verify and kda_accept"),
     (["--design", "nomodule_xyz:make"], "cannot import module 'nomodule_xyz'"),
     (["--design", "references.kda:kda_decode"], "a kda_decode goes after 'one-token:'"),
     (["--design", "references.kda:QKV"], "is not callable"),

@@ -22,7 +22,7 @@ METHODS = ("begin", "verify", "accept", "committed", "rollback_buffers")
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--design", required=True,
-                   help="checkpoints | one-token[:MODULE:ATTR] | replay[:MODULE:ATTR] (over any kda_decode, e.g. "
+                   help="checkpoints[:MODULE] (its kda_verify and kda_accept, e.g. fused.kda_verify) | one-token[:MODULE:ATTR] | replay[:MODULE:ATTR] (over any kda_decode, e.g. "
                         "fused.kda_decode:kda_decode) | input-cache[:W] | MODULE:ATTR (a callable returning a "
                         "design: begin, verify, accept, committed, rollback_buffers)")
     p.add_argument("--config", default="tiny", choices=CONFIGS, help="model dimensions (default: tiny)")

@@ -212,6 +212,14 @@ def resolve_design(name: str, device: str = "cpu") -> Callable[[], SpecDecodeDes
     """--design's value -> a factory of fresh designs; DesignError (one line) when it names none."""
     if name == "checkpoints":
         return CheckpointDesign
+    if name.startswith("checkpoints:"):
+        path = name.removeprefix("checkpoints:")
+        try:
+            fns = [_import(f"{path}:{attr}", device) for attr in ("kda_verify", "kda_accept")]
+        except ImportError as e:
+            raise DesignError(f"--design {name!r}: the module after 'checkpoints:' must hold kda_verify and "
+                              f"kda_accept with references.kda_spec's signatures: {e}") from None
+        return lambda: CheckpointDesign(*fns)
     if name == "one-token":
         return one_token_design
     if name.startswith("one-token:"):
@@ -236,7 +244,8 @@ def resolve_design(name: str, device: str = "cpu") -> Callable[[], SpecDecodeDes
             raise DesignError(f"--design {name!r}: the window after 'input-cache:' must be an int >= 1, got {w!r}")
         return lambda: input_cache_design(int(w))
     if ":" not in name:
-        raise DesignError(f"--design {name!r} is unknown; choose one of {', '.join(NAMED)}, one-token:MODULE:ATTR or "
+        raise DesignError(f"--design {name!r} is unknown; choose one of {', '.join(NAMED)}, checkpoints:MODULE (its "
+                          f"kda_verify and kda_accept), one-token:MODULE:ATTR or "
                           f"replay:MODULE:ATTR (over a kda_decode), input-cache:W, or MODULE:ATTR (a callable "
                           f"returning a design)")
     try:
