@@ -169,37 +169,10 @@ def test_many_steps_with_random_accept_lengths_track_the_accepted_tokens_run_one
 
 # ---- planted rollback bugs: each must break the contract ----------------------------------------
 
-def accept_off_by_one(accepted, n_tokens, conv_state, state, conv_ckpt, state_ckpt):
-    """Commits the checkpoint of token a (one past the accepted prefix) where a < n_tokens."""
-    kda_accept(torch.minimum(accepted + (accepted > 0).to(accepted.dtype), n_tokens), n_tokens, conv_state, state,
-               conv_ckpt, state_ckpt, validate=False)
-
-
-def accept_conv_only(accepted, n_tokens, conv_state, state, conv_ckpt, state_ckpt):
-    """Rolls the conv window back but leaves the recurrent state at the last verified token."""
-    last = state_ckpt[torch.arange(state.shape[0]), (n_tokens.long() - 1)].clone()
-    kda_accept(accepted, n_tokens, conv_state, state, conv_ckpt, state_ckpt)
-    state.copy_(last)
-
-
-def accept_shifted_lengths(accepted, n_tokens, conv_state, state, conv_ckpt, state_ckpt):
-    """Applies each sequence's accept length to its neighbour (lengths rolled by one sequence)."""
-    a = torch.minimum(accepted.roll(1), n_tokens)
-    kda_accept(a, n_tokens, conv_state, state, conv_ckpt, state_ckpt)
-
-
-def verify_checkpoints_before_update(**kw):
-    """Writes each token's checkpoint from the state before the token's update."""
-    conv_ckpt, state_ckpt = kw["conv_ckpt"], kw["state_ckpt"]
-    y = kda_verify(**kw)
-    n = kw["n_tokens"]
-    for b in range(state_ckpt.shape[0]):
-        k = int(n[b])
-        state_ckpt[b, 1:k] = state_ckpt[b, :k - 1].clone()
-        state_ckpt[b, 0] = kw["state"][b]
-        conv_ckpt[b, 1:k] = conv_ckpt[b, :k - 1].clone()
-        conv_ckpt[b, 0] = kw["conv_state"][b]
-    return y
+# the planted rollback functions of the spec-decode catalogue (property_tests/planted/kda_spec.py)
+from property_tests.planted.kda_spec import (  # noqa: E402
+    _accept_conv_only as accept_conv_only, _accept_neighbours_length as accept_shifted_lengths,
+    _accept_off_by_one as accept_off_by_one, _verify_checkpoints_before_update as verify_checkpoints_before_update)
 
 
 @pytest.mark.parametrize("verify, accept, words", [

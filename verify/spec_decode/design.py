@@ -222,22 +222,15 @@ def resolve_design(name: str, device: str = "cpu") -> Callable[[], SpecDecodeDes
         return lambda: CheckpointDesign(*fns)
     if name == "one-token":
         return one_token_design
-    if name.startswith("one-token:"):
-        path = name.removeprefix("one-token:")
-        try:
-            decode = _import(path, device)
-        except ImportError as e:
-            raise DesignError(f"--design {name!r}: the kda_decode after 'one-token:' does not import: {e}") from None
-        return lambda: one_token_design(decode)
     if name == "replay":
         return ReplayDesign
-    if name.startswith("replay:"):
-        path = name.removeprefix("replay:")
-        try:
-            decode = _import(path, device)
-        except ImportError as e:
-            raise DesignError(f"--design {name!r}: the kda_decode after 'replay:' does not import: {e}") from None
-        return lambda: ReplayDesign(decode)
+    for prefix, make in (("one-token:", one_token_design), ("replay:", ReplayDesign)):
+        if name.startswith(prefix):
+            try:
+                decode = _import(name.removeprefix(prefix), device)
+            except ImportError as e:
+                raise DesignError(f"--design {name!r}: the kda_decode after {prefix!r} does not import: {e}") from None
+            return lambda: make(decode)
     if name == "input-cache" or name.startswith("input-cache:"):
         w = name.partition(":")[2] or "6"
         if not w.isdigit() or int(w) < 1:
