@@ -345,9 +345,11 @@ def _check(q_raw, k_raw, v_raw, g_raw, beta_raw, z, n_tokens, conv_w, conv_state
             raise ValueError(f"{name}: written in place, so it must be contiguous; got strides {t.stride()}")
     if not lower_bound < 0:
         raise ValueError(f"lower_bound: expected a negative float (K3: -5.0), got {lower_bound!r}")
-    for name, t in (("q_raw", q_raw), ("n_tokens", n_tokens), ("state", state), ("conv_ckpt", conv_ckpt),
-                    ("state_ckpt", state_ckpt)):
-        runtime.require_cuda(name, t)
+
+
+def _check_device(state, **tensors) -> None:
+    runtime.require_cuda("state", state)
+    for name, t in tensors.items():
         if t.device != state.device:
             raise ValueError(f"{name}: on {t.device}, state on {state.device}; every tensor on one device")
 
@@ -407,6 +409,9 @@ def kda_verify(q_raw, k_raw, v_raw, g_raw, beta_raw, z, n_tokens, conv_w, conv_s
            state, conv_ckpt, state_ckpt, lower_bound)
     if validate:
         check_verify_counts(n_tokens, q_raw.shape[1])
+    _check_device(state, q_raw=q_raw, k_raw=k_raw, v_raw=v_raw, g_raw=g_raw, beta_raw=beta_raw, z=z,
+                  n_tokens=n_tokens, conv_w=conv_w, conv_state=conv_state, A_log=A_log, dt_bias=dt_bias,
+                  o_norm_w=o_norm_w, conv_ckpt=conv_ckpt, state_ckpt=state_ckpt)
     y = torch.empty(q_raw.shape, dtype=q_raw.dtype, device=q_raw.device)
     args = (q_raw, k_raw, v_raw, g_raw, beta_raw, z, n_tokens, conv_w, conv_state, A_log, dt_bias, o_norm_w,
             state, conv_ckpt, state_ckpt, y, float(lower_bound), float(l2_eps), float(norm_eps))
