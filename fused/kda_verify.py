@@ -120,7 +120,8 @@ class KdaVerify(KdaDecode):
         h, b, _ = cute.arch.block_idx()
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         Dh, L, NQ = self.Dh, self.lanes_per_row, self.n_q
-        n = cutlass.min(cutlass.max(Int32(mNTok[b]), Int32(0)), Int32(NQ))
+        cnt = mNTok[b]                                   # clamped in its own dtype, then narrowed
+        n = Int32(cutlass.min(cutlass.max(cnt, self.count_dtype(0)), self.count_dtype(NQ)))
         # 1. state rows first (the bytes), then every slot's operands
         gS = cute.zipped_divide(mState[b, h, None, None], (1, 4))
         st = cute.make_rmem_tensor((4, self.n_pass), Float32)

@@ -37,15 +37,24 @@ def _kv_code(cfg: str, n_q: int = 8, count: str = "int32", Dh: int = 128) -> str
 # ------------------------------------------------------------------------------------------ CPU
 
 @pytest.mark.parametrize("n_q", range(1, 9))
-@pytest.mark.parametrize("Dh", KDA_DH)
-def test_kda_verify_compiles_every_static_configuration(Dh, n_q):
+def test_kda_verify_compiles_every_variant_at_every_draft_length(n_q):
+    """The K3 statics (bf16, Dh = 128, W = 4, int32 counts): every variant at every n_q."""
     m = _kv()
     for cfg in m.KdaVerifyConfig.all_configs():
-        assert runtime.compile_for_cpu_check("kda_verify", "bfloat16", Dh, 4, n_q, "int32", cfg) is not None
-    if n_q in (1, 8):
-        for dtype, count in (("float16", "int32"), ("bfloat16", "int64"), ("float16", "int64")):
-            assert runtime.compile_for_cpu_check("kda_verify", dtype, Dh, 4, n_q, count,
-                                                 m.KdaVerifyConfig.for_shape(Dh)) is not None
+        assert runtime.compile_for_cpu_check("kda_verify", "bfloat16", 128, 4, n_q, "int32", cfg) is not None
+
+
+@pytest.mark.parametrize("Dh", KDA_DH)
+def test_kda_verify_compiles_every_head_dim_dtype_and_count_dtype(Dh):
+    """Every head dim: every variant at n_q = 1 and 8 (n_q only sets the static trip counts of the
+    per-slot loops); fp16 and int64 counts with the dispatcher's pick."""
+    m = _kv()
+    for n_q in (1, 8):
+        for cfg in m.KdaVerifyConfig.all_configs():
+            assert runtime.compile_for_cpu_check("kda_verify", "bfloat16", Dh, 4, n_q, "int32", cfg) is not None
+    for dtype, count in (("float16", "int32"), ("bfloat16", "int64"), ("float16", "int64")):
+        assert runtime.compile_for_cpu_check("kda_verify", dtype, Dh, 4, 8, count,
+                                             m.KdaVerifyConfig.for_shape(Dh)) is not None
 
 
 def test_kda_verify_new_batch_does_not_recompile():
@@ -303,14 +312,17 @@ def _graph_us(fn, reps: int = 20) -> float:
 @pytest.mark.gpu
 @needs_cuda
 def test_kda_verify_timing_against_single_token_launches_on_gpu():
-    """Prints (run with -s) the n_q = 6 verify step against 6 fused kda_decode launches (one token of
-    every sequence each, the state updated in place) at the K3 per-rank shapes: heads = 96 / T for
-    T = 1, 8, 16, B = 1, 8, 64; both CUDA graphs timed with CUDA events. Checks that the graph replay of
-    the verify step gives the eager step's bits (it reads its inputs only)."""
+    """Prints (run with -s) the n_q = 6 verify step (the dispatcher's pick and every variant) against
+    6 fused kda_decode launches (one token of every sequence each, the state updated in place) at the
+    K3 per-rank shapes: heads = 96 / T for T = 1, 8, 16 and B = 1, 8, 64; every step a CUDA graph timed
+    with CUDA events. Checks that each graph's verify output is the eager step's bits (the step reads
+    its inputs only) and that every variant gives the pick's bits."""
     from fused import kda_decode as dec
     from references.config import K3
     m = _kv()
     n_q, Dh, W = 6, K3.head_dim, K3.conv_kernel
+    cfgs = m.KdaVerifyConfig.all_configs()
+    par = dict(lower_bound=K3.gate_lower_bound, l2_eps=K3.l2_eps, norm_eps=K3.rms_eps)
     rows = []
     for T in (1, 8, 16):
         H = K3.heads_per_rank(T)
@@ -325,27 +337,35 @@ def test_kda_verify_timing_against_single_token_launches_on_gpu():
             conv_ckpt = torch.zeros((B, n_q, 3, C, W - 1), dtype=torch.bfloat16, device="cuda")
             state_ckpt = torch.zeros((B, n_q, H, Dh, Dh), device="cuda")
             n_tokens = torch.full((B,), n_q, dtype=torch.int32, device="cuda")
-            par = dict(lower_bound=K3.gate_lower_bound, l2_eps=K3.l2_eps, norm_eps=K3.rms_eps)
-            out = {}
-
-            def verify():
-                out["y"] = m.kda_verify(**tok, n_tokens=n_tokens, **lay, conv_state=conv_state, state=state,
-                                        conv_ckpt=conv_ckpt, state_ckpt=state_ckpt, **par, validate=False)
-            verify()
-            y_eager = out["y"].clone()
-            t_verify = _graph_us(verify)
-            assert torch.equal(out["y"], y_eager), (T, B)
+            out, times = {}, {}
+            for cfg in [None] + cfgs:
+                def verify(cfg=cfg):
+                    out["y"] = m.kda_verify(**tok, n_tokens=n_tokens, **lay, conv_state=conv_state, state=state,
+                                            conv_ckpt=conv_ckpt, state_ckpt=state_ckpt, **par, validate=False,
+                                            variant=cfg)
+                verify()
+                y_eager = out["y"].clone()
+                times[cfg.name if cfg else "pick"] = _graph_us(verify)
+                assert torch.equal(out["y"], y_eager), (T, B, cfg)
+                if cfg is None:
+                    y_pick = y_eager
+                assert torch.equal(y_eager, y_pick), (T, B, cfg)
+            del conv_ckpt, state_ckpt, out
             cs, st = conv_state.clone(), state.clone()
 
             def decode6():
                 for i in range(n_q):
                     dec.kda_decode(*(tok[k][:, i] for k in TOKEN), lay["conv_w"], cs, lay["A_log"], lay["dt_bias"],
                                    lay["o_norm_w"], st, **par)
-            t_decode = _graph_us(decode6)
-            rows.append((T, H, B, t_verify, t_decode, m.KdaVerifyConfig.for_shape(Dh, B * H,
-                                                                                  runtime.sm_count(state.device)).name))
-    print(f"\nkda_verify n_q = {n_q} vs {n_q} x kda_decode (bf16, K3 per rank, CUDA graphs, us per step)")
-    print(f"{'T':>3} {'H':>3} {'B':>3} {'verify':>9} {'6 decodes':>10} {'ratio':>6}  pick")
-    for T, H, B, tv, td, pick in rows:
-        print(f"{T:>3} {H:>3} {B:>3} {tv:>9.1f} {td:>10.1f} {tv / td:>6.2f}  {pick}")
-    assert all(tv > 0 and td > 0 for _, _, _, tv, td, _ in rows)
+            times["decode"] = _graph_us(decode6)
+            pick = m.KdaVerifyConfig.for_shape(Dh, B * H, runtime.sm_count(state.device)).name
+            rows.append((T, H, B, pick, times))
+            torch.cuda.empty_cache()
+    names = ["pick"] + [c.name for c in cfgs] + ["decode"]
+    print(f"\nkda_verify n_q = {n_q} (pick and every variant) vs {n_q} x fused kda_decode, bf16, K3 per rank, "
+          f"CUDA graphs, us per step; ratio = pick / decodes")
+    print(f"{'T':>3} {'H':>3} {'B':>3} " + " ".join(f"{n:>8}" for n in names) + f" {'ratio':>6}  pick")
+    for T, H, B, pick, times in rows:
+        print(f"{T:>3} {H:>3} {B:>3} " + " ".join(f"{times[n]:>8.1f}" for n in names)
+              + f" {times['pick'] / times['decode']:>6.2f}  {pick}")
+    assert all(v > 0 for *_, times in rows for v in times.values())
