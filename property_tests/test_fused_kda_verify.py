@@ -1,9 +1,11 @@
-"""fused/kda_verify.py: every static configuration compiles for sm_90a on a machine without a GPU; the
-PTX reads the state once and keeps it on chip across the tokens; the wrapper rejects bad arguments by
-name before any launch. GPU numerics (`gpu`-marked, skipped here, never counted as passed): against
+"""fused/kda_verify.py and its accept (fused/kda_verify_accept.py): every static configuration compiles
+for sm_90a on a machine without a GPU; the verify PTX reads the state once and keeps it on chip across
+the tokens, the accept copies 16-byte vectors; the wrappers reject bad arguments by name before any
+launch. GPU numerics (`gpu`-marked, skipped here, never counted as passed): against
 references.kda_spec.kda_verify and its fp64 oracle at tiny, small and k3 with ragged counts; bitwise
-against fused kda_decode run token by token; slots past n_tokens and the committed state untouched;
-and a timing table of the n_q = 6 verify step against 6 kda_decode launches (run with -s).
+against fused kda_decode run token by token, then the accept; slots past n_tokens and the committed
+state untouched; counts clamped on the device; the accept bitwise with poisoned slots; and a timing
+table of the n_q = 6 verify step against 6 kda_decode launches (run with -s).
 """
 from __future__ import annotations
 
@@ -144,6 +146,44 @@ def test_kda_verify_rejects_bad_arguments_by_name():
         m.kda_verify(**good)
     with pytest.raises(ValueError, match="^state: the fused kernel needs a CUDA tensor"):
         m.kda_verify(**{**good, "n_tokens": torch.tensor([0, 9], dtype=torch.int32)}, validate=False)
+
+
+@pytest.mark.parametrize("Dh", KDA_DH)
+def test_kda_accept_compiles_every_static_configuration(Dh):
+    from fused import kda_verify_accept as acc
+    for dtype in ("bfloat16", "float16"):
+        for count in ("int32", "int64"):
+            assert runtime.compile_for_cpu_check("kda_verify_accept", dtype, Dh, 4, count) is not None
+
+
+def test_kda_accept_copies_the_state_in_16_byte_vectors(ptx_of):
+    """Dh = 128: 128 x 128 fp32 per head over 128 threads, 32 16-byte loads and stores per thread, the
+    3 x 128 x 3 conv values by 2-byte copies; nothing else touches global memory but the count."""
+    ptx = ptx_of("from fused import kda_verify_accept as m; m._compile('bfloat16', 128, 4, 'int32')")
+    body = ptx[ptx.index(".entry"):]
+    assert body.count("ld.global.v4") == 32 and body.count("st.global.v4") == 32
+    assert body.count("ld.global.b16") == body.count("st.global.b16") == 9
+    assert ".local" not in ptx
+
+
+def test_kda_accept_rejects_bad_arguments_by_name():
+    m = _kv()
+    a = _cpu_args()
+    B = a["state"].shape[0]
+    good = dict(accepted=torch.ones(B, dtype=torch.int32), n_tokens=a["n_tokens"], conv_state=a["conv_state"],
+                state=a["state"], conv_ckpt=a["conv_ckpt"], state_ckpt=a["state_ckpt"])
+    for key, bad, word in (("accepted", good["accepted"].float(), "accepted"),
+                           ("n_tokens", good["n_tokens"][:1], "n_tokens"),
+                           ("state", good["state"].double(), "state"),
+                           ("state", good["state"].transpose(-1, -2), "state"),
+                           ("conv_ckpt", good["conv_ckpt"][:, :2], "conv_ckpt"),
+                           ("state_ckpt", good["state_ckpt"][:, :, :1], "state_ckpt")):
+        with pytest.raises((ValueError, TypeError), match=f"^{word}"):
+            m.kda_accept(**{**good, key: bad})
+    with pytest.raises(ValueError, match="^accepted: sequence 1 accepts 4"):
+        m.kda_accept(**{**good, "accepted": torch.tensor([0, 4], dtype=torch.int32)})
+    with pytest.raises(ValueError, match="^state: the fused kernel needs a CUDA tensor"):
+        m.kda_accept(**good)
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -287,6 +327,49 @@ def test_kda_verify_counts_out_of_range_are_clamped_on_the_device_on_gpu():
     assert torch.equal(conv_ckpt[live], conv_r[live])
     assert torch.allclose(state_ckpt[live], state_r[live], rtol=1e-4, atol=1e-5)
     assert torch.equal(t["state"], d["tensors"]["state"]) and torch.equal(t["conv_state"], d["tensors"]["conv_state"])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("count", [torch.int32, torch.int64])
+def test_kda_accept_commits_the_accepted_checkpoint_bitwise_on_gpu(count):
+    """accepted = a > 0: the committed state and conv window become bitwise checkpoint a-1, whose
+    random bits include NaN payloads; slots at or past a are NaN-poisoned and must not reach the
+    result; a = 0 leaves the sequence untouched. validate=False: counts past n_q clamp to n_q
+    (the last slot), negative ones to 0. Against the reference's gather."""
+    from references.kda_spec import kda_accept as ref
+    m = _kv()
+    B, H, Dh, n_q, W = 6, 4, 128, 5, 4
+    C = H * Dh
+    g = torch.Generator(device="cuda").manual_seed(1)
+    bits = lambda *s: torch.randint(-2 ** 31, 2 ** 31 - 1, s, generator=g, device="cuda", dtype=torch.int32)
+    state_ckpt = bits(B, n_q, H, Dh, Dh).view(torch.float32)
+    conv_ckpt = bits(B, n_q, 3, C, W - 1).view(torch.bfloat16)[..., :W - 1].contiguous()
+    state, conv_state = bits(B, H, Dh, Dh).view(torch.float32), bits(B, 3, C, W - 1).view(torch.bfloat16)[..., :W - 1].contiguous()
+    n_tokens = torch.tensor([1, 5, 3, 5, 2, 4], dtype=count, device="cuda")
+    accepted = torch.tensor([0, 5, 2, 1, 2, 0], dtype=count, device="cuda")
+    for b, a in enumerate(accepted.tolist()):
+        state_ckpt[b, a:] = float("nan")
+        conv_ckpt[b, a:] = float("nan")
+    want_s, want_c = state.clone(), conv_state.clone()
+    for b, a in enumerate(accepted.tolist()):
+        if a:
+            want_s[b], want_c[b] = state_ckpt[b, a - 1], conv_ckpt[b, a - 1]
+    s, c = state.clone(), conv_state.clone()
+    m.kda_accept(accepted, n_tokens, c, s, conv_ckpt, state_ckpt)
+    assert torch.equal(s.view(torch.int32), want_s.view(torch.int32))
+    assert torch.equal(c.view(torch.int16), want_c.view(torch.int16))
+    s_ref, c_ref = state.clone(), conv_state.clone()
+    ref(accepted, n_tokens, c_ref, s_ref, conv_ckpt, state_ckpt)
+    assert torch.equal(s.view(torch.int32), s_ref.view(torch.int32))
+    over = torch.tensor([9, -3, 5, 0, 1, 2], dtype=count, device="cuda")      # clamped: 5, 0, 5, 0, 1, 2
+    s, c = state.clone(), conv_state.clone()
+    m.kda_accept(over, n_tokens, c, s, conv_ckpt, state_ckpt, validate=False)
+    for b, a in enumerate([5, 0, 5, 0, 1, 2]):
+        ws = state[b] if a == 0 else state_ckpt[b, a - 1]
+        wc = conv_state[b] if a == 0 else conv_ckpt[b, a - 1]
+        assert torch.equal(s[b].view(torch.int32), ws.view(torch.int32)), b
+        assert torch.equal(c[b].view(torch.int16), wc.view(torch.int16)), b
 
 
 def _graph_us(fn, reps: int = 20) -> float:
