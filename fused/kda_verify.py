@@ -33,8 +33,10 @@ points, same lane pairing in the row sums; row_chunk variants use kda_decode's t
 reduction, bitwise its per-row butterfly), so one token through kda_verify is designed to give fused
 kda_decode's bits (y, state, conv window) for the same inputs; property_tests/test_fused_kda_verify.py
 checks that on the GPU (not yet run: written without a device).
-Variants (`KdaVerifyConfig`): warps per CTA 4 / 8 / 16 and row_chunk (Dh = 128). The dispatcher's
-picks (`for_shape`) are untimed guesses: more warps where there are few heads to fill the SMs.
+Variants (`KdaVerifyConfig`): warps per CTA 4 / 8 / 16 and row_chunk (Dh = 128). They move rows and
+conv channels between threads, never an operation's operands or order, so every variant is meant
+to give the same bits. The dispatcher's picks (`for_shape`) are untimed guesses: more warps where
+there are few heads to fill the SMs; the GPU timing test prints every variant at the K3 shapes.
 
 `kda_accept` (fused/kda_verify_accept.py, re-exported here) commits the checkpoint of token a-1 by
 one copy launch with the counts read on the device: the reference's torch gather + select + copy

@@ -270,18 +270,19 @@ def test_kda_verify_matches_reference_on_gpu(config, B, n_q, variants):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("config,B,n_q,variant", [("k3", 2, 1, v) for v in [None] + _variant_ids()] + [
-    ("k3", 3, 5, None), ("small", 6, 8, None), ("small", 5, 7, "w8r8"), ("tiny", 3, 2, None)])
-def test_kda_verify_is_fused_kda_decode_token_by_token_on_gpu(config, B, n_q, variant):
+@pytest.mark.parametrize("config,B,n_q,variant,count", [("k3", 3, 8, v, torch.int32) for v in _variant_ids()] + [
+    ("k3", 2, 1, None, torch.int64), ("k3", 3, 1, "w16", torch.int32), ("small", 6, 8, None, torch.int64),
+    ("small", 5, 7, "w8r8", torch.int64), ("tiny", 3, 2, None, torch.int64)])
+def test_kda_verify_is_fused_kda_decode_token_by_token_on_gpu(config, B, n_q, variant, count):
     """The design claim: per token, kda_decode's arithmetic in its order. So y[b, t], state_ckpt[b, t]
     and conv_ckpt[b, t] are, bit for bit, what fused kda_decode gives after t + 1 launches from the
-    committed state (n_q = 1: one launch); int64 counts. Then kda_accept of a random accepted length
-    commits the state of that many launches."""
+    committed state (n_q = 1: one launch). Then kda_accept of a random accepted length commits the
+    state of that many launches."""
     from fused import kda_decode as dec
     m = _kv()
     cfg = {c.name: c for c in m.KdaVerifyConfig.all_configs()}.get(variant)
     d = _draft(config, B, n_q, seed=5 * B + n_q)
-    n_tokens = _counts(B, n_q, torch.int64)
+    n_tokens = _counts(B, n_q, count)
     live = _live(n_tokens, n_q)
     y, t, conv_ckpt, state_ckpt, _ = _run(m.kda_verify, d, n_tokens, variant=cfg)
     src = d["tensors"]
