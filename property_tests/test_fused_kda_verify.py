@@ -92,6 +92,31 @@ def test_kda_verify_reads_the_state_once_and_keeps_it_on_chip(ptx_of, ptxas_regs
     assert ptxas_regs(ptx)[1] == 0
 
 
+def _float_ops(ptx: str) -> dict:
+    """Count of each rounding float instruction of the kernel (fma/mul/add/sub/rcp/ex2/rsqrt/cvt ...);
+    moves, loads, stores, shuffles, compares, selects and the exact neg/abs left out."""
+    import collections
+    body, ops = ptx[ptx.index(".entry"):], collections.Counter()
+    for line in body.splitlines():
+        tok = line.split()
+        op = tok[1] if tok and tok[0].startswith("@") and len(tok) > 1 else (tok[0] if tok else "")
+        if re.search(r"\.(f32|bf16|f16)\b", op) and not op.startswith(("ld", "st", "mov", "shfl", "neg", "abs",
+                                                                           "setp", "selp")):
+            ops[op] += 1
+    return dict(ops)
+
+
+@pytest.mark.parametrize("verify_cfg,decode_cfg", [("KdaVerifyConfig(4)", "KdaConfig(4, True)"),
+                                                   ("KdaVerifyConfig(8, 8)", "KdaConfig(8, True, row_chunk=8)")])
+def test_kda_verify_one_token_issues_kda_decodes_float_operations(ptx_of, verify_cfg, decode_cfg):
+    """PTX evidence for the bitwise claim on the CPU: at n_q = 1 the verify kernel issues exactly the
+    rounding float instructions of the kda_decode variant with the same thread layout, each kind the
+    same number of times (LLVM contracts the same mul/add pairs into fma.rn)."""
+    verify = _float_ops(ptx_of(_kv_code(verify_cfg, n_q=1)))
+    decode = _float_ops(ptx_of(f"from fused import kda_decode as m; m._compile('bfloat16', 128, 4, m.{decode_cfg})"))
+    assert verify == decode and verify.get("fma.rn.f32", 0) > 100
+
+
 def test_kda_verify_configs_are_frozen_and_cover_the_dispatch():
     m = _kv()
     for Dh in KDA_DH:
