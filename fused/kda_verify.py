@@ -31,8 +31,11 @@ no write outside the tensors whatever the counts hold). Three phases, two barrie
 Per token the arithmetic is kda_decode's, operation for operation and in its order (same rounding
 points, same lane pairing in the row sums; row_chunk variants use kda_decode's transposed
 reduction, bitwise its per-row butterfly), so one token through kda_verify is designed to give fused
-kda_decode's bits (y, state, conv window) for the same inputs; property_tests/test_fused_kda_verify.py
-checks that on the GPU (not yet run: written without a device).
+kda_decode's bits (y, state, conv window) for the same inputs, and t tokens the bits of t kda_decode
+launches. property_tests/test_fused_kda_verify.py checks that on the GPU, and on the CPU that the
+n_q = 1 PTX issues kda_decode's rounding float instructions kind for kind.
+The wrapper's validate=True (the default, as in the reference) checks the counts on the host (one
+sync); validate=False reads no tensor value on the host, so a CUDA graph can hold the step.
 Variants (`KdaVerifyConfig`): warps per CTA 4 / 8 / 16 and row_chunk (Dh = 128). They move rows and
 conv channels between threads, never an operation's operands or order, so every variant is meant
 to give the same bits. The dispatcher's picks (`for_shape`) are untimed guesses: more warps where
