@@ -60,7 +60,7 @@ def test_kda_verify_compiles_every_head_dim_dtype_and_count_dtype(Dh):
 
 
 @pytest.mark.parametrize("cfg", ["KdaVerifyConfig(4)", "KdaVerifyConfig(8)", "KdaVerifyConfig(16)",
-                                 "KdaVerifyConfig(8, 8)"])
+                                 "KdaVerifyConfig(8, 8)", "KdaVerifyConfig(16, 8)"])
 def test_kda_verify_reads_the_state_once_and_keeps_it_on_chip(ptx_of, ptxas_regs, cfg):
     """Two barriers: every global load (the state's 16-byte rows once, every slot's operands) before
     the first; between them the token loop stores one state checkpoint row per pass (16-byte stores of
@@ -104,6 +104,16 @@ def test_kda_verify_one_token_issues_kda_decodes_float_operations(ptx_of, verify
     verify = _float_ops(ptx_of(_kv_code(verify_cfg, n_q=1)))
     decode = _float_ops(ptx_of(f"from fused import kda_decode as m; m._compile('bfloat16', 128, 4, m.{decode_cfg})"))
     assert verify == decode and verify.get("fma.rn.f32", 0) > 100
+
+
+def test_kda_verify_picks_fit_the_ctas_per_sm_they_are_picked_for(ptx_of, ptxas_regs, ctas_per_sm):
+    """for_shape's register facts at n_q = 8: up to one CTA per SM (132 heads) its pick fits one CTA
+    per SM, beyond it fits two; nothing spills."""
+    m = _kv()
+    for heads, ctas in ((132, 1), (133, 2)):
+        cfg = m.KdaVerifyConfig.for_shape(128, heads)
+        regs, spills = ptxas_regs(ptx_of(_kv_code(repr(cfg))))
+        assert ctas_per_sm(regs, cfg.num_warps) >= ctas and spills == 0, (heads, cfg.name, regs, spills)
 
 
 def test_kda_verify_configs_are_frozen_and_cover_the_dispatch():
