@@ -1,0 +1,168 @@
+"""Registry entry of the speculative-decoding verify step through KDA: kda_verify (references/kda_spec.py).
+
+A case is kda_decode's case (verify.ops.kda: the same weights, committed conv window and fp32 state)
+with n_q draft slots instead of one token: slot t's token inputs are drawn as kda_decode's are, from
+the case seed salted by t, so every slot is a fresh token of the case's distribution. n_tokens is
+ragged over the batch, always holding 1 and n_q when B allows; its dtype (int32 or int64) is drawn.
+The checkpoint buffers start as stale checkpoints of an earlier step (random values, not zeros), so
+a kernel that writes a slot past a sequence's count, even with zeros, changes them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import torch
+
+from references.config import get_config
+from references.kda import kda_decode
+from references.kda_tp import _own, _rank_slices, shard_decode_tensors
+from verify.model.case import Case
+from verify.model.opdef import OpDef, OpInputs, RankShard, SplitRule
+from verify.ops.kda import (_activation, _conv_inputs, _gen, _wd, decode_state_magnitude,
+                            make_kda_decode_inputs)
+
+TOKEN_INPUTS = ("q_raw", "k_raw", "v_raw", "g_raw", "beta_raw", "z")
+MAX_SLOTS = 8            # the verify step's draft slots (K3: accept length ~6 of up to 8 drafted)
+VERIFY_MAX_BATCH = 8     # k3: n_q fp32 state checkpoints of 6 MiB per sequence, and the fp64 oracle's copy
+
+
+def draft_slots(case: Case) -> int:
+    """n_q: the `draft` knob, else drawn from the seed over 1..8 (1, 6 and 8 twice as likely)."""
+    n_q = case.knob("draft")
+    if n_q is None:
+        opts = (1, 1, 2, 3, 4, 5, 6, 6, 7, 8, 8)
+        n_q = opts[int(torch.randint(0, len(opts), (1,), generator=_gen(case, "draft")))]
+    if not isinstance(n_q, int) or not 1 <= n_q <= MAX_SLOTS:
+        raise ValueError(f"draft={n_q!r}: the verify step takes 1..{MAX_SLOTS} draft tokens per sequence")
+    return n_q
+
+
+def draw_counts(case: Case, batch: int, n_q: int) -> torch.Tensor:
+    """Ragged tokens per sequence in 1..n_q: sequence 0 verifies n_q, sequence 1 one token, the rest
+    uniform; int32 or int64 drawn from the seed."""
+    g = _gen(case, "n_tokens")
+    counts = torch.randint(1, n_q + 1, (batch,), generator=g)
+    counts[0] = n_q
+    if batch > 1:
+        counts[1] = 1
+    dtype = (torch.int32, torch.int64)[int(torch.randint(0, 2, (1,), generator=g))]
+    return counts.to(dtype)
+
+
+def _slot_tokens(case: Case, t: int, B: int, H: int, Dh: int, W: int, wd: torch.dtype) -> dict[str, torch.Tensor]:
+    """Token inputs of slot t, drawn as kda_decode's from the seed salted by t (slot 0: the case's own)."""
+    c = case if t == 0 else dataclasses.replace(case, seed=zlib.crc32(f"{case.seed}:slot{t}".encode()) & 0x7FFFFFFF)
+    C = H * Dh
+    tok = {n: v for n, v in _conv_inputs(c, B, H, Dh, W, wd).items() if n != "conv_state"}
+    tok["g_raw"] = _activation(c, "g_raw", (B, C), wd)
+    tok["beta_raw"] = _activation(c, "beta_raw", (B, H), wd)
+    tok["z"] = _activation(c, "z", (B, C), wd)
+    return tok
+
+
+def make_kda_verify_inputs(case: Case) -> OpInputs:
+    cfg = get_config(case.config)
+    wd, B, H, Dh, W = _wd(case), case.batch, cfg.n_heads, cfg.head_dim, cfg.conv_kernel
+    n_q = draft_slots(case)
+    base = make_kda_decode_inputs(case)
+    slots = [{n: base.tensors[n] for n in TOKEN_INPUTS}]
+    slots += [_slot_tokens(case, t, B, H, Dh, W, wd) for t in range(1, n_q)]
+    t = {n: torch.stack([s[n] for s in slots], dim=1) for n in TOKEN_INPUTS}
+    t["n_tokens"] = draw_counts(case, B, n_q)
+    for n in ("conv_w", "conv_state", "A_log", "dt_bias", "o_norm_w", "state"):
+        t[n] = base.tensors[n]
+    g = _gen(case, "stale_checkpoints")
+    t["conv_ckpt"] = torch.randn((B, n_q) + tuple(t["conv_state"].shape[1:]), generator=g).to(wd)
+    t["state_ckpt"] = torch.randn((B, n_q) + tuple(t["state"].shape[1:]), generator=g, dtype=torch.float32)
+    return OpInputs(tensors=t, params=dict(base.params))
+
+
+def verify_state_magnitude(inputs: OpInputs, cand: dict | None = None) -> dict[str, torch.Tensor]:
+    """Running-error magnitude of every state checkpoint: token t's kda_decode magnitude
+    (verify.ops.kda.decode_state_magnitude) from the float64 oracle's state before it, summed over
+    tokens 0..t. A carried error passes through the contraction (||A_t|| <= 1, kda_layer.toml) and
+    each token adds its own write's, so the sum bounds the first-order error of any evaluation order
+    after t tokens. Slots past a sequence's count keep their stale values: their magnitude is unused."""
+    t, p = inputs.tensors, inputs.params
+    d = {n: v.to(torch.float64) if v.is_floating_point() else v for n, v in t.items()}
+    n_q = d["q_raw"].shape[1]
+    cs, st = d["conv_state"].clone(), d["state"].clone()
+    acc = torch.zeros_like(d["state_ckpt"])
+    for s in range(n_q):
+        token = {n: d[n][:, s] for n in TOKEN_INPUTS}
+        layer = {n: d[n] for n in ("conv_w", "A_log", "dt_bias", "o_norm_w")}
+        m = decode_state_magnitude(OpInputs({**token, **layer, "conv_state": cs, "state": st}, p))["state"]
+        acc[:, s] = m + (acc[:, s - 1] if s else 0)
+        kda_decode(**token, **layer, conv_state=cs, state=st, lower_bound=p["lower_bound"], l2_eps=p["l2_eps"],
+                   norm_eps=p["norm_eps"])
+    return {"state_ckpt": acc}
+
+
+def shard_kda_verify(inputs: OpInputs, T: int) -> list[RankShard]:
+    """By head, as kda_decode (references/kda_tp.py): the draft slots' channels and beta columns, the
+    checkpoints' heads; n_tokens is every rank's."""
+    t = inputs.tensors
+    H, Dh = t["state"].shape[1], t["state"].shape[-1]
+    per_token = {n: v for n, v in t.items() if n not in ("beta_raw", "n_tokens", "conv_ckpt", "state_ckpt")}
+    out = []
+    for rank, r in enumerate(shard_decode_tensors(per_token, T)):
+        hs, cs = _rank_slices(H, Dh, T, rank)
+        r["beta_raw"] = _own(t["beta_raw"][..., hs])
+        r["n_tokens"] = t["n_tokens"]
+        r["conv_ckpt"] = _own(t["conv_ckpt"][:, :, :, cs])
+        r["state_ckpt"] = _own(t["state_ckpt"][:, :, hs])
+        out.append(RankShard(r, dict(inputs.params)))
+    return out
+
+
+def combine_kda_verify(per_rank: list[dict[str, torch.Tensor]], inputs: OpInputs) -> dict[str, torch.Tensor]:
+    return {"y": torch.cat([r["y"] for r in per_rank], -1),
+            "conv_ckpt": torch.cat([r["conv_ckpt"] for r in per_rank], 3),
+            "state_ckpt": torch.cat([r["state_ckpt"] for r in per_rank], 2)}
+
+
+def kda_verify_bytes(inputs: OpInputs) -> int:
+    """What the step must move: every slot's activations and the fp32 parameters read, the committed
+    conv window and state read once, each verified token's conv window and state checkpoint written,
+    y [B, n_q, C] written."""
+    t = inputs.tensors
+    B, n_q, C = t["q_raw"].shape
+    H = t["A_log"].shape[0]
+    Dh, W = C // H, t["conv_w"].shape[-1]
+    e, tokens = t["q_raw"].element_size(), int(t["n_tokens"].sum())
+    activations = (5 * B * n_q * C + B * n_q * H) * e
+    params = (3 * C * W + H + C + Dh) * 4
+    conv = (B + tokens) * 3 * C * (W - 1) * t["conv_state"].element_size()
+    state = (B + tokens) * H * Dh * Dh * 4
+    return activations + params + conv + state + B * n_q * C * e
+
+
+_ACT = {n: 0 for n in TOKEN_INPUTS}
+
+KDA_VERIFY = OpDef(
+    name="kda_verify",
+    family="kda_spec",
+    reference="references.kda_spec:kda_verify",
+    make_inputs=make_kda_verify_inputs,
+    outputs=("y",),
+    signature=("q_raw, k_raw, v_raw, g_raw, z [B,n_q,H*Dh] wd; beta_raw[B,n_q,H] wd  (slot t = draft token t)\n"
+               "n_tokens[B] int32|int64  (1..n_q tokens verified per sequence, ragged)\n"
+               "conv_w[3,H*Dh,W] fp32; conv_state[B,3,H*Dh,W-1] wd; A_log[H], dt_bias[H*Dh], o_norm_w[Dh] fp32\n"
+               "state[B,H,Dh(V),Dh(K)] fp32  (committed; read only)\n"
+               "conv_ckpt[B,n_q,3,H*Dh,W-1] wd; state_ckpt[B,n_q,H,Dh,Dh] fp32  (written for t < n_tokens[b])\n"
+               "lower_bound, l2_eps, norm_eps: float\n"
+               "-> y[B,n_q,H*Dh] wd  (zero past n_tokens)"),
+    state=("conv_ckpt", "state_ckpt"),
+    batch_dims={**_ACT, "n_tokens": 0, "conv_state": 0, "state": 0, "conv_ckpt": 0, "state_ckpt": 0, "y": 0},
+    split=SplitRule(kind="heads", shard=shard_kda_verify, combine=combine_kda_verify,
+                    reduction_order="none: heads are independent; y, conv_ckpt, state_ckpt concatenated by head"),
+    fused="fused.kda_verify:kda_verify",
+    magnitudes=verify_state_magnitude, moved_bytes=kda_verify_bytes,
+    max_batch=VERIFY_MAX_BATCH,
+    notes=(f"batch capped at {VERIFY_MAX_BATCH}: at k3 every sequence holds n_q fp32 state checkpoints of 6 MiB "
+           "(and the oracle an fp64 copy). The rollback itself (accept, and any design's contract over many "
+           "steps) is judged by `verify-kernels spec-decode`."),
+)
+
+OPS: list[OpDef] = [KDA_VERIFY]
