@@ -36,7 +36,8 @@ ulps (measured on the H200). The op is certified against the reference by its sp
 (tolerance_specs/kda_verify.toml): y and the state checkpoints by the derived class, the conv
 checkpoints bitwise. Determinism holds per variant: the same inputs give the same bits.
 The wrapper's validate=True (the default, as in the reference) checks the counts on the host (one
-sync); validate=False reads no tensor value on the host, so a CUDA graph can hold the step.
+sync) outside CUDA graph capture; validate=False, or a capture, reads no tensor value on the host, so
+a CUDA graph can hold the step.
 Variants (`KdaVerifyConfig`): warps per CTA 4 / 8 / 16 and row_chunk (Dh = 128, kda_decode's
 transposed row reductions, another summation order); every variant is certified. The dispatcher's
 picks (`for_shape`): more warps where there are few heads to fill the SMs; the GPU timing test
@@ -411,11 +412,12 @@ def kda_verify(q_raw, k_raw, v_raw, g_raw, beta_raw, z, n_tokens, conv_w, conv_s
                validate: bool = True, *, variant: KdaVerifyConfig | None = None):
     """Fused replacement of references.kda_spec.kda_verify (same signature) -> y [B, n_q, C]; writes
     conv_ckpt[b, t] and state_ckpt[b, t] for t < n_tokens[b]. validate=True checks the counts on the
-    host as the reference does (one sync); validate=False reads no tensor value on the host (a CUDA
-    graph can hold the step) and the kernel clamps each count to 0..n_q."""
+    host as the reference does (one sync), except while the stream is being captured into a CUDA
+    graph, where no host read is possible; validate=False reads no tensor value on the host. Either
+    way the kernel clamps each count to 0..n_q."""
     _check(q_raw, k_raw, v_raw, g_raw, beta_raw, z, n_tokens, conv_w, conv_state, A_log, dt_bias, o_norm_w,
            state, conv_ckpt, state_ckpt, lower_bound)
-    if validate:
+    if validate and not torch.cuda.is_current_stream_capturing():
         check_verify_counts(n_tokens, q_raw.shape[1])
     _check_device(state, q_raw=q_raw, k_raw=k_raw, v_raw=v_raw, g_raw=g_raw, beta_raw=beta_raw, z=z,
                   n_tokens=n_tokens, conv_w=conv_w, conv_state=conv_state, A_log=A_log, dt_bias=dt_bias,

@@ -15,7 +15,8 @@ import zlib
 import torch
 
 from references.config import get_config
-from references.kda import kda_decode
+from references.kda import kda_decode, kda_gate
+from references.primitives import silu
 from references.kda_tp import _own, _rank_slices, shard_decode_tensors
 from verify.model.case import Case
 from verify.model.opdef import OpDef, OpInputs, RankShard, SplitRule
@@ -78,21 +79,68 @@ def make_kda_verify_inputs(case: Case) -> OpInputs:
     return OpInputs(tensors=t, params=dict(base.params))
 
 
+# Mantissa bits of the working dtypes: a rounding to wd moves a value by at most one ulp, 2^(e - bits)
+_MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+# The spec's state floor is 16 fp32 ulps of the row's largest magnitude, at least 16 * 2^-24 = 2^-20 of
+# it: a wd rounding flip scaled by 2^20 is covered by that floor once, and no more.
+FLIP_SCALE = 2.0 ** 20
+
+
+def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One ulp of `dtype` at |x| (float64; fp16's subnormal spacing 2^-24 below its normals)."""
+    _, e = torch.frexp(x.abs())
+    u = torch.ldexp(torch.ones_like(x), e - 1 - _MANTISSA[dtype])
+    return u.clamp(min=2.0 ** -24) if dtype == torch.float16 else u
+
+
+def _flip_magnitude(d: dict, p: dict, conv: torch.Tensor, state: torch.Tensor, s: int, wd: torch.dtype) -> torch.Tensor:
+    """First-order change of token s's new state element (j, i) when one k and one v conv output of
+    its head land one wd ulp away (a rounding flip: another fp32 order before the rounding to wd, left
+    free by the spec; it needs the fp32 values to straddle a wd rounding boundary, about 2^-16 of the
+    time per element in bf16, so one flip per head and token, not all 128 at once):
+      v_j flips:    du_j = beta ulp(v_j)                        -> |k_i| du_j
+      ks_c flips:   dk_c = ulp(ks_c) / |ks|, du_j = beta |S'_jc| dk_c  -> |u_j| dk_i (c = i), |k_i| du_j
+    the largest over c of the k flip's term, summed with the v flip's."""
+    B, H, V, K = state.shape
+
+    def conv_out(i: int) -> torch.Tensor:
+        x = d[("q_raw", "k_raw", "v_raw")[i]][:, s]
+        window = torch.cat([conv[:, i], x.unsqueeze(-1)], dim=-1)
+        return silu((window * d["conv_w"][i]).sum(-1)).view(B, H, -1)
+
+    ks, v = conv_out(1), conv_out(2)
+    norm = torch.sqrt((ks * ks).sum(-1, keepdim=True) + p["l2_eps"])
+    k = ks / norm
+    dk = _ulp(ks, wd) / norm                                                    # [B, H, K]
+    _, alpha = kda_gate(d["g_raw"][:, s].view(B, H, K), d["A_log"], d["dt_bias"], p["lower_bound"])
+    beta = torch.sigmoid(d["beta_raw"][:, s]).unsqueeze(-1)                     # [B, H, 1]
+    sd = state * alpha.unsqueeze(-2)                                            # [B, H, V, K]
+    u = beta * (v - (sd * k.unsqueeze(-2)).sum(-1))                             # [B, H, V]
+    du = beta * (_ulp(v, wd) + (sd.abs() * dk.unsqueeze(-2)).amax(-1))          # [B, H, V]
+    return dk.unsqueeze(-2) * u.abs().unsqueeze(-1) + k.abs().unsqueeze(-2) * du.unsqueeze(-1)
+
+
 def verify_state_magnitude(inputs: OpInputs, cand: dict | None = None) -> dict[str, torch.Tensor]:
-    """Running-error magnitude of every state checkpoint: token t's kda_decode magnitude
-    (verify.ops.kda.decode_state_magnitude) from the float64 oracle's state before it, summed over
-    tokens 0..t. A carried error passes through the contraction (||A_t|| <= 1, kda_layer.toml) and
-    each token adds its own write's, so the sum bounds the first-order error of any evaluation order
-    after t tokens. Slots past a sequence's count keep their stale values: their magnitude is unused."""
+    """Error scale of every state checkpoint, summed over tokens 0..t (a carried error passes through
+    the contraction ||A_t|| <= 1, kda_layer.toml, and each token adds its own): per token, from the
+    float64 oracle's state before it,
+      m_s     kda_decode's running-error magnitude (verify.ops.kda.decode_state_magnitude: any fp32
+              evaluation order errs by c u m_s), plus
+      f_s     the state change of a wd rounding flip of one k and one v conv output (_flip_magnitude),
+              scaled by FLIP_SCALE so that the spec's 16-fp32-ulp floor of the row covers it once.
+    The working dtype is the candidate's y (fp32 without a candidate: no flip beyond fp32's own).
+    Slots past a sequence's count keep their stale values: their magnitude is unused."""
     t, p = inputs.tensors, inputs.params
+    wd = cand["y"].dtype if cand and "y" in cand and cand["y"].dtype in _MANTISSA else torch.float32
     d = {n: v.to(torch.float64) if v.is_floating_point() else v for n, v in t.items()}
     n_q = d["q_raw"].shape[1]
     cs, st = d["conv_state"].clone(), d["state"].clone()
     acc = torch.zeros_like(d["state_ckpt"])
+    layer = {n: d[n] for n in ("conv_w", "A_log", "dt_bias", "o_norm_w")}
     for s in range(n_q):
         token = {n: d[n][:, s] for n in TOKEN_INPUTS}
-        layer = {n: d[n] for n in ("conv_w", "A_log", "dt_bias", "o_norm_w")}
         m = decode_state_magnitude(OpInputs({**token, **layer, "conv_state": cs, "state": st}, p))["state"]
+        m = m + FLIP_SCALE * _flip_magnitude(d, p, cs, st, s, wd)
         acc[:, s] = m + (acc[:, s - 1] if s else 0)
         kda_decode(**token, **layer, conv_state=cs, state=st, lower_bound=p["lower_bound"], l2_eps=p["l2_eps"],
                    norm_eps=p["norm_eps"])
