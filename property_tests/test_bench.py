@@ -127,6 +127,10 @@ def touched_bytes(op, inputs, outputs: list[torch.Tensor]) -> int:
         chosen = {int(e) for e in t["ids"].flatten().tolist() if 0 <= e < t["w13_packed"].shape[0]}
         for k in ("w13_packed", "w13_scale", "w2_packed", "w2_scale"):
             total += -nb[k] + len(chosen) * nb[k] // t[k].shape[0]
+    if op.name == "kda_verify":             # checkpoints: the verified tokens' slots written, none read
+        tokens = int(t["n_tokens"].sum())
+        for k in ("conv_ckpt", "state_ckpt"):
+            total += -2 * nb[k] + tokens * nb[k] // (t[k].shape[0] * t[k].shape[1])
     if op.name == "mla_cache_write":        # cache: only the rows the slots name are written, none read
         rows = int((t["slot_mapping"] >= 0).sum())
         total += -2 * nb["cache"] + rows * t["cache"][0, 0].numel() * t["cache"].element_size()

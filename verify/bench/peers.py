@@ -123,3 +123,56 @@ def fla_kda_decode(tensors: dict, params: dict):
         o, _ = _recurrence(fused_recurrent_kda, outs["q_raw"], outs["k_raw"], outs["v_raw"], tensors, params)()
         return rms_norm_gated(o.reshape(B * H, Dh), z, w_norm, None, activation="sigmoid", eps=eps).view(B, C)
     return launch
+
+
+def kda_decode_per_token(tensors: dict, params: dict):
+    """kda_verify without a multi-token kernel: n_q fused kda_decode launches over the batch (every slot
+    of every sequence; a serving engine pads the ragged counts), each token's conv window and state
+    copied to its checkpoint slot. The committed state is not changed (the launches run on a copy)."""
+    import torch
+
+    from fused.kda_decode import kda_decode
+
+    n_q = tensors["q_raw"].shape[1]
+    cs, st = tensors["conv_state"].clone(), tensors["state"].clone()
+    layer = {n: tensors[n] for n in ("conv_w", "A_log", "dt_bias", "o_norm_w")}
+    scalars = {n: params[n] for n in ("lower_bound", "l2_eps", "norm_eps")}
+
+    def launch():
+        cs.copy_(tensors["conv_state"])
+        st.copy_(tensors["state"])
+        ys = []
+        for t in range(n_q):
+            ys.append(kda_decode(*(tensors[n][:, t] for n in ("q_raw", "k_raw", "v_raw", "g_raw", "beta_raw", "z")),
+                                 layer["conv_w"], cs, layer["A_log"], layer["dt_bias"], layer["o_norm_w"], st,
+                                 **scalars))
+            tensors["conv_ckpt"][:, t].copy_(cs)
+            tensors["state_ckpt"][:, t].copy_(st)
+        return torch.stack(ys, 1)
+    return launch
+
+
+def fla_recurrence_tokens(tensors: dict, params: dict):
+    """fla's fused_recurrent_kda over the n_q draft tokens of every sequence (the convs computed here,
+    untimed), final state only: what fla offers for a multi-token step, without per-token checkpoints,
+    convs or the gated norm."""
+    import torch
+
+    from references.kda import short_conv_update
+
+    _, fused_recurrent_kda, _ = _fla()
+    B, n_q, C = tensors["q_raw"].shape
+    H = tensors["A_log"].shape[0]
+    Dh = C // H
+    conv_state = tensors["conv_state"].clone()
+    outs = {n: [] for n in ("q_raw", "k_raw", "v_raw")}
+    for t in range(n_q):
+        for i, n in enumerate(("q_raw", "k_raw", "v_raw")):
+            outs[n].append(short_conv_update(tensors[n][:, t], tensors["conv_w"][i], conv_state[:, i]))
+    q, k, v = (torch.stack(outs[n], 1).view(B, n_q, H, Dh) for n in ("q_raw", "k_raw", "v_raw"))
+    g, beta = tensors["g_raw"].view(B, n_q, H, Dh), tensors["beta_raw"]
+    return lambda: fused_recurrent_kda(
+        q, k, v, g, beta, A_log=tensors["A_log"], dt_bias=tensors["dt_bias"], scale=Dh ** -0.5,
+        initial_state=tensors["state"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=float(params["lower_bound"]),
+        state_v_first=True)

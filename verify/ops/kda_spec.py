@@ -19,7 +19,7 @@ from references.kda import kda_decode, kda_gate
 from references.primitives import silu
 from references.kda_tp import _own, _rank_slices, shard_decode_tensors
 from verify.model.case import Case
-from verify.model.opdef import OpDef, OpInputs, RankShard, SplitRule
+from verify.model.opdef import OpDef, OpInputs, Peer, RankShard, SplitRule
 from verify.ops.kda import (_activation, _conv_inputs, _gen, _wd, decode_state_magnitude,
                             make_kda_decode_inputs)
 
@@ -171,9 +171,9 @@ def combine_kda_verify(per_rank: list[dict[str, torch.Tensor]], inputs: OpInputs
 
 
 def kda_verify_bytes(inputs: OpInputs) -> int:
-    """What the step must move: every slot's activations and the fp32 parameters read, the committed
-    conv window and state read once, each verified token's conv window and state checkpoint written,
-    y [B, n_q, C] written."""
+    """What the step must move: every slot's activations, the counts and the fp32 parameters read, the
+    committed conv window and state read once, each verified token's conv window and state checkpoint
+    written, y [B, n_q, C] written."""
     t = inputs.tensors
     B, n_q, C = t["q_raw"].shape
     H = t["A_log"].shape[0]
@@ -183,10 +183,20 @@ def kda_verify_bytes(inputs: OpInputs) -> int:
     params = (3 * C * W + H + C + Dh) * 4
     conv = (B + tokens) * 3 * C * (W - 1) * t["conv_state"].element_size()
     state = (B + tokens) * H * Dh * Dh * 4
-    return activations + params + conv + state + B * n_q * C * e
+    counts = t["n_tokens"].numel() * t["n_tokens"].element_size()
+    return activations + counts + params + conv + state + B * n_q * C * e
 
 
 _ACT = {n: 0 for n in TOKEN_INPUTS}
+
+KDA_VERIFY_PEERS = (
+    Peer("kda_decode_per_token", "verify.bench.peers:kda_decode_per_token",
+         part="n_q fused kda_decode launches, each token's state copied to its checkpoint: the step without "
+              "a multi-token kernel"),
+    Peer("fla_recurrence_tokens", "verify.bench.peers:fla_recurrence_tokens",
+         part="fla's fused_recurrent_kda over the n_q tokens, final state only (no per-token checkpoints, no "
+              "convs or gated norm): a lower bound through fla"),
+)
 
 KDA_VERIFY = OpDef(
     name="kda_verify",
@@ -206,10 +216,11 @@ KDA_VERIFY = OpDef(
     split=SplitRule(kind="heads", shard=shard_kda_verify, combine=combine_kda_verify,
                     reduction_order="none: heads are independent; y, conv_ckpt, state_ckpt concatenated by head"),
     fused="fused.kda_verify:kda_verify",
-    magnitudes=verify_state_magnitude, moved_bytes=kda_verify_bytes,
-    max_batch=VERIFY_MAX_BATCH,
+    magnitudes=verify_state_magnitude, moved_bytes=kda_verify_bytes, peers=KDA_VERIFY_PEERS,
+    max_batch=VERIFY_MAX_BATCH, compile_heavy=True,
     notes=(f"batch capped at {VERIFY_MAX_BATCH}: at k3 every sequence holds n_q fp32 state checkpoints of 6 MiB "
-           "(and the oracle an fp64 copy). The rollback itself (accept, and any design's contract over many "
+           "(and the oracle an fp64 copy). torch.compile of the reference (a loop of n_q kda_decode steps, "
+           "recompiled per n_q) takes about a minute a case on a CPU. The rollback itself (accept, and any design's contract over many "
            "steps) is judged by `verify-kernels spec-decode`."),
 )
 
