@@ -56,7 +56,7 @@ import torch
 
 from fused import runtime
 from fused.kda_decode import KdaConfig, KdaDecode, _sigmoid
-from fused.kda_verify_accept import kda_accept  # noqa: F401  (the commit half, re-exported)
+from fused.kda_verify_accept import capturing, kda_accept  # noqa: F401  (the commit half, re-exported)
 from references.kda_spec import COUNT_DTYPES, check_verify_counts
 from references.primitives import check_tensor
 
@@ -417,7 +417,7 @@ def kda_verify(q_raw, k_raw, v_raw, g_raw, beta_raw, z, n_tokens, conv_w, conv_s
     way the kernel clamps each count to 0..n_q."""
     _check(q_raw, k_raw, v_raw, g_raw, beta_raw, z, n_tokens, conv_w, conv_state, A_log, dt_bias, o_norm_w,
            state, conv_ckpt, state_ckpt, lower_bound)
-    if validate and not torch.cuda.is_current_stream_capturing():
+    if validate and not capturing():
         check_verify_counts(n_tokens, q_raw.shape[1])
     _check_device(state, q_raw=q_raw, k_raw=k_raw, v_raw=v_raw, g_raw=g_raw, beta_raw=beta_raw, z=z,
                   n_tokens=n_tokens, conv_w=conv_w, conv_state=conv_state, A_log=A_log, dt_bias=dt_bias,

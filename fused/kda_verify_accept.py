@@ -122,13 +122,19 @@ def _custom_op():
     return _op
 
 
+def capturing() -> bool:
+    """The current CUDA stream is being captured into a graph: no tensor value can be read on the host
+    (False where torch has no CUDA, whose capture query raises)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def kda_accept(accepted, n_tokens, conv_state, state, conv_ckpt, state_ckpt, validate: bool = True) -> None:
     """Fused replacement of references.kda_spec.kda_accept (same signature; conv_state, state in place).
     validate=True checks 0 <= accepted <= n_tokens on the host as the reference does (one sync),
     except under CUDA graph capture; validate=False reads nothing on the host. The kernel clamps each
     count to 0..n_q."""
     _check(accepted, n_tokens, conv_state, state, conv_ckpt, state_ckpt)
-    if validate and not torch.cuda.is_current_stream_capturing():
+    if validate and not capturing():
         check_accept_counts(accepted, n_tokens)
     runtime.require_cuda("state", state)
     for name, t in (("accepted", accepted), ("conv_state", conv_state), ("conv_ckpt", conv_ckpt),
