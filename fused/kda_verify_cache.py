@@ -52,6 +52,7 @@ from cutlass import Float32, Int32, const_expr  # noqa: E402
 
 MODES = ("verify", "writeback", "commit")
 CHUNK = 8                      # token slots per chunk (KdaVerify's MAX_SLOTS: the same registers)
+MAX_CHUNKS = 4                 # cache slots window - 1 + n_q <= 32
 TOKEN_INPUTS = ("q_raw", "k_raw", "v_raw", "g_raw", "beta_raw", "z")
 WD_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -60,35 +61,36 @@ class KdaCacheStep(KdaVerify):
     """Compile-time config: mode (MODES), working dtype, Dh, W, count dtype, variant. Inherits
     KdaVerify's thread layout and kda_decode's reductions (warp_sum_sq, transpose_sum)."""
 
-    def __init__(self, dtype, Dh: int, W: int, mode: str, count_dtype, config: KdaVerifyConfig = KdaVerifyConfig()):
+    def __init__(self, dtype, Dh: int, W: int, mode: str, count_dtype, n_chunks: int,
+                 config: KdaVerifyConfig = KdaVerifyConfig()):
         if mode not in MODES:
             raise ValueError(f"mode: {mode!r}; expected one of {MODES}")
+        if not 1 <= n_chunks <= MAX_CHUNKS:
+            raise ValueError(f"n_chunks: {n_chunks}; the kernel takes 1..{MAX_CHUNKS} chunks of {CHUNK} slots")
         super().__init__(dtype, Dh, W, CHUNK, count_dtype, config)
-        self.mode = mode
+        self.mode, self.n_chunks = mode, n_chunks
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
-                 mZ: cute.Tensor, mCount: cute.Tensor, cQ: cute.Tensor, cK: cute.Tensor, cV: cute.Tensor,
-                 cG: cute.Tensor, cBeta: cute.Tensor, cZ: cute.Tensor, mFill: cute.Tensor, mFillOut: cute.Tensor,
+                 mZ: cute.Tensor, mCount: cute.Tensor, mCache: cute.Tensor, mFill: cute.Tensor, mFillOut: cute.Tensor,
                  mConvW: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor, mNormW: cute.Tensor,
                  mConvS: cute.Tensor, mState: cute.Tensor, mConvOut: cute.Tensor, mStateOut: cute.Tensor,
                  mY: cute.Tensor, lower_bound: Float32, l2_eps: Float32, norm_eps: Float32, window: Int32, stream):
-        self.kernel(mQ, mK, mV, mG, mBeta, mZ, mCount, cQ, cK, cV, cG, cBeta, cZ, mFill, mFillOut, mConvW, mALog,
+        self.kernel(mQ, mK, mV, mG, mBeta, mZ, mCount, mCache, mFill, mFillOut, mConvW, mALog,
                     mDtBias, mNormW, mConvS, mState, mConvOut, mStateOut, mY, lower_bound, l2_eps, norm_eps,
                     window).launch(grid=[mState.shape[1], mState.shape[0], 1], block=[self.num_threads, 1, 1],
                                    stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
-               mZ: cute.Tensor, mCount: cute.Tensor, cQ: cute.Tensor, cK: cute.Tensor, cV: cute.Tensor,
-               cG: cute.Tensor, cBeta: cute.Tensor, cZ: cute.Tensor, mFill: cute.Tensor, mFillOut: cute.Tensor,
+               mZ: cute.Tensor, mCount: cute.Tensor, mCache: cute.Tensor, mFill: cute.Tensor, mFillOut: cute.Tensor,
                mConvW: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor, mNormW: cute.Tensor,
                mConvS: cute.Tensor, mState: cute.Tensor, mConvOut: cute.Tensor, mStateOut: cute.Tensor,
                mY: cute.Tensor, lower_bound: Float32, l2_eps: Float32, norm_eps: Float32, window: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         h, b, _ = cute.arch.block_idx()
         Dh, CH, cd = self.Dh, CHUNK, self.count_dtype
-        S = cQ.shape[1]                                  # cache slots: window - 1 + n_q
+        S = mCache.shape[1]                                # cache slots: window - 1 + n_q
         n_q = S - window + 1
         fill = mFill[b]
         n_rep, n, run = fill, Int32(0), True             # cached tokens replayed, draft tokens run
@@ -121,29 +123,11 @@ class KdaCacheStep(KdaVerify):
                 if i * self.num_threads + tidx < Dh:
                     nw[i] = mNormW[i * self.num_threads + tidx].to(Float32)
             total = n_rep + n
-            for ci in cutlass.range((total + CH - 1) // CH, unroll=1):
-                c0 = ci * CH
-                # 2. the chunk's operands and convs (the window carried in registers) -> shared memory
-                xr = self.chunk_operands(mQ, mK, mV, mG, mBeta, mZ, cQ, cK, cV, cG, cBeta, cZ, sBeta, sSig,
-                                         c0, n_rep, total, b, h, tidx)
-                self.chunk_convs(xr, wr, orr, a_log, sQKV, sAlpha, lower_bound, c0, total, h, tidx)
-                cute.arch.sync_threads()
-                # 3. the chunk's tokens on the register state (the draft's with their read-out)
-                for j in cutlass.range(cutlass.min(total - c0, Int32(CH)), unroll=1):
-                    if const_expr(self.mode == "verify"):
-                        if c0 + j >= n_rep:
-                            self.cache_token_rows(st, sQKV[None, None, j], sAlpha[None, j], sO[None, j], sBeta[j],
-                                                  l2_eps, True)
-                        else:
-                            self.cache_token_rows(st, sQKV[None, None, j], sAlpha[None, j], sO[None, j], sBeta[j],
-                                                  l2_eps, False)
-                    else:
-                        self.cache_token_rows(st, sQKV[None, None, j], sAlpha[None, j], sO[None, j], sBeta[j],
-                                              l2_eps, False)
-                cute.arch.sync_threads()
-                # 4. the draft tokens' gated RMSNorms
-                if const_expr(self.mode == "verify"):
-                    self.chunk_outputs(sO, sSig, nw, mY, c0, n_rep, total, b, h, tidx, norm_eps)
+            for ci in cutlass.range_constexpr(self.n_chunks):   # static: no address held over a token loop
+                if ci * CH < total:
+                    self.run_chunk(st, wr, orr, a_log, nw, mQ, mK, mV, mG, mBeta, mZ, mCache, mY, sQKV, sAlpha, sO,
+                                   sBeta, sSig, Int32(ci * CH), n_rep, total, b, h, tidx, lower_bound, l2_eps,
+                                   norm_eps)
             if const_expr(self.mode == "verify"):
                 for t in cutlass.range(n_q - n, unroll=1):        # the slots past n_tokens: zeros
                     for i in cutlass.range_constexpr(self.n_y):
@@ -152,6 +136,30 @@ class KdaCacheStep(KdaVerify):
             else:
                 self.state_rows(st, mStateOut, b, h, False)
                 self.store_window(orr, mConvOut, b, h, tidx)
+
+    @cute.jit
+    def run_chunk(self, st, wr, orr, a_log, nw, mQ, mK, mV, mG, mBeta, mZ, mCache, mY, sQKV, sAlpha, sO, sBeta,
+                  sSig, c0, n_rep, total, b, h, tidx, lower_bound, l2_eps, norm_eps):
+        """Slots c0 .. c0 + CHUNK - 1 (those < total): operands and convs, the tokens, the draft's outputs."""
+        # 2. the chunk's operands and convs (the window carried in registers) -> shared memory
+        xr = self.chunk_operands(mQ, mK, mV, mG, mBeta, mZ, mCache, sBeta, sSig, c0, n_rep, total, b, h, tidx)
+        self.chunk_convs(xr, wr, orr, a_log, sQKV, sAlpha, lower_bound, c0, total, h, tidx)
+        cute.arch.sync_threads()
+        # 3. the chunk's tokens on the register state (the draft's with their read-out)
+        for j in cutlass.range(cutlass.min(total - c0, Int32(CHUNK)), unroll=1):
+            if const_expr(self.mode == "verify"):
+                if c0 + j >= n_rep:
+                    self.cache_token_rows(st, sQKV[None, None, j], sAlpha[None, j], sO[None, j], sBeta[j], l2_eps,
+                                          True)
+                else:
+                    self.cache_token_rows(st, sQKV[None, None, j], sAlpha[None, j], sO[None, j], sBeta[j], l2_eps,
+                                          False)
+            else:
+                self.cache_token_rows(st, sQKV[None, None, j], sAlpha[None, j], sO[None, j], sBeta[j], l2_eps, False)
+        cute.arch.sync_threads()
+        # 4. the draft tokens' gated RMSNorms
+        if const_expr(self.mode == "verify"):
+            self.chunk_outputs(sO, sSig, nw, mY, c0, n_rep, total, b, h, tidx, norm_eps)
 
     @cute.jit
     def state_rows(self, st, mState, b, h, load: cutlass.Constexpr):
@@ -192,25 +200,26 @@ class KdaCacheStep(KdaVerify):
         return wr, orr, mALog[h].to(Float32)
 
     @cute.jit
-    def slot_value(self, mX, cX, s, n_rep, b, col):
-        """Slot s's input: the cache's below n_rep; above, the draft's (verify), stored to the cache."""
+    def slot_value(self, mX, mCache, s, n_rep, b, col, at):
+        """Slot s's input `col` (cache column `at`): the cache's below n_rep; above, the draft's
+        (verify), stored to the cache."""
         if const_expr(self.mode != "verify"):
-            return cX[b, s, col]
-        x = cX.element_type(0.0)
+            return mCache[b, s, at]
+        x = mCache.element_type(0.0)
         if s >= n_rep:
             x = mX[b, s - n_rep, col]
-            cX[b, s, col] = x
+            mCache[b, s, at] = x
         else:
-            x = cX[b, s, col]
+            x = mCache[b, s, at]
         return x
 
     @cute.jit
-    def chunk_operands(self, mQ, mK, mV, mG, mBeta, mZ, cQ, cK, cV, cG, cBeta, cZ, sBeta, sSig, c0, n_rep, total,
-                       b, h, tidx):
+    def chunk_operands(self, mQ, mK, mV, mG, mBeta, mZ, mCache, sBeta, sSig, c0, n_rep, total, b, h, tidx):
         """Every live slot of the chunk: this thread's conv / gate inputs xr [n_it, CHUNK]; thread j < CHUNK
         puts sigmoid(beta) of slot c0 + j into sBeta[j]; (verify) sigmoid(z) of this thread's output
         channels of the draft slots into sSig (shared memory: no registers held over the token loop)."""
         Dh, CH = self.Dh, CHUNK
+        C = mBeta.shape[2] * Dh                         # cache columns: q, k, v, g, z [C] each, beta [H]
         xr = cute.make_rmem_tensor((self.n_it, CH), self.dtype)
         xr.fill(0.0)
         for it in cutlass.range_constexpr(self.n_it):
@@ -220,24 +229,24 @@ class KdaCacheStep(KdaVerify):
                 for j in cutlass.range_constexpr(CH):
                     if c0 + j < total:
                         if i == 0:
-                            xr[it, j] = self.slot_value(mQ, cQ, c0 + j, n_rep, b, ch)
+                            xr[it, j] = self.slot_value(mQ, mCache, c0 + j, n_rep, b, ch, ch)
                         elif i == 1:
-                            xr[it, j] = self.slot_value(mK, cK, c0 + j, n_rep, b, ch)
+                            xr[it, j] = self.slot_value(mK, mCache, c0 + j, n_rep, b, ch, C + ch)
                         elif i == 2:
-                            xr[it, j] = self.slot_value(mV, cV, c0 + j, n_rep, b, ch)
+                            xr[it, j] = self.slot_value(mV, mCache, c0 + j, n_rep, b, ch, 2 * C + ch)
                         else:
-                            xr[it, j] = self.slot_value(mG, cG, c0 + j, n_rep, b, ch)
+                            xr[it, j] = self.slot_value(mG, mCache, c0 + j, n_rep, b, ch, 3 * C + ch)
         if const_expr(self.mode == "verify"):          # z: only the draft tokens have outputs
             for i in cutlass.range_constexpr(self.n_y):
                 c = i * self.num_threads + tidx
                 if c < Dh:
                     for j in cutlass.range_constexpr(CH):
                         if c0 + j < total and c0 + j >= n_rep:
-                            z = self.slot_value(mZ, cZ, c0 + j, n_rep, b, h * Dh + c)
+                            z = self.slot_value(mZ, mCache, c0 + j, n_rep, b, h * Dh + c, 4 * C + h * Dh + c)
                             sSig[c, j] = _sigmoid(z.to(Float32))
         if tidx < CH:
             if c0 + tidx < total:
-                sBeta[tidx] = _sigmoid(self.slot_value(mBeta, cBeta, c0 + tidx, n_rep, b, h).to(Float32))
+                sBeta[tidx] = _sigmoid(self.slot_value(mBeta, mCache, c0 + tidx, n_rep, b, h, 5 * C + h).to(Float32))
         return xr
 
     @cute.jit
@@ -348,22 +357,22 @@ class KdaCacheStep(KdaVerify):
 
 
 @runtime.compile_cache("kda_verify_cache")
-def _compile(mode: str, dtype: str, Dh: int, W: int, count_dtype: str, cfg: KdaVerifyConfig):
-    """Compile against fake tensors: batch, heads, draft slots, cache slots and window dynamic."""
-    op = KdaCacheStep(runtime.cutlass_dtype(dtype), Dh, W, mode, runtime.cutlass_dtype(count_dtype), cfg)
+def _compile(mode: str, dtype: str, Dh: int, W: int, count_dtype: str, n_chunks: int, cfg: KdaVerifyConfig):
+    """Compile against fake tensors: batch, heads, draft slots, window and cache slots dynamic (the cache
+    slots up to n_chunks x CHUNK)."""
+    op = KdaCacheStep(runtime.cutlass_dtype(dtype), Dh, W, mode, runtime.cutlass_dtype(count_dtype), n_chunks, cfg)
     _, cute_ = runtime.cutlass_modules()
     b, h, c, q, s = runtime.sym_int(), runtime.sym_int(), runtime.sym_int(Dh), runtime.sym_int(), runtime.sym_int()
     dt = runtime.cutlass_dtype(dtype)
     # the draft may be column slices of a merged in-projection: dynamic batch and slot strides
     act = lambda n: cute_.runtime.make_fake_tensor(dt, (b, q, n), (cute_.sym_int64(), cute_.sym_int64(), 1),
                                                    assumed_align=2)
-    cache = lambda n: runtime.fake_tensor(dtype, (b, s, n), align=2)
     f32 = lambda shape, align=4: runtime.fake_tensor("float32", shape, align=align)
     i32 = lambda: runtime.fake_tensor("int32", (b,), align=4)
     conv = lambda: runtime.fake_tensor(dtype, (b, 3, c, W - 1), align=2)
     return runtime.compile_tvm_ffi(
         op, act(c), act(c), act(c), act(c), act(h), act(c), runtime.fake_tensor(count_dtype, (b,), align=4),
-        cache(c), cache(c), cache(c), cache(c), cache(h), cache(c), i32(), i32(),
+        runtime.fake_tensor(dtype, (b, s, runtime.sym_int()), align=2), i32(), i32(),
         f32((3, c, W), 16 if W % 4 == 0 else 4), f32((h,)), f32((c,)), f32((Dh,)), conv(), f32((b, h, Dh, Dh), 16),
         conv(), f32((b, h, Dh, Dh), 16), runtime.fake_tensor(dtype, (b, q, c), align=2),
         Float32(-5.0), Float32(1e-6), Float32(1e-5), Int32(6))
