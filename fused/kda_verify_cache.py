@@ -1,378 +1,161 @@
-"""The input-cache rollback design of references/kda_spec_cache.py, fused: one launch per verify, one
-per accept, no state written except at a write-back.
+"""The input-cache rollback design of references/kda_spec_cache.py (KdaInputCache), fused: a speculative
+decoding step through KDA that reads the base fp32 state once and writes no state except at a
+write-back. `--design fused.kda_verify_cache:KdaInputCacheFused` (window 6) judges it.
 
-KdaInputCacheFused keeps what references.kda_spec_cache.KdaInputCache keeps (the base conv window and
-fp32 state as of the last write-back, the raw inputs of the tokens committed since then in cache slots
-[0, fill[b]), fill [B] int32) and answers the same five methods; every tensor value stays on the
-device, so a CUDA graph can hold a step. The GPU work is one kernel (KdaCacheStep) in three modes:
-  verify     per (head, sequence) CTA: the base state into registers (read once), the fill[b] cached
-             tokens replayed from the cache (no outputs, no writes), then the n_tokens[b] draft tokens,
-             whose outputs go to y[b, t] (zeros past n_tokens) and whose raw inputs go to cache slots
-             fill[b] + t. Nothing else is written: neither the base nor fill changes.
-  writeback  accept: f = fill[b] + accepted[b]; a sequence with f >= window replays its f cached
-             tokens from the base and writes the base state and conv window in place, the others exit
-             at once; fill_next[b] = 0 or f (copied to fill by the design: the CTAs of one sequence all
-             read fill[b] in the launch, so none may write it).
-  commit     committed(): the replay of the fill[b] cached tokens, written to fresh tensors.
-Per token the arithmetic is kda_decode's as KdaVerify runs it (slot_convs' conv and gate, token_rows'
-state update and read-out, the same rounding points: conv outputs, o and y in the working dtype, the
-state in fp32); replayed tokens skip the read-out. A token is the same code in every launch whatever
-the counts (chunk slot s % CHUNK, the same token loop), so verifying a tokens and accepting them
-commits the same bits as verifying more and accepting a (the contract's prefix property).
+KdaInputCacheFused keeps what KdaInputCache keeps (the base conv window and fp32 state as of the last
+write-back, the raw inputs of the tokens committed since then in cache slots [0, fill[b]) and fill)
+and answers the same five methods with the same observable behaviour; no tensor value is read on the
+host, so a CUDA graph can hold a step. Each method is one launch of fused/kda_verify_cache_step.py:
+  verify     replays the fill[b] cached tokens from the base in registers, runs the n_tokens[b] draft
+             tokens (y, zeros past n_tokens) and stores their inputs to cache slots fill[b] + t.
+  accept     one write-back launch every sequence runs: fill + accepted >= window replays the cached
+             tokens into the base (in place) and sets fill to 0, the others exit at once and take
+             fill + accepted; then fill is copied from the launch's fill_next (one [B] copy).
+  committed  the replay of the fill cached tokens into fresh tensors (kda_decode's layout).
+Counts are clamped on the device (n_tokens and accepted to 0..n_q, fill to the cache).
 
-Layout (B sequences, n_q draft slots, C = H*Dh, S = window - 1 + n_q cache slots): the draft q_raw,
-k_raw, v_raw, g_raw, z [B, n_q, C] and beta_raw [B, n_q, H] wd (unit stride on the last dim);
-n_tokens, accepted [B] int32 or int64 (clamped on the device to 0..n_q); cache.<name> [B, S, ...] wd
-contiguous; conv_w [3, C, W], A_log [H], dt_bias [C], o_norm_w [Dh] fp32; base conv [B, 3, C, W-1]
-wd, base state [B, H, Dh, Dh] fp32. One compile per (mode, dtype, Dh, W, count dtype, variant):
-batch, heads, n_q, window and S are dynamic.
-
-Launch: grid (H, B), KdaVerify's thread layout and variants (KdaVerifyConfig, picked by for_shape).
-The tokens run in chunks of CHUNK slots: per chunk every thread loads its conv / gate / beta / z
-operands of the chunk's slots (from the cache below fill, from the draft above it, storing the draft's
-into the cache), computes the chunk's convs and gates into shared memory (the conv window carried in
-registers), one barrier, the chunk's tokens on the register state, one barrier, the chunk's gated
-RMSNorms. The state rows never leave registers: streaming the operands chunk by chunk keeps the
-registers at KdaVerify's n_q = CHUNK count whatever window + n_q is.
+Layout: conv_state [B, 3, C, W-1] wd and state [B, H, Dh, Dh] fp32 at begin (copied: the base); the
+draft q_raw, k_raw, v_raw, g_raw, z [B, n_q, C] and beta_raw [B, n_q, H] wd; n_tokens, accepted [B]
+int32 or int64. The cache is one buffer [B, S, 5C + H] wd (S = window - 1 + n_q <= 32) whose column
+blocks are the reference's cache.<name> tensors [B, S, ...] (views: rollback_buffers gives the
+design's own storage); fill [B] int32. Dh in 16, 32, 64, 128; W >= 2.
 """
 from __future__ import annotations
-
-import operator
 
 import torch
 
 from fused import runtime
-from fused.kda_decode import _sigmoid
-from fused.kda_verify import KdaVerify, KdaVerifyConfig
 from references.kda_spec import COUNT_DTYPES
 from references.primitives import check_tensor
 
-cutlass, cute = runtime.cutlass_modules()           # pins sm_90a before the DSL latches an arch
-from cutlass import Float32, Int32, const_expr  # noqa: E402
-
-MODES = ("verify", "writeback", "commit")
-CHUNK = 8                      # token slots per chunk (KdaVerify's MAX_SLOTS: the same registers)
-MAX_CHUNKS = 4                 # cache slots window - 1 + n_q <= 32
 TOKEN_INPUTS = ("q_raw", "k_raw", "v_raw", "g_raw", "beta_raw", "z")
+CACHE_COLUMNS = ("q_raw", "k_raw", "v_raw", "g_raw", "z")    # C columns each, then beta_raw's H
 WD_DTYPES = (torch.bfloat16, torch.float16)
+MAX_CACHE_SLOTS = 32                                         # window - 1 + n_q (the kernel's chunks)
 
 
-class KdaCacheStep(KdaVerify):
-    """Compile-time config: mode (MODES), working dtype, Dh, W, count dtype, variant. Inherits
-    KdaVerify's thread layout and kda_decode's reductions (warp_sum_sq, transpose_sum)."""
-
-    def __init__(self, dtype, Dh: int, W: int, mode: str, count_dtype, n_chunks: int,
-                 config: KdaVerifyConfig = KdaVerifyConfig()):
-        if mode not in MODES:
-            raise ValueError(f"mode: {mode!r}; expected one of {MODES}")
-        if not 1 <= n_chunks <= MAX_CHUNKS:
-            raise ValueError(f"n_chunks: {n_chunks}; the kernel takes 1..{MAX_CHUNKS} chunks of {CHUNK} slots")
-        super().__init__(dtype, Dh, W, CHUNK, count_dtype, config)
-        self.mode, self.n_chunks = mode, n_chunks
-
-    @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
-                 mZ: cute.Tensor, mCount: cute.Tensor, mCache: cute.Tensor, mFill: cute.Tensor, mFillOut: cute.Tensor,
-                 mConvW: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor, mNormW: cute.Tensor,
-                 mConvS: cute.Tensor, mState: cute.Tensor, mConvOut: cute.Tensor, mStateOut: cute.Tensor,
-                 mY: cute.Tensor, lower_bound: Float32, l2_eps: Float32, norm_eps: Float32, window: Int32, stream):
-        self.kernel(mQ, mK, mV, mG, mBeta, mZ, mCount, mCache, mFill, mFillOut, mConvW, mALog,
-                    mDtBias, mNormW, mConvS, mState, mConvOut, mStateOut, mY, lower_bound, l2_eps, norm_eps,
-                    window).launch(grid=[mState.shape[1], mState.shape[0], 1], block=[self.num_threads, 1, 1],
-                                   stream=stream)
-
-    @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
-               mZ: cute.Tensor, mCount: cute.Tensor, mCache: cute.Tensor, mFill: cute.Tensor, mFillOut: cute.Tensor,
-               mConvW: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor, mNormW: cute.Tensor,
-               mConvS: cute.Tensor, mState: cute.Tensor, mConvOut: cute.Tensor, mStateOut: cute.Tensor,
-               mY: cute.Tensor, lower_bound: Float32, l2_eps: Float32, norm_eps: Float32, window: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        h, b, _ = cute.arch.block_idx()
-        Dh, CH, cd = self.Dh, CHUNK, self.count_dtype
-        S = mCache.shape[1]                                # cache slots: window - 1 + n_q
-        n_q = S - window + 1
-        fill = mFill[b]
-        n_rep, n, run = fill, Int32(0), True             # cached tokens replayed, draft tokens run
-        if const_expr(self.mode == "verify"):
-            n_rep = cutlass.min(cutlass.max(fill, Int32(0)), S - n_q)
-            n = Int32(cutlass.min(cutlass.max(mCount[b], cd(0)), cd(n_q)))
-        elif const_expr(self.mode == "writeback"):
-            a = Int32(cutlass.min(cutlass.max(mCount[b], cd(0)), cd(n_q)))
-            f = cutlass.max(fill, Int32(0)) + a
-            run = f >= window
-            n_rep = cutlass.min(f, S)
-            if h == 0 and tidx == 0:
-                mFillOut[b] = cutlass.select_(run, Int32(0), f)
-        else:
-            n_rep = cutlass.min(cutlass.max(fill, Int32(0)), S)
-        smem = cutlass.memory.SmemAllocator()
-        sQKV = smem.allocate_tensor(Float32, cute.make_layout((Dh, 3, CH), stride=(1, Dh, 3 * Dh)), 16)
-        sAlpha = smem.allocate_tensor(Float32, cute.make_layout((Dh, CH), stride=(1, Dh)), 16)
-        sO = smem.allocate_tensor(Float32, cute.make_layout((Dh, CH), stride=(1, Dh)), 16)
-        sBeta = smem.allocate_tensor(Float32, cute.make_layout(CH), 16)
-        sSig = smem.allocate_tensor(Float32, cute.make_layout((Dh, CH), stride=(1, Dh)), 16)
-        if run:
-            # 1. the base state rows (the bytes, read once), then the conv weights and base window
-            st = cute.make_rmem_tensor((4, self.n_pass), Float32)
-            self.state_rows(st, mState, b, h, True)
-            wr, orr, a_log = self.window_operands(mConvW, mConvS, mALog, mDtBias, b, h, tidx)
-            nw = cute.make_rmem_tensor(self.n_y, Float32)
-            nw.fill(0.0)
-            for i in cutlass.range_constexpr(self.n_y):
-                if i * self.num_threads + tidx < Dh:
-                    nw[i] = mNormW[i * self.num_threads + tidx].to(Float32)
-            total = n_rep + n
-            for ci in cutlass.range_constexpr(self.n_chunks):   # static: no address held over a token loop
-                if ci * CH < total:
-                    self.run_chunk(st, wr, orr, a_log, nw, mQ, mK, mV, mG, mBeta, mZ, mCache, mY, sQKV, sAlpha, sO,
-                                   sBeta, sSig, Int32(ci * CH), n_rep, total, b, h, tidx, lower_bound, l2_eps,
-                                   norm_eps)
-            if const_expr(self.mode == "verify"):
-                for t in cutlass.range(n_q - n, unroll=1):        # the slots past n_tokens: zeros
-                    for i in cutlass.range_constexpr(self.n_y):
-                        if i * self.num_threads + tidx < Dh:
-                            mY[b, n + t, h * Dh + i * self.num_threads + tidx] = mY.element_type(0.0)
-            else:
-                self.state_rows(st, mStateOut, b, h, False)
-                self.store_window(orr, mConvOut, b, h, tidx)
-
-    @cute.jit
-    def run_chunk(self, st, wr, orr, a_log, nw, mQ, mK, mV, mG, mBeta, mZ, mCache, mY, sQKV, sAlpha, sO, sBeta,
-                  sSig, c0, n_rep, total, b, h, tidx, lower_bound, l2_eps, norm_eps):
-        """Slots c0 .. c0 + CHUNK - 1 (those < total): operands and convs, the tokens, the draft's outputs."""
-        # 2. the chunk's operands and convs (the window carried in registers) -> shared memory
-        xr = self.chunk_operands(mQ, mK, mV, mG, mBeta, mZ, mCache, sBeta, sSig, c0, n_rep, total, b, h, tidx)
-        self.chunk_convs(xr, wr, orr, a_log, sQKV, sAlpha, lower_bound, c0, total, h, tidx)
-        cute.arch.sync_threads()
-        # 3. the chunk's tokens on the register state (the draft's with their read-out)
-        for j in cutlass.range(cutlass.min(total - c0, Int32(CHUNK)), unroll=1):
-            if const_expr(self.mode == "verify"):
-                if c0 + j >= n_rep:
-                    self.cache_token_rows(st, sQKV[None, None, j], sAlpha[None, j], sO[None, j], sBeta[j], l2_eps,
-                                          True)
-                else:
-                    self.cache_token_rows(st, sQKV[None, None, j], sAlpha[None, j], sO[None, j], sBeta[j], l2_eps,
-                                          False)
-            else:
-                self.cache_token_rows(st, sQKV[None, None, j], sAlpha[None, j], sO[None, j], sBeta[j], l2_eps, False)
-        cute.arch.sync_threads()
-        # 4. the draft tokens' gated RMSNorms
-        if const_expr(self.mode == "verify"):
-            self.chunk_outputs(sO, sSig, nw, mY, c0, n_rep, total, b, h, tidx, norm_eps)
-
-    @cute.jit
-    def state_rows(self, st, mState, b, h, load: cutlass.Constexpr):
-        """The head's state rows to (load) or from the registers st (kda_decode's row layout)."""
-        gS = cute.zipped_divide(mState[b, h, None, None], (1, 4))
-        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
-        L = self.lanes_per_row
-        if const_expr(load):
-            st.fill(0.0)
-        for s in cutlass.range_constexpr(self.n_pass):
-            v = (s * self.num_warps + warp) * self.rows_per_warp + lane // L
-            if const_expr(self.even) or v < self.Dh:
-                if const_expr(load):
-                    st[None, s].store(gS[None, (v, lane % L)].load())
-                else:
-                    gS[None, (v, lane % L)].store(st[None, s].load())
-
-    @cute.jit
-    def window_operands(self, mConvW, mConvS, mALog, mDtBias, b, h, tidx):
-        """This thread's conv items (kda_decode's item it = (i, c)): W weights (or dt_bias), W-1 window."""
-        Dh, W = self.Dh, self.W
-        wr = cute.make_rmem_tensor((W, self.n_it), Float32)
-        orr = cute.make_rmem_tensor((W - 1, self.n_it), self.dtype)
-        wr.fill(0.0)
-        orr.fill(0.0)
-        for it in cutlass.range_constexpr(self.n_it):
-            tt = it * self.num_threads + tidx
-            i, c = tt // Dh, tt % Dh
-            ch = h * Dh + c
-            if tt < 3 * Dh:
-                w = mConvW[i, ch, None].load()
-                for j in cutlass.range_constexpr(W):
-                    wr[j, it] = w[j]
-                for j in cutlass.range_constexpr(W - 1):
-                    orr[j, it] = mConvS[b, i, ch, j]
-            elif tt < 4 * Dh:
-                wr[0, it] = mDtBias[ch].to(Float32)
-        return wr, orr, mALog[h].to(Float32)
-
-    @cute.jit
-    def slot_value(self, mX, mCache, s, n_rep, b, col, at):
-        """Slot s's input `col` (cache column `at`): the cache's below n_rep; above, the draft's
-        (verify), stored to the cache."""
-        if const_expr(self.mode != "verify"):
-            return mCache[b, s, at]
-        x = mCache.element_type(0.0)
-        if s >= n_rep:
-            x = mX[b, s - n_rep, col]
-            mCache[b, s, at] = x
-        else:
-            x = mCache[b, s, at]
-        return x
-
-    @cute.jit
-    def chunk_operands(self, mQ, mK, mV, mG, mBeta, mZ, mCache, sBeta, sSig, c0, n_rep, total, b, h, tidx):
-        """Every live slot of the chunk: this thread's conv / gate inputs xr [n_it, CHUNK]; thread j < CHUNK
-        puts sigmoid(beta) of slot c0 + j into sBeta[j]; (verify) sigmoid(z) of this thread's output
-        channels of the draft slots into sSig (shared memory: no registers held over the token loop)."""
-        Dh, CH = self.Dh, CHUNK
-        C = mBeta.shape[2] * Dh                         # cache columns: q, k, v, g, z [C] each, beta [H]
-        xr = cute.make_rmem_tensor((self.n_it, CH), self.dtype)
-        xr.fill(0.0)
-        for it in cutlass.range_constexpr(self.n_it):
-            tt = it * self.num_threads + tidx
-            i, ch = tt // Dh, h * Dh + tt % Dh
-            if tt < 4 * Dh:
-                for j in cutlass.range_constexpr(CH):
-                    if c0 + j < total:
-                        if i == 0:
-                            xr[it, j] = self.slot_value(mQ, mCache, c0 + j, n_rep, b, ch, ch)
-                        elif i == 1:
-                            xr[it, j] = self.slot_value(mK, mCache, c0 + j, n_rep, b, ch, C + ch)
-                        elif i == 2:
-                            xr[it, j] = self.slot_value(mV, mCache, c0 + j, n_rep, b, ch, 2 * C + ch)
-                        else:
-                            xr[it, j] = self.slot_value(mG, mCache, c0 + j, n_rep, b, ch, 3 * C + ch)
-        if const_expr(self.mode == "verify"):          # z: only the draft tokens have outputs
-            for i in cutlass.range_constexpr(self.n_y):
-                c = i * self.num_threads + tidx
-                if c < Dh:
-                    for j in cutlass.range_constexpr(CH):
-                        if c0 + j < total and c0 + j >= n_rep:
-                            z = self.slot_value(mZ, mCache, c0 + j, n_rep, b, h * Dh + c, 4 * C + h * Dh + c)
-                            sSig[c, j] = _sigmoid(z.to(Float32))
-        if tidx < CH:
-            if c0 + tidx < total:
-                sBeta[tidx] = _sigmoid(self.slot_value(mBeta, mCache, c0 + tidx, n_rep, b, h, 5 * C + h).to(Float32))
-        return xr
-
-    @cute.jit
-    def chunk_convs(self, xr, wr, orr, a_log, sQKV, sAlpha, lower_bound, c0, total, h, tidx):
-        """KdaVerify.slot_convs over the chunk's live slots: the window shifts in registers."""
-        Dh, W = self.Dh, self.W
-        a_h = cute.math.exp(a_log)
-        for it in cutlass.range_constexpr(self.n_it):
-            tt = it * self.num_threads + tidx
-            i, c = tt // Dh, tt % Dh
-            if tt < 3 * Dh:
-                for j in cutlass.range_constexpr(CHUNK):
-                    if c0 + j < total:
-                        x = xr[it, j]
-                        acc = x.to(Float32) * wr[W - 1, it]
-                        for k in cutlass.range_constexpr(W - 1):
-                            acc = acc + orr[k, it].to(Float32) * wr[k, it]
-                        for k in cutlass.range_constexpr(W - 2):
-                            orr[k, it] = orr[k + 1, it]
-                        orr[W - 2, it] = x
-                        y = acc * _sigmoid(acc)
-                        sQKV[c, i, j] = y.to(self.dtype).to(Float32)
-            elif tt < 4 * Dh:
-                for j in cutlass.range_constexpr(CHUNK):
-                    if c0 + j < total:
-                        g = xr[it, j].to(Float32) + wr[0, it]
-                        sAlpha[c, j] = cute.math.exp(lower_bound * _sigmoid(a_h * g))
-
-    @cute.jit
-    def cache_token_rows(self, st, sQKV, sAlpha, sO, beta, l2_eps, readout: cutlass.Constexpr):
-        """KdaVerify.token_rows on the register state without the checkpoint store; the read-out o
-        (rounded to wd, into sO) only where `readout` (a draft token)."""
-        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
-        L = self.lanes_per_row
-        cg = lane % L
-        rk = cute.math.rsqrt(self.warp_sum_sq(sQKV, 1, lane) + l2_eps)
-        rq = Float32(0.0)
-        if const_expr(readout):
-            rq = cute.math.rsqrt(self.warp_sum_sq(sQKV, 0, lane) + l2_eps) * self.scale
-        qv = cute.make_rmem_tensor(4, Float32)
-        kv = cute.make_rmem_tensor(4, Float32)
-        av = cute.make_rmem_tensor(4, Float32)
-        for e in cutlass.range_constexpr(4):
-            qv[e] = sQKV[4 * cg + e, 0] * rq
-            kv[e] = sQKV[4 * cg + e, 1] * rk
-            av[e] = sAlpha[4 * cg + e]
-        q, k, a = qv.load(), kv.load(), av.load()
-        if const_expr(self.row_chunk > 1):
-            C = self.row_chunk
-            span = 32 // C
-            r = lane // span
-            for c0 in cutlass.range_constexpr(0, self.n_pass, C):
-                sd = [st[None, c0 + i].load() * a for i in range(C)]
-                ks = self.transpose_sum([(sd[i] * k).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                                         for i in range(C)], lane)
-                v_r = (r + c0) * self.num_warps + warp
-                u_r = (sQKV[v_r, 2] - ks) * beta
-                part = []
-                for i in cutlass.range_constexpr(C):
-                    u = cute.arch.shuffle_sync(u_r, offset=i * span)
-                    sn = sd[i] + k * u
-                    st[None, c0 + i].store(sn)
-                    if const_expr(readout):
-                        part.append((sn * q).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
-                if const_expr(readout):
-                    o = self.transpose_sum(part, lane)
-                    if lane % span == 0:
-                        sO[v_r] = o.to(self.dtype).to(Float32)
-        else:
-            for s in cutlass.range_constexpr(self.n_pass):
-                v = (s * self.num_warps + warp) * self.rows_per_warp + lane // L
-                if const_expr(self.even) or v < self.Dh:
-                    sd = st[None, s].load() * a
-                    ks = (sd * k).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                    ks = cute.arch.warp_reduction(ks, operator.add, threads_in_group=L)
-                    u = (sQKV[v, 2] - ks) * beta
-                    sn = sd + k * u
-                    st[None, s].store(sn)
-                    if const_expr(readout):
-                        o = (sn * q).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                        o = cute.arch.warp_reduction(o, operator.add, threads_in_group=L)
-                        if cg == 0:
-                            sO[v] = o.to(self.dtype).to(Float32)
-
-    @cute.jit
-    def chunk_outputs(self, sO, sSig, nw, mY, c0, n_rep, total, b, h, tidx, norm_eps):
-        """KdaVerify's gated RMSNorm for the chunk's draft slots: y[b, s - n_rep]."""
-        Dh, lane = self.Dh, cute.arch.lane_idx()
-        for j in cutlass.range_constexpr(CHUNK):
-            s = c0 + j
-            if s < total and s >= n_rep:
-                rstd = cute.math.rsqrt(self.warp_sum_sq(sO[None, j], None, lane) / Dh + norm_eps)
-                for i in cutlass.range_constexpr(self.n_y):
-                    c = i * self.num_threads + tidx
-                    if c < Dh:
-                        y = sO[c, j] * rstd * nw[i] * sSig[c, j]
-                        mY[b, s - n_rep, h * Dh + c] = y.to(mY.element_type)
-
-    @cute.jit
-    def store_window(self, orr, mConvOut, b, h, tidx):
-        """The conv window after the replay, this thread's items."""
-        Dh = self.Dh
-        for it in cutlass.range_constexpr(self.n_it):
-            tt = it * self.num_threads + tidx
-            if tt < 3 * Dh:
-                for j in cutlass.range_constexpr(self.W - 1):
-                    mConvOut[b, tt // Dh, h * Dh + tt % Dh, j] = orr[j, it]
+def _kernel():
+    from fused import kda_verify_cache_step            # cutlass: imported on first launch
+    return kda_verify_cache_step
 
 
-@runtime.compile_cache("kda_verify_cache")
-def _compile(mode: str, dtype: str, Dh: int, W: int, count_dtype: str, n_chunks: int, cfg: KdaVerifyConfig):
-    """Compile against fake tensors: batch, heads, draft slots, window and cache slots dynamic (the cache
-    slots up to n_chunks x CHUNK)."""
-    op = KdaCacheStep(runtime.cutlass_dtype(dtype), Dh, W, mode, runtime.cutlass_dtype(count_dtype), n_chunks, cfg)
-    _, cute_ = runtime.cutlass_modules()
-    b, h, c, q, s = runtime.sym_int(), runtime.sym_int(), runtime.sym_int(Dh), runtime.sym_int(), runtime.sym_int()
-    dt = runtime.cutlass_dtype(dtype)
-    # the draft may be column slices of a merged in-projection: dynamic batch and slot strides
-    act = lambda n: cute_.runtime.make_fake_tensor(dt, (b, q, n), (cute_.sym_int64(), cute_.sym_int64(), 1),
-                                                   assumed_align=2)
-    f32 = lambda shape, align=4: runtime.fake_tensor("float32", shape, align=align)
-    i32 = lambda: runtime.fake_tensor("int32", (b,), align=4)
-    conv = lambda: runtime.fake_tensor(dtype, (b, 3, c, W - 1), align=2)
-    return runtime.compile_tvm_ffi(
-        op, act(c), act(c), act(c), act(c), act(h), act(c), runtime.fake_tensor(count_dtype, (b,), align=4),
-        runtime.fake_tensor(dtype, (b, s, runtime.sym_int()), align=2), i32(), i32(),
-        f32((3, c, W), 16 if W % 4 == 0 else 4), f32((h,)), f32((c,)), f32((Dh,)), conv(), f32((b, h, Dh, Dh), 16),
-        conv(), f32((b, h, Dh, Dh), 16), runtime.fake_tensor(dtype, (b, q, c), align=2),
-        Float32(-5.0), Float32(1e-6), Float32(1e-5), Int32(6))
+class KdaInputCacheFused:
+    """The input-cache design (module docstring). `window`: the cached tokens that trigger a write-back
+    (>= 1); `variant`: a KdaVerifyConfig for every launch (None: KdaVerifyConfig.for_shape)."""
+
+    def __init__(self, window: int = 6, *, variant=None):
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"window: expected an int >= 1 (cached tokens that trigger a write-back), got {window!r}")
+        self.window, self.variant = window, variant
+
+    # ---- the protocol ------------------------------------------------------------------------------
+
+    def begin(self, *, conv_state, state, conv_w, A_log, dt_bias, o_norm_w, lower_bound, l2_eps, norm_eps,
+              n_q) -> None:
+        check_tensor("state", state, ndim=4, dtypes=(torch.float32,))
+        B, H, Dh, _ = state.shape
+        C = H * Dh
+        check_tensor("state", state, shape=(B, H, Dh, Dh))
+        check_tensor("conv_w", conv_w, ndim=3, dtypes=(torch.float32,))
+        W = conv_w.shape[-1]
+        check_tensor("conv_w", conv_w, shape=(3, C, W))
+        check_tensor("conv_state", conv_state, shape=(B, 3, C, W - 1), dtypes=WD_DTYPES)
+        check_tensor("A_log", A_log, shape=(H,), dtypes=(torch.float32,))
+        check_tensor("dt_bias", dt_bias, shape=(C,), dtypes=(torch.float32,))
+        check_tensor("o_norm_w", o_norm_w, shape=(Dh,), dtypes=(torch.float32,))
+        if Dh not in (16, 32, 64, 128) or W < 2:
+            raise ValueError(f"state: head_dim {Dh} / conv_w: width {W}; the kernel takes Dh in 16, 32, 64, 128 "
+                             "and W >= 2")
+        if not isinstance(n_q, int) or isinstance(n_q, bool) or n_q < 1:
+            raise ValueError(f"n_q: expected an int >= 1 (draft slots of every verify), got {n_q!r}")
+        if self.window - 1 + n_q > MAX_CACHE_SLOTS:
+            raise ValueError(f"n_q: {n_q} with window {self.window} needs {self.window - 1 + n_q} cache slots; the "
+                             f"kernel takes window - 1 + n_q <= {MAX_CACHE_SLOTS}")
+        if not lower_bound < 0:
+            raise ValueError(f"lower_bound: expected a negative float (K3: -5.0), got {lower_bound!r}")
+        runtime.require_cuda("state", state)
+        for name, t in (("conv_state", conv_state), ("conv_w", conv_w), ("A_log", A_log), ("dt_bias", dt_bias),
+                        ("o_norm_w", o_norm_w)):
+            if t.device != state.device:
+                raise ValueError(f"{name}: on {t.device}, state on {state.device}; every tensor on one device")
+        self.base_conv = conv_state.clone(memory_format=torch.contiguous_format)
+        self.base_state = state.clone(memory_format=torch.contiguous_format)
+        self.layer = {"conv_w": runtime.aligned(conv_w.contiguous(), 16 if W % 4 == 0 else 4),
+                      "A_log": A_log.contiguous(), "dt_bias": dt_bias.contiguous(), "o_norm_w": o_norm_w.contiguous()}
+        self.params = (float(lower_bound), float(l2_eps), float(norm_eps))
+        self.n_q = n_q
+        S = self.window - 1 + n_q
+        dev, wd = state.device, conv_state.dtype
+        self._buffers(torch.zeros((B, S, 5 * C + H), dtype=wd, device=dev),
+                      torch.zeros(B, dtype=torch.int32, device=dev))
+        self.fill_next = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.y_unused = torch.zeros((B, 1, C), dtype=wd, device=dev)       # y of the modes that write none
+
+    def verify(self, *, q_raw, k_raw, v_raw, g_raw, beta_raw, z, n_tokens) -> torch.Tensor:
+        """The draft tokens' outputs y [B, n_q, C] (zero past n_tokens); caches their inputs after fill."""
+        B, H, Dh, _ = self.base_state.shape
+        C, wd = H * Dh, self.base_conv.dtype
+        draft = {"q_raw": q_raw, "k_raw": k_raw, "v_raw": v_raw, "g_raw": g_raw, "beta_raw": beta_raw, "z": z}
+        for name, t in draft.items():
+            check_tensor(name, t, shape=(B, self.n_q, H if name == "beta_raw" else C), dtypes=(wd,))
+            if t.device != self.base_state.device:
+                raise ValueError(f"{name}: on {t.device}, the design's state on {self.base_state.device}")
+        check_tensor("n_tokens", n_tokens, shape=(B,), dtypes=COUNT_DTYPES)
+        y = torch.empty((B, self.n_q, C), dtype=wd, device=q_raw.device)
+        self._launch("verify", [draft[n] for n in TOKEN_INPUTS], n_tokens, y, self.base_conv, self.base_state)
+        return y
+
+    def accept(self, accepted) -> None:
+        """Commit accepted[b] of the last verify's tokens; the sequences whose cache is full write back."""
+        check_tensor("accepted", accepted, shape=(self.base_state.shape[0],), dtypes=COUNT_DTYPES)
+        self._launch("writeback", None, accepted, self.y_unused, self.base_conv, self.base_state)
+        self.fill.copy_(self.fill_next)
+
+    def committed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        conv, state = torch.empty_like(self.base_conv), torch.empty_like(self.base_state)
+        self._launch("commit", None, self.fill, self.y_unused, conv, state)
+        return conv, state
+
+    def rollback_buffers(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """The cache: slots [0, fill[b]) hold committed tokens, draft token t goes to slot fill[b] + t."""
+        return [(f"cache.{name}", self.cache[name], self.fill) for name in TOKEN_INPUTS]
+
+    def fork(self) -> "KdaInputCacheFused":
+        """The same design with its own copies of everything it updates (the cache views re-made)."""
+        other = KdaInputCacheFused(self.window, variant=self.variant)
+        other.__dict__.update(self.__dict__)
+        other.base_conv, other.base_state = self.base_conv.clone(), self.base_state.clone()
+        other._buffers(self.cache_buf.clone(), self.fill.clone())
+        other.fill_next = self.fill_next.clone()
+        return other
+
+    # ---- plumbing ----------------------------------------------------------------------------------
+
+    def _buffers(self, cache_buf: torch.Tensor, fill: torch.Tensor) -> None:
+        C = self.base_state.shape[1] * self.base_state.shape[2]
+        self.cache_buf, self.fill = cache_buf, fill
+        self.cache = {name: cache_buf[:, :, i * C:(i + 1) * C] for i, name in enumerate(CACHE_COLUMNS)}
+        self.cache["beta_raw"] = cache_buf[:, :, 5 * C:]
+
+    def _launch(self, mode: str, draft, count, y, conv_out, state_out) -> None:
+        B, H, Dh, _ = self.base_state.shape
+        if B == 0 or H == 0:
+            return
+        k = _kernel()
+        S = self.cache_buf.shape[1]
+        W = self.layer["conv_w"].shape[-1]
+        cfg = self.variant or k.KdaVerifyConfig.for_shape(Dh, B * H, runtime.sm_count(self.base_state.device))
+        fn = k._compile(mode, runtime.dtype_name(self.base_conv.dtype), Dh, W, runtime.dtype_name(count.dtype),
+                        -(-S // k.CHUNK), cfg)
+        if draft is None:                    # the modes that read no draft: the cache's own views stand in
+            draft = [self.cache[n] for n in TOKEN_INPUTS]
+        draft = [t if t.stride(-1) == 1 else t.contiguous() for t in draft]
+        lay = self.layer
+        fn(*draft, count.contiguous(), self.cache_buf, self.fill, self.fill_next, lay["conv_w"], lay["A_log"],
+           lay["dt_bias"], lay["o_norm_w"], self.base_conv, self.base_state, conv_out, state_out, y, *self.params,
+           self.window)
+
+
+def input_cache_fused(window: int = 6, variant=None) -> KdaInputCacheFused:
+    """A fresh fused input-cache design (a factory for --design MODULE:ATTR)."""
+    return KdaInputCacheFused(window, variant=variant)
