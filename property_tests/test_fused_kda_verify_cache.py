@@ -196,3 +196,237 @@ def test_rollback_buffers_are_views_of_the_one_cache_buffer():
     assert bool((d.cache["z"] == 1.0).all()) and bool((f.cache_buf[..., 4 * 32:5 * 32] == 2.0).all())
 
 
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+def _drive(config: str, batch: int, n_q: int, steps: int, seed: int = 5):
+    from verify.spec_decode.drive import Drive
+    return Drive(config=config, batch=batch, n_q=n_q, steps=steps, seed=seed, device="cuda")
+
+
+def _begin(design, drive) -> dict:
+    """begin() on the drive's first committed state and layer (verify.spec_decode.drive)."""
+    from verify.spec_decode.drive import start_inputs
+    start = start_inputs(drive)
+    t = {k: v.cuda() for k, v in start.tensors.items()}
+    design.begin(conv_state=t["conv_state"], state=t["state"], **{k: t[k] for k in LAYER}, **start.params,
+                 n_q=drive.n_q)
+    return t
+
+
+def _step_inputs(drive, step: int):
+    """Step `step`'s draft (slots past n_tokens NaN, as the harness drafts) and (n_tokens, accepted)."""
+    from verify.spec_decode.drive import as_drafted, draft_tokens, draw_counts
+    n, a = (x.cuda() for x in draw_counts(drive, step))
+    tokens = {k: v.cuda() for k, v in draft_tokens(drive, step).items()}
+    return as_drafted(tokens, n), n, a
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("config,batch,n_q,window,steps", [
+    ("tiny", 5, 8, 6, 40), ("small", 4, 6, 6, 40), ("small", 3, 3, 1, 24), ("small", 3, 8, 3, 24),
+    ("tiny", 2, 1, 8, 24), ("small", 3, 8, 25, 12), ("k3", 2, 6, 6, 16)])
+def test_the_design_follows_the_reference_input_cache_on_gpu(config, batch, n_q, window, steps):
+    """Step by step beside references.kda_spec_cache.KdaInputCache on the same draft and counts: fill
+    equal; the committed conv window and every committed cache slot bitwise (copies of raw inputs); y
+    exactly 0 past n_tokens; y and the committed state close (2^-5 of the row maximum for y, 2^-7 for
+    the state: the two sum in other orders and a conv output rounding the other way moves a token's
+    k, v by a working-dtype ulp; a token skipped, doubled or replayed from the wrong slot moves them by
+    O(1)). The float64 oracle's tolerances are the contract test's."""
+    from fused.kda_verify_cache import KdaInputCacheFused
+    from references.kda_spec_cache import KdaInputCache
+    drive = _drive(config, batch, n_q, steps)
+    fused, ref = KdaInputCacheFused(window), KdaInputCache(window)
+    _begin(fused, drive)
+    _begin(ref, drive)
+    near = lambda x, r, tol: bool(((x.double() - r.double()).abs()
+                                   <= tol * r.double().abs().amax(-1, keepdim=True) + 1e-30).all())
+    wrote_back = 0
+    for step in range(steps):
+        draft, n, a = _step_inputs(drive, step)
+        y, y_r = fused.verify(**draft, n_tokens=n), ref.verify(**draft, n_tokens=n)
+        live = torch.arange(n_q, device="cuda").view(1, -1) < n.view(-1, 1)
+        assert bool((y[~live] == 0).all()), step
+        assert near(y[live], y_r[live], 2.0 ** -5), (step, (y[live].float() - y_r[live].float()).abs().max().item())
+        full = (fused.fill.long() + a.long()) >= window
+        fused.accept(a)
+        ref.accept(a)
+        wrote_back += int(full.sum())
+        assert torch.equal(fused.fill.long(), ref.fill), step
+        conv, st = fused.committed()
+        conv_r, st_r = ref.committed()
+        assert torch.equal(conv, conv_r), step
+        assert near(st, st_r, 2.0 ** -7), (step, (st - st_r).abs().max().item())
+        kept = torch.arange(fused.cache_buf.shape[1], device="cuda").view(1, -1) < fused.fill.view(-1, 1)
+        for name in TOKEN:
+            assert torch.equal(fused.cache[name][kept], ref.cache[name][kept]), (step, name)
+    assert wrote_back > 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("config,window", [("small", 6), ("k3", 6), ("small", 1), ("small", 3)])
+def test_the_design_meets_the_spec_decode_contract_on_gpu(config, window):
+    """verify/spec_decode/contract.py over 64 steps (k3: 3 sequences x 96 heads): prefix (bitwise
+    against its own fork verifying only the accepted tokens; against the float64 oracle by kda_decode's
+    classes), accept-zero, growth (kda_layer's recurrent-state bound after every step) and poison (the
+    cache slots past fill and the rejected drafts overwritten with NaN between steps). Window 6 through
+    --design's own path (resolve_design imports MODULE:ATTR as the CLI does)."""
+    from verify.spec_decode.contract import Drive, check_contract
+    from verify.spec_decode.design import resolve_design
+    from fused.kda_verify_cache import input_cache_fused
+    factory = (resolve_design("fused.kda_verify_cache:KdaInputCacheFused", "cuda") if window == 6
+               else (lambda: input_cache_fused(window)))
+    report = check_contract(factory, Drive(config=config, batch=3, steps=64 if window == 6 else 24, device="cuda"))
+    assert report.ok, "\n".join(map(str, report.violations)) + f"\nunjudged: {report.unjudged}"
+    for p in ("prefix", "accept-zero", "growth", "poison"):
+        assert report.tally[p].checks > 0, p
+    print(f"\n{config} window {window}: growth worst err/tol {report.tally['growth'].worst_ratio:.3g}, "
+          f"prefix worst {report.tally['prefix'].worst_ratio:.3g}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_cuda_graph_of_a_step_gives_the_eager_bits_on_gpu():
+    """verify + accept captured once and replayed over 12 steps (the draft and counts copied into the
+    graph's input buffers between replays) against a fork run eagerly on the same inputs: y, fill, the
+    committed state and the cache bitwise. No host read inside the step, so capture succeeds."""
+    from fused.kda_verify_cache import KdaInputCacheFused
+    drive = _drive("small", 4, 6, 12)
+    design = KdaInputCacheFused(4)
+    _begin(design, drive)
+    eager = design.fork()
+    draft, n, a = _step_inputs(drive, 0)
+    inp = {k: v.clone() for k, v in draft.items()}
+    n_buf, a_buf, out = n.clone(), a.clone(), {}
+
+    def step():
+        out["y"] = design.verify(**inp, n_tokens=n_buf)
+        design.accept(a_buf)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()                                          # compiles and warms up (its own step 0)
+    torch.cuda.current_stream().wait_stream(s)
+    y0 = eager.verify(**draft, n_tokens=n)
+    eager.accept(a)
+    assert torch.equal(out["y"], y0)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    assert torch.equal(design.fill, eager.fill)       # capture records the step, it does not run it
+    for i in range(1, 12):
+        draft, n, a = _step_inputs(drive, i)
+        for k, v in draft.items():
+            inp[k].copy_(v)
+        n_buf.copy_(n), a_buf.copy_(a)
+        g.replay()
+        y = eager.verify(**draft, n_tokens=n)
+        eager.accept(a)
+        assert torch.equal(out["y"], y), i
+        assert torch.equal(design.fill, eager.fill) and torch.equal(design.cache_buf, eager.cache_buf), i
+        for x, r in zip(design.committed(), eager.committed()):
+            assert torch.equal(x, r), i
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_new_batch_sizes_draft_lengths_and_windows_do_not_recompile_on_gpu():
+    """One compile per (mode, dtype, Dh, W, count dtype, chunks, variant): a second batch size, n_q and
+    window with the same chunk count are cache hits."""
+    from fused.kda_verify_cache import KdaInputCacheFused
+    cfg = _step().KdaVerifyConfig(4)
+    for i, (B, n_q, window) in enumerate(((2, 3, 2), (5, 4, 3), (3, 8, 1))):
+        drive = _drive("small", B, n_q, 3)
+        d = KdaInputCacheFused(window, variant=cfg)
+        _begin(d, drive)
+        for step in range(3):
+            draft, n, a = _step_inputs(drive, step)
+            d.verify(**draft, n_tokens=n)
+            d.accept(a)
+            d.committed()
+        if i == 0:
+            before = runtime.cache_info()
+    after = runtime.cache_info()
+    assert after.misses == before.misses and after.hits > before.hits
+
+
+def _graph_us(fn, reps: int = 10) -> float:
+    """Microseconds per call of fn replayed from a CUDA graph (captured after one warm-up call)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_step_timing_against_the_checkpoint_design_on_gpu():
+    """Prints (run with -s) a speculative-decoding step, verify + accept, of the fused input cache
+    (window 6) against the fused checkpoint design (fused.kda_verify's kda_verify + kda_accept,
+    validate=False) at the K3 per-rank shapes: heads = 96 / T for T = 1, 8, 16, B = 1, 8, 64, bf16,
+    n_q = 6 drafted. One CUDA graph holds 16 consecutive steps whose accepted lengths are drawn
+    uniformly in 0..6 per sequence (so the input cache writes back at its own pace), replayed and
+    timed with CUDA events; us per step."""
+    from fused import kda_verify as kv
+    from fused.kda_verify_cache import KdaInputCacheFused
+    from references.config import K3
+    n_q, Dh, W, steps, window = 6, K3.head_dim, K3.conv_kernel, 16, 6
+    par = dict(lower_bound=K3.gate_lower_bound, l2_eps=K3.l2_eps, norm_eps=K3.rms_eps)
+    rows = []
+    for T in (1, 8, 16):
+        H = K3.heads_per_rank(T)
+        C = H * Dh
+        for B in (1, 8, 64):
+            g = torch.Generator(device="cuda").manual_seed(T * 100 + B)
+            rn = lambda *s: torch.randn(*s, generator=g, device="cuda")
+            tok = dict(q_raw=rn(B, n_q, C).bfloat16(), k_raw=rn(B, n_q, C).bfloat16(), v_raw=rn(B, n_q, C).bfloat16(),
+                       g_raw=rn(B, n_q, C).bfloat16(), beta_raw=rn(B, n_q, H).bfloat16(), z=rn(B, n_q, C).bfloat16())
+            lay = dict(conv_w=rn(3, C, W) / 2, A_log=rn(H) / 2, dt_bias=rn(C) / 3, o_norm_w=1 + rn(Dh) / 5)
+            conv_state, state = rn(B, 3, C, W - 1).bfloat16(), rn(B, H, Dh, Dh) / 3
+            n_tokens = torch.full((B,), n_q, dtype=torch.int32, device="cuda")
+            accepted = torch.randint(0, n_q + 1, (steps, B), generator=g, device="cuda", dtype=torch.int32)
+            times = {}
+            cache = KdaInputCacheFused(window)
+            cache.begin(conv_state=conv_state, state=state, **lay, **par, n_q=n_q)
+
+            def cache_steps():
+                for i in range(steps):
+                    cache.verify(**tok, n_tokens=n_tokens)
+                    cache.accept(accepted[i])
+            times["cache"] = _graph_us(cache_steps) / steps
+            del cache
+            cs, st = conv_state.clone(), state.clone()
+            conv_ckpt = torch.zeros((B, n_q, 3, C, W - 1), dtype=torch.bfloat16, device="cuda")
+            state_ckpt = torch.zeros((B, n_q, H, Dh, Dh), device="cuda")
+
+            def ckpt_steps():
+                for i in range(steps):
+                    kv.kda_verify(**tok, n_tokens=n_tokens, **lay, conv_state=cs, state=st, conv_ckpt=conv_ckpt,
+                                  state_ckpt=state_ckpt, **par, validate=False)
+                    kv.kda_accept(accepted[i], n_tokens, cs, st, conv_ckpt, state_ckpt, validate=False)
+            times["ckpt"] = _graph_us(ckpt_steps) / steps
+            del conv_ckpt, state_ckpt
+            pick = kv.KdaVerifyConfig.for_shape(Dh, B * H, runtime.sm_count(state.device)).name
+            rows.append((T, H, B, pick, times))
+            torch.cuda.empty_cache()
+    print(f"\nspec-decode step (verify + accept), n_q = {n_q} drafted, accepted uniform 0..{n_q}, bf16, K3 per rank, "
+          f"CUDA graphs of {steps} steps, us per step; speedup = checkpoints / input cache (window {window})")
+    print(f"{'T':>3} {'H':>3} {'B':>3} {'cache':>8} {'ckpt':>8} {'speedup':>8}  pick")
+    for T, H, B, pick, t in rows:
+        print(f"{T:>3} {H:>3} {B:>3} {t['cache']:>8.1f} {t['ckpt']:>8.1f} {t['ckpt'] / t['cache']:>8.2f}  {pick}")
+    assert all(v > 0 for *_, t in rows for v in t.values())
