@@ -73,7 +73,7 @@ class KdaInputCacheFused:
                              f"kernel takes window - 1 + n_q <= {MAX_CACHE_SLOTS}")
         if not lower_bound < 0:
             raise ValueError(f"lower_bound: expected a negative float (K3: -5.0), got {lower_bound!r}")
-        runtime.require_cuda("state", state)
+        self._require_device(state)
         for name, t in (("conv_state", conv_state), ("conv_w", conv_w), ("A_log", A_log), ("dt_bias", dt_bias),
                         ("o_norm_w", o_norm_w)):
             if t.device != state.device:
@@ -122,7 +122,7 @@ class KdaInputCacheFused:
 
     def fork(self) -> "KdaInputCacheFused":
         """The same design with its own copies of everything it updates (the cache views re-made)."""
-        other = KdaInputCacheFused(self.window, variant=self.variant)
+        other = type(self).__new__(type(self))
         other.__dict__.update(self.__dict__)
         other.base_conv, other.base_state = self.base_conv.clone(), self.base_state.clone()
         other._buffers(self.cache_buf.clone(), self.fill.clone())
@@ -130,6 +130,9 @@ class KdaInputCacheFused:
         return other
 
     # ---- plumbing ----------------------------------------------------------------------------------
+
+    def _require_device(self, state) -> None:
+        runtime.require_cuda("state", state)
 
     def _buffers(self, cache_buf: torch.Tensor, fill: torch.Tensor) -> None:
         C = self.base_state.shape[1] * self.base_state.shape[2]

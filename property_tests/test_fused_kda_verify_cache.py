@@ -198,6 +198,92 @@ def test_rollback_buffers_are_views_of_the_one_cache_buffer():
 
 
 
+class _Emulated:
+    """Mixin: KdaInputCacheFused with its launches replaced by a torch model of KdaCacheStep's modes
+    (references.kda.kda_decode per token over the batch, the kernel's clamps and slot mapping), so the
+    design's own logic (the packed cache and its views, fill and fill_next, fork, what
+    rollback_buffers declares) and the kernel's index logic run on the CPU. Not the CuTe code."""
+
+    def _require_device(self, state) -> None:
+        pass
+
+    def _launch(self, mode, draft, count, y, conv_out, state_out) -> None:
+        from references.kda import kda_decode
+        B, S = self.cache_buf.shape[:2]
+        n_q, rows = S - self.window + 1, torch.arange(B)
+        fill, c, zero = self.fill.long(), count.long(), torch.zeros(B, dtype=torch.long)
+        if mode == "verify":
+            n_rep, n = fill.clamp(0, S - n_q), c.clamp(0, n_q)
+            for t in range(n_q):                    # draft token t -> cache slot n_rep + t
+                slot, take = (n_rep + t).clamp(max=S - 1), (t < n).view(-1, 1)
+                for i, name in enumerate(TOKEN):
+                    self.cache[name][rows, slot] = torch.where(take, draft[i][:, t], self.cache[name][rows, slot])
+            y.zero_()
+        elif mode == "writeback":
+            f = fill.clamp(min=0) + c.clamp(0, n_q)
+            run = f >= self.window
+            n_rep, n = torch.where(run, f.clamp(max=S), zero), zero
+            self.fill_next.copy_(torch.where(run, zero, f))
+        else:
+            n_rep, n = fill.clamp(0, S), zero
+        total, conv, st = n_rep + n, self.base_conv.clone(), self.base_state.clone()
+        lb, l2, ne = self.params
+        for s in range(int(total.max())):
+            cs, sn = conv.clone(), st.clone()
+            yt = kda_decode(**{name: self.cache[name][:, s] for name in TOKEN}, **self.layer, conv_state=cs,
+                            state=sn, lower_bound=lb, l2_eps=l2, norm_eps=ne)
+            live = s < total
+            conv, st = torch.where(live.view(-1, 1, 1, 1), cs, conv), torch.where(live.view(-1, 1, 1, 1), sn, st)
+            if mode == "verify":
+                out = live & (s >= n_rep)
+                y[rows[out], (s - n_rep)[out]] = yt[out]
+        if mode != "verify":
+            conv_out.copy_(conv)
+            state_out.copy_(st)
+
+
+def _emulated(window: int = 6):
+    from fused.kda_verify_cache import KdaInputCacheFused
+    return type("EmulatedKdaInputCacheFused", (_Emulated, KdaInputCacheFused), {})(window)
+
+
+@pytest.mark.parametrize("window", [6, 1, 3])
+def test_the_designs_logic_meets_the_contract_on_cpu_with_the_kernel_emulated(window):
+    """The spec-decode contract on the CPU over the design's Python logic and an emulation of the
+    kernel's index logic (_Emulated): the CuTe kernels themselves need CUDA (the gpu test runs them)."""
+    from verify.spec_decode.contract import Drive, check_contract
+    report = check_contract(lambda: _emulated(window), Drive(config="tiny", batch=3, steps=64 if window == 6 else 24,
+                                                             seed=1))
+    assert report.ok, "\n".join(map(str, report.violations)) + f"\nunjudged: {report.unjudged}"
+    for p in ("prefix", "accept-zero", "growth", "poison"):
+        assert report.tally[p].checks > 0, p
+
+
+def test_the_emulated_design_is_the_reference_design_bit_for_bit_on_cpu():
+    """With the kernel emulated by the reference's own kda_decode, the design's bookkeeping gives the
+    reference design's bits: y, fill, the committed state and every committed cache slot, 40 steps."""
+    from references.kda_spec_cache import KdaInputCache
+    from verify.spec_decode.drive import Drive, as_drafted, draft_tokens, draw_counts, start_inputs
+    drive = Drive(config="tiny", batch=4, n_q=5, steps=40, seed=3)
+    start = start_inputs(drive)
+    d, ref = _emulated(4), KdaInputCache(4)
+    for x in (d, ref):
+        x.begin(conv_state=start.tensors["conv_state"], state=start.tensors["state"],
+                **{k: start.tensors[k] for k in LAYER}, **start.params, n_q=drive.n_q)
+    for step in range(drive.steps):
+        n, a = draw_counts(drive, step)
+        draft = as_drafted(draft_tokens(drive, step), n)
+        assert torch.equal(d.verify(**draft, n_tokens=n), ref.verify(**draft, n_tokens=n)), step
+        d.accept(a)
+        ref.accept(a)
+        assert torch.equal(d.fill.long(), ref.fill), step
+        for x, r in zip(d.committed(), ref.committed()):
+            assert torch.equal(x, r), step
+        kept = torch.arange(d.cache_buf.shape[1]).view(1, -1) < d.fill.view(-1, 1)
+        for name in TOKEN:
+            assert torch.equal(d.cache[name][kept], ref.cache[name][kept]), (step, name)
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 def _drive(config: str, batch: int, n_q: int, steps: int, seed: int = 5):
