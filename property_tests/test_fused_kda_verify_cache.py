@@ -126,6 +126,15 @@ def test_writeback_and_commit_store_the_state_once_after_the_tokens(ptx_of, ptxa
     assert spills == 0 and regs <= 255
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_the_dispatchers_picks_fit_the_ctas_per_sm_they_are_picked_for(ptx_of, ptxas_regs, ctas_per_sm, mode):
+    """KdaVerifyConfig.for_shape's picks at K3 (window 6, n_q 6: 2 chunks): up to one CTA per SM, w16r8
+    fits one; beyond, w8 fits two, as in kda_verify; nothing spills."""
+    for cfg, warps, ctas in (("(16, 8)", 16, 1), ("(8)", 8, 2)):
+        regs, spills = ptxas_regs(ptx_of(_code(mode, cfg)))
+        assert spills == 0 and ctas_per_sm(regs, warps) >= ctas, (cfg, regs)
+
+
 def _cpu_design(B=2, H=2, Dh=16, W=4, n_q=3, window=4):
     """A design holding CPU tensors as if begun (begin itself refuses CPU tensors): verify's and
     accept's argument checks run before any launch."""
