@@ -78,7 +78,10 @@ def test_every_head_dim_dtype_and_count_dtype_compiles(mode, Dh):
 def test_the_compile_key_holds_no_batch_heads_draft_slots_or_window():
     """n_q and window only set S = window - 1 + n_q, and S only the chunk count: the K3 default (window
     6, n_q 6) and (window 3, n_q 8) share one kernel per mode."""
+    import inspect
     k = _step()
+    assert list(inspect.signature(k._compile.__wrapped__).parameters) == [
+        "mode", "dtype", "Dh", "W", "count_dtype", "n_chunks", "cfg"]
     chunks = lambda window, n_q: -(-(window - 1 + n_q) // k.CHUNK)
     assert chunks(6, 6) == chunks(3, 8) == chunks(9, 8) == 2 and chunks(1, 8) == chunks(2, 7) == 1
 
@@ -219,8 +222,9 @@ class _Emulated:
     def _launch(self, mode, draft, count, y, conv_out, state_out) -> None:
         from references.kda import kda_decode
         B, S = self.cache_buf.shape[:2]
-        n_q, rows = S - self.window + 1, torch.arange(B)
-        fill, c, zero = self.fill.long(), count.long(), torch.zeros(B, dtype=torch.long)
+        dev = self.fill.device
+        n_q, rows = S - self.window + 1, torch.arange(B, device=dev)
+        fill, c, zero = self.fill.long(), count.long(), torch.zeros(B, dtype=torch.long, device=dev)
         if mode == "verify":
             n_rep, n = fill.clamp(0, S - n_q), c.clamp(0, n_q)
             for t in range(n_q):                    # draft token t -> cache slot n_rep + t
@@ -380,6 +384,37 @@ def test_the_design_meets_the_spec_decode_contract_on_gpu(config, window):
         assert report.tally[p].checks > 0, p
     print(f"\n{config} window {window}: growth worst err/tol {report.tally['growth'].worst_ratio:.3g}, "
           f"prefix worst {report.tally['prefix'].worst_ratio:.3g}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_counts_out_of_range_are_clamped_on_the_device_on_gpu():
+    """No count is read on the host: n_tokens clamps to 0..n_q (0: y all zeros and nothing cached;
+    n_q + 3: n_q tokens) and accepted to 0..n_q, as the emulated kernel (_Emulated, on the same CUDA
+    tensors) does: fill equal, conv windows and cache bitwise, y and states close."""
+    drive = _drive("small", 4, 4, 6)
+    fused, emu = _emulated_on(drive, 3)
+    for step in range(6):
+        draft, n, a = _step_inputs(drive, step)
+        n = torch.tensor([0, 7, -2, 2], dtype=torch.int64, device="cuda")
+        a = torch.tensor([[0, 9, 1, -4], [3, 1, 0, 2]][step % 2], dtype=torch.int64, device="cuda")
+        y, y_e = fused.verify(**draft, n_tokens=n), emu.verify(**draft, n_tokens=n)
+        assert bool((y[0] == 0).all()) and bool((y[2] == 0).all()) and bool((y[3, 2:] == 0).all()), step
+        assert torch.allclose(y.float(), y_e.float(), rtol=2e-2, atol=2e-2), step
+        fused.accept(a)
+        emu.accept(a)
+        assert torch.equal(fused.fill, emu.fill) and torch.equal(fused.cache_buf, emu.cache_buf), step
+        (conv, st), (conv_e, st_e) = fused.committed(), emu.committed()
+        assert torch.equal(conv, conv_e) and torch.allclose(st, st_e, rtol=1e-3, atol=1e-4), step
+
+
+def _emulated_on(drive, window: int):
+    """A fused design and the emulated one (the kernel's index logic in torch), begun alike on the GPU."""
+    from fused.kda_verify_cache import KdaInputCacheFused
+    fused, emu = KdaInputCacheFused(window), _emulated(window)
+    _begin(fused, drive)
+    _begin(emu, drive)
+    return fused, emu
 
 
 @pytest.mark.gpu
