@@ -392,10 +392,11 @@ def test_counts_out_of_range_are_clamped_on_the_device_on_gpu():
     """No count is read on the host: n_tokens clamps to 0..n_q (0: y all zeros and nothing cached;
     n_q + 3: n_q tokens) and accepted to 0..n_q, as the emulated kernel (_Emulated, on the same CUDA
     tensors) does: fill equal, conv windows and cache bitwise, y and states close."""
+    from verify.spec_decode.drive import draft_tokens
     drive = _drive("small", 4, 4, 6)
     fused, emu = _emulated_on(drive, 3)
     for step in range(6):
-        draft, n, a = _step_inputs(drive, step)
+        draft = {k: v.cuda() for k, v in draft_tokens(drive, step).items()}       # every slot a token
         n = torch.tensor([0, 7, -2, 2], dtype=torch.int64, device="cuda")
         a = torch.tensor([[0, 9, 1, -4], [3, 1, 0, 2]][step % 2], dtype=torch.int64, device="cuda")
         y, y_e = fused.verify(**draft, n_tokens=n), emu.verify(**draft, n_tokens=n)
