@@ -91,6 +91,16 @@ def _setup(args):
     return ops, labels, tps, batches, certs, out
 
 
+def _has_cuda() -> bool:
+    """A CUDA device is there; else the one-line usage error, printed."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    print("verify-kernels bench: needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
+    return False
+
+
 def _foreign_certificate(path) -> bool:
     """A certificate there that a bench run did not write (its quick certification would replace it)."""
     import json
@@ -111,10 +121,7 @@ def cmd_bench(args) -> int:
     except UsageError as e:
         print(f"verify-kernels bench: {e}", file=sys.stderr)
         return EXIT_USAGE
-    import torch
-
-    if not torch.cuda.is_available():
-        print("verify-kernels bench: needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
+    if not _has_cuda():
         return EXIT_USAGE
     from verify.bench import profile as prof
 
@@ -146,10 +153,7 @@ def _bench_spec_decode(args) -> int:
     except UsageError as e:
         print(f"verify-kernels bench: {e}", file=sys.stderr)
         return EXIT_USAGE
-    import torch
-
-    if not torch.cuda.is_available():
-        print("verify-kernels bench: needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
+    if not _has_cuda():
         return EXIT_USAGE
     from verify.record.certificate import environment
     from verify.spec_decode import timing
