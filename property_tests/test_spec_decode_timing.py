@@ -1,7 +1,6 @@
 """`verify-kernels bench --spec-decode`: usage errors are one line with exit 2 (on any machine), the
 table's per-step numbers and ratios come from the rows it is given, and the design copies rotated
-hold more than L2 together. The timing itself needs a GPU (run on the H200 by .ci/gpu-certify's
-bench step with BENCH_ARGS, results/performance.md)."""
+hold more than L2 together. The timing itself needs a GPU (`STEPS=spec_bench bash .ci/gpu-certify` on the H200)."""
 from __future__ import annotations
 
 import subprocess
