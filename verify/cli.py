@@ -536,6 +536,9 @@ def cmd_merge(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if getattr(args, "spec_decode", None):
+        from verify.spec_decode.bench import cmd_bench_spec_decode
+        return cmd_bench_spec_decode(args)
     from verify.bench.command import cmd_bench as bench
 
     return bench(args)
