@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from fused import runtime
+from property_tests.test_fused_kda_verify import _graph_us  # CUDA-graph replay timing, one copy
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -484,26 +485,6 @@ def test_new_batch_sizes_draft_lengths_and_windows_do_not_recompile_on_gpu():
     assert after.misses == before.misses and after.hits > before.hits
 
 
-def _graph_us(fn, reps: int = 10) -> float:
-    """Microseconds per call of fn replayed from a CUDA graph (captured after one warm-up call)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
-
-
 @pytest.mark.gpu
 @needs_cuda
 def test_step_timing_against_the_checkpoint_design_on_gpu():
@@ -539,7 +520,7 @@ def test_step_timing_against_the_checkpoint_design_on_gpu():
                 for i in range(steps):
                     cache.verify(**tok, n_tokens=n_tokens)
                     cache.accept(accepted[i])
-            times["cache"] = _graph_us(cache_steps) / steps
+            times["cache"] = _graph_us(cache_steps, reps=10) / steps
             del cache
             cs, st = conv_state.clone(), state.clone()
             conv_ckpt = torch.zeros((B, n_q, 3, C, W - 1), dtype=torch.bfloat16, device="cuda")
@@ -550,7 +531,7 @@ def test_step_timing_against_the_checkpoint_design_on_gpu():
                     kv.kda_verify(**tok, n_tokens=n_tokens, **lay, conv_state=cs, state=st, conv_ckpt=conv_ckpt,
                                   state_ckpt=state_ckpt, **par, validate=False)
                     kv.kda_accept(accepted[i], n_tokens, cs, st, conv_ckpt, state_ckpt, validate=False)
-            times["ckpt"] = _graph_us(ckpt_steps) / steps
+            times["ckpt"] = _graph_us(ckpt_steps, reps=10) / steps
             del conv_ckpt, state_ckpt
             pick = kv.KdaVerifyConfig.for_shape(Dh, B * H, runtime.sm_count(state.device)).name
             rows.append((T, H, B, pick, times))
