@@ -34,8 +34,9 @@ def test_table_reports_each_design_per_step_and_over_decode():
     rows = [timing.Row(1, 8, 96, {"decode": _stats(20.0), "a": _stats(30.0), "b": _stats(50.0, "stream")}),
             timing.Row(16, 1, 6, {"decode": _stats(4.0), "a": _stats(10.0)}, {"b": "RuntimeError: boom"})]
     text = timing.table(rows, ["a", "b"], 6)
-    assert "| 1 | 96 | 8 | 20.0 | 30.0 | 50.0 (stream) | 1.50 | 2.50 |" in text
-    assert "| 16 | 6 | 1 | 4.0 | 10.0 | refused | 2.50 | - |" in text
+    assert "| 1 | 96 | 8 | 20.0 | 120.0 | 30.0 | 50.0 (stream) | 1.50 | 2.50 |" in text
+    assert "| 16 | 6 | 1 | 4.0 | 24.0 | 10.0 | refused | 2.50 | - |" in text
+    assert "| 6 x decode |" in text
     assert "n_q = 6" in text
 
 

@@ -31,7 +31,8 @@ Named designs (`resolve_design`): `checkpoints` (references.kda_spec: kda_verify
 `one-token` (one kda_decode launch per draft token and a checkpoint after each, over the reference's
 kda_decode; `one-token:MODULE:ATTR` over any function with kda_decode's signature, e.g.
 fused.kda_decode:kda_decode), `replay` (snapshot + replay: the draft runs on scratch copies, accept
-replays the accepted prefix; `replay:MODULE:ATTR` over any kda_decode), `input-cache`
+replays the accepted prefix; `replay:MODULE:ATTR` over any kda_decode), `compiled` (`checkpoints` with
+references.kda_spec.kda_verify under torch.compile: the bench's compiled-reference peer), `input-cache`
 (references.kda_spec_cache, window 6; `input-cache:W` another window), or `MODULE:ATTR` naming a
 callable that returns a design (a class, a factory; e.g. `lambda: CheckpointDesign(my_verify,
 my_accept)` for a fused pair with kda_verify's and kda_accept's signatures). The rollback_buffers
@@ -39,13 +40,14 @@ tensors are the design's own storage, not copies: poison written to a copy prove
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Protocol, Sequence
 
 import torch
 
 LAYER = ("conv_w", "A_log", "dt_bias", "o_norm_w")
 TOKEN_INPUTS = ("q_raw", "k_raw", "v_raw", "g_raw", "beta_raw", "z")
-NAMED = ("checkpoints", "one-token", "replay", "input-cache")
+NAMED = ("checkpoints", "one-token", "replay", "input-cache", "compiled")
 
 
 class SpecDecodeDesign(Protocol):
@@ -191,6 +193,18 @@ def one_token_design(decode: Callable | None = None) -> CheckpointDesign:
     return CheckpointDesign(per_token_verify(decode))
 
 
+@functools.cache
+def _compiled_verify() -> Callable:
+    from references.kda_spec import kda_verify
+
+    return torch.compile(kda_verify, dynamic=True, fullgraph=False)   # as verify.judge.candidates compiles
+
+
+def compiled_design() -> CheckpointDesign:
+    """`checkpoints` with the reference kda_verify under torch.compile (compiled once per process)."""
+    return CheckpointDesign(_compiled_verify())
+
+
 def input_cache_design(window: int = 6):
     from references.kda_spec_cache import KdaInputCache
 
@@ -222,6 +236,8 @@ def resolve_design(name: str, device: str = "cpu") -> Callable[[], SpecDecodeDes
         return lambda: CheckpointDesign(*fns)
     if name == "one-token":
         return one_token_design
+    if name == "compiled":
+        return compiled_design
     if name == "replay":
         return ReplayDesign
     for prefix, make in (("one-token:", one_token_design), ("replay:", ReplayDesign)):

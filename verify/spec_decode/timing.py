@@ -150,15 +150,18 @@ def time_designs(names: list[str], tps: list[int], batches: list[int], n_q: int,
 
 
 def table(rows: list[Row], names: list[str], n_q: int) -> str:
-    """Markdown: us per step (verify + accept) of every design, and each design over `decode`."""
+    """Markdown: us per step (verify + accept) of every design; `n_q x decode` (that many one-token
+    launches, no rollback kept: the floor a per-token engine pays), and each design over `decode`."""
     cols = ["decode"] + names
-    head = "| T | H | B | " + " | ".join(cols) + " | " + " | ".join(f"{n} / decode" for n in names) + " |"
+    head = (f"| T | H | B | decode | {n_q} x decode | " + " | ".join(names) + " | "
+            + " | ".join(f"{n} / decode" for n in names) + " |")
     lines = [f"us per step (n_q = {n_q} drafted, a random accepted length per sequence and step; decode: one "
-             f"fused kda_decode token per step)", "", head, "|" + "---|" * (3 + len(cols) + len(names))]
+             f"fused kda_decode token per step)", "", head, "|" + "---|" * (4 + 2 * len(names))]
     for r in rows:
         us = {n: r.timings[n]["median_us"] for n in cols if n in r.timings}
         cells = [f"{us[n]:.1f}" + ("" if r.timings[n]["method"] == "graph" else " (stream)") if n in us
                  else "refused" for n in cols]
+        cells.insert(1, f"{n_q * us['decode']:.1f}" if "decode" in us else "-")
         ratios = [f"{us[n] / us['decode']:.2f}" if n in us and "decode" in us else "-" for n in names]
         lines.append(f"| {r.T} | {r.heads} | {r.B} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     return "\n".join(lines)
