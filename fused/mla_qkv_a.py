@@ -69,7 +69,7 @@ class MlaLatentNorms:
         self.dtype, self.q_lora, self.kv_lora = dtype, q_lora, kv_lora
         self.vec = 128 // dtype.width
         for name, n in (("q_lora", q_lora), ("kv_lora", kv_lora), ("rope", rope)):
-            if n % self.vec or (n == 0 and name != "rope"):
+            if n % self.vec or n == 0:
                 raise ValueError(f"{name}: {n} must be a positive multiple of {self.vec} (16-byte vectors)")
         self.nq, self.nkv, self.nr = q_lora // self.vec, kv_lora // self.vec, rope // self.vec
         self.n_vec = self.nq + self.nkv + self.nr
@@ -121,10 +121,8 @@ class MlaLatentNorms:
                 part[0] += s
             elif c < nqkv:
                 part[1] += s
-            else:
-                if const_expr(self.nr > 0):
-                    if c < self.n_vec:
-                        rows(mRot[row, None])[None, c - nqkv].store(x[None, i].load())
+            elif const_expr(self.even) or c < self.n_vec:
+                rows(mRot[row, None])[None, c - nqkv].store(x[None, i].load())
         for k in cutlass.range_constexpr(2):
             t = cute.arch.warp_reduction(part[k], operator.add)
             if lane == 0:
@@ -169,7 +167,7 @@ def _check(x, w_qkv_a, q_a_norm_w, kv_a_norm_w, eps, out):
         raise ValueError(f"w_qkv_a: {w_qkv_a.shape[0]} rows < q_lora {q_lora} + kv_lora {kv_lora}")
     vec = 16 // x.element_size()
     for name, n in (("q_a_norm_w", q_lora), ("kv_a_norm_w", kv_lora), ("w_qkv_a", rope), ("x", D)):
-        if n % vec or (n == 0 and name != "w_qkv_a"):
+        if n % vec or n == 0:
             what = "rope rows (w_qkv_a rows - q_lora - kv_lora)" if name == "w_qkv_a" else "length"
             raise ValueError(f"{name}: {what} {n} must be a positive multiple of {vec} (16-byte vectors)")
     if not eps > 0:
