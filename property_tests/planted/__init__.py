@@ -106,6 +106,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "eps missing in RMSNorm (zero rows give NaN; range_edges' 2^-30 rows, where eps is the norm, reject it first)"),
     ("mla_qkv_a", f"{P}.mla:mla_qkv_a_fp16_activation_clamp", "compare:",
      "an fp16 build's input clamp (+-64504) kept for bf16: rows past it clipped (the range_edges dist)"),
+    ("mla_qkv_a", f"{P}.mla:mla_qkv_a_kv_norm_uses_q_stats", "compare:kv_c|exceed",
+     "kv_c normalised with the q part's mean square (the fused kernel's two reductions mixed up)"),
     ("mla_q_absorb", f"{P}.mla:mla_q_absorb_rot_first", "compare:q_abs|exceed",
      "q_abs stored as [q_rot, ql]"),
     ("mla_cache_write", f"{P}.mla:mla_cache_write_pair_store", "compare:cache|differ from the reference bits",
