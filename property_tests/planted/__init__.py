@@ -108,6 +108,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "an fp16 build's input clamp (+-64504) kept for bf16: rows past it clipped (the range_edges dist)"),
     ("mla_qkv_a", f"{P}.mla:mla_qkv_a_kv_norm_uses_q_stats", "compare:kv_c|exceed",
      "kv_c normalised with the q part's mean square (the fused kernel's two reductions mixed up)"),
+    ("mla_qkv_a", f"{P}.mla:mla_qkv_a_eps_after_sqrt", "compare:q_c|exceed",
+     "eps added after the sqrt in the latent RMSNorms (rows whose mean square is near or below eps)"),
     ("mla_q_absorb", f"{P}.mla:mla_q_absorb_rot_first", "compare:q_abs|exceed",
      "q_abs stored as [q_rot, ql]"),
     ("mla_cache_write", f"{P}.mla:mla_cache_write_pair_store", "compare:cache|differ from the reference bits",
