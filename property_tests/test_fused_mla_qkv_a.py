@@ -220,42 +220,6 @@ def test_mla_qkv_a_rows_are_batch_invariant_on_gpu(dtype):
                 assert _same_bits(o[b:b + 1], a), (name, b)
 
 
-def _graph_us(fn, reps: int = 20) -> float:
-    """Microseconds per call of fn from a CUDA graph of `reps` calls (after an eager warm-up), best of 5."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        g.replay()
-        stop.record()
-        stop.synchronize()
-        best = min(best, start.elapsed_time(stop) * 1e3 / reps)
-    return best
-
-
-def _eager_us(fn, reps: int = 20) -> float:
-    """Microseconds per call of fn launched eagerly (host launch cost included), after a warm-up."""
-    fn()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    stop.record()
-    stop.synchronize()
-    return start.elapsed_time(stop) * 1e3 / reps
-
-
 @pytest.mark.gpu
 @needs_cuda
 def test_mla_qkv_a_timing_at_k3_on_gpu():
@@ -266,6 +230,7 @@ def test_mla_qkv_a_timing_at_k3_on_gpu():
     of each row's maximum of the reference's (a sanity check; the certification is the harness test
     above)."""
     from fused import skinny_gemm as sg
+    from property_tests.test_mla_decode_attn_gpu import _time_eager, _time_graph as _graph_us
     from references.mla import mla_qkv_a as ref
     m = _m()
     compiled = torch.compile(ref)
@@ -287,7 +252,7 @@ def test_mla_qkv_a_timing_at_k3_on_gpu():
         for c in sg.wgmma_configs(N, D, sg.wgmma.m_pad_for(B)):
             times[f"gemm {c.name}"] = _graph_us(lambda c=c: sg.launch(inp["x"], inp["w_qkv_a"], qkv, c))
         times["reference graph"] = _graph_us(lambda: ref(**inp))
-        times["reference eager"] = _eager_us(lambda: ref(**inp))
+        times["reference eager"] = _time_eager(lambda: ref(**inp), reps=20)
         times["torch.compile"] = _graph_us(lambda: compiled(**inp))
         rows.append((B, m.default_config(B, N, D, N // 8).name, times))
     print("\nmla_qkv_a at K3 (x[B,7168] @ w[2112,7168].T + 2 RMSNorms), bf16, us per call "
