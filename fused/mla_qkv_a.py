@@ -187,6 +187,13 @@ def default_config(M: int, N: int, K: int, n_vec: int) -> MlaQkvAConfig:
     return MlaQkvAConfig(sg.default_config(M, N, K), NormConfig.for_shape(n_vec))
 
 
+def all_configs(N: int, K: int, n_vec: int) -> list[MlaQkvAConfig]:
+    """Every variant a launch at this shape may use, M = 1..64: each GEMM the skinny_gemm dispatcher
+    picks for some M, with each norm variant."""
+    gemms = dict.fromkeys(sg.default_config(M, N, K) for M in range(1, 65))
+    return [MlaQkvAConfig(g, n) for g in gemms for n in NormConfig.all_configs(n_vec)]
+
+
 def launch(x, w_qkv_a, q_a_norm_w, kv_a_norm_w, q_c, kv_c, k_rot, eps: float,
            variant: MlaQkvAConfig | None = None) -> None:
     """Destination-passing launch on the current stream: the GEMM into a wd scratch qkv, then the norms."""

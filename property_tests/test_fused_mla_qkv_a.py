@@ -58,7 +58,7 @@ def test_mla_qkv_a_gemm_picks_compile_at_k3():
 
 def test_mla_qkv_a_variants_cover_the_dispatch():
     """For every M in 1..64 and every config, the dispatcher's pick is one of the declared variants,
-    and each norm variant is declared once."""
+    each norm variant is declared once, and every declared variant is in all_configs()."""
     m = _m()
     for config in CONFIGS:
         q, kv, rope, D = _dims(config)
@@ -68,6 +68,7 @@ def test_mla_qkv_a_variants_cover_the_dispatch():
                  "w_qkv_a": torch.empty(N, D, dtype=torch.bfloat16, device="meta")}
             listed = m.variants(t, {"eps": 1e-6})
             assert m.default_config(M, N, D, N // 8) in listed, (config, M)
+            assert set(listed) <= set(m.all_configs(N, D, N // 8)), (config, M)
             assert len({v.norm for v in listed}) == len(listed) >= 2
             assert len({v.name for v in listed}) == len(listed)
 
