@@ -313,3 +313,27 @@ def test_mla_qkv_a_timing_at_k3_on_gpu():
         for n, us in t.items():
             print(f"{B:>3}  {n:<44} {us:>8.1f}  {us / t['pick']:>6.2f}")
     assert all(v > 0 for *_, t in rows for v in t.values())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_mla_qkv_a_gemm_choice_timing_on_gpu():
+    """Prints (run with -s) the GEMM launch alone at K3 (7168 -> 2112, bf16, CUDA graphs, us) for
+    B = 1..8, 16, 32, 64: the skinny_gemm dispatcher's pick (SIMT: this shape has no WGMMA_DEFAULTS
+    entry) beside every wgmma variant of B's bucket, the data a WGMMA_DEFAULTS entry (min_M and a
+    variant per bucket) would be set from. A record: checks only that every launch ran."""
+    from fused import skinny_gemm as sg
+    from property_tests.test_mla_decode_attn_gpu import _time_graph
+    N, D = 2112, 7168
+    print(f"\nskinny_gemm {D} -> {N} (mla_qkv_a's GEMM), bf16, CUDA graphs, us per launch")
+    times = []
+    for B in (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64):
+        inp = _k3_inputs(B, seed=B)
+        qkv = torch.empty(B, N, dtype=torch.bfloat16, device="cuda")
+        pick = sg.default_config(B, N, D)
+        row = [(f"pick {pick.name}", _time_graph(lambda: sg.launch(inp["x"], inp["w_qkv_a"], qkv)))]
+        for c in sg.wgmma_configs(N, D, sg.wgmma.m_pad_for(B)):
+            row.append((c.name, _time_graph(lambda c=c: sg.launch(inp["x"], inp["w_qkv_a"], qkv, c))))
+        print(f"B={B:>2}  " + "  ".join(f"{n} {us:.1f}" for n, us in row))
+        times += [us for _, us in row]
+    assert all(us > 0 for us in times)
