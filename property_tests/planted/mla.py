@@ -31,6 +31,41 @@ def mla_qkv_a_fp16_activation_clamp(x, w_qkv_a, q_a_norm_w, kv_a_norm_w, eps: fl
     return mla_qkv_a(x.clamp(-FP16_SAFETY_CLAMP, FP16_SAFETY_CLAMP), w_qkv_a, q_a_norm_w, kv_a_norm_w, eps)
 
 
+def _qkv_a_fused(x, w_qkv_a, q_a_norm_w, kv_a_norm_w, eps, *, kv_stats_from_q=False, eps_after_sqrt=False):
+    """mla_qkv_a as the fused kernel computes it: the GEMM rounded to wd (one token row at a time, the
+    batch-invariant GEMM helper of planted/gemm.py), both mean squares in fp32 from that one buffer,
+    then y = wd(x rsqrt(ms + eps)), wd(y w). kv_stats_from_q: the kv part normalised with the q part's
+    mean square (a fused kernel that reads the wrong one of its two reductions); eps_after_sqrt:
+    x / (sqrt(ms) + eps) instead of x rsqrt(ms + eps)."""
+    from property_tests.planted.gemm import linear as row_linear
+
+    q_lora, kv_lora = q_a_norm_w.shape[0], kv_a_norm_w.shape[0]
+    qkv = row_linear(x, w_qkv_a)
+    q32, kv32 = qkv[:, :q_lora].float(), qkv[:, q_lora:q_lora + kv_lora].float()
+    ms_q, ms_kv = q32.pow(2).mean(-1, keepdim=True), kv32.pow(2).mean(-1, keepdim=True)
+    if kv_stats_from_q:
+        ms_kv = ms_q
+    scale = (lambda ms: 1 / (ms.sqrt() + eps)) if eps_after_sqrt else (lambda ms: torch.rsqrt(ms + eps))
+    norm = lambda v, ms, w: w.to(x.dtype) * (v * scale(ms)).to(x.dtype)
+    return (norm(q32, ms_q, q_a_norm_w).contiguous(), norm(kv32, ms_kv, kv_a_norm_w).contiguous(),
+            qkv[:, q_lora + kv_lora:].contiguous())
+
+
+def mla_qkv_a_control(x, w_qkv_a, q_a_norm_w, kv_a_norm_w, eps: float):
+    """No bug: the helper mla_qkv_a_kv_norm_uses_q_stats plants its bug in (test_planted_bugs checks it certifies)."""
+    return _qkv_a_fused(x, w_qkv_a, q_a_norm_w, kv_a_norm_w, eps)
+
+
+def mla_qkv_a_kv_norm_uses_q_stats(x, w_qkv_a, q_a_norm_w, kv_a_norm_w, eps: float):
+    """kv_c normalised by the q part's mean square instead of its own (the two reductions swapped)."""
+    return _qkv_a_fused(x, w_qkv_a, q_a_norm_w, kv_a_norm_w, eps, kv_stats_from_q=True)
+
+
+def mla_qkv_a_eps_after_sqrt(x, w_qkv_a, q_a_norm_w, kv_a_norm_w, eps: float):
+    """eps added after the square root, x / (sqrt(mean x^2) + eps): differs only where mean x^2 ~ eps."""
+    return _qkv_a_fused(x, w_qkv_a, q_a_norm_w, kv_a_norm_w, eps, eps_after_sqrt=True)
+
+
 # ---------------------------------------------------------------------------------- mla_q_absorb
 
 

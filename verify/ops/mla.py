@@ -307,6 +307,14 @@ def mla_cache_write_bytes(inputs: OpInputs) -> int:
     return (N + written) * C * t["latent"].element_size() + N * t["slot_mapping"].element_size()
 
 
+def mla_qkv_a_bytes(inputs: OpInputs) -> int:
+    """x, w_qkv_a and both norm weights read; q_c, kv_c and k_rot (one [B, rows of w_qkv_a] row each
+    token, all told) written."""
+    t = inputs.tensors
+    read = sum(t[k].numel() * t[k].element_size() for k in ("x", "w_qkv_a", "q_a_norm_w", "kv_a_norm_w"))
+    return read + t["x"].shape[0] * t["w_qkv_a"].shape[0] * t["x"].element_size()
+
+
 def grow_paged_lengths(inputs: OpInputs) -> dict[str, torch.Tensor] | None:
     """seq_lens grown by 1..3 tokens per sequence; a sequence whose last page is full takes a spare page
     (one not in any block table) into its table's first free column, as an engine appends a page
@@ -346,6 +354,7 @@ OPS: list[OpDef] = [
         signature=("x[B,D] wd\nw_qkv_a[q_lora+kv_lora+rope, D] wd\nq_a_norm_w[q_lora] wd\nkv_a_norm_w[kv_lora] wd\n"
                    "eps: float (1e-6 HF / 1e-5 vLLM)\n-> q_c[B,q_lora] wd, kv_c[B,kv_lora] wd, k_rot[B,rope] wd"),
         batch_dims={"x": 0, "q_c": 0, "kv_c": 0, "k_rot": 0}, split=replicated_split(),
+        fused="fused.mla_qkv_a:mla_qkv_a", moved_bytes=mla_qkv_a_bytes,
         notes=_NOTE_TOKENS + " eps drawn from {1e-6, 1e-5} unless the `eps` knob is set."),
     OpDef(
         name="mla_q_absorb", family="mla", reference="references.mla:mla_q_absorb", make_inputs=make_q_absorb_inputs,
