@@ -222,40 +222,6 @@ def test_batch_invariant_within_each_variant(H):
             assert torch.equal(one.view(torch.int16), full[b:b + 1].view(torch.int16)), (v.name, b)
 
 
-def _time_graph(fn, reps=20) -> float:
-    """us per call of fn, from a CUDA graph of `reps` calls (after an eager warm-up that compiles)."""
-    fn()
-    torch.cuda.synchronize()
-    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        g.replay()
-        stop.record()
-        stop.synchronize()
-        best = min(best, start.elapsed_time(stop) * 1e3 / reps)
-    return best
-
-
-def _time_eager(fn, reps=5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    stop.record()
-    stop.synchronize()
-    return start.elapsed_time(stop) * 1e3 / reps
-
-
 @pytest.mark.gpu
 @needs_gpu
 def test_timing_table():
@@ -264,6 +230,7 @@ def test_timing_table():
     asserts nothing about speed (a record, not a gate)."""
     from fused.mla_out_gate import launch, uv_config
     from fused.skinny_gemm import default_config
+    from property_tests.test_mla_decode_attn_gpu import _time_eager, _time_graph
     from references.mla import mla_out_gate as ref
     compiled = torch.compile(ref, dynamic=False)
     rows = ["| T | heads | B | gemm | tile | fused us | ref eager us | compiled us | HBM floor us |",
