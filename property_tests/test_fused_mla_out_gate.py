@@ -148,6 +148,38 @@ def test_wrong_out_is_refused_in_one_line():
         mla_out_gate(**t, out=torch.empty(3, 63, dtype=torch.bfloat16))
 
 
+def test_launch_hands_the_kernels_the_views_they_were_compiled_for(monkeypatch):
+    """launch() on the CPU with both kernels replaced by stand-ins that compute the op from exactly the
+    views they are handed (o_latent as [B, H*C], w_uv as [H*Dh, C], the wd gate scratch [B, H*Dh]) and
+    check the 16-byte bases: the result is the reference's bits, also for an out= one element past an
+    aligned base (written through an aligned copy)."""
+    from fused import mla_out_gate as fm
+    from references.mla import mla_out_gate as ref
+    from references.primitives import linear
+    B, H, Dh, C, D = 3, 4, 16, 32, 64
+    gen = torch.Generator().manual_seed(0)
+    t = {k: torch.randn(v.shape, generator=gen).to(torch.bfloat16) for k, v in _meta(B, H, Dh, C, D).items()}
+
+    def gemm(x, w, out, variant=None):
+        out.copy_(linear(x, w))
+
+    def kernel(L, W, g, out):
+        assert all(a.data_ptr() % 16 == 0 for a in (L, W, g, out))
+        assert L.shape == (B, H * C) and W.shape == (H * Dh, C) and g.shape == out.shape == (B, H * Dh)
+        o = torch.einsum("bhc,hdc->bhd", L.view(B, H, C).float(), W.view(H, Dh, C).float()).to(out.dtype)
+        gate = torch.sigmoid(g.float()).to(out.dtype)
+        out.copy_((o.reshape(B, -1).float() * gate.float()).to(out.dtype))
+
+    monkeypatch.setattr(fm.sg, "launch", gemm)
+    monkeypatch.setattr(fm, "_compile", lambda *static: kernel)
+    want = ref(**t)
+    for offset in (0, 1):
+        buf = torch.full((B * H * Dh + offset,), float("nan"), dtype=torch.bfloat16)
+        out = buf[offset:].view(B, H * Dh)
+        fm.launch(**t, out=out, variant=fm.MlaOutGateConfig(None, fm.UvGateConfig()))
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16)), offset
+
+
 # ---------------------------------------------------------------------------------------- GPU only
 
 def _inputs(B, H, Dh=128, C=512, D=7168, dtype=torch.bfloat16, seed=0):
