@@ -191,11 +191,12 @@ def _inputs(B, H, Dh=128, C=512, D=7168, dtype=torch.bfloat16, seed=0):
 # Cases of the op's draw through the whole pipeline (oracle, guards, every variant of variants()):
 # tiny and small, both dtypes, heavy tails and zero rows, non-power-of-two batches; K3 per rank at
 # T = 1, 8, 16 (the split rule hands each rank 96 / T heads).
-HARNESS_CASES = [("tiny", 5, "bfloat16", "normal", 1), ("tiny", 37, "float16", "heavy_tail", 1),
+HARNESS_CASES = [("tiny", 5, "bfloat16", "normal", 1), ("tiny", 37, "float16", "heavy_tailed", 1),
                  ("small", 13, "bfloat16", "zero_rows", 1), ("small", 64, "float16", "normal", 1),
-                 ("small", 3, "bfloat16", "normal", 4), ("k3", 1, "bfloat16", "normal", 1),
+                 ("small", 3, "bfloat16", "normal", 4), ("tiny", 9, "bfloat16", "nonfinite", 1),
+                 ("small", 24, "float16", "wide_range", 2), ("k3", 1, "bfloat16", "normal", 1),
                  ("k3", 8, "float16", "normal", 8), ("k3", 64, "bfloat16", "normal", 16),
-                 ("k3", 17, "bfloat16", "heavy_tail", 1)]
+                 ("k3", 17, "bfloat16", "heavy_tailed", 1), ("small", 5, "bfloat16", "range_edges", 1)]
 
 
 @pytest.mark.gpu
