@@ -102,6 +102,18 @@ def test_new_batch_size_does_not_recompile(ir_of):
     assert '"(?,49152):(49152,1)"' in ir and '"(?,12288):(12288,1)"' in ir and '"(12288,512):(512,1)"' in ir
 
 
+def test_ptx_streams_16_byte_loads_without_spills(ptx_of, ptxas_regs):
+    """The largest tile (4 rows per warp, 8 tokens a pass) at K3: the weight rows and the pass's o_latent
+    chunks arrive by 16-byte loads (4 x 2 + 8 x 2 per lane), the sigmoid uses the accurate expf (range
+    reduction before ex2.approx) and an IEEE reciprocal, and nothing spills."""
+    ptx = ptx_of("from fused import mla_out_gate as m; "
+                 "m._compile('bfloat16', 12288, 128, 512, m.UvGateConfig(4, 8))")
+    assert ptx.count("ld.global.v4") == 24
+    assert "fma.rm.f32" in ptx and "rcp.rn.f32" in ptx and "tanh.approx" not in ptx
+    regs, spills = ptxas_regs(ptx)
+    assert spills == 0 and regs <= 255, (regs, spills)
+
+
 def test_compile_cache_hits_for_a_second_batch():
     from fused import mla_out_gate as fm
     cfg = fm.uv_config(8, 16 * 16, 16)
