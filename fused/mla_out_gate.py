@@ -64,7 +64,8 @@ def uv_configs(Dh: int) -> list[UvGateConfig]:
 
 def uv_config(B: int, rows: int, Dh: int, sms: int = 132) -> UvGateConfig:
     """The most rows per warp that still leaves >= 2 CTAs per SM (fewer re-reads of a head's
-    o_latent through L2 by its CTAs), and the pass size covering B in the fewest passes."""
+    o_latent through L2 by its CTAs); tokens per pass 1 at B = 1, 4 up to B = 4 (no clamped rows
+    computed), 8 beyond (the most loads in flight that fit the registers of 4 rows per warp)."""
     tokens = 1 if B <= 1 else 4 if B <= 4 else 8
     for r in (4, 2, 1):
         if Dh % (WARPS * r) == 0 and rows // (WARPS * r) >= 2 * sms:
