@@ -9,20 +9,22 @@ per `rows_per_warp` rows). Lane l of a warp takes the 16-byte chunks l, l + 32, 
 warp reads 512 contiguous bytes of a row per step. The CTA loads its weight rows into registers
 once, then walks all B tokens in passes of `tokens` (each pass issues the o_latent loads of all its
 tokens before the first FMA), so the weight bytes stream from HBM once per launch whatever B is.
-Per (token, row): each lane sums its chunks in order with fp32 FMAs, then a warp butterfly adds the
-lanes. That order depends only on C, never on B, the pass size or the rows per warp: every variant
-gives the same bits, deterministic and batch invariant. Epilogue, in the reference's rounding order:
+Per (token, row): each lane sums its chunks in order with fp32 FMAs, then the lanes are added by the
+butterfly tree of warp_reduction (offsets 16, 8, .., 1), all tokens x rows of a pass at once by
+kda_decode's transpose_sum (a lane keeps half its values and trades the other half at each step), so
+lane l ends with one pair and stores it. That order depends only on C, never on B, the pass size or
+the rows per warp: every variant gives the same bits, deterministic and batch invariant. Epilogue, in the reference's rounding order:
 o = wd(acc), s = wd(sigmoid(float(g))) in fp32, out = wd(float(o) * float(s)). The batch is dynamic:
 one compile per (dtype, H*Dh, Dh, C, variant).
 """
 
-import operator
 from dataclasses import dataclass
 
 import torch
 
 from fused import runtime
 from fused import skinny_gemm as sg
+from fused.kda_decode import KdaDecode                # its transpose_sum: the warp's many-value reduce
 from references.primitives import check_tensor
 
 DTYPES = ("bfloat16", "float16")   # working dtypes of every operand (the harness draws only these)
@@ -80,6 +82,9 @@ class UvGate:
         if C % VEC or Dh % cfg.rows_per_cta or rows % Dh:
             raise ValueError(f"variant: {cfg.name} needs C % {VEC} == 0 and Dh % {cfg.rows_per_cta} == 0, "
                              f"got C={C}, Dh={Dh}")
+        pairs = cfg.rows_per_warp * cfg.tokens
+        if pairs > 32 or pairs & (pairs - 1):
+            raise ValueError(f"variant: {cfg.name}: rows_per_warp x tokens = {pairs} must be a power of two <= 32")
         self.rows, self.Dh, self.C, self.cfg = rows, Dh, C, cfg
         self.chunks = C // VEC                         # 16-byte chunks per row
         self.iters = -(-self.chunks // 32)             # chunks per lane
@@ -104,6 +109,7 @@ class UvGate:
 
         R, MT, IT, CH, Dh = self.cfg.rows_per_warp, self.cfg.tokens, self.iters, self.chunks, self.Dh
         even = self.even
+        span = 32 // (MT * R)                               # lanes holding one (token, row) sum
 
         @cute.kernel
         def kernel(gL: cute.Tensor, gW: cute.Tensor, mG: cute.Tensor, mO: cute.Tensor):
@@ -130,21 +136,26 @@ class UvGate:
                         kv = lane + 32 * i
                         if cutlass.const_expr(even) or kv < CH:
                             xr[None, i, m].store(gL[None, (tok, c0 + kv)].load())
+                parts = []                                   # this lane's part of (token m, row r): m * R + r
                 for m in cutlass.range_constexpr(MT):
+                    xf = [xr[None, i, m].load().to(Float32) for i in range(IT)]
                     for r in cutlass.range_constexpr(R):
                         s = Float32(0.0)
                         for i in cutlass.range_constexpr(IT):
-                            xf = xr[None, i, m].load().to(Float32)
                             for e in cutlass.range_constexpr(VEC):
-                                s = s + xf[e] * wf[e, i, r]
-                        s = cute.arch.warp_reduction(s, operator.add)
-                        if lane == (m * R + r) % 32:              # spread the stores over lanes
-                            if b0 + m < B:
-                                n = n0 + r
-                                o = s.to(wd).to(Float32)
-                                gx = mG[b0 + m, n].to(Float32)
-                                gate = Float32(1.0) / (Float32(1.0) + cute.math.exp(-gx))
-                                mO[b0 + m, n] = (o * gate.to(wd).to(Float32)).to(wd)
+                                s = s + xf[i][e] * wf[e, i, r]
+                        parts.append(s)
+                # lane l ends with pair l // span: the butterfly tree of warp_reduction, one shuffle per
+                # step per kept value instead of five per pair
+                s = KdaDecode.transpose_sum(None, parts, lane)
+                if lane % span == 0:
+                    v = lane // span
+                    b = b0 + v // R
+                    if b < B:
+                        n = n0 + v % R
+                        o = s.to(wd).to(Float32)
+                        gate = Float32(1.0) / (Float32(1.0) + cute.math.exp(-mG[b, n].to(Float32)))
+                        mO[b, n] = (o * gate.to(wd).to(Float32)).to(wd)
 
         return kernel
 
