@@ -105,7 +105,7 @@ class UvGate:
 
     def device_kernel(self):
         cutlass, cute = runtime.cutlass_modules()
-        from cutlass import Float32, Int32
+        from cutlass import Float32
 
         R, MT, IT, CH, Dh = self.cfg.rows_per_warp, self.cfg.tokens, self.iters, self.chunks, self.Dh
         even = self.even
