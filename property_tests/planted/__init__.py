@@ -150,6 +150,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "batch-position dependence: odd rows take another epilogue"),
     ("mla_out_gate", f"{P}.mla:mla_out_gate_swapped_rows", "compare:o|exceed",
      "swapped batch rows (pairs reversed)"),
+    ("mla_out_gate", f"{P}.mla:mla_out_gate_next_head_gate", "compare:o|exceed",
+     "gate read from the next head's columns of g (the last head wrapping to head 0)"),
     # ---- kda
     ("kda_decode", f"{P}.kda:kda_decode_private_conv_state", "guard:refreshed_inputs|conv_state",
      "keeps a private copy of the conv window and never reads the caller's conv_state again"),

@@ -271,11 +271,13 @@ def mla_decode_attn_last_bit_race(q_abs, cache, block_table, seq_lens, scale: fl
 # ---------------------------------------------------------------------------------- mla_out_gate
 
 
-def _out_gate_rows(o_latent, w_uv, x, w_g, fused):
+def _out_gate_rows(o_latent, w_uv, x, w_g, fused, gate_head_shift=0):
+    """gate_head_shift: output columns of head h take the gate of head (h + shift) mod H."""
     acc = torch.float32
     wd = o_latent.dtype
     o = torch.einsum("bhc,hdc->bhd", o_latent.to(acc), w_uv.to(acc))
     g = x.to(acc) @ w_g.to(acc).T
+    g = g.roll(-gate_head_shift * w_uv.shape[1], dims=1)
     if fused:               # one rounding at the end
         return (o.reshape(o.shape[0], -1) * torch.sigmoid(g)).to(wd)
     o = o.to(wd).reshape(o.shape[0], -1)
@@ -290,6 +292,18 @@ def mla_out_gate_row_parity_path(o_latent, w_uv, x, w_g):
     b = _out_gate_rows(o_latent, w_uv, x, w_g, fused=True)
     odd = (torch.arange(a.shape[0]) % 2 == 1)[:, None]
     return torch.where(odd, b, a)
+
+
+def mla_out_gate_control(o_latent, w_uv, x, w_g):
+    """No bug: the helper the neighbour-head gate row plants its bug in (test_planted_bugs checks it certifies)."""
+    return _out_gate_rows(o_latent, w_uv, x, w_g, fused=False)
+
+
+def mla_out_gate_next_head_gate(o_latent, w_uv, x, w_g):
+    """The epilogue reads the gate at column (h + 1) * Dh + d (the next head's block of g, the last head
+    wrapping to head 0): a CTA's gate pointer advanced by one head too many. Exact where a rank holds
+    one head; every split with two or more heads per rank is wrong by whole gate values."""
+    return _out_gate_rows(o_latent, w_uv, x, w_g, fused=False, gate_head_shift=1)
 
 
 def mla_out_gate_swapped_rows(o_latent, w_uv, x, w_g):

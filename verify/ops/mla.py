@@ -315,6 +315,14 @@ def mla_qkv_a_bytes(inputs: OpInputs) -> int:
     return read + t["x"].shape[0] * t["w_qkv_a"].shape[0] * t["x"].element_size()
 
 
+def mla_out_gate_bytes(inputs: OpInputs) -> int:
+    """o_latent, w_uv, x and w_g read once; o [B, H*Dh] written (the gate scratch between the two launches
+    is the implementation's own traffic, not the op's)."""
+    t = inputs.tensors
+    read = sum(t[k].numel() * t[k].element_size() for k in ("o_latent", "w_uv", "x", "w_g"))
+    return read + t["x"].shape[0] * t["w_g"].shape[0] * t["x"].element_size()
+
+
 def grow_paged_lengths(inputs: OpInputs) -> dict[str, torch.Tensor] | None:
     """seq_lens grown by 1..3 tokens per sequence; a sequence whose last page is full takes a spare page
     (one not in any block table) into its table's first free column, as an engine appends a page
@@ -396,5 +404,6 @@ OPS: list[OpDef] = [
         signature="o_latent[B,H,kv_lora] wd\nw_uv[H,Dh,kv_lora] wd\nx[B,D] wd\nw_g[H*Dh,D] wd\n-> o[B,H*Dh] wd",
         batch_dims={"o_latent": 0, "x": 0, "o": 0},
         split=head_split(lambda i: i.tensors["o_latent"].shape[1], {"o_latent": 1, "w_uv": 0, "w_g": 0}, {"o": 1}),
+        fused="fused.mla_out_gate:mla_out_gate", moved_bytes=mla_out_gate_bytes,
         notes=_NOTE_TOKENS + " At k3 w_g is 12288 x 7168 (88M values): about 2 s of CPU to draw and apply."),
 ]
