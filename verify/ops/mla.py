@@ -307,6 +307,15 @@ def mla_cache_write_bytes(inputs: OpInputs) -> int:
     return (N + written) * C * t["latent"].element_size() + N * t["slot_mapping"].element_size()
 
 
+def mla_q_absorb_bytes(inputs: OpInputs) -> int:
+    """q_c, w_q_b and w_uk read; q_abs[B, H, kv_lora + rope] written."""
+    t = inputs.tensors
+    H, Dh, kv_lora = t["w_uk"].shape
+    written = t["q_c"].shape[0] * H * (kv_lora + t["w_q_b"].shape[0] // H - Dh)
+    read = sum(t[k].numel() for k in ("q_c", "w_q_b", "w_uk"))
+    return (read + written) * t["q_c"].element_size()
+
+
 def grow_paged_lengths(inputs: OpInputs) -> dict[str, torch.Tensor] | None:
     """seq_lens grown by 1..3 tokens per sequence; a sequence whose last page is full takes a spare page
     (one not in any block table) into its table's first free column, as an engine appends a page
@@ -353,7 +362,8 @@ OPS: list[OpDef] = [
         signature="q_c[B,q_lora] wd\nw_q_b[H*(Dh+rope), q_lora] wd\nw_uk[H,Dh,kv_lora] wd\n-> q_abs[B,H,kv_lora+rope] wd",
         batch_dims={"q_c": 0, "q_abs": 0},
         split=head_split(lambda i: i.tensors["w_uk"].shape[0], {"w_q_b": 0, "w_uk": 0}, {"q_abs": 1}),
-        magnitudes=q_absorb_magnitude, notes=_NOTE_TOKENS),
+        magnitudes=q_absorb_magnitude, fused="fused.mla_q_absorb:mla_q_absorb", moved_bytes=mla_q_absorb_bytes,
+        notes=_NOTE_TOKENS),
     OpDef(
         name="mla_cache_write", family="mla", reference="references.mla:mla_cache_write",
         make_inputs=make_cache_write_inputs, outputs=(), state=("cache",),
