@@ -125,6 +125,8 @@ class MlaAbsorb:
             b0 = bm * mt
             smem = cutlass.memory.SmemAllocator()
             sQ = smem.allocate_tensor(Float32, cute.make_layout((mt, Dh), stride=(Dh, 1)), 16)
+            # red[g, m, e * nv + v]: group g's partial of token m, column 8 v + e (a warp's stores and
+            # loads hit consecutive words)
             red = smem.allocate_tensor(Float32, cute.make_layout((G, mt, nv * VEC),
                                                                  stride=(mt * nv * VEC, nv * VEC, 1)), 16)
             xr = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
@@ -154,7 +156,7 @@ class MlaAbsorb:
                         acc[e, m] = acc[e, m] + q * wf[e]
             for m in cutlass.range_constexpr(mt):
                 for e in cutlass.range_constexpr(VEC):
-                    red[g, m, v * VEC + e] = acc[e, m]
+                    red[g, m, e * nv + v] = acc[e, m]
             cute.arch.sync_threads()
             out = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
             for i in cutlass.range_constexpr(-(-(mt * nv) // T)):
@@ -163,9 +165,9 @@ class MlaAbsorb:
                     m = idx // nv
                     c = idx - m * nv
                     for e in cutlass.range_constexpr(VEC):
-                        s = red[0, m, c * VEC + e]
+                        s = red[0, m, e * nv + c]
                         for j in cutlass.range_constexpr(1, G):
-                            s = s + red[j, m, c * VEC + e]
+                            s = s + red[j, m, e * nv + c]
                         out[e] = s
                     if b0 + m < B:
                         gO[None, (b0 + m, h * ow + bn * nv + c)].store(out.load().to(gO.element_type))

@@ -65,6 +65,19 @@ def test_every_absorb_config_compiles_at_small_shapes(cfg_name):
             assert runtime.compile_for_cpu_check("mla_q_absorb", "bfloat16", H, Dh, rope, kv, a) is not None
 
 
+@pytest.mark.parametrize("nv,g", [(16, 8), (8, 16)])
+def test_the_eight_token_tiles_load_weights_in_16_bytes_and_do_not_spill(ptx_of, ptxas_regs, nv, g):
+    """m_tile = 8 (the most accumulators): every w_uk load is a 16-byte vector, the weight loads precede
+    the first barrier (they do not wait for q), and ptxas keeps everything in registers."""
+    ptx = ptx_of(f"from fused import mla_q_absorb as m; m._compile('bfloat16', 96, 128, 64, 512, m.AbsorbConfig(8, {nv}, {g}))")
+    loads = ptx.count("ld.global.v4") + ptx.count("ld.global.nc.v4")
+    assert loads == 128 // g + 8 * 16 // 128 + 1, loads          # w_uk rows, q_nope vectors, the q_rot copy
+    assert ptx.count("ld.global.v4", 0, ptx.index("bar.sync")) + ptx.count("ld.global.nc.v4", 0, ptx.index("bar.sync")) \
+        == 128 // g + 1
+    regs, spills = ptxas_regs(ptx)
+    assert spills == 0, (regs, spills)
+
+
 def test_every_pick_is_a_listed_variant():
     """The default launch (absorb config by B and H, GEMM by skinny_gemm's dispatcher) is one of the
     variants the harness certifies at that B."""
