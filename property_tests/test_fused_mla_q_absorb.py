@@ -126,6 +126,66 @@ def test_bad_arguments_are_rejected_by_name_in_one_line(change, word):
     assert str(err.value).startswith(word) and "\n" not in str(err.value), str(err.value)
 
 
+def _absorb_stand_in(static, seen):
+    """The absorption kernel's arithmetic in torch, in its order: group g sums rows d of its block in
+    increasing d, the groups' partials are added in group order, one rounding; q_rot copied."""
+    from fused import mla_q_absorb as m
+    _dtype, H, Dh, rope, kv, cfg = static
+    G = m.fit(cfg, Dh, kv).groups
+
+    def kernel(q, w, out):
+        assert q.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0
+        seen.update(w=w.data_ptr(), out=out.data_ptr())
+        qh = q.view(q.shape[0], H, Dh + rope).float()
+        wh = w.view(H, Dh, kv).float()
+        parts = []
+        for g in range(G):
+            s = torch.zeros(q.shape[0], H, kv)
+            for d in range(g * Dh // G, (g + 1) * Dh // G):
+                s = s + qh[:, :, d, None] * wh[None, :, d]
+            parts.append(s)
+        tot = parts[0]
+        for p in parts[1:]:
+            tot = tot + p
+        o = out.view(q.shape[0], H, kv + rope)
+        o[..., :kv] = tot.to(out.dtype)
+        o[..., kv:] = q.view(q.shape[0], H, Dh + rope)[..., Dh:]
+    return kernel
+
+
+@pytest.mark.parametrize("cfg_name", ["tiny", "small"])
+def test_launch_wiring_on_cpu_with_the_kernels_emulated(cfg_name, monkeypatch):
+    """launch() with both compiled kernels replaced by stand-ins (skinny_gemm: the reference GEMM; the
+    absorption: its sum order in torch): q_abs lands in out's [B, H, kv_lora + rope] layout within the
+    spec's bound of the float64 oracle, and a misaligned out (one element past a 16-byte boundary)
+    reaches the kernel as an aligned copy and comes back with the aligned run's bits."""
+    from fused import mla_q_absorb as m
+    from fused import skinny_gemm as sg
+    from references.gemm import skinny_gemm as ref_gemm
+    from references.mla import mla_q_absorb as ref
+    from verify.model.case import Case
+    from verify.ops.mla import make_q_absorb_inputs
+    seen: dict[str, int] = {}
+    monkeypatch.setattr(sg, "_compile", lambda *st: lambda x, w, y: y.copy_(ref_gemm(x, w)))
+    monkeypatch.setattr(m, "_compile", lambda *st: _absorb_stand_in(st, seen))
+    t = make_q_absorb_inputs(Case("mla_q_absorb", 3, 5, cfg_name, "bfloat16")).tensors
+    H, Dh, kv = t["w_uk"].shape
+    rope = t["w_q_b"].shape[0] // H - Dh
+    oracle = ref(*(t[k].double() for k in ("q_c", "w_q_b", "w_uk")))
+    base = ref(t["q_c"], t["w_q_b"], t["w_uk"]).double()
+    for a in m.all_configs():
+        out = torch.empty(5, H, kv + rope, dtype=torch.bfloat16)
+        m.launch(t["q_c"], t["w_q_b"], t["w_uk"], out, m.MlaQAbsorbConfig(a))
+        assert seen["out"] == out.data_ptr()
+        err, err0 = (out.double() - oracle).abs().amax(-1), (base - oracle).abs().amax(-1)
+        assert bool((err <= 3 * err0 + oracle.abs().amax(-1) * 2.0 ** -8).all()), a.name
+        assert torch.equal(out[..., kv:], base[..., kv:].to(out.dtype))
+        buf = torch.empty(out.numel() + 8, dtype=out.dtype)
+        odd = buf[1:1 + out.numel()].view(out.shape)
+        m.launch(t["q_c"], t["w_q_b"], t["w_uk"], odd, m.MlaQAbsorbConfig(a))
+        assert seen["out"] != odd.data_ptr() and torch.equal(odd, out), a.name
+
+
 # ---------------------------------------------------------------------------------------- GPU only
 
 _CASE = '{{"batch":{},"config":"{}","dist":"{}","dtype":"{}","extra":[],"op":"mla_q_absorb","seed":{},"tp":{}}}'
