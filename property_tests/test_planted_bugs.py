@@ -110,10 +110,10 @@ CONTROLS = [("kda_decode", "kda:kda_decode_control", QUICK_ALL_DTYPES, 25),
             ("moe_experts_mxfp4", "moe:moe_experts_mxfp4_control", PLANTED, 6),
             ("mla_decode_attn", "mla:mla_decode_attn_split_control", PLANTED, 6),
             ("mla_decode_attn", "mla:mla_decode_attn_rows_control", PLANTED, 6),
-            ("mla_q_absorb", "mla:mla_q_absorb_control", PLANTED, 6),
             # the correct twins of serving:mla_decode_attn_plan_per_seq_lens and skinny_gemm_shared_workspace
             ("mla_decode_attn", "serving:mla_decode_attn_plan_per_call", PLANTED, 6),
-            ("skinny_gemm", "serving:skinny_gemm_workspace_per_thread", PLANTED, 6)]
+            ("skinny_gemm", "serving:skinny_gemm_workspace_per_thread", PLANTED, 6),
+            ("mla_q_absorb", "mla:mla_q_absorb_control", PLANTED, 6)]
 
 
 @pytest.mark.parametrize("op_name,candidate,profile,examples", CONTROLS, ids=[c[1] for c in CONTROLS])

@@ -141,6 +141,15 @@ def q_absorb_magnitude(inputs: OpInputs, cand: dict | None = None) -> dict[str, 
     return {"q_abs": torch.cat([m_ql, m_rot], dim=-1)}
 
 
+def mla_q_absorb_bytes(inputs: OpInputs) -> int:
+    """q_c, w_q_b and w_uk read; q_abs[B, H, kv_lora + rope] written."""
+    t = inputs.tensors
+    H, Dh, kv_lora = t["w_uk"].shape
+    written = t["q_c"].shape[0] * H * (kv_lora + t["w_q_b"].shape[0] // H - Dh)
+    read = sum(t[k].numel() for k in ("q_c", "w_q_b", "w_uk"))
+    return (read + written) * t["q_c"].element_size()
+
+
 def make_cache_write_inputs(case: Case) -> OpInputs:
     cfg = get_config(case.config)
     n, page, width = case.batch, cfg.page_size, cfg.cache_dim
@@ -305,15 +314,6 @@ def mla_cache_write_bytes(inputs: OpInputs) -> int:
     N, C = t["latent"].shape
     written = int((t["slot_mapping"] >= 0).sum())
     return (N + written) * C * t["latent"].element_size() + N * t["slot_mapping"].element_size()
-
-
-def mla_q_absorb_bytes(inputs: OpInputs) -> int:
-    """q_c, w_q_b and w_uk read; q_abs[B, H, kv_lora + rope] written."""
-    t = inputs.tensors
-    H, Dh, kv_lora = t["w_uk"].shape
-    written = t["q_c"].shape[0] * H * (kv_lora + t["w_q_b"].shape[0] // H - Dh)
-    read = sum(t[k].numel() for k in ("q_c", "w_q_b", "w_uk"))
-    return (read + written) * t["q_c"].element_size()
 
 
 def grow_paged_lengths(inputs: OpInputs) -> dict[str, torch.Tensor] | None:
