@@ -112,6 +112,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "eps added after the sqrt in the latent RMSNorms (rows whose mean square is near or below eps)"),
     ("mla_q_absorb", f"{P}.mla:mla_q_absorb_rot_first", "compare:q_abs|exceed",
      "q_abs stored as [q_rot, ql]"),
+    ("mla_q_absorb", f"{P}.mla:mla_q_absorb_rot_from_next_head", "compare:q_abs|exceed",
+     "q_rot copied from the next head's slice of q (the epilogue's head offset off by one)"),
     ("mla_cache_write", f"{P}.mla:mla_cache_write_pair_store", "compare:cache|differ from the reference bits",
      "cache write touches the neighbouring slot of its pair (bitwise)"),
     ("mla_cache_write", f"{P}.mla:mla_cache_write_assumes_contiguous", "guard:canaries|writes outside the tensors",

@@ -76,6 +76,35 @@ def mla_q_absorb_rot_first(q_c, w_q_b, w_uk):
     return torch.cat([out[..., kv_lora:], out[..., :kv_lora]], dim=-1)
 
 
+def _q_absorb_chunks(q_c, w_q_b, w_uk, *, chunk=8, rot_from_next=False):
+    """q_b GEMM, then ql summed over Dh in `chunk`-row blocks (each block's sum in acc, the blocks added
+    in acc), as a kernel that splits Dh over thread groups adds their partials. rot_from_next: q_rot of
+    head h read from head h + 1's slice (the last head wraps to head 0), a head offset off by one in the
+    epilogue's copy."""
+    n_heads, head_dim, _ = w_uk.shape
+    q = linear(q_c, w_q_b).view(q_c.shape[0], n_heads, -1)
+    acc = acc_dtype(q)
+    ql = torch.zeros(q.shape[0], n_heads, w_uk.shape[2], dtype=acc, device=q.device)
+    for d in range(0, head_dim, chunk):
+        part = torch.einsum("bhd,hdc->bhc", q[..., d:d + chunk].to(acc), w_uk[:, d:d + chunk].to(acc))
+        ql = ql + part
+    rot = q[..., head_dim:]
+    if rot_from_next:
+        rot = torch.roll(rot, -1, dims=1)      # BUG
+    return torch.cat([ql.to(q.dtype), rot], dim=-1)
+
+
+def mla_q_absorb_control(q_c, w_q_b, w_uk):
+    """No bug: the chunked absorption the row below plants its bug in (test_planted_bugs checks it certifies)."""
+    return _q_absorb_chunks(q_c, w_q_b, w_uk)
+
+
+def mla_q_absorb_rot_from_next_head(q_c, w_q_b, w_uk):
+    """q_rot copied from the neighbouring head's slice of q (head offset off by one): a rank holding one
+    head still gets its own (the roll is the identity there), every other layout is wrong."""
+    return _q_absorb_chunks(q_c, w_q_b, w_uk, rot_from_next=True)
+
+
 # ---------------------------------------------------------------------------------- mla_cache_write
 
 

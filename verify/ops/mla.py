@@ -141,6 +141,15 @@ def q_absorb_magnitude(inputs: OpInputs, cand: dict | None = None) -> dict[str, 
     return {"q_abs": torch.cat([m_ql, m_rot], dim=-1)}
 
 
+def mla_q_absorb_bytes(inputs: OpInputs) -> int:
+    """q_c, w_q_b and w_uk read; q_abs[B, H, kv_lora + rope] written."""
+    t = inputs.tensors
+    H, Dh, kv_lora = t["w_uk"].shape
+    written = t["q_c"].shape[0] * H * (kv_lora + t["w_q_b"].shape[0] // H - Dh)
+    read = sum(t[k].numel() for k in ("q_c", "w_q_b", "w_uk"))
+    return (read + written) * t["q_c"].element_size()
+
+
 def make_cache_write_inputs(case: Case) -> OpInputs:
     cfg = get_config(case.config)
     n, page, width = case.batch, cfg.page_size, cfg.cache_dim
@@ -370,7 +379,8 @@ OPS: list[OpDef] = [
         signature="q_c[B,q_lora] wd\nw_q_b[H*(Dh+rope), q_lora] wd\nw_uk[H,Dh,kv_lora] wd\n-> q_abs[B,H,kv_lora+rope] wd",
         batch_dims={"q_c": 0, "q_abs": 0},
         split=head_split(lambda i: i.tensors["w_uk"].shape[0], {"w_q_b": 0, "w_uk": 0}, {"q_abs": 1}),
-        magnitudes=q_absorb_magnitude, notes=_NOTE_TOKENS),
+        magnitudes=q_absorb_magnitude, fused="fused.mla_q_absorb:mla_q_absorb", moved_bytes=mla_q_absorb_bytes,
+        notes=_NOTE_TOKENS),
     OpDef(
         name="mla_cache_write", family="mla", reference="references.mla:mla_cache_write",
         make_inputs=make_cache_write_inputs, outputs=(), state=("cache",),
