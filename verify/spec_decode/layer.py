@@ -52,7 +52,7 @@ from verify.spec_decode.drive import Drive, as_drafted, at_count, draw_counts
 LAYER_KINDS = ("kda", "mla")
 PROPERTIES = {
     "prefix": "(1) n_tokens drafted then a accepted = a tokens run alone (bitwise against the layer itself; "
-              "<kind>_layer's classes against the float64 decode_steps)",
+              "kda_layer.toml / mla_layer.toml classes against the float64 decode_steps)",
     "accept-zero": "(2) accepting 0 leaves the committed state bitwise unchanged",
     "growth": "(3) every step within the layer's declared error growth against the float64 decode_steps "
               "over every accepted token",
