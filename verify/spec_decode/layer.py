@@ -292,7 +292,7 @@ def _routing_rows(judge: _Judge, prop: str, r: _StepRun, base: RefDraft, oracle:
 def _tie_aware(ids, choice64, choice_wd, k):
     from verify.judge.compare import compare_tie_aware_ids
 
-    return compare_tie_aware_ids("router_ids", ids, choice64.double(), choice_wd, k)
+    return compare_tie_aware_ids("router_ids", ids.cpu(), choice64.double().cpu(), choice_wd.cpu(), k)
 
 
 def _judge_against(judge: _Judge, prop: str, r: _StepRun, L: _Layer, base: RefDraft, oracle: RefDraft,
