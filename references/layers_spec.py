@@ -27,6 +27,7 @@ attention launch per length).
 """
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
@@ -139,8 +140,6 @@ class SpecLayer:
 
     def fork(self) -> "SpecLayer":
         """The same layer from the same committed state, sharing the weights (not copied)."""
-        import copy
-
         twin = copy.copy(self)
         if self.kind == "kda":
             fork = getattr(self.design, "fork", None)
@@ -173,7 +172,8 @@ class SpecLayer:
         # per slot: the token's own AttnRes stream, its attn-side normed input and the mlp side's blocks
         streams, normed = [], []
         for t in range(T):
-            s = LayerState(prefix=_rows(live[t], x[:, t], torch.zeros_like(x[:, t])), blocks=blocks[:, t].clone())
+            s = LayerState(prefix=_rows(live[t], x[:, t], torch.zeros_like(x[:, t])),
+                           blocks=_rows(live[t], blocks[:, t], torch.zeros_like(blocks[:, t])))
             xa, mlp_blocks = attn_side(self.weights, s, self.layer_idx)
             streams.append(s)
             normed.append(xa)
@@ -206,9 +206,10 @@ class SpecLayer:
         for t, xa in enumerate(normed):
             q_c, kv_c, k_rot = mla_qkv_a(xa, w["w_qkv_a"], w["q_a_norm_w"], w["kv_a_norm_w"], cfg.mla_latent_eps)
             q_abs.append(mla_q_absorb(q_c, w["w_q_b"], w["w_uk"]))
-            pos = self.seq_lens + n_tokens.clamp(max=t + 1).to(self.seq_lens.dtype) - 1   # a dead row: its last
+            # a row past its draft looks up its last draft position (a valid slot), then writes nothing (-1)
+            pos = self.seq_lens + n_tokens.clamp(max=t + 1).to(self.seq_lens.dtype) - 1
             slots = next_slots(LayerState(xa, xa, cache=self.cache, block_table=self.block_table, seq_lens=pos))
-            slots = torch.where(n_tokens > t, slots, torch.full_like(slots, -1))         # ... skipped (-1)
+            slots = torch.where(n_tokens > t, slots, torch.full_like(slots, -1))
             mla_cache_write(torch.cat([kv_c, k_rot], dim=-1), self.cache, slots.long())
         o_latent = self.attend(torch.stack(q_abs, dim=1), n_tokens)
         outs = []
