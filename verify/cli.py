@@ -68,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the op's bytes (needs a CUDA device)")
     from verify.bench.command import add_args as add_bench_args
     add_bench_args(be)
-    sd = sub.add_parser("spec-decode", help="judge a speculative-decoding rollback design through KDA over many "
-                        "verify+accept steps: each contract property's verdict")
+    sd = sub.add_parser("spec-decode", help="judge a speculative-decoding rollback design through KDA (--layer: "
+                        "a whole KDA or MLA layer) over many verify+accept steps: each contract property's verdict")
     from verify.spec_decode.command import add_args as add_spec_decode_args
     add_spec_decode_args(sd)
     ck = sub.add_parser("check", help="which certificate still holds for this tree (the release gate)")

@@ -45,6 +45,8 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from references.layers_spec import CheckpointDesign  # noqa: F401  (the reference design; a layer's default)
+
 LAYER = ("conv_w", "A_log", "dt_bias", "o_norm_w")
 TOKEN_INPUTS = ("q_raw", "k_raw", "v_raw", "g_raw", "beta_raw", "z")
 NAMED = ("checkpoints", "one-token", "replay", "input-cache", "compiled")
@@ -67,43 +69,6 @@ class SpecDecodeDesign(Protocol):
 
 class DesignError(ValueError):
     """--design names no design: one line naming the value and the choices."""
-
-
-class CheckpointDesign:
-    """Per-token checkpoints through a (verify, accept) pair with references.kda_spec's signatures
-    (kda_verify / kda_accept by default): the checkpoint buffers [B, n_q, ...] are the rollback storage,
-    none of it committed (kept = 0: the committed state lives in its own tensors)."""
-
-    def __init__(self, verify_fn: Callable | None = None, accept_fn: Callable | None = None):
-        from references.kda_spec import kda_accept, kda_verify
-
-        self.verify_fn = verify_fn or kda_verify
-        self.accept_fn = accept_fn or kda_accept
-
-    def begin(self, *, conv_state, state, conv_w, A_log, dt_bias, o_norm_w, lower_bound, l2_eps, norm_eps, n_q):
-        self.conv_state, self.state = conv_state.clone(), state.clone()
-        self.layer = {"conv_w": conv_w, "A_log": A_log, "dt_bias": dt_bias, "o_norm_w": o_norm_w}
-        self.params = {"lower_bound": lower_bound, "l2_eps": l2_eps, "norm_eps": norm_eps}
-        B = state.shape[0]
-        self.conv_ckpt = torch.zeros((B, n_q) + tuple(conv_state.shape[1:]), dtype=conv_state.dtype,
-                                     device=conv_state.device)
-        self.state_ckpt = torch.zeros((B, n_q) + tuple(state.shape[1:]), dtype=state.dtype, device=state.device)
-        self.n_tokens = None
-
-    def verify(self, *, n_tokens, **tokens):
-        self.n_tokens = n_tokens.clone()
-        return self.verify_fn(**tokens, n_tokens=n_tokens, **self.layer, conv_state=self.conv_state,
-                              state=self.state, conv_ckpt=self.conv_ckpt, state_ckpt=self.state_ckpt, **self.params)
-
-    def accept(self, accepted):
-        self.accept_fn(accepted, self.n_tokens, self.conv_state, self.state, self.conv_ckpt, self.state_ckpt)
-
-    def committed(self):
-        return self.conv_state.clone(), self.state.clone()
-
-    def rollback_buffers(self):
-        none = torch.zeros(self.state.shape[0], dtype=torch.int64, device=self.state.device)
-        return [("conv_ckpt", self.conv_ckpt, none), ("state_ckpt", self.state_ckpt, none)]
 
 
 def per_token_verify(decode: Callable) -> Callable:
