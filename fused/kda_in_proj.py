@@ -1,0 +1,234 @@
+"""kda_in_proj: the merged KDA in-projection and the f_b gate projection in two launches.
+
+Launch 1: merged[B, N] = x[B, D] @ w_in[N, D].T, N = 4C + r + H (rows q | k | v | z | f_a | beta,
+C = H * Dh), by the project's skinny GEMM (fused/skinny_gemm.py; its dispatcher picks the kernel by
+M), fp32 accumulation rounded once to the working dtype wd into a scratch buffer, as
+references.kda:kda_in_proj rounds it (f_a is rounded to wd there, before f_b).
+Launch 2 (this file's kernel): a grid of (C / 128 column blocks) x (B / rows row tiles), 128 threads.
+A CTA stages the wd f_a of its `rows` tokens in shared memory (fp32), then thread t owns channel
+c = 128 * block + t: it copies q, k, v, z[row, c] from the scratch into the separate outputs and
+computes g_raw[row, c] = wd(sum_j f_a[row, j] * w_fb[c, j]) over j = 0..r-1 in order, reading w_fb's
+row c in 16-byte vectors once for all the CTA's rows. The CTAs of column block 0 also copy beta.
+Every output element is one fixed-order fp32 sum of its own token's values (the GEMM's order depends
+on (K, its variant) only), so the op is deterministic and batch invariant; the row tile changes
+which CTA computes a row, never its bits. Scratch rows of N elements need not be 16-byte aligned
+(N = 6284 at T = 8), so the copies are element-wise, coalesced along c. One compile per
+(dtype, C, r, H, tail variant); the batch is dynamic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fused import runtime
+from fused import skinny_gemm as sg
+from references.primitives import check_tensor
+
+cutlass, cute = runtime.cutlass_modules()           # pins sm_90a before the DSL latches an arch
+from cutlass import Float32, const_expr  # noqa: E402
+
+DTYPES = ("bfloat16", "float16")   # working dtypes of x and the weights (the harness draws only these)
+_TORCH_DTYPES = (torch.bfloat16, torch.float16)
+THREADS = 128                      # channels per CTA of the tail kernel
+OUTPUTS = ("q_raw", "k_raw", "v_raw", "g_raw", "beta_raw", "z")
+
+
+@dataclass(frozen=True)
+class TailConfig:
+    """Token rows per CTA of the tail kernel (each w_fb vector serves that many rows)."""
+    rows: int
+
+    @property
+    def name(self) -> str:
+        return f"tail_r{self.rows}"
+
+    @staticmethod
+    def for_batch(B: int) -> "TailConfig":
+        """One row per CTA for a single token (no idle rows), four otherwise (w_fb read B/4 times
+        from L2, B/4 times the column blocks of CTAs to spread the f_b sums over)."""
+        return TailConfig(1 if B <= 1 else 4)
+
+    @staticmethod
+    def all_configs() -> list["TailConfig"]:
+        return [TailConfig(1), TailConfig(4)]
+
+
+@dataclass(frozen=True)
+class KdaInProjConfig:
+    """A launch variant: the GEMM's (a skinny_gemm variant) and the tail kernel's."""
+    gemm: sg.Config
+    tail: TailConfig
+
+    @property
+    def name(self) -> str:
+        return f"{self.gemm.name}+{self.tail.name}"
+
+
+class KdaInProjTail:
+    """Compile-time config: dtype, C = H * Dh channels, f_rank r (whole 16-byte vectors), H, rows."""
+
+    def __init__(self, dtype, C: int, r: int, H: int, config: TailConfig):
+        self.dtype, self.C, self.r, self.H = dtype, C, r, H
+        self.vec = 128 // dtype.width
+        if r % self.vec or r == 0:
+            raise ValueError(f"f_rank: {r} must be a positive multiple of {self.vec} (16-byte vectors)")
+        self.rows = config.rows
+        self.fa_iters = -(-self.rows * r // THREADS)       # f_a elements staged per thread
+        self.beta_iters = -(-self.rows * H // THREADS)     # beta elements copied per thread (block 0)
+
+    @cute.jit
+    def __call__(self, mM: cute.Tensor, mWfb: cute.Tensor, mQ: cute.Tensor, mK: cute.Tensor,
+                 mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mZ: cute.Tensor, stream):
+        row_tiles = (mM.shape[0] + self.rows - 1) // self.rows
+        self.kernel(mM, mWfb, mQ, mK, mV, mG, mBeta, mZ).launch(
+            grid=[(self.C + THREADS - 1) // THREADS, row_tiles, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mM: cute.Tensor, mWfb: cute.Tensor, mQ: cute.Tensor, mK: cute.Tensor,
+               mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mZ: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bc, bt, _ = cute.arch.block_idx()
+        C, r, H, R, vec, dt = self.C, self.r, self.H, self.rows, self.vec, self.dtype
+        B = mM.shape[0]
+        row0 = bt * R
+        fa = cutlass.memory.SmemAllocator().allocate_tensor(
+            Float32, cute.make_layout((R, r), stride=(r, 1)), 16)
+        for i in cutlass.range_constexpr(self.fa_iters):    # f_a of the tile's rows (clamped past B)
+            idx = tidx + i * THREADS
+            if idx < R * r:
+                m = idx // r
+                j = idx - m * r
+                fa[m, j] = mM[cutlass.min(row0 + m, B - 1), 4 * C + j].to(Float32)
+        if bc == 0:
+            for i in cutlass.range_constexpr(self.beta_iters):
+                idx = tidx + i * THREADS
+                m = idx // H
+                if idx < R * H and row0 + m < B:
+                    mBeta[row0 + m, idx - m * H] = mM[row0 + m, 4 * C + r + idx - m * H]
+        c = bc * THREADS + tidx
+        if c < C:
+            for m in cutlass.range_constexpr(R):
+                row = row0 + m
+                if row < B:
+                    mQ[row, c] = mM[row, c]
+                    mK[row, c] = mM[row, C + c]
+                    mV[row, c] = mM[row, 2 * C + c]
+                    mZ[row, c] = mM[row, 3 * C + c]
+        cute.arch.sync_threads()
+        if c < C:
+            gW = cute.zipped_divide(mWfb, (1, vec))           # ((1, vec), (C, r / vec))
+            acc = cute.make_rmem_tensor(cute.make_layout(R), Float32)
+            acc.fill(0.0)
+            w = cute.make_rmem_tensor(cute.make_layout(vec), Float32)
+            for jv in cutlass.range_constexpr(r // vec):
+                w.store(gW[None, (c, jv)].load().to(Float32))
+                for m in cutlass.range_constexpr(R):
+                    s = acc[m]
+                    for e in cutlass.range_constexpr(vec):
+                        s = s + fa[m, jv * vec + e] * w[e]
+                    acc[m] = s
+            for m in cutlass.range_constexpr(R):
+                if const_expr(R == 1) or row0 + m < B:
+                    mG[row0 + m, c] = acc[m].to(dt)
+
+
+@runtime.compile_cache("kda_in_proj")
+def _compile(dtype: str, C: int, r: int, H: int, cfg: TailConfig):
+    b = runtime.sym_int()
+    op = KdaInProjTail(runtime.cutlass_dtype(dtype), C, r, H, cfg)
+    out = lambda n: runtime.fake_tensor(dtype, (b, n), align=2)     # element-wise stores: any out= view
+    return runtime.compile_tvm_ffi(op, runtime.fake_tensor(dtype, (b, 4 * C + r + H)),
+                                   runtime.fake_tensor(dtype, (C, r)),
+                                   out(C), out(C), out(C), out(C), out(H), out(C))
+
+
+def _check(x, w_in, w_fb, n_heads, out):
+    check_tensor("x", x, ndim=2, dtypes=_TORCH_DTYPES)
+    B, D = x.shape
+    check_tensor("w_fb", w_fb, ndim=2, dtypes=(x.dtype,))
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads <= 0:
+        raise ValueError(f"n_heads: expected a positive int, got {n_heads!r}")
+    C, r = w_fb.shape
+    if C == 0 or C % n_heads:
+        raise ValueError(f"w_fb: {C} rows (H*Dh) is not a positive multiple of n_heads={n_heads}")
+    check_tensor("w_in", w_in, shape=(4 * C + r + n_heads, D), dtypes=(x.dtype,))
+    vec = 16 // x.element_size()
+    if r % vec or r == 0:
+        raise ValueError(f"w_fb: f_rank {r} (its columns) must be a positive multiple of {vec} (16-byte vectors)")
+    if D % vec or D == 0:
+        raise ValueError(f"x: D={D} must be a positive multiple of {vec} (16-byte vectors)")
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != len(OUTPUTS):
+            raise ValueError(f"out: expected ({', '.join(OUTPUTS)}), got {type(out).__name__}")
+        for name, t in zip(OUTPUTS, out):
+            check_tensor(f"out {name}", t, shape=(B, n_heads if name == "beta_raw" else C), dtypes=(x.dtype,))
+            if not t.is_contiguous():
+                raise ValueError(f"out {name}: must be contiguous; got strides {t.stride()}")
+    runtime.require_cuda("x", x)
+
+
+def default_config(M: int, N: int, K: int) -> KdaInProjConfig:
+    """skinny_gemm's pick for this M and shape, and the tail kernel's pick."""
+    return KdaInProjConfig(sg.default_config(M, N, K), TailConfig.for_batch(M))
+
+
+def all_configs(N: int, K: int) -> list[KdaInProjConfig]:
+    """Every variant a launch at this shape may use, M = 1..64: each GEMM the skinny_gemm dispatcher
+    picks for some M, with each tail variant."""
+    gemms = dict.fromkeys(sg.default_config(M, N, K) for M in range(1, 65))
+    return [KdaInProjConfig(g, t) for g in gemms for t in TailConfig.all_configs()]
+
+
+def launch(x, w_in, w_fb, q_raw, k_raw, v_raw, g_raw, beta_raw, z,
+           variant: KdaInProjConfig | None = None) -> None:
+    """Destination-passing launch on the current stream: the GEMM into a wd scratch, then the tail."""
+    B, D = x.shape
+    if B == 0:
+        return
+    N, (C, r), H = w_in.shape[0], w_fb.shape, beta_raw.shape[1]
+    cfg = variant or default_config(B, N, D)
+    merged = torch.empty(B, N, dtype=x.dtype, device=x.device)
+    sg.launch(x.contiguous(), w_in.contiguous(), merged, cfg.gemm)
+    fn = _compile(runtime.dtype_name(x.dtype), C, r, H, cfg.tail)
+    fn(merged, runtime.aligned(w_fb.contiguous()), q_raw, k_raw, v_raw, g_raw, beta_raw, z)
+
+
+_op = None
+
+
+def _custom_op():
+    global _op
+    if _op is None:
+        @runtime.register_op("kda_in_proj", mutates_args=OUTPUTS)
+        def kda_in_proj_out(x: torch.Tensor, w_in: torch.Tensor, w_fb: torch.Tensor, q_raw: torch.Tensor,
+                            k_raw: torch.Tensor, v_raw: torch.Tensor, g_raw: torch.Tensor,
+                            beta_raw: torch.Tensor, z: torch.Tensor) -> None:
+            launch(x, w_in, w_fb, q_raw, k_raw, v_raw, g_raw, beta_raw, z)
+
+        _op = kda_in_proj_out
+    return _op
+
+
+def kda_in_proj(x, w_in, w_fb, n_heads: int, *, out=None, variant=None):
+    """Fused replacement of references.kda.kda_in_proj (same signature): returns (q_raw, k_raw, v_raw,
+    g_raw, beta_raw, z), contiguous, written into `out` (those six, in that order) when given."""
+    _check(x, w_in, w_fb, n_heads, out)
+    if out is None:
+        B, C = x.shape[0], w_fb.shape[0]
+        out = tuple(torch.empty(B, n_heads if name == "beta_raw" else C, dtype=x.dtype, device=x.device)
+                    for name in OUTPUTS)
+    if variant is not None:
+        launch(x, w_in, w_fb, *out, variant)
+    else:
+        _custom_op()(x, w_in, w_fb, *out)
+    return tuple(out)
+
+
+def variants(tensors: dict, params: dict) -> list[KdaInProjConfig]:
+    """Every launch variant the harness must certify for these inputs: the GEMM the skinny_gemm
+    dispatcher picks at this M (the SIMT m-tiles share one summation order, so its pick stands for
+    them) with each tail variant."""
+    x, w = tensors["x"], tensors["w_in"]
+    (M, K), N = x.shape, w.shape[0]
+    return [KdaInProjConfig(sg.default_config(M, N, K), t) for t in TailConfig.all_configs()]
