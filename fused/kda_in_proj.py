@@ -104,8 +104,9 @@ class KdaInProjTail:
             for i in cutlass.range_constexpr(self.beta_iters):
                 idx = tidx + i * THREADS
                 m = idx // H
-                if idx < R * H and row0 + m < B:
-                    mBeta[row0 + m, idx - m * H] = mM[row0 + m, 4 * C + r + idx - m * H]
+                if idx < R * H:
+                    if row0 + m < B:
+                        mBeta[row0 + m, idx - m * H] = mM[row0 + m, 4 * C + r + idx - m * H]
         c = bc * THREADS + tidx
         if c < C:
             for m in cutlass.range_constexpr(R):

@@ -189,6 +189,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "a candidate that raises (no variant for untuned M)"),
     ("kda_in_proj", f"{P}.kda:kda_in_proj_beta_before_fa", "compare:g_raw|exceed",
      "merged projection sliced in the wrong row order"),
+    ("kda_in_proj", f"{P}.kda:kda_in_proj_beta_from_next_head", "compare:beta_raw|exceed",
+     "beta_raw of head h copied from head h + 1's column (the tail's head index off by one)"),
     # ---- attn_res
     ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_swapped_eps", "compare:out|exceed",
      "key-norm eps and output RMSNorm eps swapped (equal in every config; drawn per case)"),

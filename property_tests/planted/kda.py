@@ -163,6 +163,35 @@ def kda_in_proj_beta_before_fa(x, w_in, w_fb, n_heads: int):
                                       merged[:, lay["z"]]))
 
 
+
+def _in_proj_fused(x, w_in, w_fb, n_heads: int, *, beta_from_next=False):
+    """kda_in_proj as the fused kernel computes it: the merged GEMM rounded to wd (one token row at a
+    time, the batch-invariant GEMM helper of planted/gemm.py), sliced into contiguous outputs, then f_b
+    on the wd f_a. beta_from_next: beta_raw of head h read from head h + 1's column (the beta copy's
+    head index off by one, wrapping): a rank holding one head still gets its own."""
+    from property_tests.planted.gemm import linear as row_linear
+
+    C, r = w_fb.shape
+    lay = in_proj_layout(n_heads, C // n_heads, r)
+    merged = row_linear(x, w_in)
+    beta = merged[:, lay["beta"]]
+    if beta_from_next:
+        beta = beta.roll(-1, dims=1)
+    g_raw = row_linear(merged[:, lay["f_a"]], w_fb)
+    return tuple(t.contiguous() for t in (merged[:, lay["q"]], merged[:, lay["k"]], merged[:, lay["v"]], g_raw,
+                                          beta, merged[:, lay["z"]]))
+
+
+def kda_in_proj_control(x, w_in, w_fb, n_heads: int):
+    """No bug: the helper kda_in_proj_beta_from_next_head plants its bug in (test_planted_bugs checks it
+    certifies)."""
+    return _in_proj_fused(x, w_in, w_fb, n_heads)
+
+
+def kda_in_proj_beta_from_next_head(x, w_in, w_fb, n_heads: int):
+    """beta_raw of each head copied from the neighbouring head's column of the merged output."""
+    return _in_proj_fused(x, w_in, w_fb, n_heads, beta_from_next=True)
+
 _OWN_CONV = TensorKeyed()
 
 
