@@ -22,6 +22,7 @@ pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
 pytest.importorskip("tvm_ffi", reason="needs apache-tvm-ffi (the kernels compile for the TVM-FFI call path)")
 
 from fused import runtime  # noqa: E402
+from fused import skinny_gemm as sg  # noqa: E402
 from references.config import K3, get_config  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -42,20 +43,35 @@ def _dims(config: str, T: int = 1):
 
 @pytest.mark.parametrize("config,T", [("tiny", 1), ("small", 1), ("small", 16), *(("k3", T) for T in TP)])
 def test_kda_in_proj_tail_kernel_compiles_every_variant(config, T):
+    """Each tail variant, for each plan (merged or split GEMM) the dispatcher can pick at this shape."""
     m = _m()
-    C, r, H, _ = _dims(config, T)
+    C, r, H, D = _dims(config, T)
+    plans = {p.split for p in m.all_configs(C, r, H, D)}
     for dtype in ("bfloat16", "float16") if T == 1 else ("bfloat16",):
-        for cfg in m.TailConfig.all_configs():
-            assert runtime.compile_for_cpu_check("kda_in_proj", dtype, C, r, H, cfg) is not None
+        for split in plans:
+            for cfg in m.TailConfig.all_configs():
+                assert runtime.compile_for_cpu_check("kda_in_proj", dtype, C, r, H, split, cfg) is not None
 
 
 @pytest.mark.parametrize("T", TP)
 def test_kda_in_proj_gemm_picks_compile_at_k3(T):
-    """The GEMM of every batch bucket the dispatcher can pick at K3 per rank (N = 4C + r + H, K = 7168)."""
+    """The GEMMs of every batch bucket the dispatcher can pick at K3 per rank (K = 7168): the merged
+    N = 4C + r + H rows by the SIMT kernel, or split where skinny_gemm's dispatcher takes a wgmma
+    variant for the 4C rows (skinny_gemm's own defaults at (4C, 7168)) and the SIMT kernel for the
+    r + H rows."""
     m = _m()
     C, r, H, D = _dims("k3", T)
-    N = 4 * C + r + H
-    for cfg in {m.default_config(M, N, D).gemm for M in range(1, 65)}:
+    plans = {m.default_config(M, C, r, H, D) for M in range(1, 65)}
+    assert any(not p.split for p in plans)
+    assert any(p.split for p in plans) == (T in (1, 8)), plans       # (49152|6144, 7168) have defaults
+    launches = set()
+    for p in plans:
+        if p.split:
+            assert isinstance(p.gemm, sg.SkinnyGemmWgmmaConfig) and (4 * C, D) in sg.WGMMA_DEFAULTS
+            launches |= {(4 * C, p.gemm), (r + H, p.fb_gemm)}
+        else:
+            launches.add((4 * C + r + H, p.gemm))
+    for N, cfg in launches:
         assert runtime.compile_for_cpu_check("skinny_gemm", "bfloat16", "bfloat16", N, D, cfg) is not None
 
 
@@ -66,26 +82,28 @@ def test_kda_in_proj_variants_cover_the_dispatch():
     for config, T in [("tiny", 1), ("small", 1), ("small", 4), *(("k3", T) for T in TP)]:
         C, r, H, D = _dims(config, T)
         N = 4 * C + r + H
+        every = set(m.all_configs(C, r, H, D))
         for M in range(1, 65):
             t = {"x": torch.empty(M, D, dtype=torch.bfloat16, device="meta"),
-                 "w_in": torch.empty(N, D, dtype=torch.bfloat16, device="meta")}
+                 "w_in": torch.empty(N, D, dtype=torch.bfloat16, device="meta"),
+                 "w_fb": torch.empty(C, r, dtype=torch.bfloat16, device="meta")}
             listed = m.variants(t, {"n_heads": H})
-            assert m.default_config(M, N, D) in listed, (config, T, M)
-            assert set(listed) <= set(m.all_configs(N, D)), (config, T, M)
+            assert m.default_config(M, C, r, H, D) in listed, (config, T, M)
+            assert set(listed) <= every, (config, T, M)
             assert len({v.tail for v in listed}) == len(listed) >= 2
             assert len({v.name for v in listed}) == len(listed)
 
 
 def test_kda_in_proj_cache_key_has_no_batch_dimension(ir_of):
-    """The batch is dynamic: the key holds dtype, C, r, H and the tail variant, and the host IR takes
-    the merged scratch as (?, N) and the outputs as (?, C) and (?, H)."""
+    """The batch is dynamic: the key holds dtype, C, r, H, the plan and the tail variant, and the host
+    IR takes the scratch as (?, 4C) and (?, r + H) (split plan) and the outputs as (?, C) and (?, H)."""
     import inspect
     m = _m()
-    assert list(inspect.signature(m._compile.__wrapped__).parameters) == ["dtype", "C", "r", "H", "cfg"]
+    assert list(inspect.signature(m._compile.__wrapped__).parameters) == ["dtype", "C", "r", "H", "split", "cfg"]
     C, r, H, _ = _dims("k3", 8)
-    ir = ir_of(f"from fused import kda_in_proj as m; m._compile('bfloat16', {C}, {r}, {H}, m.TailConfig(4))")
-    for shape in (f"(?,{4 * C + r + H}):({4 * C + r + H},1)", f"(?,{C}):({C},1)", f"(?,{H}):({H},1)"):
-        assert f'"{shape}"' in ir, shape
+    ir = ir_of(f"from fused import kda_in_proj as m; m._compile('bfloat16', {C}, {r}, {H}, True, m.TailConfig(4))")
+    for n in (4 * C, r + H, C, H):
+        assert f'"(?,{n}):({n},1)"' in ir, n
 
 
 @pytest.mark.parametrize("rows", (1, 4))
@@ -93,7 +111,7 @@ def test_kda_in_proj_tail_kernel_ptx(ptx_of, rows):
     """One CTA barrier (f_a staged before the f_b sums), w_fb read in 16-byte vectors (r / 8 per
     thread), r * rows fp32 FMAs unrolled, nothing in local memory."""
     C, r, H, _ = _dims("k3", 1)
-    ptx = ptx_of(f"from fused import kda_in_proj as m; m._compile('bfloat16', {C}, {r}, {H}, m.TailConfig({rows}))")
+    ptx = ptx_of(f"from fused import kda_in_proj as m; m._compile('bfloat16', {C}, {r}, {H}, False, m.TailConfig({rows}))")
     body = ptx[ptx.index(".entry"):]
     assert body.count("bar.sync") == 1
     assert "ld.local" not in body and "st.local" not in body
@@ -139,50 +157,62 @@ def test_kda_in_proj_rejects_bad_arguments_in_one_line():
 
 
 def test_kda_in_proj_launch_hands_the_kernels_their_buffers_on_cpu(monkeypatch):
-    """launch() without a GPU, both compiled kernels replaced by stand-ins that check what the TVM-FFI
-    call checks (w_fb's base 16-byte aligned, the scratch aligned) and compute the reference on what
-    they are handed: the GEMM fills the whole [B, 4C + r + H] scratch, the tail gets that scratch,
-    w_fb and the six outputs in the reference's order; strided/offset inputs and out= views one element
-    past an aligned base come out right."""
-    from fused import skinny_gemm as sg
+    """launch() without a GPU, the compiled kernels replaced by stand-ins that check what the TVM-FFI
+    call checks (16-byte aligned bases where the kernels load vectors) and compute on what they are
+    handed: one GEMM over all w_in rows into one scratch (merged plan), or the q|k|v|z rows and the
+    f_a|beta rows into two (split plan); the tail gets those scratches, w_fb and the six outputs in
+    the reference's order, and reads f_a and beta at the plan's columns. Strided/offset inputs and
+    out= views one element past an aligned base come out right: for the merged plan bit for bit the
+    reference (one GEMM, the same rounding points), for the split plan the same GEMMs by row block."""
     from references.kda import in_proj_layout, kda_in_proj as ref
     from references.primitives import linear
     from verify.judge.placement import place
     from verify.model.case import Case
     from verify.ops.registry import get_op
     m = _m()
-    seen, static = {}, []
+    seen, static = [], []
 
     def gemm(x, w, out):
         assert all(a.data_ptr() % 16 == 0 for a in (x, w, out))
-        assert out.shape == (x.shape[0], w.shape[0]) and out.is_contiguous()
-        seen["merged"] = out
+        assert out.shape == (x.shape[0], w.shape[0]) and out.is_contiguous() and w.is_contiguous()
+        seen.append(out)
         out.copy_(linear(x, w))
 
-    def tail(merged, w_fb, q, k, v, g, beta, z):
-        assert merged is seen["merged"] and w_fb.data_ptr() % 16 == 0
-        C, r, H = static[1:4]
+    def tail(qkvz, fab, w_fb, q, k, v, g, beta, z):
+        dtype, C, r, H, split, _ = static
+        assert (qkvz, fab) == ((seen[0], seen[1]) if split else (seen[0], seen[0]))
+        assert qkvz.shape[1] == (4 * C if split else 4 * C + r + H) and fab.shape[1] == (r + H if split else qkvz.shape[1])
+        assert w_fb.data_ptr() % 16 == 0 and w_fb.shape == (C, r)
         lay = in_proj_layout(H, C // H, r)
-        for dst, name in ((q, "q"), (k, "k"), (v, "v"), (beta, "beta"), (z, "z")):
-            dst.copy_(merged[:, lay[name]])
-        g.copy_(linear(merged[:, lay["f_a"]], w_fb))
+        for dst, name in ((q, "q"), (k, "k"), (v, "v"), (z, "z")):
+            dst.copy_(qkvz[:, lay[name]])
+        fa0 = 0 if split else 4 * C
+        beta.copy_(fab[:, fa0 + r:fa0 + r + H])
+        g.copy_(linear(fab[:, fa0:fa0 + r], w_fb))
 
     monkeypatch.setattr(sg, "_compile", lambda *st: gemm)
     monkeypatch.setattr(m, "_compile", lambda *st: (static.clear(), static.extend(st), tail)[2])
     op = get_op("kda_in_proj")
+    simt = sg.SkinnyGemmConfig(1, 1)
     for dtype in ("bfloat16", "float16"):
         inp = op.make_inputs(Case("kda_in_proj", 3, 5, "small", dtype, "normal", 1))
         t, H = inp.tensors, inp.params["n_heads"]
-        want = ref(**t, n_heads=H)
-        for offset in (0, 1):
-            odd = {k: place(k, v, "cpu", offset=offset).view for k, v in t.items()}
-            outs = [place(n, w.contiguous(), "cpu", poison=True, offset=offset).view
-                    for n, w in zip(m.OUTPUTS, want)]
-            cfg = m.KdaInProjConfig(sg.SkinnyGemmConfig(1, 1), m.TailConfig(4))
-            m.launch(odd["x"], odd["w_in"], odd["w_fb"], *outs, cfg)
-            assert static == [dtype, 32 * 16, 16, 16, m.TailConfig(4)]
-            for name, got, w in zip(m.OUTPUTS, outs, want):
-                assert torch.equal(got, w), (dtype, offset, name)
+        C, r = t["w_fb"].shape
+        merged_want = ref(**t, n_heads=H)
+        lay = in_proj_layout(H, C // H, r)
+        qkvz, fab = linear(t["x"], t["w_in"][:4 * C]), linear(t["x"], t["w_in"][4 * C:])
+        split_want = (*(qkvz[:, lay[n]] for n in "qkv"), linear(fab[:, :r], t["w_fb"]), fab[:, r:], qkvz[:, lay["z"]])
+        for cfg, want in ((m.KdaInProjConfig(simt, m.TailConfig(4)), merged_want),
+                          (m.KdaInProjConfig(simt, m.TailConfig(1), simt), split_want)):
+            for offset in (0, 1):
+                seen.clear()
+                odd = {k: place(k, v, "cpu", offset=offset).view for k, v in t.items()}
+                outs = [place(n, w.contiguous(), "cpu", poison=True, offset=offset).view
+                        for n, w in zip(m.OUTPUTS, want)]
+                m.launch(odd["x"], odd["w_in"], odd["w_fb"], *outs, cfg)
+                assert static == [dtype, C, r, H, cfg.split, cfg.tail] and len(seen) == 1 + cfg.split
+                for name, got, w in zip(m.OUTPUTS, outs, want):
+                    assert torch.equal(got, w), (dtype, cfg.name, offset, name)
 
 
 def test_kda_in_proj_configs_are_frozen():
@@ -336,7 +366,7 @@ def test_kda_in_proj_timing_at_k3_on_gpu():
                 comp = f"failed: {type(e).__name__}"
             floor_us = kda_in_proj_bytes(OpInputs({k: v for k, v in inp.items() if k != "n_heads"},
                                                   {"n_heads": inp["n_heads"]})) / 4.8e6
-            rows.append(f"| {T} | {inp['n_heads']} | {B} | {m.default_config(B, N, D).name} | {fused_us:.1f} | "
+            rows.append(f"| {T} | {inp['n_heads']} | {B} | {m.default_config(B, C, r, H, D).name} | {fused_us:.1f} | "
                         f"{gemm_us:.1f} | {var} | {eager_us:.1f} | {comp} | {floor_us:.1f} | "
                         f"{fused_us / floor_us:.2f} |")
             del sets, outs
