@@ -314,8 +314,8 @@ def test_kda_in_proj_rows_are_batch_invariant_on_gpu(dtype, T):
             for o, a in zip(full, alone):
                 assert _same_bits(o[b:b + 1], a), (name, b)
     for (v1, a), (v2, b) in itertools.combinations(by_variant, 2):
-        if v1.gemm == v2.gemm:
-            assert all(_same_bits(x, y) for x, y in zip(a, b)), (v1.name, v2.name)
+        assert (v1.gemm, v1.fb_gemm) == (v2.gemm, v2.fb_gemm)          # the variants differ in the tail only
+        assert all(_same_bits(x, y) for x, y in zip(a, b)), (v1.name, v2.name)
 
 
 @pytest.mark.gpu
@@ -323,52 +323,63 @@ def test_kda_in_proj_rows_are_batch_invariant_on_gpu(dtype, T):
 def test_kda_in_proj_timing_at_k3_on_gpu():
     """Prints (run with -s) us per call at the K3 per-rank shapes (T = 1, 8, 16; x[B,7168] @ w_in.T +
     f_b), bf16, B = 1, 8, 64, every one a CUDA graph cycling weight copies past the 50 MB L2: the
-    fused op (dispatcher's pick and each declared variant), its GEMM alone, the reference eager
-    (launch by launch), torch.compile of the reference, and the floor (the op's bytes, as
-    verify.ops.kda.kda_in_proj_bytes counts them, at 4.8 TB/s). A record, not a speed gate: it checks
-    only that each path ran and that the fused outputs are within 4 ulps of each row's maximum of the
-    reference's (a sanity check; the certification is the harness test above)."""
-    from fused import skinny_gemm as sg
+    fused op (dispatcher's pick, each declared variant, and the merged and split plans forced), the
+    merged GEMM alone (skinny_gemm's pick for all N rows) and the q|k|v|z GEMM alone (its pick for
+    the 4C rows), the reference eager (launch by launch), torch.compile of the reference, and the floor
+    (the op's bytes, as verify.ops.kda.kda_in_proj_bytes counts them, at 4.8 TB/s). A record, not a
+    speed gate: it checks only that each path ran and that the fused outputs are within 4 ulps of each
+    row's maximum of the reference's (a sanity check; the certification is the harness test above)."""
     from property_tests.test_mla_decode_attn_gpu import _time_eager, _time_graph
     from references.kda import kda_in_proj as ref
     from verify.model.opdef import OpInputs
     from verify.ops.kda import kda_in_proj_bytes
     m = _m()
     compiled = torch.compile(ref, dynamic=False)
-    rows = ["| T | H | B | pick | fused us | GEMM alone us | variants us | ref eager us | compiled us | "
-            "floor us | fused/floor |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| T | H | B | pick | fused us | forced plans us | variants us | merged GEMM us | q/k/v/z GEMM us "
+            "| ref eager us | compiled us | floor us | fused/floor |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for T in TP:
         C, r, H, D = _dims("k3", T)
-        n_sets = max(1, -(-128 * 2**20 // ((4 * C + r + H) * D * 2)))     # weight copies past the L2
+        N = 4 * C + r + H
+        n_sets = max(1, -(-128 * 2**20 // (N * D * 2)))     # weight copies past the L2
         for B in (1, 8, 64):
             sets = [_k3_inputs(B, T, seed=100 * T + B + i) for i in range(n_sets)]
             inp = sets[0]
-            N, D = inp["w_in"].shape
             outs = [tuple(torch.empty_like(t) for t in ref(**s)) for s in sets]
+            tail = m.TailConfig.for_batch(B)
+            forced = {"merged": m.KdaInProjConfig(sg.default_config(B, N, D), tail)}
+            qkvz_gemm = sg.default_config(B, 4 * C, D)
+            if isinstance(qkvz_gemm, sg.SkinnyGemmWgmmaConfig):
+                forced["split"] = m.KdaInProjConfig(qkvz_gemm, tail, sg.default_config(B, r + H, D))
             for s, o in zip(sets, outs):
-                m.kda_in_proj(**s, out=o)
-                for want, got in zip(ref(**s), o):
-                    ulp = 4 * torch.finfo(want.dtype).eps * want.float().abs().amax(-1, keepdim=True)
-                    assert bool(((got.float() - want.float()).abs() <= ulp).all()), (T, B)
+                for variant in [None, *forced.values()]:
+                    m.kda_in_proj(**s, out=o, variant=variant)
+                    for want, got in zip(ref(**s), o):
+                        ulp = 4 * torch.finfo(want.dtype).eps * want.float().abs().amax(-1, keepdim=True)
+                        assert bool(((got.float() - want.float()).abs() <= ulp).all()), (T, B, variant)
 
             def timed(call):
                 it = itertools.cycle(range(n_sets))       # each captured call on the next weight copy
                 return _time_graph(lambda: call(next(it)))
             fused_us = timed(lambda i: m.kda_in_proj(**sets[i], out=outs[i]))
-            merged = torch.empty(B, N, dtype=inp["x"].dtype, device="cuda")
-            gemm_us = timed(lambda i: sg.launch(sets[i]["x"], sets[i]["w_in"], merged))
+            plans = " ".join(f"{k} {timed(lambda i, v=v: m.kda_in_proj(**sets[i], out=outs[i], variant=v)):.1f}"
+                             for k, v in forced.items())
             var = " ".join(f"{v.name} {timed(lambda i, v=v: m.kda_in_proj(**sets[i], out=outs[i], variant=v)):.1f}"
                            for v in m.variants(inp, {}))
+            merged = torch.empty(B, N, dtype=inp["x"].dtype, device="cuda")
+            merged_us = timed(lambda i: sg.launch(sets[i]["x"], sets[i]["w_in"], merged))
+            qkvz = torch.empty(B, 4 * C, dtype=inp["x"].dtype, device="cuda")
+            qkvz_us = timed(lambda i: sg.launch(sets[i]["x"], sets[i]["w_in"][:4 * C], qkvz))
             eager_us = _time_eager(lambda: ref(**inp), reps=5)
             try:
                 comp = f"{timed(lambda i: compiled(**sets[i])):.1f}"
             except Exception as e:          # a record, not a gate: the table keeps the other columns
                 comp = f"failed: {type(e).__name__}"
             floor_us = kda_in_proj_bytes(OpInputs({k: v for k, v in inp.items() if k != "n_heads"},
-                                                  {"n_heads": inp["n_heads"]})) / 4.8e6
-            rows.append(f"| {T} | {inp['n_heads']} | {B} | {m.default_config(B, C, r, H, D).name} | {fused_us:.1f} | "
-                        f"{gemm_us:.1f} | {var} | {eager_us:.1f} | {comp} | {floor_us:.1f} | "
-                        f"{fused_us / floor_us:.2f} |")
+                                                  {"n_heads": H})) / 4.8e6
+            rows.append(f"| {T} | {H} | {B} | {m.default_config(B, C, r, H, D).name} | {fused_us:.1f} | {plans} | "
+                        f"{var} | {merged_us:.1f} ({sg.default_config(B, N, D).name}) | {qkvz_us:.1f} "
+                        f"({qkvz_gemm.name}) | {eager_us:.1f} | {comp} | {floor_us:.1f} | {fused_us / floor_us:.2f} |")
             del sets, outs
     print("\nkda_in_proj on " + torch.cuda.get_device_name() + " (bf16, CUDA graphs unless eager)\n" + "\n".join(rows))
     if os.environ.get("OUT"):
