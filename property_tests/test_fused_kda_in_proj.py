@@ -215,6 +215,22 @@ def test_kda_in_proj_launch_hands_the_kernels_their_buffers_on_cpu(monkeypatch):
                     assert torch.equal(got, w), (dtype, cfg.name, offset, name)
 
 
+def test_kda_in_proj_registers_a_destination_passing_custom_op():
+    """verify_kernels::kda_in_proj mutates exactly the six outputs, and its fake impl lets a fake-tensor
+    trace (what torch.compile runs) pass through without touching data."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    m = _m()
+    op = m._custom_op()
+    assert op is m._custom_op() and hasattr(torch.ops.verify_kernels, "kda_in_proj")
+    schema = torch.ops.verify_kernels.kda_in_proj.default._schema
+    mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    assert mutated == list(m.OUTPUTS)
+    with FakeTensorMode():
+        B, D, C, r, H = 2, 64, 64, 8, 4
+        t = lambda *s: torch.empty(*s, dtype=torch.bfloat16, device="cuda")
+        op(t(B, D), t(4 * C + r + H, D), t(C, r), *(t(B, H if n == "beta_raw" else C) for n in m.OUTPUTS))
+
+
 def test_kda_in_proj_configs_are_frozen():
     m = _m()
     with pytest.raises(Exception):
