@@ -6,9 +6,10 @@ C = H * Dh), by the project's skinny GEMM (fused/skinny_gemm.py; its dispatcher 
 M), fp32 accumulation rounded once to the working dtype wd into a scratch buffer, as
 references.kda:kda_in_proj rounds it (f_a is rounded to wd there, before f_b). The merged row count is
 no multiple of 64 at K3 (49376, 6284, 3206 at T = 1, 8, 16), which the wgmma GEMM needs, so where
-skinny_gemm's dispatcher picks a wgmma variant for the 4C rows of q|k|v|z alone (from M = 3 at T = 1
-and 8: its WGMMA_DEFAULTS for 49152 and 6144 rows; past M ~ 16 the SIMT kernel is FMA-bound), the GEMM is split: those rows by that variant
-into one scratch and the r + H rows of f_a|beta by the SIMT kernel into another ("split" plan).
+skinny_gemm's dispatcher picks a wgmma variant for the 4C rows of q|k|v|z alone (from M = 3 at
+T = 1 and 8: its WGMMA_DEFAULTS for 49152 and 6144 rows; past M ~ 16 the SIMT kernel is FMA-bound),
+the GEMM is split: those rows by that variant into one scratch and the r + H rows of f_a|beta by
+the SIMT kernel into another ("split" plan).
 Last launch (this file's kernel): a grid of (C / 128 column blocks) x (B / rows row tiles), 128
 threads. A CTA stages the wd f_a of its `rows` tokens in shared memory (fp32), then thread t owns
 channel c = 128 * block + t: it copies q, k, v, z[row, c] from the scratch into the separate outputs
