@@ -3,7 +3,8 @@ stream.
 
 Launch 1 is the project's skinny GEMM (fused/skinny_gemm.py, its dispatcher picks SIMT or wgmma by
 B): h = x @ w_gate_up.T, fp32 accumulation, rounded to wd into a scratch [B, 2I] ([gate | up]).
-Launch 2 (`SituMul`) is SiTU-and-mul: a thread per 16-byte chunk of the gate half and the matching
+A per-rank intermediate that is not a multiple of 8 (the tiny and small configs split 16 ways) runs
+with h and w_down zero-padded to the next multiple (`_padded`). Launch 2 (`SituMul`) is SiTU-and-mul: a thread per 16-byte chunk of the gate half and the matching
 chunk of the up half, in fp32 in the reference's order, a = wd((beta tanh(g / beta) sigmoid(g)) *
 (lbeta tanh(u / lbeta))), into a scratch [B, I]. Launch 3 is skinny_gemm again: y = a @ w_down.T,
 rounded once. The roundings are the reference's three, in its places.
@@ -119,8 +120,6 @@ def _check(x, w_gate_up, w_down, situ_beta, situ_linear_beta, out):
         check_tensor("out", out, shape=(B, D), dtypes=(x.dtype,))
     if D % VEC:
         raise ValueError(f"x: hidden={D} must be a multiple of {VEC} (16-byte loads)")
-    if inter % VEC:
-        raise ValueError(f"w_down: intermediate {inter} must be a multiple of {VEC} (16-byte loads)")
     for name, v in (("situ_beta", situ_beta), ("situ_linear_beta", situ_linear_beta)):
         if not isinstance(v, (int, float)) or not v > 0:
             raise ValueError(f"{name}: {v!r} must be a positive float")
@@ -135,10 +134,25 @@ def launch(x, w_gate_up, w_down, situ_beta: float, situ_linear_beta: float, out,
         return
     inter = w_down.shape[1]
     h = torch.empty(B, 2 * inter, dtype=x.dtype, device=x.device)
-    a = torch.empty(B, inter, dtype=x.dtype, device=x.device)
     sg.launch(x, w_gate_up, h, variant.gate_up if variant is not None else None)
-    _compile(runtime.dtype_name(x.dtype), inter)(h, a, float(situ_beta), float(situ_linear_beta))
+    if inter % VEC:
+        h, w_down = _padded(h, w_down)
+    width = w_down.shape[1]
+    a = torch.empty(B, width, dtype=x.dtype, device=x.device)
+    _compile(runtime.dtype_name(x.dtype), width)(h, a, float(situ_beta), float(situ_linear_beta))
     sg.launch(a, w_down, out, variant.down if variant is not None else None)
+
+
+def _padded(h, w_down):
+    """A per-rank width I that is not a multiple of 8 (tiny / small splits only: every K3 width is) as
+    the next multiple: h's gate and up halves each followed by zero columns (SiTU-and-mul of (0, 0) is
+    exactly 0), w_down followed by zero columns (0 x 0 adds nothing to any sum)."""
+    B, inter = h.shape[0], h.shape[1] // 2
+    width = -(-inter // VEC) * VEC
+    hp = h.new_zeros(B, 2 * width)
+    hp[:, :inter] = h[:, :inter]
+    hp[:, width:width + inter] = h[:, inter:]
+    return hp, torch.nn.functional.pad(w_down, (0, width - inter))
 
 
 _side_streams: dict[int, torch.cuda.Stream] = {}

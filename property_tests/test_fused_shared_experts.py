@@ -37,10 +37,10 @@ def _meta(B, D, inter, dtype=torch.bfloat16, device="meta"):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_situ_mul_compiles_at_k3_per_rank_and_cpu_configs(dtype):
-    """One compile per (dtype, I): K3 at T = 1, 8, 16 and the tiny / small intermediates of the splits
-    whose width is a multiple of 8 (the 16-byte chunks)."""
+    """One compile per (dtype, I): K3 at T = 1, 8, 16 and the tiny / small intermediates of every split
+    (a width that is not a multiple of 8 runs padded to the next one)."""
     widths = set(K3_INTER.values())
-    widths |= {c.shared_inter // T for c in (TINY, SMALL) for T in (1, 2, 4, 8, 16) if (c.shared_inter // T) % 8 == 0}
+    widths |= {-(-(c.shared_inter // T) // 8) * 8 for c in (TINY, SMALL) for T in (1, 2, 4, 8, 16)}
     for inter in sorted(widths):
         assert runtime.compile_for_cpu_check("shared_experts", dtype, inter) is not None
 
@@ -114,7 +114,6 @@ def _bad_cases():
     yield "w_gate_up", dict(base, w_gate_up=torch.empty(64, 60, dtype=torch.bfloat16)), ValueError, "w_gate_up: expected shape"
     yield "w_down", dict(base, w_down=torch.empty(64, 30, dtype=torch.bfloat16)), ValueError, "w_down: expected shape"
     yield "D", t(D=60), ValueError, "hidden=60 must be a multiple of 8"
-    yield "I", t(inter=12), ValueError, "intermediate 12 must be a multiple of 8"
     yield "cpu", base, ValueError, "x: the fused kernel needs a CUDA tensor"
 
 
@@ -139,16 +138,20 @@ def test_wrong_out_is_refused_in_one_line():
         shared_experts(**_meta(3, 64, 32, device="cpu"), out=torch.empty(3, 63, dtype=torch.bfloat16))
 
 
-def test_launch_chains_the_three_launches_in_the_reference_order(monkeypatch):
+@pytest.mark.parametrize("inter", [32, 12])
+def test_launch_chains_the_three_launches_in_the_reference_order(monkeypatch, inter):
     """launch() on the CPU with the GEMM and the SiTU kernel replaced by stand-ins that compute their
-    launch from exactly the buffers they are handed: h [B, 2I] and a [B, I] in wd, the betas as floats;
-    the result is the reference's bits, also for drawn betas."""
+    launch from exactly the buffers they are handed: h [B, 2I] and a [B, I] in wd (I = 12 padded to
+    16 with zeros), the betas as floats; the result is the reference's bits, also for drawn betas and
+    an x row holding an infinity (the padding adds no NaN)."""
     from fused import shared_experts as fm
     from references.moe import shared_experts as ref
     from references.primitives import linear, situ_and_mul
-    B, D, inter = 3, 64, 32
+    B, D = 3, 64
+    width = -(-inter // 8) * 8
     gen = torch.Generator().manual_seed(0)
     t = {k: torch.randn(v.shape, generator=gen).to(torch.bfloat16) for k, v in _meta(B, D, inter).items()}
+    t["x"][1, 5] = float("inf")
     calls = []
 
     def gemm(x, w, out, variant=None):
@@ -156,7 +159,7 @@ def test_launch_chains_the_three_launches_in_the_reference_order(monkeypatch):
         out.copy_(linear(x, w))
 
     def kernel(h, a, beta, lbeta):
-        assert h.dtype == a.dtype == torch.bfloat16 and h.shape == (B, 2 * inter) and a.shape == (B, inter)
+        assert h.dtype == a.dtype == torch.bfloat16 and h.shape == (B, 2 * width) and a.shape == (B, width)
         assert isinstance(beta, float) and isinstance(lbeta, float)
         calls.append(("situ", beta, lbeta))
         a.copy_(situ_and_mul(h, beta, lbeta))
@@ -167,9 +170,10 @@ def test_launch_chains_the_three_launches_in_the_reference_order(monkeypatch):
         calls.clear()
         out = torch.full((B, D), float("nan"), dtype=torch.bfloat16)
         fm.launch(**t, situ_beta=beta, situ_linear_beta=lbeta, out=out)
-        assert calls == [("gemm", (B, D), (2 * inter, D)), ("situ", beta, lbeta), ("gemm", (B, inter), (D, inter))]
+        assert calls == [("gemm", (B, D), (2 * inter, D)), ("situ", beta, lbeta), ("gemm", (B, width), (D, width))]
         want = ref(**t, situ_beta=beta, situ_linear_beta=lbeta)
         assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+        assert not torch.isnan(out[1]).all()
 
 
 # ---------------------------------------------------------------------------------------- GPU only
@@ -185,15 +189,16 @@ def _bits(t):
 
 
 # Cases of the op's draw through the whole pipeline (oracle, guards, every variant of variants()). The
-# split hands rank r the columns [r I/T, (r+1) I/T) of both halves: tiny and small only at the T whose
-# per-rank width is a multiple of 8 (tiny 64 / 16 = 4 and small 192 / 16 = 12 are refused in one line).
+# split hands rank r the columns [r I/T, (r+1) I/T) of both halves: tiny 64 / 16 = 4 and small
+# 192 / 16 = 12 per rank run zero-padded to 8 and 16.
 HARNESS_CASES = [("tiny", 5, "bfloat16", "normal", 1), ("tiny", 37, "float16", "heavy_tailed", 8),
                  ("small", 13, "bfloat16", "zero_rows", 1), ("small", 64, "float16", "normal", 2),
                  ("small", 3, "bfloat16", "outliers", 8), ("tiny", 9, "bfloat16", "nonfinite", 1),
                  ("small", 24, "float16", "wide_range", 4), ("small", 7, "bfloat16", "small_rows", 1),
                  ("k3", 1, "bfloat16", "normal", 1), ("k3", 8, "float16", "normal", 8),
                  ("k3", 64, "bfloat16", "normal", 16), ("k3", 17, "bfloat16", "heavy_tailed", 8),
-                 ("small", 5, "bfloat16", "range_edges", 1)]
+                 ("small", 5, "bfloat16", "range_edges", 1), ("small", 6, "bfloat16", "normal", 16),
+                 ("tiny", 11, "float16", "nonfinite", 16)]
 
 
 @pytest.mark.gpu
