@@ -53,8 +53,9 @@ class NormUpConfig:
 
 
 def all_configs(D: int) -> list[NormUpConfig]:
-    """Every tile whose CTA rows divide D."""
-    return [NormUpConfig(r, t) for r in (1, 2, 4) for t in (1, 4, 8) if D % (WARPS * r) == 0]
+    """Every tile whose CTA rows divide D (rows x tokens <= 32 accumulators: 16 tokens a pass only with
+    1 or 2 rows per warp, which hold the weight chunks for fewer passes over a large batch)."""
+    return [NormUpConfig(r, t) for r in (1, 2, 4) for t in (1, 4, 8, 16) if r * t <= 32 and D % (WARPS * r) == 0]
 
 
 def default_config(B: int, D: int, sms: int = 132) -> NormUpConfig:

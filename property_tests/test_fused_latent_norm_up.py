@@ -44,14 +44,23 @@ def test_fp16_compiles_at_k3():
     runtime.compile_for_cpu_check("latent_norm_up", "float16", D3, L3, fm.default_config(64, D3))
 
 
+def test_the_timing_tables_other_tiles_compile_at_k3():
+    """The tiles all_configs adds beyond the dispatcher's rows per warp (timed on the GPU, not picked)."""
+    from fused import latent_norm_up as fm
+    listed = set(fm.variants(_meta(8, D3, L3), {}))
+    for cfg in fm.all_configs(D3):
+        if cfg not in listed:
+            assert runtime.compile_for_cpu_check("latent_norm_up", "bfloat16", D3, L3, cfg) is not None
+
+
 @pytest.mark.parametrize("cfg", [TINY, SMALL], ids=["tiny", "small"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_every_tile_compiles_at_cpu_configs(cfg, dtype):
-    """Every tile of all_configs (rows per warp 1, 2, 4 x tokens 1, 4, 8) at L = 64 and 128: lanes past
-    the last chunk (L / 8 < 32) take the predicated path."""
+    """Every tile of all_configs (rows per warp 1, 2, 4 x tokens 1, 4, 8, 16 up to 32 accumulators) at
+    L = 64 and 128: lanes past the last chunk (L / 8 < 32) take the predicated path."""
     from fused import latent_norm_up as fm
     tiles = fm.all_configs(cfg.hidden)
-    assert len(tiles) == 9
+    assert len(tiles) == 11
     for t in tiles:
         runtime.compile_for_cpu_check("latent_norm_up", dtype, cfg.hidden, cfg.latent, t)
 
