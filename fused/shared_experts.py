@@ -267,10 +267,12 @@ def variants(tensors: dict, params: dict) -> list[SharedExpertsConfig]:
     x, w_gu, w_d = tensors["x"], tensors["w_gate_up"], tensors["w_down"]
     B, D = x.shape
     inter = w_d.shape[1]
-    a = torch.empty(B, inter, dtype=x.dtype, device="meta")
+    width = -(-inter // VEC) * VEC                  # the down GEMM's K (a padded width: see _padded)
+    a = torch.empty(B, width, dtype=x.dtype, device="meta")
+    w_down = torch.empty(D, width, dtype=x.dtype, device="meta")
     pick_gu = sg.default_config(B, 2 * inter, D)
-    pick_d = sg.default_config(B, D, inter)
+    pick_d = sg.default_config(B, D, width)
     out = [SharedExpertsConfig(pick_gu, pick_d)]
     out += [SharedExpertsConfig(g, pick_d) for g in sg.variants({"x": x, "w": w_gu}, {}) if g != pick_gu]
-    out += [SharedExpertsConfig(pick_gu, d) for d in sg.variants({"x": a, "w": w_d}, {}) if d != pick_d]
+    out += [SharedExpertsConfig(pick_gu, d) for d in sg.variants({"x": a, "w": w_down}, {}) if d != pick_d]
     return out
