@@ -116,7 +116,9 @@ CONTROLS = [("kda_decode", "kda:kda_decode_control", QUICK_ALL_DTYPES, 25),
             ("mla_decode_attn", "serving:mla_decode_attn_plan_per_call", PLANTED, 6),
             ("skinny_gemm", "serving:skinny_gemm_workspace_per_thread", PLANTED, 6),
             ("mla_q_absorb", "mla:mla_q_absorb_control", PLANTED, 6),
-            ("kda_in_proj", "kda:kda_in_proj_control", PLANTED, 6)]
+            ("kda_in_proj", "kda:kda_in_proj_control", PLANTED, 6),
+            ("shared_experts", "moe:shared_experts_control", PLANTED, 6),
+            ("latent_norm_up", "moe:latent_norm_up_control", PLANTED, 6)]
 
 
 @pytest.mark.parametrize("op_name,candidate,profile,examples", CONTROLS, ids=[c[1] for c in CONTROLS])

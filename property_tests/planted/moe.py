@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from references.moe import RENORM_EPS, moe_experts_mxfp4, router_choice_scores, router_topk, shared_experts
-from references.primitives import linear
+from references.primitives import acc_dtype, linear
 
 
 def router_topk_higher_id_wins(x, w_gate, bias, top_k: int, routed_scale: float):
@@ -197,3 +197,67 @@ def moe_experts_mxfp4_neighbour_weight(z, ids, weights, w13_packed, w13_scale, w
     weighted by its neighbour's routing weight."""
     return _experts_combined(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_beta,
                              situ_linear_beta, weight_shift=1)
+
+
+# ---------------------------------------------------------------------------------- fused-kernel twins
+def _situ_mul_rows(x, w_gate_up, w_down, situ_beta: float, situ_linear_beta: float,
+                   sigmoid_of_up: bool = False, betas_swapped: bool = False):
+    """shared_experts as fused/shared_experts.py computes it: h = wd(x W_gu^T), a thread's SiTU-and-mul
+    on the gate chunk and the up chunk in fp32, a = wd(act * up), y = wd(a W_d^T). The switches plant
+    the bugs of the rows below; both off, it is the reference's math."""
+    beta, lbeta = (situ_linear_beta, situ_beta) if betas_swapped else (situ_beta, situ_linear_beta)
+    h = linear(x, w_gate_up)
+    inter = h.shape[1] // 2
+    acc = acc_dtype(x)
+    g, u = h[:, :inter].to(acc), h[:, inter:].to(acc)
+    act = beta * torch.tanh(g / beta) * torch.sigmoid(u if sigmoid_of_up else g)
+    a = (act * (lbeta * torch.tanh(u / lbeta))).to(x.dtype)
+    return linear(a, w_down)
+
+
+def shared_experts_control(x, w_gate_up, w_down, situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+    """No bug: the helper the two rows below plant their bugs in (test_planted_bugs checks it certifies)."""
+    return _situ_mul_rows(x, w_gate_up, w_down, situ_beta, situ_linear_beta)
+
+
+def shared_experts_sigmoid_of_up(x, w_gate_up, w_down, situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+    """SiTU's sigmoid taken of the up chunk instead of the gate chunk (the wrong register of the pair)."""
+    return _situ_mul_rows(x, w_gate_up, w_down, situ_beta, situ_linear_beta, sigmoid_of_up=True)
+
+
+def shared_experts_betas_swapped(x, w_gate_up, w_down, situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+    """The kernel's two scalar arguments passed in the wrong order: the gate capped by linear_beta,
+    the up branch by beta."""
+    return _situ_mul_rows(x, w_gate_up, w_down, situ_beta, situ_linear_beta, betas_swapped=True)
+
+
+def _norm_up_rows(y_latent, norm_w, w_up, shared_out, eps: float, padded_mean: bool = False,
+                  shared_of_token0: bool = False):
+    """latent_norm_up as fused/latent_norm_up.py computes it: per token r = rsqrt(sum x^2 / L + eps) in
+    fp32, xn = wd(norm_w * wd(x r)), o = wd(xn W_up^T), out = wd(o + shared_out). The switches plant
+    the bugs of the rows below; both off, it is the reference's math."""
+    acc = acc_dtype(y_latent)
+    wd = y_latent.dtype
+    x = y_latent.to(acc)
+    L = x.shape[1]
+    width = -(-L // 256) * 256 if padded_mean else L
+    r = torch.rsqrt(x.pow(2).sum(-1, keepdim=True) / width + eps)
+    xn = (norm_w.to(acc) * (x * r).to(wd).to(acc)).to(wd)
+    s = shared_out[:1].expand_as(shared_out) if shared_of_token0 else shared_out
+    return (linear(xn, w_up).to(acc) + s.to(acc)).to(wd)
+
+
+def latent_norm_up_control(y_latent, norm_w, w_up, shared_out, eps: float):
+    """No bug: the helper the two rows below plant their bugs in (test_planted_bugs checks it certifies)."""
+    return _norm_up_rows(y_latent, norm_w, w_up, shared_out, eps)
+
+
+def latent_norm_up_padded_mean(y_latent, norm_w, w_up, shared_out, eps: float):
+    """The mean of squares divided by the lanes' padded width (32 lanes x 16-byte chunks: L rounded up to
+    256) instead of L: right where L is a multiple of 256 (K3), wrong by sqrt(256 / L) elsewhere."""
+    return _norm_up_rows(y_latent, norm_w, w_up, shared_out, eps, padded_mean=True)
+
+
+def latent_norm_up_shared_of_token0(y_latent, norm_w, w_up, shared_out, eps: float):
+    """The epilogue adds token 0's shared_out to every token (the row index of shared_out dropped)."""
+    return _norm_up_rows(y_latent, norm_w, w_up, shared_out, eps, shared_of_token0=True)
