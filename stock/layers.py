@@ -33,6 +33,9 @@ from references.weights import FP32_PARAMS, MXFP4_PARAMS
 
 RENORM_EPS = 1e-20                # references.moe.RENORM_EPS
 DEQUANT_CHUNK_ELEMS = 1 << 30     # dequantised expert elements per batched chunk (K3: 32 pairs, ~7 GB transient)
+# Declared scope (verify.plan.scope): the K3 serving dtype. On the CPU, fp32 GEMM bits depend on the
+# intra-op thread count (guard:thread_count) and fp16 GEMMs sum in another order than the reference.
+DTYPES = ("bfloat16",)
 
 
 # ---------------------------------------------------------------------------------------------- prepare
