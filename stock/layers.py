@@ -151,9 +151,9 @@ def dequant_experts(layer: StockLayer, packed: torch.Tensor, scale: torch.Tensor
     return layer.dequant_table.index_select(0, index.reshape(-1)).view(P, O, half * 2)
 
 
-def routed_experts(layer: StockLayer, z: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor) -> torch.Tensor:
-    """y[b] = wd(sum_j route_w[b,j] * E_ids[b,j](z[b])): per (token, slot) pair the expert's weights are
-    gathered and dequantised, both GEMMs batched over the pairs (chunks bound the dequantised bytes)."""
+def expert_outputs(layer: StockLayer, z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """o[B,k,L] wd = E_ids[b,j](z[b]) for every (token, slot) pair: the pair's expert weights gathered and
+    dequantised, both GEMMs batched over the pairs (chunks bound the dequantised bytes)."""
     w, cfg = layer.w, layer.cfg
     B, k = ids.shape
     L, two_i = z.shape[1], w["w13_packed"].shape[1]
@@ -168,9 +168,13 @@ def routed_experts(layer: StockLayer, z: torch.Tensor, ids: torch.Tensor, route_
         h = torch.bmm(rows[lo:lo + chunk].unsqueeze(1), w13.transpose(1, 2))   # [c, 1, 2I] wd
         a = situ_and_mul(h, cfg.situ_beta, cfg.situ_linear_beta)
         outs.append(torch.bmm(a, w2.transpose(1, 2)).squeeze(1))               # [c, L] wd
-    o = torch.cat(outs).view(B, k, L)
+    return torch.cat(outs).view(B, k, L)
+
+
+def routed_experts(layer: StockLayer, z: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor) -> torch.Tensor:
+    """y[b] = wd(sum_j route_w[b,j] * E_ids[b,j](z[b])), the weighted sum in acc, rounded once."""
     acc = _acc(z)
-    return (route_w.to(acc).unsqueeze(-1) * o.to(acc)).sum(1).to(z.dtype)
+    return (route_w.to(acc).unsqueeze(-1) * expert_outputs(layer, z, ids).to(acc)).sum(1).to(z.dtype)
 
 
 def latent_moe(layer: StockLayer, x: torch.Tensor) -> torch.Tensor:
