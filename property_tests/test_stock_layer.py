@@ -187,3 +187,62 @@ def test_step_in_a_cuda_graph_replays_to_the_eager_bits(op_name):
     count = count_launches(lambda: layer.step(prefix, c_blocks, *c_state.values()), warmup=2)
     print(f"\n{op_name} stock step, small B=4, fla={layer.use_fla}: {count.to_json()}")
     assert count.method == GRAPH_METHOD and count.kernels > 0, count
+
+
+# ---------------------------------------------------------------------------------------------- device weights
+def test_device_quantizer_matches_the_reference_quantizer():
+    from references.mxfp4 import quantize_mxfp4_ocp
+    from stock.weights import quantize_mxfp4_ocp_on
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(24, 128, generator=g, dtype=torch.float64) * torch.exp2(torch.randint(-20, 20, (24, 1), generator=g))
+    w[0, :32] = 0.0
+    w[1, :32] = -0.0
+    w[2, :8] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75])     # E2M1 midpoints: ties to even
+    w[2, 8] = 6.0
+    w[3, 3] = float("nan")
+    for got, want in zip(quantize_mxfp4_ocp_on(w), quantize_mxfp4_ocp(w)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kind", ["kda", "mla", "dense"])
+def test_device_weights_have_the_reference_names_shapes_and_dtypes(kind):
+    from references.config import TINY as TINY_CFG
+    from references.weights import make_layer_weights
+    from stock.weights import make_layer_weights_on
+
+    want = make_layer_weights(kind, TINY_CFG, 1).tensors
+    got = make_layer_weights_on(kind, TINY_CFG, 1, device="cpu").tensors
+    assert sorted(got) == sorted(want)
+    for n in want:
+        assert (got[n].shape, got[n].dtype) == (want[n].shape, want[n].dtype), n
+    again = make_layer_weights_on(kind, TINY_CFG, 1, device="cpu").tensors
+    assert all(torch.equal(again[n], got[n]) for n in got)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+def test_k3_stock_step_graph_and_launches(kind):
+    """K3 shapes on the device: weights from stock.weights, the step captured and replayed, its launches
+    per step counted for B = 1, 8, 64 (printed for the layer table)."""
+    import time
+
+    from references.config import K3
+    from references.layers import DEFAULT_LAYER, new_layer_state
+    from stock.weights import make_layer_weights_on
+
+    t0 = time.perf_counter()
+    w = make_layer_weights_on(kind, K3, 0, device="cuda")
+    torch.cuda.synchronize()
+    print(f"\nK3 {kind} weights on the device in {time.perf_counter() - t0:.1f} s")
+    layer = stock.prepare(kind, w.tensors, K3, DEFAULT_LAYER[kind], torch.bfloat16)
+    for B in (1, 8, 64):
+        st = new_layer_state(kind, K3, B, max_tokens=256)
+        state = {n: getattr(st, n).cuda() for n in STATE[f"{kind}_layer"]}
+        blocks = torch.randn(B, 8, K3.hidden, device="cuda").to(torch.bfloat16)
+        prefix = torch.randn(B, K3.hidden, device="cuda").to(torch.bfloat16)
+        stock.validate_state(layer, prefix, blocks, state, 3)
+        count = count_launches(lambda: layer.step(prefix, blocks, *state.values()), warmup=2)
+        print(f"K3 {kind} stock step B={B} fla={layer.use_fla}: {count.to_json()}")
+        assert count.method == GRAPH_METHOD and count.kernels > 0, count
