@@ -246,3 +246,15 @@ def test_k3_stock_step_graph_and_launches(kind):
         count = count_launches(lambda: layer.step(prefix, blocks, *state.values()), warmup=2)
         print(f"K3 {kind} stock step B={B} fla={layer.use_fla}: {count.to_json()}")
         assert count.method == GRAPH_METHOD and count.kernels > 0, count
+
+
+@pytest.mark.parametrize("op_name", ["kda_layer", "mla_layer"])
+def test_one_step_launch_is_the_first_registry_step(op_name):
+    """The peer-shaped launch (bench) computes step 1 of the certified registry form, and repeats it."""
+    inputs = MAKERS[op_name](Case(op=op_name, seed=4, batch=2, config="tiny"))
+    fresh = {k: v.clone() for k, v in inputs.tensors.items()}
+    launch = getattr(stock, f"{op_name}_step_peer")(inputs.tensors, dict(inputs.params))
+    first = launch()
+    assert torch.equal(first, getattr(stock, f"{op_name}_steps")(**fresh, **inputs.params)[0])
+    if op_name == "mla_layer":          # seq_lens put back: the same slot, the same result
+        assert torch.equal(launch(), first)

@@ -377,3 +377,50 @@ def layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, layer_idx: int, con
     if "cache" in tensors:
         return mla_layer_steps(x_steps, blocks, layer_idx=layer_idx, config=config, **tensors)
     return kda_layer_steps(x_steps, blocks, layer_idx=layer_idx, config=config, **tensors)
+
+
+# ---------------------------------------------------------------------------------------------- one-step launch
+def step_launch(kind: str, tensors: dict, params: dict, graph: bool | None = None):
+    """A zero-argument launch of one decode step on the registry's inputs (x_steps[0], working copies
+    of blocks and state), made untimed: prepare and validate here, and on CUDA the step captured in a
+    CUDA graph (the launch replays it; graph=False keeps it eager). The launch returns the new prefix
+    [B,D]. MLA: seq_lens is put back to its starting value before each step (a device copy inside the
+    graph), so repeated launches write the same cache slot instead of running out of pages."""
+    names = ("conv_state", "recurrent_state") if kind == "kda" else ("cache", "block_table", "seq_lens")
+    x = tensors["x_steps"][0].contiguous().clone()
+    blocks = tensors["blocks"].contiguous().clone()
+    state = {n: tensors[n].clone() for n in names}
+    weights = {n: t for n, t in tensors.items() if n not in (*names, "x_steps", "blocks")}
+    layer = prepare(kind, weights, params["config"], params["layer_idx"], x.dtype)
+    validate_state(layer, x, blocks, state, 1)
+    start = state["seq_lens"].clone() if kind == "mla" else None
+
+    def step():
+        if start is not None:
+            state["seq_lens"].copy_(start)
+        return layer.step(x, blocks, *state.values())
+    if x.device.type != "cuda" or graph is False:
+        return step
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                  # lazy init and autotuning before the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+
+    def replay():
+        g.replay()
+        return out
+    return replay
+
+
+def kda_layer_step_peer(tensors: dict, params: dict):
+    """verify.bench peer protocol (prepare(tensors, params) -> launch): one stock KDA layer step."""
+    return step_launch("kda", tensors, params)
+
+
+def mla_layer_step_peer(tensors: dict, params: dict):
+    """verify.bench peer protocol (prepare(tensors, params) -> launch): one stock MLA layer step."""
+    return step_launch("mla", tensors, params)
