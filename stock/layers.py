@@ -158,7 +158,7 @@ def expert_outputs(layer: StockLayer, z: torch.Tensor, ids: torch.Tensor) -> tor
     B, k = ids.shape
     L, two_i = z.shape[1], w["w13_packed"].shape[1]
     flat = ids.reshape(-1)
-    rows = z.repeat_interleave(k, dim=0)                                      # [B*k, L], static
+    rows = z.unsqueeze(1).expand(B, k, L).reshape(B * k, L)                   # pair p = (p // k, p % k)
     chunk = max(1, DEQUANT_CHUNK_ELEMS // (3 * (two_i // 2) * L))
     outs = []
     for lo in range(0, B * k, chunk):
