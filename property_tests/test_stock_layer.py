@@ -79,8 +79,9 @@ def _layer_and_state(op_name: str, config: str, batch: int, device, seed: int = 
 @pytest.mark.parametrize("op_name", ["kda_layer", "mla_layer"])
 def test_step_runs_on_the_meta_device(op_name):
     """A meta tensor has no values: .item(), int()/bool() of a tensor, nonzero and any Python branch on
-    a value raise on it, and a tensor built on the host per step cannot meet one in an op. So a step
-    that runs through on meta tensors reads no device value on the host: nothing to synchronise on.
+    a value raise on it, and a host-built tensor cannot enter its arithmetic. So a step that runs
+    through on meta tensors reads no device value on the host: nothing to synchronise on. (A host-built
+    index tensor does pass on meta; test_step_has_no_host_sync_on_gpu catches its copy on the GPU.)
     The value checks (validate_state) and the reference's step do read values and must raise here."""
     layer, x_steps, blocks, state = _layer_and_state(op_name, "tiny", 2, "meta")
     out = layer.step(x_steps[0], blocks, *state.values())
