@@ -259,3 +259,16 @@ def test_one_step_launch_is_the_first_registry_step(op_name):
     assert torch.equal(first, getattr(stock, f"{op_name}_steps")(**fresh, **inputs.params)[0])
     if op_name == "mla_layer":          # seq_lens put back: the same slot, the same result
         assert torch.equal(launch(), first)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_step_launch_graph_is_counted_without_a_second_capture():
+    inputs = make_kda_layer_inputs(Case(op="kda_layer", seed=4, batch=4, config="small"))
+    tensors = {k: v.cuda() for k, v in inputs.tensors.items()}
+    launch = stock.kda_layer_step_peer(tensors, dict(inputs.params))
+    kept = count_launches(launch)
+    layer, x_steps, blocks, state = _layer_and_state("kda_layer", "small", 4, "cuda", seed=4)
+    captured = count_launches(lambda: layer.step(x_steps[0], blocks, *state.values()))
+    assert kept.method == captured.method == GRAPH_METHOD
+    assert kept.kernels == captured.kernels, (kept, captured)

@@ -406,13 +406,17 @@ def step_launch(kind: str, tensors: dict, params: dict, graph: bool | None = Non
     with torch.cuda.stream(side):                  # lazy init and autotuning before the capture
         step()
     torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
+    try:
+        g = torch.cuda.CUDAGraph(keep_graph=True)      # its nodes stay readable (launch counts)
+    except TypeError:                                  # a torch without keep_graph
+        g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = step()
 
     def replay():
         g.replay()
         return out
+    replay.cuda_graph = g
     return replay
 
 

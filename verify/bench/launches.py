@@ -108,9 +108,7 @@ def _count_in_graph(fn, warmup: int) -> LaunchCount:
     g = torch.cuda.CUDAGraph(keep_graph=True)
     with torch.cuda.graph(g):
         fn()
-    kernels, other = summarize_node_types(graph_node_types(g.raw_cuda_graph()))
-    del g
-    return LaunchCount(kernels, GRAPH_METHOD, other)
+    return count_graph(g)
 
 
 # ---------------------------------------------------------------------------------------------- profiler
@@ -129,9 +127,16 @@ def _count_in_profiler(fn, warmup: int, note: str) -> LaunchCount:
     return LaunchCount(kernels, PROFILER_METHOD, other, note)
 
 
+def count_graph(graph) -> LaunchCount:
+    """Kernel nodes of a captured torch.cuda.CUDAGraph made with keep_graph=True."""
+    kernels, other = summarize_node_types(graph_node_types(graph.raw_cuda_graph()))
+    return LaunchCount(kernels, GRAPH_METHOD, other)
+
+
 def count_launches(fn, warmup: int = 2) -> LaunchCount:
-    """Kernel launches of one call of `fn` (no arguments) on the current CUDA device: one call captured
-    in a CUDA graph and its kernel nodes counted; where capture or reading the graph fails (a host sync
+    """Kernel launches of one call of `fn` (no arguments) on the current CUDA device: the kernel nodes of
+    the graph fn replays when it exposes one as `fn.cuda_graph` (kept, not re-captured), else of one call
+    captured in a CUDA graph; where capture or reading the graph fails (a host sync
     in fn, an old torch without keep_graph, no driver symbols), the kernels of one eager call under
     torch.profiler, with the reason in `note`. `warmup` eager calls come first (allocator, autotuning,
     lazy init are not part of a step). fn must be safe to call warmup + 1 (or + 2) times."""
@@ -141,6 +146,12 @@ def count_launches(fn, warmup: int = 2) -> LaunchCount:
         raise RuntimeError("count_launches needs a CUDA device (it counts GPU kernel launches)")
     if not isinstance(warmup, int) or warmup < 1:
         raise ValueError(f"warmup: {warmup!r} must be an int >= 1 (capture needs one eager call first)")
+    kept = getattr(fn, "cuda_graph", None)       # a launch that replays a graph it captured (keep_graph=True)
+    if kept is not None:
+        try:
+            return count_graph(kept)
+        except Exception:  # noqa: BLE001  (not kept, or unreadable: capture the launch itself below)
+            pass
     try:
         return _count_in_graph(fn, warmup)
     except Exception as e:  # noqa: BLE001  (capture refused, or the graph unreadable here)
