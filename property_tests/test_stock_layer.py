@@ -266,7 +266,7 @@ def test_one_step_launch_is_the_first_registry_step(op_name):
 def test_step_launch_graph_is_counted_without_a_second_capture():
     inputs = make_kda_layer_inputs(Case(op="kda_layer", seed=4, batch=4, config="small"))
     tensors = {k: v.cuda() for k, v in inputs.tensors.items()}
-    launch = stock.kda_layer_step_peer(tensors, dict(inputs.params))
+    launch = stock.step_launch("kda", tensors, dict(inputs.params), graph=True)
     kept = count_launches(launch)
     layer, x_steps, blocks, state = _layer_and_state("kda_layer", "small", 4, "cuda", seed=4)
     captured = count_launches(lambda: layer.step(x_steps[0], blocks, *state.values()))

@@ -421,10 +421,12 @@ def step_launch(kind: str, tensors: dict, params: dict, graph: bool | None = Non
 
 
 def kda_layer_step_peer(tensors: dict, params: dict):
-    """verify.bench peer protocol (prepare(tensors, params) -> launch): one stock KDA layer step."""
-    return step_launch("kda", tensors, params)
+    """verify.bench peer protocol (prepare(tensors, params) -> launch): one stock KDA layer step, eager
+    (the bench's GraphClock captures the launches into its own CUDA graph)."""
+    return step_launch("kda", tensors, params, graph=False)
 
 
 def mla_layer_step_peer(tensors: dict, params: dict):
-    """verify.bench peer protocol (prepare(tensors, params) -> launch): one stock MLA layer step."""
-    return step_launch("mla", tensors, params)
+    """verify.bench peer protocol (prepare(tensors, params) -> launch): one stock MLA layer step, eager
+    (the bench's GraphClock captures the launches into its own CUDA graph)."""
+    return step_launch("mla", tensors, params, graph=False)

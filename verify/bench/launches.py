@@ -152,9 +152,11 @@ def count_launches(fn, warmup: int = 2) -> LaunchCount:
             return count_graph(kept)
         except Exception:  # noqa: BLE001  (not kept, or unreadable: capture the launch itself below)
             pass
+    stream = torch.cuda.current_stream()
     try:
         return _count_in_graph(fn, warmup)
     except Exception as e:  # noqa: BLE001  (capture refused, or the graph unreadable here)
+        torch.cuda.set_stream(stream)        # a failed capture_end leaves the capture stream current
         torch.cuda.synchronize()
         return _count_in_profiler(fn, warmup, f"CUDA graph count unavailable: {type(e).__name__}: "
                                               f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}")
