@@ -272,3 +272,14 @@ def test_step_launch_graph_is_counted_without_a_second_capture():
     captured = count_launches(lambda: layer.step(x_steps[0], blocks, *state.values()))
     assert kept.method == captured.method == GRAPH_METHOD
     assert kept.kernels == captured.kernels, (kept, captured)
+
+
+def test_mla_steps_past_the_block_table_are_refused_before_any_write():
+    inputs = make_mla_layer_inputs(Case(op="mla_layer", seed=2, batch=2, config="tiny"))
+    t = dict(inputs.tensors)
+    t["block_table"] = t["block_table"].clone()
+    t["block_table"][1] = -1                            # sequence 1 owns no page
+    cache = t["cache"].clone()
+    with pytest.raises(ValueError, match=r"state.block_table: sequence 1 .*page -1"):
+        stock.mla_layer_steps(**t, **inputs.params)
+    assert torch.equal(t["cache"], cache)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from references.config import K3Config, get_config
-from references.layers import BLOCK_SLOTS, attn_res_layout, check_layer_idx, layer_kind_of
+from references.layers import attn_res_layout, check_layer_idx, layer_kind_of
 from references.mxfp4 import E2M1_LUT, GROUP, scale_values
 from references.primitives import FLOAT_DTYPES, check_tensor
 from references.weights import FP32_PARAMS, MXFP4_PARAMS
@@ -349,8 +349,6 @@ def _steps(kind: str, x_steps, blocks, state: dict, layer_idx, config, weights: 
     layer = prepare(kind, weights, config, layer_idx, x_steps.dtype)
     blocks = blocks.contiguous().clone()          # the working copy: the registry's blocks is a plain input
     validate_state(layer, x_steps[0], blocks, state, x_steps.shape[0])
-    if blocks.shape[1] != BLOCK_SLOTS:
-        raise ValueError(f"blocks: expected {BLOCK_SLOTS} block slots, got shape {tuple(blocks.shape)}")
     return torch.stack([layer.step(x, blocks, *state.values()) for x in x_steps])
 
 
