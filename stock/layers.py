@@ -2,7 +2,7 @@
 
 One decode step (`StockLayer.step`) runs only device-side torch ops on static shapes: no .item(), no
 int()/bool() of a tensor, no nonzero, no host-built tensor, no Python branch on a tensor's value, so
-it can be captured in a CUDA graph and replayed. Value checks (page room in block_table, expert ids)
+it can be captured in a CUDA graph and replayed. Checks (shapes, dtypes, page room in block_table)
 live in `validate_state`, run once before the steps, outside any capture.
 
 Kernels, as a serving engine without custom fusion composes them:
