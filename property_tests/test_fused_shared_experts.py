@@ -272,8 +272,8 @@ def _routed(B, T, seed=0):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("T", [1, 8])
-@pytest.mark.parametrize("B", [1, 64])
+@pytest.mark.parametrize("T", [8, 16])   # T = 1: the fused routed experts refuse K3's 896 unsplit experts
+@pytest.mark.parametrize("B", [1, 64])   # (over 2^31 words); a serving engine splits them (EP or T >= 2)
 def test_side_stream_overlapping_the_routed_experts_gives_each_ones_bits(T, B):
     """The shared experts started on their side stream, the fused routed experts on the main stream
     while they run, then the join: both outputs bitwise equal to each run alone, for the module's side
@@ -396,6 +396,8 @@ def test_timing_tables():
                 comp = f"failed: {type(e).__name__}"
             nbytes = sum(v.numel() * v.element_size() for v in s.values()) + out.numel() * 2
             one.append(f"| {T} | {inter} | {B} | {fused_us:.1f} | {eager_us:.1f} | {comp} | {nbytes / 4.8e6:.1f} |")
+            if T == 1:                      # the fused routed experts refuse K3's unsplit 896 experts
+                continue
             r = _routed(B, T)
             out_r = torch.empty(B, r["z"].shape[1], dtype=torch.bfloat16, device="cuda")
             routed_us = _time_graph(lambda: moe_experts_mxfp4(**r, out=out_r))
