@@ -36,6 +36,12 @@ def test_every_spec_has_an_op_and_every_op_a_spec():
     assert set(OPS) - specs == set(), f"ops without a spec: {sorted(set(OPS) - specs)}"
 
 
+# Kernels in fused/ whose op's registry entry does not name them yet: wiring `fused=` edits the family's
+# registry module, which stales that family's certified ops, so it lands with the release run that
+# certifies the new kernel and re-certifies the family.
+AWAITING_RELEASE = {"kda_in_proj", "latent_norm_up", "shared_experts"}
+
+
 def test_every_fused_kernel_has_a_reference():
     for path in sorted((ROOT / "fused").glob("*.py")):
         if path.stem in NOT_KERNELS or path.stem.startswith("_"):
@@ -45,6 +51,9 @@ def test_every_fused_kernel_has_a_reference():
             continue                 # a variant family of op `parent` (e.g. skinny_gemm_mma)
         op = all_ops().get(path.stem)
         assert op is not None, f"fused/{path.name} has no registry entry named {path.stem!r}"
+        if path.stem in AWAITING_RELEASE:   # judged by import path; wired together with its certificate
+            assert op.fused is None and callable(import_callable(f"fused.{path.stem}:{path.stem}")), path.stem
+            continue
         assert op.fused == f"fused.{path.stem}:{path.stem}", f"{path.stem}: OpDef.fused is {op.fused!r}"
 
 
