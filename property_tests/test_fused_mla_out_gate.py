@@ -216,13 +216,10 @@ HARNESS_CASES = [("tiny", 5, "bfloat16", "normal", 1), ("tiny", 37, "float16", "
 @pytest.mark.parametrize("config,batch,dtype,dist,tp", HARNESS_CASES,
                          ids=[f"{c[0]}-B{c[1]}-{c[2]}-{c[3]}-T{c[4]}" for c in HARNESS_CASES])
 def test_every_variant_through_the_harness(config, batch, dtype, dist, tp):
-    from verify.judge.candidates import Candidate
-    from verify.judge.pipeline import evaluate_case
+    from property_tests.harness_case import judge_case
     from verify.model.case import Case
-    from verify.ops.registry import get_op
-    op = get_op("mla_out_gate")
     case = Case("mla_out_gate", 11, batch, config, dtype, dist, tp)
-    v = evaluate_case(op, case, Candidate("fused").resolve(op, "cuda"), "fused", "cuda")
+    v = judge_case(case)
     assert v.status == "pass", f"{v.stage}: {v.reason}"
 
 

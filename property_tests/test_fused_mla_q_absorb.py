@@ -203,12 +203,9 @@ HARNESS_CASES = [_CASE.format(1, "k3", "normal", "bfloat16", 3, 1),
 def test_every_variant_passes_the_harness(case_json):
     """The harness's whole pipeline (evaluate_case: the default launch and every variant of
     `variants()`, oracle comparison by the spec's class, every guard; tp > 1 per rank on its heads)."""
-    from verify.judge.candidates import Candidate
-    from verify.judge.pipeline import evaluate_case
+    from property_tests.harness_case import judge_case
     from verify.model.case import Case
-    from verify.ops.registry import get_op
-    op = get_op("mla_q_absorb")
-    v = evaluate_case(op, Case.from_json(case_json), Candidate("fused").resolve(op, "cuda"), "fused", "cuda")
+    v = judge_case(Case.from_json(case_json))
     assert v.status == "pass", f"{v.stage}: {v.reason}"
 
 

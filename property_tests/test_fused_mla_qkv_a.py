@@ -202,12 +202,9 @@ def test_mla_qkv_a_every_variant_through_the_harness_on_gpu(case_json):
     """The harness's whole pipeline on one case: the dispatcher's launch and every declared variant,
     against the fp64 oracle by the spec's derived rule, then every guard (determinism, batch position,
     strided and misaligned inputs, CUDA graph, side stream, ...)."""
-    from verify.judge.candidates import Candidate
-    from verify.judge.pipeline import evaluate_case
+    from property_tests.harness_case import judge_case
     from verify.model.case import Case
-    from verify.ops.registry import get_op
-    op = get_op("mla_qkv_a")
-    v = evaluate_case(op, Case.from_json(case_json), Candidate("fused").resolve(op, "cuda"), "fused", "cuda")
+    v = judge_case(Case.from_json(case_json))
     assert v.status == "pass", f"{v.stage}: {v.reason}"
 
 
