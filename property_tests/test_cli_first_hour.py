@@ -153,3 +153,22 @@ def test_describe_is_readable_and_json_keeps_the_whole_spec():
     blob = json.loads(_cli("describe", "skinny_gemm", "--json").stdout)
     assert blob["spec"]["outputs"]["y"]["class"] == "derived" and len(blob["spec"]["derivation"]) > 2000
     assert blob["signature"].startswith("x[M,K]")
+
+
+def test_the_console_script_imports_a_candidate_from_the_working_directory(tmp_path):
+    """The repro lines name modules of the user's tree (`property_tests.planted...`, `mykernels:gemm`)
+    and are pasted where the run was made: the installed `verify-kernels` must find them there, as
+    `python -m verify.cli` does."""
+    import shutil
+
+    exe = shutil.which("verify-kernels") or str(Path(sys.executable).parent / "verify-kernels")
+    assert Path(exe).exists(), "the verify-kernels console script is not installed (pip install -e .)"
+    (tmp_path / "mykernels_cwd.py").write_text(
+        "from references.gemm import skinny_gemm as _ref\n\ndef gemm(x, w):\n    return _ref(x, w)\n")
+    case = ('{"batch":3,"config":"tiny","dist":"normal","dtype":"bfloat16","extra":[],"op":"skinny_gemm",'
+            '"seed":1,"tp":1}')
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    got = subprocess.run([exe, "repro", case, "--candidate", "mykernels_cwd:gemm", "--device", "cpu"], cwd=tmp_path,
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert "status: pass" in got.stdout, got.stdout

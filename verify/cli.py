@@ -128,6 +128,11 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # a candidate's import path is read from where the command runs, as `python -m` reads it: the
+    # console script starts with its own bin directory on sys.path, not the working directory, and
+    # the repro lines it prints name modules of the user's tree
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["run"] + argv

@@ -165,7 +165,9 @@ def skinny_gemm_shared_workspace(x, w):
     acc = _WORKSPACES.get(key)
     if acc is None:
         acc = _WORKSPACES[key] = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
-    torch.matmul(x.float(), w.float().T, out=acc)
+    w32 = w.float().contiguous()
+    for r in range(x.shape[0]):   # a row at a time, as planted.gemm.linear (torch's whole-batch CPU GEMM
+        torch.matmul(x[r:r + 1].float(), w32.T, out=acc[r:r + 1])     # gives other bits at 3 threads)
     return acc.to(x.dtype, copy=True)
 
 
@@ -208,5 +210,7 @@ def skinny_gemm_workspace_per_thread(x, w):
     acc = spaces.get(key)
     if acc is None:
         acc = spaces[key] = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
-    torch.matmul(x.float(), w.float().T, out=acc)
+    w32 = w.float().contiguous()
+    for r in range(x.shape[0]):   # a row at a time, as planted.gemm.linear (torch's whole-batch CPU GEMM
+        torch.matmul(x[r:r + 1].float(), w32.T, out=acc[r:r + 1])     # gives other bits at 3 threads)
     return acc.to(x.dtype, copy=True)
