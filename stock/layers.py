@@ -263,18 +263,25 @@ def mla_attention(layer: StockLayer, x: torch.Tensor, cache: torch.Tensor, block
     pos = seq_lens.long()
     page_ids = block_table.long().gather(1, (pos // page).unsqueeze(1)).squeeze(1)
     cache[page_ids, pos % page] = torch.cat([kv_c, qkv[:, ql + kv:]], dim=-1)
-    lens = pos + 1
-    table = block_table.long().clamp(min=0)
-    keys = cache[table].reshape(B, -1, cache.shape[-1])                              # [B, pages*page, C]
-    visible = torch.arange(keys.shape[1], device=x.device).unsqueeze(0) < lens.unsqueeze(1)
-    keys = torch.where(visible.unsqueeze(-1), keys.to(acc), 0.0)                     # unwritten slots may hold NaN
-    s = torch.bmm(q_abs.to(acc), keys.transpose(1, 2)) * cfg.mla_scale               # [B, H, T]
-    p = s.masked_fill(~visible.unsqueeze(1), float("-inf")).softmax(-1)
-    o_lat = torch.bmm(p, keys[..., :kv]).to(wd)                                      # [B, H, kv]
+    o_lat = paged_latent_attention(q_abs, cache, block_table, pos + 1, cfg.mla_scale, kv)   # [B, H, kv]
     o = torch.bmm(o_lat.transpose(0, 1), w["w_uv"].transpose(1, 2)).transpose(0, 1).reshape(B, H * Dh)
     gate = torch.sigmoid(F.linear(x, w["w_g"]).to(acc)).to(wd)
     seq_lens.add_(1)
     return F.linear((o.to(acc) * gate.to(acc)).to(wd), w["w_o"])
+
+
+def paged_latent_attention(q_abs: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                           lens: torch.Tensor, scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """o_latent[B,H,kv] wd: one query token per sequence over every page of block_table, masked on the
+    device to the first lens[b] tokens (no per-sequence loop, no host read), scores and softmax in acc."""
+    B, acc = q_abs.shape[0], _acc(q_abs)
+    table = block_table.long().clamp(min=0)
+    keys = cache[table].reshape(B, -1, cache.shape[-1])                              # [B, pages*page, C]
+    visible = torch.arange(keys.shape[1], device=q_abs.device).unsqueeze(0) < lens.long().unsqueeze(1)
+    keys = torch.where(visible.unsqueeze(-1), keys.to(acc), 0.0)                     # unwritten slots may hold NaN
+    s = torch.bmm(q_abs.to(acc), keys.transpose(1, 2)) * scale                       # [B, H, T]
+    p = s.masked_fill(~visible.unsqueeze(1), float("-inf")).softmax(-1)
+    return torch.bmm(p, keys[..., :kv_lora_rank]).to(q_abs.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- one step
@@ -343,10 +350,13 @@ def validate_state(layer: StockLayer, prefix: torch.Tensor, blocks: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------- registry form
-def _steps(kind: str, x_steps, blocks, state: dict, layer_idx, config, weights: dict) -> torch.Tensor:
+def run_steps(kind: str, x_steps, blocks, state: dict, layer_idx, config, weights: dict,
+              prepare_fn=None) -> torch.Tensor:
+    """The registry form of any prepared layer (`prepare_fn(kind, weights, config, layer_idx, wd)`,
+    this module's by default): validate once, then one step per x_steps[t]."""
     check_tensor("x_steps", x_steps, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("blocks", blocks, ndim=3, dtypes=(x_steps.dtype,))
-    layer = prepare(kind, weights, config, layer_idx, x_steps.dtype)
+    layer = (prepare_fn or prepare)(kind, weights, config, layer_idx, x_steps.dtype)
     blocks = blocks.contiguous().clone()          # the working copy: the registry's blocks is a plain input
     validate_state(layer, x_steps[0], blocks, state, x_steps.shape[0])
     return torch.stack([layer.step(x, blocks, *state.values()) for x in x_steps])
@@ -356,7 +366,7 @@ def kda_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, conv_state: tor
                     recurrent_state: torch.Tensor, layer_idx: int, config: str, **weights: torch.Tensor) -> torch.Tensor:
     """references.layers.kda_layer_steps through the stock step: prefix_steps[N,B,D]; conv_state and
     recurrent_state updated in place."""
-    return _steps("kda", x_steps, blocks, {"conv_state": conv_state, "recurrent_state": recurrent_state},
+    return run_steps("kda", x_steps, blocks, {"conv_state": conv_state, "recurrent_state": recurrent_state},
                   layer_idx, config, weights)
 
 
@@ -364,7 +374,7 @@ def mla_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, cache: torch.Te
                     seq_lens: torch.Tensor, layer_idx: int, config: str, **weights: torch.Tensor) -> torch.Tensor:
     """references.layers.mla_layer_steps through the stock step: prefix_steps[N,B,D]; cache written and
     seq_lens advanced by N in place."""
-    return _steps("mla", x_steps, blocks, {"cache": cache, "block_table": block_table, "seq_lens": seq_lens},
+    return run_steps("mla", x_steps, blocks, {"cache": cache, "block_table": block_table, "seq_lens": seq_lens},
                   layer_idx, config, weights)
 
 
@@ -378,7 +388,7 @@ def layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, layer_idx: int, con
 
 
 # ---------------------------------------------------------------------------------------------- one-step launch
-def step_launch(kind: str, tensors: dict, params: dict, graph: bool | None = None):
+def step_launch(kind: str, tensors: dict, params: dict, graph: bool | None = None, prepare_fn=None):
     """A zero-argument launch of one decode step on the registry's inputs (x_steps[0], working copies
     of blocks and state), made untimed: prepare and validate here, and on CUDA the step captured in a
     CUDA graph (the launch replays it; graph=False keeps it eager). The launch returns the new prefix
@@ -389,7 +399,7 @@ def step_launch(kind: str, tensors: dict, params: dict, graph: bool | None = Non
     blocks = tensors["blocks"].contiguous().clone()
     state = {n: tensors[n].clone() for n in names}
     weights = {n: t for n, t in tensors.items() if n not in (*names, "x_steps", "blocks")}
-    layer = prepare(kind, weights, params["config"], params["layer_idx"], x.dtype)
+    layer = (prepare_fn or prepare)(kind, weights, params["config"], params["layer_idx"], x.dtype)
     validate_state(layer, x, blocks, state, 1)
     start = state["seq_lens"].clone() if kind == "mla" else None
 

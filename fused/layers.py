@@ -1,0 +1,308 @@
+"""The fused K3 layer step: references.layers' composition with each op through its fused kernel.
+
+One decode step (`FusedLayer.step`) is the reference layer's sequence of ops, in its order and on its
+rounding points, each op called through the kernel table the layer was prepared with:
+
+  attn side  attn_res_rmsnorm (AttnRes mix + input RMSNorm + block push)
+  KDA        kda_in_proj -> kda_decode -> skinny_gemm (o_proj)
+  MLA        mla_qkv_a -> mla_q_absorb -> mla_cache_write -> mla_decode_attn -> mla_out_gate
+             -> skinny_gemm (o_proj)
+  mlp side   attn_res_rmsnorm (prefix += attn, AttnRes mix + post-attention RMSNorm)
+  LatentMoE  shared_experts started on its side stream first, then router_topk, skinny_gemm (latent
+             down), moe_experts_mxfp4; the shared experts joined; latent_norm_up
+  prefix     prefix + mlp (a working-dtype add)
+
+`KERNELS` names the fused kernel of every op. `prepare(..., kernels="fused")` resolves them;
+`kernels="reference"` puts the op references in their place (on the CPU this is the reference layer
+itself, bit for bit: the composition is checked there without a GPU). A fused kernel that refuses
+the layer's shapes (its argument checks raise before any launch or write: the unsplit K3 routed
+experts exceed the 32-bit indexing of fused/moe_experts_mxfp4) is replaced, from that call on, by a
+sync-free torch form of its op, and `FusedLayer.unfused` names it with the refusal: the step's launch
+count stays honest. `GLUE` lists the torch ops the step runs between kernels.
+
+The step is sync-free (no host read of a tensor value, static shapes): on CUDA it is captured in a
+CUDA graph and replayed (`step_launch`). Checks of values (page room in block_table) run once before
+the steps (stock.layers.validate_state). The registry forms (`layer_steps`) make this module a
+candidate of kda_layer and mla_layer: `--candidate fused.layers:layer_steps`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from references.config import K3Config
+from references.layers import attn_res_layout
+from stock import layers as stock
+
+# Declared scope (verify.plan.scope): the fused kernels' working dtypes.
+DTYPES = ("bfloat16", "float16")
+
+KERNELS = {
+    "attn_res_rmsnorm": "fused.attn_res_rmsnorm:attn_res_rmsnorm",
+    "kda_in_proj": "fused.kda_in_proj:kda_in_proj",
+    "kda_decode": "fused.kda_decode:kda_decode",
+    "skinny_gemm": "fused.skinny_gemm:skinny_gemm",
+    "router_topk": "fused.router_topk:router_topk",
+    "moe_experts_mxfp4": "fused.moe_experts_mxfp4:moe_experts_mxfp4",
+    "shared_experts": "fused.shared_experts:start",
+    "latent_norm_up": "fused.latent_norm_up:latent_norm_up",
+    "mla_qkv_a": "fused.mla_qkv_a:mla_qkv_a",
+    "mla_q_absorb": "fused.mla_q_absorb:mla_q_absorb",
+    "mla_cache_write": "fused.mla_cache_write:mla_cache_write",
+    "mla_decode_attn": "fused.mla_decode_attn:mla_decode_attn",
+    "mla_out_gate": "fused.mla_out_gate:mla_out_gate",
+}
+REFERENCES = {
+    "attn_res_rmsnorm": "references.attn_res:attn_res_rmsnorm",
+    "kda_in_proj": "references.kda:kda_in_proj",
+    "kda_decode": "references.kda:kda_decode",
+    "skinny_gemm": "references.gemm:skinny_gemm",
+    "router_topk": "references.moe:router_topk",
+    "moe_experts_mxfp4": "references.moe:moe_experts_mxfp4",
+    "shared_experts": "references.moe:shared_experts",
+    "latent_norm_up": "references.moe:latent_norm_up",
+    "mla_qkv_a": "references.mla:mla_qkv_a",
+    "mla_q_absorb": "references.mla:mla_q_absorb",
+    "mla_cache_write": "references.mla:mla_cache_write",
+    "mla_decode_attn": "references.mla:mla_decode_attn",
+    "mla_out_gate": "references.mla:mla_out_gate",
+}
+LAYER_OPS = {
+    "kda": ("attn_res_rmsnorm", "kda_in_proj", "kda_decode", "skinny_gemm", "router_topk", "moe_experts_mxfp4",
+            "shared_experts", "latent_norm_up"),
+    "mla": ("attn_res_rmsnorm", "mla_qkv_a", "mla_q_absorb", "mla_cache_write", "mla_decode_attn", "mla_out_gate",
+            "skinny_gemm", "router_topk", "moe_experts_mxfp4", "shared_experts", "latent_norm_up"),
+}
+GLUE = {
+    "kda": ("prefix working copy", "prefix + mlp (residual add)"),
+    "mla": ("prefix working copy", "slot of seq_lens in block_table (gather, index math)", "cat(kv_c, k_rot) (the cached latent)",
+            "seq_lens += 1", "prefix + mlp (residual add)"),
+}
+REFUSALS = (ValueError, TypeError)      # what a fused kernel's argument checks raise, before any launch
+
+
+class _Done:
+    """A shared-experts result computed in place (the reference form): wait() returns it."""
+
+    def __init__(self, out: torch.Tensor):
+        self.out = out
+
+    def wait(self) -> torch.Tensor:
+        return self.out
+
+
+@dataclass
+class FusedLayer:
+    """One layer prepared for stepping: the weights (the reference's names and layouts), the kernel of
+    each op, the sync-free torch form that stands in for a kernel that refuses the shapes, and a zero
+    delta for the attn-side AttnRes call and the working prefix (kept, so a step allocates no fill)."""
+    kind: str
+    cfg: K3Config
+    layer_idx: int
+    wd: torch.dtype
+    w: dict
+    kernels: dict
+    fallbacks: dict
+    unfused: dict = field(default_factory=dict)     # op -> why its fused kernel is not used
+    kept: dict = field(default_factory=dict)        # buffers made once: the working prefix, the zero delta
+
+    def step(self, prefix: torch.Tensor, blocks: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
+        """One decode step from the layer input h = prefix (left as it is: the AttnRes ops update their
+        prefix in place, so the step works on a kept buffer, as the reference layer on state.prefix);
+        state tensors and blocks updated in place. Returns the new prefix (the next layer's h)."""
+        work = self.buffer("prefix", prefix)
+        work.copy_(prefix)
+        return (kda_step if self.kind == "kda" else mla_step)(self, work, blocks, *state)
+
+    def call(self, op: str, *args):
+        """`op` through its kernel; a fused kernel's refusal of these shapes (outside a capture) moves the
+        op to its torch form for good and records why."""
+        if op in self.unfused:
+            return self.fallbacks[op](*args)
+        try:
+            return self.kernels[op](*args)
+        except REFUSALS as e:
+            if op not in self.fallbacks or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+                raise
+            self.unfused[op] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            return self.fallbacks[op](*args)
+
+    def buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped like `like`, made once per (name, shape, device) and kept ("zero" starts zero)."""
+        key = (name, tuple(like.shape), like.device)
+        if key not in self.kept:
+            self.kept[key] = torch.zeros_like(like, memory_format=torch.contiguous_format)
+        return self.kept[key]
+
+
+def _resolve(path: str):
+    from verify.ops.registry import import_callable
+
+    return import_callable(path)
+
+
+def _reference_shared(x, w_gate_up, w_down, situ_beta, situ_linear_beta):
+    from references.moe import shared_experts
+
+    return _Done(shared_experts(x, w_gate_up, w_down, situ_beta, situ_linear_beta))
+
+
+def _fallbacks(layer: stock.StockLayer) -> dict:
+    """Sync-free torch forms of the ops whose references read tensor values on the host (the routed
+    experts' id checks, the decode attention's CPU-built mask) or allocate on the CPU; the others'
+    references are sync-free as written."""
+    def routed(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_beta, situ_linear_beta):
+        return stock.routed_experts(layer, z, ids, weights)
+
+    def decode(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank):
+        n_seq, n_q, H, C = q_abs.shape
+        if n_q != 1:
+            raise ValueError(f"q_abs: the layer step decodes one token per sequence, got {n_q}")
+        return stock.paged_latent_attention(q_abs.view(n_seq, H, C), cache, block_table, seq_lens, scale,
+                                            kv_lora_rank).view(n_seq, 1, H, kv_lora_rank)
+
+    out = {op: _resolve(path) for op, path in REFERENCES.items()}
+    out.update(moe_experts_mxfp4=routed, mla_decode_attn=decode, shared_experts=_reference_shared)
+    return out
+
+
+def prepare(kind: str, weights: dict, config: str | K3Config, layer_idx: int, wd: torch.dtype,
+            kernels: str = "fused") -> FusedLayer:
+    """Make the layer's step-ready form once (outside any captured step). kernels: "fused" (the fused
+    kernels, CUDA) or "reference" (the op references: the reference layer's composition)."""
+    if kernels not in ("fused", "reference"):
+        raise ValueError(f"kernels: {kernels!r} is not a kernel table; use 'fused' or 'reference'")
+    base = stock.prepare(kind, weights, config, layer_idx, wd, use_fla=False)
+    table = KERNELS if kernels == "fused" else REFERENCES
+    resolved = {op: _resolve(table[op]) for op in LAYER_OPS[kind]}
+    if kernels == "reference":
+        resolved["shared_experts"] = _reference_shared
+    return FusedLayer(kind, base.cfg, layer_idx, wd, base.w, resolved, _fallbacks(base) if kernels == "fused" else {})
+
+
+def reference_prepare(kind: str, weights: dict, config, layer_idx: int, wd: torch.dtype) -> FusedLayer:
+    return prepare(kind, weights, config, layer_idx, wd, kernels="reference")
+
+
+# ---------------------------------------------------------------------------------------------- one step
+def _attn_side(layer: FusedLayer, prefix: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(normed x, blocks the mlp side sees): prefix updated in place (0 after a push into blocks)."""
+    w, eps = layer.w, layer.cfg.rms_eps
+    n_blocks, push = attn_res_layout(layer.layer_idx, layer.cfg.attn_res_block)
+    x = layer.call("attn_res_rmsnorm", prefix, layer.buffer("zero", prefix), blocks, w["attn_res_norm_w"],
+                   w["attn_res_proj_w"], w["input_norm_w"], n_blocks, n_blocks if push else -1, eps, eps)
+    return x, n_blocks + int(push)
+
+
+def _latent_moe(layer: FusedLayer, h: torch.Tensor) -> torch.Tensor:
+    w, cfg = layer.w, layer.cfg
+    shared = layer.call("shared_experts", h, w["w_shared_gate_up"], w["w_shared_down"], cfg.situ_beta,
+                        cfg.situ_linear_beta)
+    ids, route_w = layer.call("router_topk", h, w["w_router"], w["router_bias"], cfg.top_k, cfg.routed_scale)
+    z = layer.call("skinny_gemm", h, w["w_latent_down"])
+    y = layer.call("moe_experts_mxfp4", z, ids, route_w, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                   w["w2_scale"], cfg.situ_beta, cfg.situ_linear_beta)
+    return layer.call("latent_norm_up", y, w["latent_norm_w"], w["w_latent_up"], shared.wait(), cfg.rms_eps)
+
+
+def _mlp_side(layer: FusedLayer, prefix: torch.Tensor, attn: torch.Tensor, blocks: torch.Tensor,
+              n_blocks: int) -> torch.Tensor:
+    """prefix += attn (in place, by the AttnRes op), mix + post norm, the MoE; returns prefix + mlp (the
+    working prefix is the step's scratch: the next step starts from its own input)."""
+    w, eps = layer.w, layer.cfg.rms_eps
+    h = layer.call("attn_res_rmsnorm", prefix, attn, blocks, w["mlp_res_norm_w"], w["mlp_res_proj_w"],
+                   w["post_norm_w"], n_blocks, -1, eps, eps)
+    return prefix + _latent_moe(layer, h)
+
+
+def kda_step(layer: FusedLayer, prefix, blocks, conv_state, recurrent_state) -> torch.Tensor:
+    """One KDA layer step: prefix[B,D] (the layer input h) is the working prefix, updated in place."""
+    w, cfg = layer.w, layer.cfg
+    x, n = _attn_side(layer, prefix, blocks)
+    q_raw, k_raw, v_raw, g_raw, beta_raw, z = layer.call("kda_in_proj", x, w["w_in"], w["w_fb"], cfg.n_heads)
+    y = layer.call("kda_decode", q_raw, k_raw, v_raw, g_raw, beta_raw, z, w["conv_w"], conv_state, w["A_log"],
+                   w["dt_bias"], w["o_norm_w"], recurrent_state, cfg.gate_lower_bound, cfg.l2_eps, cfg.rms_eps)
+    return _mlp_side(layer, prefix, layer.call("skinny_gemm", y, w["w_o"]), blocks, n)
+
+
+def mla_step(layer: FusedLayer, prefix, blocks, cache, block_table, seq_lens) -> torch.Tensor:
+    """One gated-MLA layer step: the token's latent goes to the slot of seq_lens in block_table, the
+    attention reads seq_lens + 1 tokens, seq_lens advances by one (in place)."""
+    w, cfg = layer.w, layer.cfg
+    page = cache.shape[1]
+    pos = seq_lens.long()
+    slots = block_table.long().gather(1, (pos // page).unsqueeze(1)).squeeze(1) * page + pos % page
+    x, n = _attn_side(layer, prefix, blocks)
+    q_c, kv_c, k_rot = layer.call("mla_qkv_a", x, w["w_qkv_a"], w["q_a_norm_w"], w["kv_a_norm_w"],
+                                  cfg.mla_latent_eps)
+    q_abs = layer.call("mla_q_absorb", q_c, w["w_q_b"], w["w_uk"])
+    layer.call("mla_cache_write", torch.cat([kv_c, k_rot], dim=-1), cache, slots)
+    seq_lens.add_(1)
+    B, H = q_abs.shape[0], q_abs.shape[1]
+    o_latent = layer.call("mla_decode_attn", q_abs.view(B, 1, H, -1), cache, block_table, seq_lens,
+                          cfg.mla_scale, cfg.kv_lora_rank)
+    o = layer.call("mla_out_gate", o_latent.reshape(B, H, cfg.kv_lora_rank), w["w_uv"], x, w["w_g"])
+    return _mlp_side(layer, prefix, layer.call("skinny_gemm", o, w["w_o"]), blocks, n)
+
+
+# ---------------------------------------------------------------------------------------------- registry form
+def kda_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, conv_state: torch.Tensor,
+                    recurrent_state: torch.Tensor, layer_idx: int, config: str, **weights: torch.Tensor) -> torch.Tensor:
+    """references.layers.kda_layer_steps through the fused step: prefix_steps[N,B,D]; conv_state and
+    recurrent_state updated in place."""
+    return stock.run_steps("kda", x_steps, blocks, {"conv_state": conv_state, "recurrent_state": recurrent_state},
+                           layer_idx, config, weights, prepare)
+
+
+def mla_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, layer_idx: int, config: str, **weights: torch.Tensor) -> torch.Tensor:
+    """references.layers.mla_layer_steps through the fused step: prefix_steps[N,B,D]; cache written and
+    seq_lens advanced by N in place."""
+    return stock.run_steps("mla", x_steps, blocks, {"cache": cache, "block_table": block_table,
+                                                    "seq_lens": seq_lens}, layer_idx, config, weights, prepare)
+
+
+def layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, layer_idx: int, config: str,
+                **tensors: torch.Tensor) -> torch.Tensor:
+    """Both registry forms under one name, told apart by their state (`cache` = MLA), so one
+    `--candidate fused.layers:layer_steps` certifies kda_layer and mla_layer in one run."""
+    if "cache" in tensors:
+        return mla_layer_steps(x_steps, blocks, layer_idx=layer_idx, config=config, **tensors)
+    return kda_layer_steps(x_steps, blocks, layer_idx=layer_idx, config=config, **tensors)
+
+
+# ---------------------------------------------------------------------------------------------- one-step launch
+def step_launch(kind: str, tensors: dict, params: dict, graph: bool | None = None):
+    """stock.layers.step_launch with the fused step: prepared, validated and (on CUDA) captured in a
+    CUDA graph untimed; the launch returns the new prefix. The prepared layer is the launch's `layer`
+    (its `unfused` names the ops that did not run fused)."""
+    made = {}
+
+    def prepare_kept(*args):
+        made["layer"] = prepare(*args)
+        return made["layer"]
+    launch = stock.step_launch(kind, tensors, params, graph, prepare_fn=prepare_kept)
+    launch.layer = made["layer"]
+    return launch
+
+
+def kda_layer_step_peer(tensors: dict, params: dict):
+    """verify.bench peer protocol (prepare(tensors, params) -> launch): one fused KDA layer step, eager
+    (the bench's GraphClock captures the launches into its own CUDA graph)."""
+    return step_launch("kda", tensors, params, graph=False)
+
+
+def mla_layer_step_peer(tensors: dict, params: dict):
+    """verify.bench peer protocol (prepare(tensors, params) -> launch): one fused MLA layer step, eager
+    (the bench's GraphClock captures the launches into its own CUDA graph)."""
+    return step_launch("mla", tensors, params, graph=False)
+
+
+def describe(layer: FusedLayer) -> dict:
+    """What one step runs: the ops through their fused kernels, those through a torch form (and why),
+    and the torch glue between them."""
+    ops = LAYER_OPS[layer.kind]
+    return {"fused": [op for op in ops if op not in layer.unfused], "unfused": dict(layer.unfused),
+            "glue": list(GLUE[layer.kind])}
+
