@@ -24,7 +24,6 @@ pytest.importorskip("tvm_ffi", reason="needs apache-tvm-ffi (the kernels compile
 from fused import runtime  # noqa: E402
 from fused import skinny_gemm as sg  # noqa: E402
 from references.config import K3, get_config  # noqa: E402
-KERNEL = "fused.kda_in_proj:kda_in_proj"   # by import path until the registry wires fused= (with a release certificate)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 TP = (1, 8, 16)
@@ -262,7 +261,7 @@ def test_kda_in_proj_every_variant_through_the_harness_on_gpu(case_json):
     then every guard (determinism, batch position, strided and misaligned inputs, CUDA graph, ...)."""
     from property_tests.harness_case import judge_case
     from verify.model.case import Case
-    v = judge_case(Case.from_json(case_json), KERNEL)
+    v = judge_case(Case.from_json(case_json))
     assert v.status == "pass", f"{v.stage}: {v.reason}"
 
 

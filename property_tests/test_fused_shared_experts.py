@@ -21,7 +21,6 @@ pytest.importorskip("tvm_ffi", reason="needs apache-tvm-ffi (the kernels compile
 
 from fused import runtime  # noqa: E402
 from references.config import K3, SMALL, TINY  # noqa: E402
-KERNEL = "fused.shared_experts:shared_experts"   # by import path until the registry wires fused= (with a release certificate)
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -210,7 +209,7 @@ def test_every_variant_through_the_harness(config, batch, dtype, dist, tp):
     from property_tests.harness_case import judge_case
     from verify.model.case import Case
     case = Case("shared_experts", 11, batch, config, dtype, dist, tp)
-    v = judge_case(case, KERNEL)
+    v = judge_case(case)
     assert v.status == "pass", f"{v.stage}: {v.reason}"
 
 

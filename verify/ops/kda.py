@@ -198,6 +198,16 @@ def _split_rule(kind: str, shard_fn, combine_fn, reduction_order: str) -> SplitR
 
 
 _IN_PROJ_OUT = ("q_raw", "k_raw", "v_raw", "g_raw", "beta_raw", "z")
+
+
+def kda_in_proj_bytes(inputs: OpInputs) -> int:
+    """x, w_in and w_fb read; q_raw, k_raw, v_raw, g_raw, z [B, H*Dh] and beta_raw [B, H] written (the
+    merged scratch between the two launches is the implementation's own traffic, not the op's)."""
+    t = inputs.tensors
+    read = sum(t[k].numel() * t[k].element_size() for k in ("x", "w_in", "w_fb"))
+    B, (C, _), H = t["x"].shape[0], t["w_fb"].shape, inputs.params["n_heads"]
+    return read + B * (5 * C + H) * t["x"].element_size()
+
 _DECODE_ACT = ("q_raw", "k_raw", "v_raw", "g_raw", "beta_raw", "z")
 
 KDA_IN_PROJ = OpDef(
@@ -215,6 +225,7 @@ KDA_IN_PROJ = OpDef(
     split=_split_rule("column", shard_kda_in_proj, combine_kda_in_proj,
                       "none: q,k,v,z,beta,f_b columns by head, f_a replicated; concatenated"),
     cpu_ok=False,
+    fused="fused.kda_in_proj:kda_in_proj", moved_bytes=kda_in_proj_bytes,
     notes=("k3 merged weight is [49376, 7168] (0.7 GB bf16, 2.8 GB as the fp64 oracle): run k3 on a large "
            "host or the device; tiny/small have the same structure."),
 )

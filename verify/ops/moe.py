@@ -231,6 +231,21 @@ def moe_experts_mxfp4_bytes(inputs: OpInputs) -> int:
     return small + distinct * per_expert + t["z"].numel() * t["z"].element_size()
 
 
+def latent_norm_up_bytes(inputs: OpInputs) -> int:
+    """y_latent, norm_w, w_up and shared_out read once; out [B, D] written."""
+    t = inputs.tensors
+    read = sum(t[k].numel() * t[k].element_size() for k in ("y_latent", "norm_w", "w_up", "shared_out"))
+    return read + t["shared_out"].numel() * t["shared_out"].element_size()
+
+
+def shared_experts_bytes(inputs: OpInputs) -> int:
+    """x, w_gate_up and w_down read once; y [B, D] written (the gate_up and activation scratch
+    between the launches is the implementation's own traffic, not the op's)."""
+    t = inputs.tensors
+    read = sum(t[k].numel() * t[k].element_size() for k in ("x", "w_gate_up", "w_down"))
+    return read + t["x"].numel() * t["x"].element_size()
+
+
 ROUTER_PEERS = (Peer("cublas_logits_topk", "verify.bench.peers:cublas_logits_topk"),
                 Peer("cublas_logits", "verify.bench.peers:cublas_logits", part="the logits GEMM alone (bf16)"))
 
@@ -274,7 +289,7 @@ OPS = [
         make_inputs=make_latent_norm_up_inputs, outputs=("out",),
         signature="y_latent[B,L] wd, norm_w[L] wd, w_up[D,L] wd, shared_out[B,D] wd, eps: float -> out[B,D] wd",
         batch_dims={"y_latent": 0, "shared_out": 0, "out": 0},
-        split=replicated_split(),
+        split=replicated_split(), fused="fused.latent_norm_up:latent_norm_up", moved_bytes=latent_norm_up_bytes,
         notes="Replicated: runs after the one all-reduce of (latent partial, shared partial).",
     ),
     OpDef(
@@ -283,7 +298,7 @@ OPS = [
         signature=("x[B,D] wd, w_gate_up[2I,D] wd ([gate; up]), w_down[D,I] wd, situ_beta: float, "
                    "situ_linear_beta: float -> y[B,D] wd"),
         batch_dims={"x": 0, "y": 0},
-        split=SHARED_EXPERTS_SPLIT,
+        split=SHARED_EXPERTS_SPLIT, fused="fused.shared_experts:shared_experts", moved_bytes=shared_experts_bytes,
         notes="Column (gate/up rows) then row (down columns) split; partial [B,D] per rank, rank-order "
               "fp32 fold. k3 weights are 12288x7168 + 7168x6144 (about 1 GB upcast to float64).",
     ),
