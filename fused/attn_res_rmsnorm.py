@@ -119,7 +119,7 @@ class AttnResRMSNorm:
             cute.arch.cluster_arrive_relaxed()
         vec, V, S, dt = self.vec, self.vpt, self.n_src, self.dtype
         rows = lambda t: cute.zipped_divide(t, (vec,))  # ((vec), n_vec)
-        gP, gD, gO = rows(mPrefix[row, None]), rows(mDelta[row, None]), rows(mOut[row, None])
+        gP, gO = rows(mPrefix[row, None]), rows(mOut[row, None])
         gWn, gWp, gWo = rows(mResNormW), rows(mResProjW), rows(mNormW)
 
         # registers: x[:, i, j] = source j (blocks..., p last) at vector i; three weights
@@ -135,7 +135,7 @@ class AttnResRMSNorm:
                 for j in cutlass.range_constexpr(S - 1):
                     x[None, i, j].store(rows(mBlocks[row, j, None])[None, c].load())
                 x[None, i, S - 1].store(gP[None, c].load())
-                dl[None, i].store(gD[None, c].load())
+                self.load_delta(dl, i, mDelta, row, c)
                 w[None, i, 0].store(gWn[None, c].load())
                 w[None, i, 1].store(gWp[None, c].load())
                 w[None, i, 2].store(gWo[None, c].load())
@@ -192,6 +192,12 @@ class AttnResRMSNorm:
             if const_expr(self.even) or tidx + i * self.num_threads < self.n_vec:
                 y = (mix[None, i].load().to(Float32) * rstd).to(dt).to(Float32)
                 gO[None, c].store((y * w[None, i, 2].load().to(Float32)).to(dt))
+
+    @cute.jit
+    def load_delta(self, dl: cute.Tensor, i: cutlass.Constexpr[int], mDelta: cute.Tensor, row, c):
+        """dl[:, i] <- vector c of the row's delta (fused/allreduce_attn_res_rmsnorm.py folds T
+        partials here instead)."""
+        dl[None, i].store(cute.zipped_divide(mDelta[row, None], (self.vec,))[None, c].load())
 
     @cute.jit
     def block_sum(self, vals: cute.Tensor, red: cute.Tensor, tot: cute.Tensor, mbar: cute.Tensor,

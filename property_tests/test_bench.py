@@ -117,7 +117,7 @@ def touched_bytes(op, inputs, outputs: list[torch.Tensor]) -> int:
     nb = {k: v.numel() * v.element_size() for k, v in t.items()}
     total = sum(v for k, v in nb.items() if k not in op.state) + sum(2 * nb[k] for k in op.state)
     total += sum(o.numel() * o.element_size() for o in outputs)
-    if op.name == "attn_res_rmsnorm":       # blocks [B, slots, D]: the live ones read, the write slot written
+    if op.name in ("attn_res_rmsnorm", "allreduce_attn_res_rmsnorm"):   # blocks [B, slots, D]: the live read, the write slot written
         B, slots, D = t["blocks"].shape
         row = B * D * t["blocks"].element_size()
         total += -2 * nb["blocks"] + p["n_blocks"] * row + (row if p["block_write"] >= 0 else 0)

@@ -145,12 +145,13 @@ _NOTES = ("Replicated over TP: every rank runs the same op on the same inputs an
 SCORE_SWEEP = ({"score_scale": 64.0, "n_blocks": 7},)
 
 def attn_res_rmsnorm_bytes(inputs: OpInputs) -> int:
-    """prefix read and written, delta and the n_blocks live blocks read, the three weights read, out
+    """prefix read and written, delta (or the T partial deltas) and the n_blocks live blocks read, the three weights read, out
     written, and the block slot written when block_write >= 0."""
     t, p = inputs.tensors, inputs.params
     B, D = t["prefix"].shape
     e = t["prefix"].element_size()
-    rows = 2 + 1 + p["n_blocks"] + 1 + (1 if p["block_write"] >= 0 else 0)   # prefix rw, delta, blocks, out, write
+    n_deltas = t["deltas"].shape[0] if "deltas" in t else 1
+    rows = 2 + n_deltas + p["n_blocks"] + 1 + (1 if p["block_write"] >= 0 else 0)   # prefix rw, deltas, blocks, out, write
     return (rows * B * D + 3 * D) * e
 
 
@@ -172,6 +173,8 @@ OPS = [
         batch_dims={"prefix": 0, "deltas": 1, "blocks": 0, "out": 0},
         split=replicated_split(FOLD_ORDER, order_sensitive=True),
         dists=GENERIC_DISTS + EDGE_DISTS + ("order_sensitive",), knob_sweep=SCORE_SWEEP, magnitudes=attn_res_out_magnitude,
+        fused="fused.allreduce_attn_res_rmsnorm:allreduce_attn_res_rmsnorm", moved_bytes=attn_res_rmsnorm_bytes,
+        bench_knobs=({"n_blocks": 8, "block_write": -1},),
         notes=_NOTES + " deltas has T partials (T = case.tp, or knob 'partials' (default 4) when tp=1); "
               "dist order_sensitive draws partials with cancelling magnitudes ~2^24 apart.",
     ),
