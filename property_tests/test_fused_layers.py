@@ -73,8 +73,11 @@ def test_reference_kernel_table_is_the_reference_layer_bit_for_bit(op_name, conf
 def test_kernel_tables_name_the_registry_ops():
     """Every op of a layer has a fused kernel under fused/ and, in the reference table, exactly the
     registry's reference of that op (a table that names another function composes another layer)."""
+    from fused.layers_tp import TP_OPS
+
     ops = all_ops()
-    for kind, names in FL.LAYER_OPS.items():
+    assert set(FL.KERNELS) == set(FL.REFERENCES)
+    for kind, names in {**FL.LAYER_OPS, "tp": TP_OPS}.items():
         for op in names:
             assert op in ops, f"{kind}: {op} is not a registry op"
             assert FL.REFERENCES[op] == ops[op].reference, op

@@ -1,0 +1,215 @@
+"""The fused layer step on one tensor-parallel rank of T: references.layers_tp's split, each rank a process.
+
+Rank r holds its shards (the references' shard rules: KDA in-proj columns, conv/gate/recurrent state and
+o_proj rows by head; MLA q_b / W_UK / W_UV / g_proj by head, o_proj rows; routed experts by the padded
+intermediate dim; shared experts column- then row-parallel) and its head slice of the KDA state or its
+replica of the MLA cache. One step:
+
+  attn side    attn_res_rmsnorm, replicated (every rank the same bits)
+  attention    the rank's heads -> its partial o_proj output [B, D]
+  all-reduce   the T partials gathered (rank order) -> allreduce_attn_res_rmsnorm: the fp32 rank-order
+               fold inside the AttnRes + post-norm kernel (fused/allreduce_attn_res_rmsnorm.py)
+  MoE          shared experts (the rank's slice) on their side stream, router and latent down
+               replicated, the rank's slice of every chosen expert -> partials of the latent output
+               and of the shared experts, gathered in one [T, B, L + D] all-gather, each folded in
+               rank order (fold_ranks: torch), latent_norm_up, prefix + mlp
+
+The gather is a `Collective`: `ProcessGroupGather` (torch.distributed: NCCL between GPUs, gloo on
+CPUs; one process per rank) or `CopiesGather` (one process: the rank's own partial in all T slots;
+the shapes and the compute of one rank at per-rank K3 shapes, for timing on one GPU; no layer). The
+folds are the declared order on every rank, so every rank computes the same replicated bits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fused import layers as FL
+from references.config import K3Config, get_config
+from references.kda_tp import shard_decode_tensors, shard_in_proj_weights
+from references.layers_tp import check_tp, shard_gated_mlp, shard_routed_experts
+from references.mla import shard_heads
+from references.primitives import fold_ranks
+from references.weights import LayerWeights
+
+TP_OPS = ("allreduce_attn_res_rmsnorm",)
+KDA_SHARDED_STATE = ("conv_state", "recurrent_state")
+
+
+# ---------------------------------------------------------------------------------------------- gathers
+class ProcessGroupGather:
+    """The T ranks' tensors stacked in rank order on every rank, through torch.distributed's default
+    process group (one all-gather per call)."""
+
+    def __init__(self, group=None):
+        import torch.distributed as dist
+
+        self.dist, self.group = dist, group
+        self.T, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        if self.dist.get_backend(self.group) == "nccl":
+            out = torch.empty((self.T, *t.shape), dtype=t.dtype, device=t.device)
+            self.dist.all_gather_into_tensor(out, t, group=self.group)
+            return out
+        parts = [torch.empty_like(t) for _ in range(self.T)]
+        self.dist.all_gather(parts, t, group=self.group)
+        return torch.stack(parts)
+
+
+@dataclass
+class CopiesGather:
+    """One process standing in for rank `rank` of T: the gather returns T copies of the rank's own
+    tensor. Right shapes and the rank's own compute, not the layer's values (timing only)."""
+    T: int
+    rank: int = 0
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t.unsqueeze(0).expand(self.T, *t.shape).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------- shards
+def shard_weights(kind: str, weights: dict, cfg: K3Config, wd: torch.dtype, T: int, rank: int) -> dict:
+    """Rank `rank`'s weights under the names of the unsplit layer (replicated ones as they are)."""
+    check_tp(T, cfg)
+    w = dict(weights)
+    H = cfg.n_heads
+    if kind == "kda":
+        w.update(shard_in_proj_weights(weights["w_in"], weights["w_fb"], H, T)[rank])
+        per_head = shard_decode_tensors({"state": torch.empty(1, H, cfg.head_dim, cfg.head_dim, device="meta"),
+                                         "conv_state": torch.empty(1, 3, H * cfg.head_dim, 1, device="meta"),
+                                         **{n: weights[n] for n in ("conv_w", "A_log", "dt_bias", "o_norm_w")}},
+                                        T)[rank]
+        w.update({n: per_head[n] for n in ("conv_w", "A_log", "dt_bias")})
+        w["w_o"] = torch.chunk(weights["w_o"], T, dim=1)[rank].contiguous()
+    else:
+        for name in ("w_q_b", "w_uk", "w_uv", "w_g"):
+            w[name] = shard_heads(weights[name], H, T, 0, name)[rank].contiguous()
+        w["w_o"] = shard_heads(weights["w_o"], H, T, 1, "w_o")[rank].contiguous()
+    w.update(shard_routed_experts(LayerWeights(kind, cfg, wd, weights), T)[rank])
+    w["w_shared_gate_up"], w["w_shared_down"] = shard_gated_mlp(weights["w_shared_gate_up"],
+                                                                weights["w_shared_down"], T, "shared expert")[rank]
+    return w
+
+
+def shard_state(kind: str, state: dict, cfg: K3Config, T: int, rank: int) -> dict:
+    """Rank `rank`'s state: the KDA conv and recurrent state by head (copies); the MLA cache replicated
+    (a copy per rank), block_table and seq_lens as they are (copies)."""
+    if kind != "kda":
+        return {n: t.clone() for n, t in state.items()}
+    H, Dh = cfg.n_heads, cfg.head_dim
+    hl = H // T
+    heads, chans = slice(rank * hl, (rank + 1) * hl), slice(rank * hl * Dh, (rank + 1) * hl * Dh)
+    return {"conv_state": state["conv_state"][:, :, chans].clone(),
+            "recurrent_state": state["recurrent_state"][:, heads].clone()}
+
+
+def join_state(kind: str, per_rank: list[dict]) -> dict:
+    """The unsplit state from the ranks' (rank order): KDA by head; MLA rank 0's replica."""
+    if kind != "kda":
+        return dict(per_rank[0])
+    return {"conv_state": torch.cat([s["conv_state"] for s in per_rank], 2),
+            "recurrent_state": torch.cat([s["recurrent_state"] for s in per_rank], 1)}
+
+
+# ---------------------------------------------------------------------------------------------- prepare
+@dataclass
+class RankLayer(FL.FusedLayer):
+    """A FusedLayer holding one rank's shards, with the gather its all-reduces go through."""
+    gather: object = None
+    T: int = 1
+    rank: int = 0
+
+    def step(self, prefix: torch.Tensor, blocks: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
+        work = self.buffer("prefix", prefix)
+        work.copy_(prefix)
+        return (kda_step_tp if self.kind == "kda" else mla_step_tp)(self, work, blocks, *state)
+
+
+def prepare_rank(kind: str, weights: dict, config: str | K3Config, layer_idx: int, wd: torch.dtype, gather,
+                 kernels: str = "fused") -> RankLayer:
+    """Rank gather.rank of gather.T: its shards of the unsplit `weights`, its kernel table."""
+    cfg = get_config(config) if isinstance(config, str) else config
+    shards = shard_weights(kind, weights, cfg, wd, gather.T, gather.rank)
+    base = FL.prepare(kind, shards, cfg, layer_idx, wd, kernels)
+    table = FL.KERNELS if kernels == "fused" else FL.REFERENCES
+    for op in TP_OPS:
+        base.kernels[op] = FL._resolve(table[op])
+        if kernels == "fused":
+            base.fallbacks[op] = FL._resolve(FL.REFERENCES[op])
+    return RankLayer(**{f: getattr(base, f) for f in base.__dataclass_fields__}, gather=gather, T=gather.T,
+                     rank=gather.rank)
+
+
+# ---------------------------------------------------------------------------------------------- one step
+def _mlp_side_tp(layer: RankLayer, prefix, partial: torch.Tensor, blocks, n_blocks: int) -> torch.Tensor:
+    w, cfg, eps = layer.w, layer.cfg, layer.cfg.rms_eps
+    h = layer.call("allreduce_attn_res_rmsnorm", prefix, layer.gather(partial), blocks, w["mlp_res_norm_w"],
+                   w["mlp_res_proj_w"], w["post_norm_w"], n_blocks, -1, eps, eps)
+    shared = layer.call("shared_experts", h, w["w_shared_gate_up"], w["w_shared_down"], cfg.situ_beta,
+                        cfg.situ_linear_beta)
+    ids, route_w = layer.call("router_topk", h, w["w_router"], w["router_bias"], cfg.top_k, cfg.routed_scale)
+    z = layer.call("skinny_gemm", h, w["w_latent_down"])
+    y = layer.call("moe_experts_mxfp4", z, ids, route_w, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                   w["w2_scale"], cfg.situ_beta, cfg.situ_linear_beta)
+    parts = layer.gather(torch.cat([y, shared.wait()], dim=-1))              # [T, B, L + D]
+    L = y.shape[-1]
+    mlp = layer.call("latent_norm_up", fold_ranks(parts[..., :L]), w["latent_norm_w"], w["w_latent_up"],
+                     fold_ranks(parts[..., L:]), eps)
+    return prefix + mlp
+
+
+def kda_step_tp(layer: RankLayer, prefix, blocks, conv_state, recurrent_state) -> torch.Tensor:
+    """One KDA layer step of this rank: conv_state / recurrent_state are its head slices."""
+    w, cfg = layer.w, layer.cfg
+    x, n = FL._attn_side(layer, prefix, blocks)
+    q_raw, k_raw, v_raw, g_raw, beta_raw, z = layer.call("kda_in_proj", x, w["w_in"], w["w_fb"], cfg.n_heads // layer.T)
+    y = layer.call("kda_decode", q_raw, k_raw, v_raw, g_raw, beta_raw, z, w["conv_w"], conv_state, w["A_log"],
+                   w["dt_bias"], w["o_norm_w"], recurrent_state, cfg.gate_lower_bound, cfg.l2_eps, cfg.rms_eps)
+    return _mlp_side_tp(layer, prefix, layer.call("skinny_gemm", y, w["w_o"]), blocks, n)
+
+
+def mla_step_tp(layer: RankLayer, prefix, blocks, cache, block_table, seq_lens) -> torch.Tensor:
+    """One MLA layer step of this rank: the cache is its replica (every rank writes the same latent)."""
+    w, cfg = layer.w, layer.cfg
+    page = cache.shape[1]
+    pos = seq_lens.long()
+    slots = block_table.long().gather(1, (pos // page).unsqueeze(1)).squeeze(1) * page + pos % page
+    x, n = FL._attn_side(layer, prefix, blocks)
+    q_c, kv_c, k_rot = layer.call("mla_qkv_a", x, w["w_qkv_a"], w["q_a_norm_w"], w["kv_a_norm_w"],
+                                  cfg.mla_latent_eps)
+    q_abs = layer.call("mla_q_absorb", q_c, w["w_q_b"], w["w_uk"])
+    layer.call("mla_cache_write", torch.cat([kv_c, k_rot], dim=-1), cache, slots)
+    seq_lens.add_(1)
+    B, H = q_abs.shape[0], q_abs.shape[1]
+    o_latent = layer.call("mla_decode_attn", q_abs.view(B, 1, H, -1), cache, block_table, seq_lens,
+                          cfg.mla_scale, cfg.kv_lora_rank)
+    o = layer.call("mla_out_gate", o_latent.reshape(B, H, cfg.kv_lora_rank), w["w_uv"], x, w["w_g"])
+    return _mlp_side_tp(layer, prefix, layer.call("skinny_gemm", o, w["w_o"]), blocks, n)
+
+
+def rank_steps(kind: str, x_steps: torch.Tensor, blocks: torch.Tensor, state: dict, layer_idx: int, config: str,
+               weights: dict, gather, kernels: str = "fused") -> tuple[torch.Tensor, dict]:
+    """This rank's registry-form run: the unsplit weights and state in, sharded here; returns
+    (prefix_steps[N,B,D], this rank's final state)."""
+    from stock.layers import validate_state
+
+    layer = prepare_rank(kind, weights, config, layer_idx, x_steps.dtype, gather, kernels)
+    mine = shard_state(kind, state, layer.cfg, gather.T, gather.rank)
+    blocks = blocks.contiguous().clone()
+    if kind == "mla":
+        validate_state(layer, x_steps[0], blocks, mine, x_steps.shape[0])
+    return torch.stack([layer.step(x, blocks, *mine.values()) for x in x_steps]), mine
+
+
+def describe(layer: RankLayer) -> dict:
+    """fused.layers.describe for a rank: its ops plus the all-reduce op, and the gathers and the MoE
+    partials' fold as glue."""
+    info = FL.describe(layer)
+    if "allreduce_attn_res_rmsnorm" not in layer.unfused:
+        info["fused"].append("allreduce_attn_res_rmsnorm")
+    info["glue"] += ["all-gather of the attention partials", "all-gather of the MoE (latent | shared) partials",
+                     "rank-order fold of the MoE partials (torch)"]
+    return info

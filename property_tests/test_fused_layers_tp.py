@@ -1,0 +1,186 @@
+"""The fused layer step split over T real ranks (fused/layers_tp.py), one process per rank: with the
+reference kernels inside, every rank's output steps and the joined state are references.layers_tp's
+simulated T-rank layer bit for bit (gloo on CPUs); a fold in another order is rejected by that
+comparison. On two GPUs (NCCL) the fused kernels run inside; on one GPU the rank's own step is timed
+at K3 per-rank shapes (T = 8, 16) with its gathers standing in."""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+KINDS = {"kda": ("conv_state", "recurrent_state"), "mla": ("cache", "block_table", "seq_lens")}
+LAYER = {"kda": 12, "mla": 15}        # 12 pushes a block; 15 is an MLA layer with 2 blocks
+
+
+def _inputs(kind: str, config: str = "tiny", batch: int = 3, steps: int = 3, seed: int = 5):
+    from verify.model.case import Case
+    from verify.ops.layers import make_kda_layer_inputs, make_mla_layer_inputs
+
+    make = make_kda_layer_inputs if kind == "kda" else make_mla_layer_inputs
+    inputs = make(Case(op=f"{kind}_layer", seed=seed, batch=batch, config=config,
+                       extra=(("layer_idx", LAYER[kind]), ("steps", steps))))
+    t = dict(inputs.tensors)
+    state = {n: t.pop(n) for n in KINDS[kind]}
+    return t.pop("x_steps"), t.pop("blocks"), state, t, inputs.params
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_worker(rank: int, T: int, kind: str, port: int, backend: str, kernels: str, fold: str, queue):
+    import torch.distributed as dist
+
+    import fused.layers_tp as TP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    dist.init_process_group(backend, rank=rank, world_size=T)
+    try:
+        x_steps, blocks, state, weights, params = _inputs(kind)
+        move = lambda d: {k: v.to(device) for k, v in d.items()}
+        gather = TP.ProcessGroupGather()
+        if fold == "wd_allreduce":       # the planted bug: a working-dtype all-reduce (NCCL's bf16 sum)
+            gather = _WdAllReduce(gather)
+        out, mine = TP.rank_steps(kind, x_steps.to(device), blocks.to(device), move(state), params["layer_idx"],
+                                  params["config"], move(weights), gather, kernels)
+        queue.put((rank, out.cpu(), {n: t.cpu() for n, t in mine.items()}))
+    finally:
+        dist.destroy_process_group()
+
+
+class _WdAllReduce:
+    """A gather whose slot 0 holds the partials summed in the working dtype (each add rounded, as an
+    all-reduce of bf16 buffers sums them) and the other slots zeros: the fold then gives that sum."""
+
+    def __init__(self, real):
+        self.real, self.T, self.rank = real, real.T, real.rank
+
+    def __call__(self, t):
+        parts = self.real(t)
+        total = parts[0].clone()
+        for r in range(1, self.T):
+            total = total + parts[r]
+        out = torch.zeros_like(parts)
+        out[0] = total
+        return out
+
+
+def _run_ranks(kind: str, T: int, backend: str = "gloo", kernels: str = "reference", fold: str = "declared"):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_worker, args=(r, T, kind, port, backend, kernels, fold, queue))
+             for r in range(T)]
+    for p in procs:
+        p.start()
+    results = sorted((queue.get(timeout=600) for _ in range(T)), key=lambda r: r[0])
+    for p in procs:
+        p.join(timeout=60)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return results
+
+
+def _reference(kind: str, T: int):
+    from references.config import get_config
+    from references.layers import LayerState, decode_steps
+    from references.weights import LayerWeights
+
+    x_steps, blocks, state, weights, params = _inputs(kind)
+    w = LayerWeights(kind, get_config(params["config"]), x_steps.dtype, weights)
+    st = LayerState(prefix=torch.zeros_like(x_steps[0]), blocks=blocks.clone(), **state)
+    return decode_steps(kind, w, st, x_steps, params["layer_idx"], tp=T), {n: getattr(st, n) for n in KINDS[kind]}
+
+
+@pytest.mark.parametrize("kind,T", [("kda", 2), ("mla", 2), ("kda", 4)])
+def test_ranks_over_gloo_are_the_simulated_tp_layer_bit_for_bit(kind, T):
+    from fused.layers_tp import join_state
+
+    want, want_state = _reference(kind, T)
+    results = _run_ranks(kind, T)
+    for rank, out, _ in results:
+        assert torch.equal(out, want), f"rank {rank}: outputs differ from references.layers_tp at T={T}"
+    joined = join_state(kind, [r[2] for r in results])
+    for n in KINDS[kind]:
+        assert torch.equal(joined[n], want_state[n]), n
+
+
+def test_partials_summed_in_the_working_dtype_are_caught():
+    """The control: an all-reduce that sums the bf16 partials in bf16 (not the declared fp32 fold)
+    changes the layer's bits, and the comparison above sees it."""
+    want, _ = _reference("kda", 4)
+    results = _run_ranks("kda", 4, fold="wd_allreduce")
+    assert not torch.equal(results[0][1], want)
+
+
+def test_copies_gather_stands_in_for_the_ranks():
+    from fused.layers_tp import CopiesGather
+
+    g = CopiesGather(4, 1)
+    t = torch.arange(6.0).view(2, 3)
+    got = g(t)
+    assert got.shape == (4, 2, 3) and all(torch.equal(got[r], t) for r in range(4))
+
+
+# ---------------------------------------------------------------------------------------------- GPUs
+@pytest.mark.multi_gpu(2)
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+def test_fused_ranks_over_nccl_on_two_gpus(kind):
+    """The fused kernels on 2 GPUs: every rank's outputs the same bits, within the bf16 layer's
+    error of the simulated T = 2 reference layer (the op certificates bound each kernel)."""
+    want, _ = _reference(kind, 2)
+    results = _run_ranks(kind, 2, backend="nccl", kernels="fused")
+    assert torch.equal(results[0][1], results[1][1]), "the ranks' replicated outputs differ"
+    err = ((results[0][1].double() - want.double()).norm() / want.double().norm()).item()
+    print(f"\n{kind} fused T=2 over NCCL: relative distance to the reference layer {err:.2e}")
+    assert torch.isfinite(results[0][1]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+def test_k3_rank_step_on_one_gpu(kind):
+    """One rank's step at K3 per-rank shapes (T = 8, 16; B = 1, 8, 64), its gathers standing in
+    (CopiesGather): captured in a CUDA graph, launches counted, timed over replays (printed for the
+    layer table; the all-gathers' time is not in it)."""
+    from references.config import K3
+    from references.layers import new_layer_state
+    from stock.weights import make_layer_weights_on
+    from verify.bench.launches import count_launches
+    import fused.layers_tp as TP
+
+    w = make_layer_weights_on(kind, K3, 0, device="cuda").tensors
+    for T in (8, 16):
+        layer = TP.prepare_rank(kind, w, K3, LAYER[kind], torch.bfloat16, TP.CopiesGather(T))
+        for B in (1, 8, 64):
+            st = new_layer_state(kind, K3, B, max_tokens=512)
+            state = TP.shard_state(kind, {n: getattr(st, n).cuda() for n in KINDS[kind]}, K3, T, 0)
+            g = torch.Generator(device="cuda").manual_seed(B)
+            blocks = torch.randn(B, 8, K3.hidden, device="cuda", generator=g).to(torch.bfloat16)
+            prefix = torch.randn(B, K3.hidden, device="cuda", generator=g).to(torch.bfloat16)
+            out = layer.step(prefix, blocks.clone(), *state.values())
+            count = count_launches(lambda: layer.step(prefix, blocks, *state.values()), warmup=1)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                layer.step(prefix, blocks, *state.values())
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            graph.replay()
+            start.record()
+            for _ in range(20):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            print(f"\nK3 {kind} rank step T={T} B={B}: {count.kernels} launches, "
+                  f"{start.elapsed_time(end) / 20 * 1e3:.1f} us, unfused {sorted(layer.unfused)}")
+            assert torch.isfinite(out).all()
