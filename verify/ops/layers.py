@@ -19,6 +19,9 @@ from verify.ops.common_splits import activation, gen_for, working_dtype
 from verify.ops.kda import starting_state
 
 STEP_RANGE = (2, 5)      # decode steps per case, drawn
+# and in the knob sweep, runs of 64 steps with their state (a fused layer's per-step error must not
+# grow with the steps: the specs' derivations bound it at every step)
+LONG_RUNS = ({"steps": 64},)
 MAX_BATCH = 4            # the reference loops over (token, expert) pairs in Python: keep a case ~1 s
 MAX_CONTEXT_PAGES = 4    # MLA context already cached before the first step, per sequence
 # layer indices worth drawing: first layer of a block (push), 1..8 blocks before the layer, the last layers
@@ -116,6 +119,7 @@ OPS: list[OpDef] = [
         # all channels of one conv of one sequence together, [C, W-1]
         row_ndims={"conv_state": 2},
         configs=("tiny", "small"), dists=DISTS, max_batch=MAX_BATCH, compile_heavy=True, cpu_ok=False, notes=_NOTES,
+        knob_sweep=LONG_RUNS,
     ),
     OpDef(
         name="mla_layer", family="layers", reference="references.layers:mla_layer_steps",
@@ -124,5 +128,6 @@ OPS: list[OpDef] = [
                    "seq_lens[B] int32 (state: tokens cached, advanced by N)\n-> prefix_steps[N,B,D] wd"),
         batch_dims={"x_steps": 1, "blocks": 0, "block_table": 0, "seq_lens": 0, "prefix_steps": 1},
         configs=("tiny", "small"), dists=DISTS, max_batch=MAX_BATCH, compile_heavy=True, cpu_ok=False, notes=_NOTES,
+        knob_sweep=LONG_RUNS,
     ),
 ]
