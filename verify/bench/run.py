@@ -6,6 +6,12 @@ entry's error in its row, never the end of the run. The shapes run in rounds, on
 every op per round, in each op's coverage order (B = 1, 64, 8, 2, 16, 4, 32): a time budget that
 stops starting new shapes, or a SIGTERM, cuts the last rounds of every op alike, and every op keeps
 a spread of batches. The shapes not timed are listed with the reason.
+
+Each entry of a layer op (LAUNCH_FAMILIES) also gets its kernel launches per call counted
+(verify.bench.launches) after its timing, on the same launch: a count that fails is that entry's
+count error, never the run's. An op's integer state (an MLA layer's seq_lens) is put back before
+each call of an op-form entry, as the stock layer's step does inside its graph, so that repeated
+calls of one step write the same cache slot instead of running out of pages.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from typing import Callable
 from verify.bench import floor, peer_check, score, shapes, timing
 
 EAGER, COMPILED, FLOOR = "eager", "compiled", "floor"
+LAUNCH_FAMILIES = ("layers",)       # ops whose entries' launches per call are counted and reported
 
 
 @dataclass
@@ -30,10 +37,36 @@ class Plan:
     budget_s: float | None = None
     notes: dict[str, list[str]] = field(default_factory=dict)
     variants: bool = False                      # also time each candidate's declared launch variants
+    counter: Callable | None = None             # launch -> launches record (count_entry when None)
 
 
-def _op_launch(fn):
-    return lambda s: (lambda: fn(**s.tensors, **s.params))
+def _op_launch(fn, op=None):
+    """input set -> a launch of fn on it; the op's integer state tensors are put back to the set's
+    starting values before each call (a copy on the device, inside the timed launch)."""
+    def make(s):
+        ints = [] if op is None else [n for n in op.state if n in s.tensors and not s.tensors[n].is_floating_point()]
+        if not ints:
+            return lambda: fn(**s.tensors, **s.params)
+        start = {n: s.tensors[n].clone() for n in ints}
+
+        def launch():
+            for n, v in start.items():
+                s.tensors[n].copy_(v)
+            return fn(**s.tensors, **s.params)
+        return launch
+    return make
+
+
+def counts_launches(op) -> bool:
+    return op.family in LAUNCH_FAMILIES
+
+
+def count_entry(launch) -> dict:
+    """Kernel launches of one call of `launch` (verify.bench.launches.count_launches: CUDA graph
+    nodes, else the profiler's kernels); bench_shape records what it raises as the count's error."""
+    from verify.bench.launches import count_launches
+
+    return count_launches(launch).to_json()
 
 
 def _peer_launch(prepare):
@@ -51,7 +84,7 @@ def entries_for(op, allowed: dict[str, Callable], device: str = "cuda"
     makers, errors, whole = {}, {}, {}
     for name, resolve in ((EAGER, lambda: reference_fn(op)), (COMPILED, lambda: compiled_fn(op.name))):
         try:
-            makers[name] = _op_launch(resolve())
+            makers[name] = _op_launch(resolve(), op)
         except Exception as e:  # noqa: BLE001
             errors[name] = f"{type(e).__name__}: {e}"[:300]
     for peer in op.peers:
@@ -64,7 +97,7 @@ def entries_for(op, allowed: dict[str, Callable], device: str = "cuda"
             errors[f"peer:{peer.name}"] = f"{type(e).__name__}: {e}"[:300]
     for label, fn in allowed.items():
         if label not in (EAGER, COMPILED, "reference"):
-            makers[label] = _op_launch(fn)
+            makers[label] = _op_launch(fn, op)
     if device == "cuda":
         parallel_compile()
     return makers, errors, whole
@@ -150,14 +183,15 @@ def _note_failure(failures: dict, name: str, err: str | None) -> None:
 
 def bench_shape(op, shape, inputs, makers: dict, errors: dict, candidates: list[str], clock, device: str,
                 profile: Callable | None = None, timing_kw: dict | None = None, checks: dict | None = None,
-                failures: dict | None = None, variants: dict | None = None) -> dict:
+                failures: dict | None = None, variants: dict | None = None, counter: Callable | None = None) -> dict:
     """One row: every entry timed over the same rotated sets, the floor, and each candidate judged;
     each whole-op peer in `checks` (name -> prepare) first run against the reference once.
 
     failures (kept by the caller across one op's shapes): an entry that failed with the same error at
     GIVE_UP_AFTER shapes in a row is not tried again (a compile that fails would cost its compile
     time at every shape); its row says so. variants (variant_makers): timed on the same sets into
-    row["variant_timings"], unjudged, and summarised by fastest_variants."""
+    row["variant_timings"], unjudged, and summarised by fastest_variants. counter (launch -> record,
+    count_entry): each timed entry's launches per call into row["launches"], counted after its timing."""
     failures = {} if failures is None else failures
     nbytes = floor.declared_bytes(op, inputs)
     n_sets = timing.sets_needed(max(floor.input_bytes(inputs.tensors), nbytes or 0))
@@ -190,6 +224,12 @@ def bench_shape(op, shape, inputs, makers: dict, errors: dict, candidates: list[
                     profile(op.name, shape.label, name, launches)
             except Exception as e:  # noqa: BLE001  (one entry's failure is its row's error)
                 err = row["errors"][name] = _error_line(e)
+            if counter is not None and err is None:
+                try:
+                    count = counter(launches[0])
+                except Exception as e:  # noqa: BLE001  (a count that fails is the count's error)
+                    count = {"error": _error_line(e)}
+                row.setdefault("launches", {})[name] = count
             _note_failure(failures, name, err)
         for name, make in (variants or {}).items():
             try:
@@ -314,7 +354,8 @@ def bench_all(plan: Plan, clock, on_row: Callable[[dict, dict], None], profile: 
                 inputs = cache.inputs(op, shape, largest[op.name])
                 row = bench_shape(op, shape, inputs, makers, errors, cands, clock, plan.device, profile,
                                   timing_kw, checks, failures,
-                                  variant_makers(plan.allowed[op.name], inputs) if plan.variants else None)
+                                  variant_makers(plan.allowed[op.name], inputs) if plan.variants else None,
+                                  (plan.counter or count_entry) if counts_launches(op) else None)
             except Exception as e:  # noqa: BLE001  (inputs or a split that cannot be built: the row says so)
                 row = untimed_row(op, shape, cands, "")
                 row["errors"] = {"inputs": f"{type(e).__name__}: {e}"[:300]}
