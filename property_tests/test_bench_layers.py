@@ -171,3 +171,42 @@ def test_an_op_without_counts_keeps_its_table():
     head, _ = output.op_table(_rec([row]), "router_topk")
     assert not any(h.endswith("launches") for h in head)
     assert output.unit(_rec([row]), "router_topk") == "us per call"
+
+
+# ------------------------------------------------------------------------------------ candidates and inputs
+@pytest.mark.parametrize("name", LAYERS)
+def test_a_candidate_whose_module_declares_a_step_launch_is_timed_one_step_per_call(name):
+    op = get_op(name)
+    label = "stock.layers:layer_steps"
+    makers, errors, whole = run.entries_for(op, {label: import_callable(label)}, device="cpu")
+    assert set(whole) == {label, "peer:stock_layer"} and label not in errors
+    assert whole[label] is getattr(stock.layers, f"{name}_step_peer")
+    s = run._device_sets(_inputs(name, batch=3), 1, "cpu")[0]
+    assert makers[label](s)().shape == s.tensors["x_steps"].shape[1:]          # [B, D]: one step
+    assert run.step_launch_of(op, "references.layers:kda_layer_steps") is None  # no step launch: registry form
+    assert run.step_launch_of(get_op("router_topk"), "compiled") is None
+
+
+def test_layer_inputs_at_k3_on_a_device_take_their_weights_from_the_device_builder(monkeypatch):
+    import dataclasses
+
+    op = dataclasses.replace(get_op("kda_layer"), make_inputs=lambda case: ("registry", case.config))
+    monkeypatch.setattr(shapes, "device_layer_inputs", lambda op, case, device: ("device", device))
+    k3 = Case("kda_layer", 0, 1, "k3", "bfloat16", "normal", 1, (("steps", 1),))
+    assert shapes.build_inputs(op, k3, "cuda") == ("device", "cuda")
+    assert shapes.build_inputs(op, k3, "cpu") == ("registry", "k3")
+    assert shapes.build_inputs(op, dataclasses.replace(k3, config="tiny"), "cuda") == ("registry", "tiny")
+    other = dataclasses.replace(get_op("router_topk"), make_inputs=lambda case: "registry")
+    assert shapes.build_inputs(other, k3, "cuda") == "registry"
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_device_built_layer_inputs_are_the_registry_case_but_for_the_weights_values(name):
+    op = get_op(name)
+    case = Case(name, 0, 3, "tiny", "bfloat16", "normal", 1, (("steps", 1),))
+    want, got = op.make_inputs(case), shapes.device_layer_inputs(op, case, "cpu")
+    assert got.params == want.params and set(got.tensors) == set(want.tensors)
+    for k, t in want.tensors.items():
+        assert (got.tensors[k].shape, got.tensors[k].dtype) == (t.shape, t.dtype), k
+    for k in ("x_steps", "blocks") + op.state:
+        assert torch.equal(got.tensors[k], want.tensors[k]), k

@@ -12,6 +12,11 @@ Each entry of a layer op (LAUNCH_FAMILIES) also gets its kernel launches per cal
 count error, never the run's. An op's integer state (an MLA layer's seq_lens) is put back before
 each call of an op-form entry, as the stock layer's step does inside its graph, so that repeated
 calls of one step write the same cache slot instead of running out of pages.
+
+A candidate whose module declares a step launch for the op (`<op>_step_peer`, the peer protocol:
+prepare(tensors, params) -> launch, e.g. stock.layers:kda_layer_step_peer beside its registry form
+stock.layers:layer_steps) is timed through it: its layer prepared once, untimed, and one step per
+call, as the stock peer is; the step launch is checked against the reference like a whole-op peer.
 """
 from __future__ import annotations
 
@@ -61,6 +66,25 @@ def counts_launches(op) -> bool:
     return op.family in LAUNCH_FAMILIES
 
 
+STEP_SUFFIX = "_step_peer"
+
+
+def step_launch_of(op, label: str):
+    """The candidate's step launch for the op (its module's `<op name>_step_peer`), or None where the
+    module declares none (the candidate is then timed through its registry form)."""
+    import importlib
+
+    from verify.ops.registry import import_callable
+
+    path = op.fused if label == "fused" else label if ":" in label else None
+    if not path:
+        return None
+    module = path.split(":", 1)[0]
+    if not hasattr(importlib.import_module(module), op.name + STEP_SUFFIX):
+        return None
+    return import_callable(f"{module}:{op.name}{STEP_SUFFIX}")
+
+
 def count_entry(launch) -> dict:
     """Kernel launches of one call of `launch` (verify.bench.launches.count_launches: CUDA graph
     nodes, else the profiler's kernels); bench_shape records what it raises as the count's error."""
@@ -76,8 +100,8 @@ def _peer_launch(prepare):
 def entries_for(op, allowed: dict[str, Callable], device: str = "cuda"
                 ) -> tuple[dict[str, Callable], dict[str, str], dict[str, Callable]]:
     """name -> (input set -> launch) for the baselines, the peers and the allowed candidates; name ->
-    error for those that cannot even be resolved here; and name -> prepare of each whole-op peer (the
-    ones checked against the reference, peer_check)."""
+    error for those that cannot even be resolved here; and name -> prepare of each whole-op peer and
+    each candidate's step launch (step_launch_of), the ones checked against the reference (peer_check)."""
     from verify.judge.candidates import compiled_fn, reference_fn
     from verify.ops.registry import import_callable
 
@@ -97,7 +121,14 @@ def entries_for(op, allowed: dict[str, Callable], device: str = "cuda"
             errors[f"peer:{peer.name}"] = f"{type(e).__name__}: {e}"[:300]
     for label, fn in allowed.items():
         if label not in (EAGER, COMPILED, "reference"):
-            makers[label] = _op_launch(fn, op)
+            try:
+                step = step_launch_of(op, label)
+            except Exception as e:  # noqa: BLE001  (a step launch that cannot be imported: the label's error)
+                errors[label] = _error_line(e)
+                continue
+            makers[label] = _op_launch(fn, op) if step is None else _peer_launch(step)
+            if step is not None:
+                whole[label] = step
     if device == "cuda":
         parallel_compile()
     return makers, errors, whole
@@ -333,7 +364,7 @@ def bench_all(plan: Plan, clock, on_row: Callable[[dict, dict], None], profile: 
         return {"rows": rows, "not_reached": not_reached + pending,
                 "notes": {k: v for k, v in notes.items() if v}}
 
-    cache, entries = shapes.InputCache(), {}
+    cache, entries = shapes.InputCache(plan.device), {}
     largest = {op.name: max((s.batch for s in ss), default=1) for op, ss in per_op}
     try:
         for op, shape in todo:
