@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import stock.layers
+from property_tests.test_bench import CountingClock
 from verify.bench import html, output, run, shapes
 from verify.judge.candidates import reference_fn
 from verify.model.case import Case
@@ -15,22 +16,6 @@ from verify.ops.registry import get_op, import_callable
 
 LAYERS = ("kda_layer", "mla_layer")
 FAST = {"min_calls": 2, "samples": 2, "replays": 1}
-
-
-class CountingClock:
-    """A replay runs the captured calls and counts 1 us per call."""
-
-    def capture(self, calls):
-        calls = list(calls)
-
-        def replay():
-            for c in calls:
-                c()
-            return len(calls)
-        return replay, "graph"
-
-    def elapsed_ms(self, replay, n):
-        return sum(replay() for _ in range(n)) * 1e-3
 
 
 def _inputs(name, batch=2, config="tiny", seed=0):
@@ -210,3 +195,73 @@ def test_device_built_layer_inputs_are_the_registry_case_but_for_the_weights_val
         assert (got.tensors[k].shape, got.tensors[k].dtype) == (t.shape, t.dtype), k
     for k in ("x_steps", "blocks") + op.state:
         assert torch.equal(got.tensors[k], want.tensors[k]), k
+
+
+# ------------------------------------------------------------------------------------ on the device
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+STOCK = "stock.layers:layer_steps"
+
+
+def _without_compiled(monkeypatch):
+    """entries_for without torch.compile of the reference (minutes per layer; the bench command runs it)."""
+    real = run.entries_for
+
+    def entries(op, allowed, device="cuda"):
+        makers, errors, whole = real(op, allowed, device)
+        makers.pop(run.COMPILED, None)
+        return makers, errors, whole
+    monkeypatch.setattr(run, "entries_for", entries)
+
+
+def _check_layer_row(row, label):
+    for name in ("eager", "peer:stock_layer", label):
+        assert row["timings"][name]["median_us"] > 0, (name, row["errors"])
+    assert row["timings"]["floor"]["median_us"] > 0 and row["bytes"] > 0
+    stock_count = row["launches"]["peer:stock_layer"]
+    assert isinstance(stock_count["kernels"], int) and stock_count["kernels"] > 0, stock_count
+    assert stock_count["method"] == "cuda_graph_nodes", stock_count
+    assert row["launches"][label].get("kernels", 0) > 0, row["launches"][label]
+    # a note, not a verdict: at K3 a token in the router's tie band may pick another expert
+    assert not row["peer_checks"]["peer:stock_layer"].startswith("not checked"), row["peer_checks"]
+    assert row["judged"][label]["verdict"] in ("met", "miss")
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", LAYERS)
+def test_a_layer_row_at_the_tiny_config_on_the_device(name, monkeypatch):
+    from verify.bench.timing import GraphClock
+
+    _without_compiled(monkeypatch)
+    op = get_op(name)
+    makers, errors, whole = run.entries_for(op, {STOCK: import_callable(STOCK)}, "cuda")
+    shape = shapes.Shape(name, 1, 2, (("steps", 1),))
+    row = run.bench_shape(op, shape, _inputs(name, batch=2), makers, errors, [STOCK], GraphClock(), "cuda",
+                          checks=whole, counter=run.count_entry)
+    _check_layer_row(row, STOCK)
+    assert row["peer_checks"]["peer:stock_layer"].startswith("ok"), row["peer_checks"]
+    assert row["peer_checks"][STOCK].startswith("ok"), row["peer_checks"]
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", LAYERS)
+def test_the_layer_table_at_k3_one_rank(name, monkeypatch, tmp_path):
+    """bench_all at K3, B = 1, asked for T = 1 and 16: the T = 1 row timed per step with its launches
+    (weights drawn on the device), T = 16 listed as outside the layer's split."""
+    from verify.bench.timing import GraphClock
+
+    _without_compiled(monkeypatch)
+    op = get_op(name)
+    plan = run.Plan(ops=[op], candidates={name: [STOCK]}, allowed={name: {STOCK: import_callable(STOCK)}},
+                    tps=[1, 16], batches=[1], device="cuda")
+    res = run.bench_all(plan, GraphClock(), lambda row, st: None)
+    (row,) = res["rows"]
+    assert (row["tp"], row["batch"], row["knobs"]) == (1, 1, {"steps": 1})
+    _check_layer_row(row, STOCK)
+    assert any("T=16" in n for n in res["notes"][name])
+    rec = _rec(res["rows"])
+    head, body = output.op_table(rec, name)
+    assert int(dict(zip(head, body[0]))["stock_layer launches"]) == row["launches"]["peer:stock_layer"]["kernels"]
+    print(f"\n{name} K3 T=1 B=1: " + ", ".join(f"{k} {v['median_us']:.1f} us" for k, v in row["timings"].items())
+          + "; launches " + ", ".join(f"{k} {v.get('kernels')}" for k, v in row["launches"].items()))
