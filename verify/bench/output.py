@@ -260,12 +260,11 @@ def markdown(rec: dict) -> str:
     for r in rec["rows"]:
         for name, err in r.get("errors", {}).items():
             errors.setdefault((r["op"], name, err), []).append(r["shape"])
-    for key, where in count_errors(rec).items():
-        errors.setdefault(key, []).extend(where)
-    if errors:
-        lines += ["Entries not timed:", ""] + [
-            f"- {op} {name} ({where[0] if len(where) == 1 else f'{len(where)} shapes'}): {err}"
-            for (op, name, err), where in errors.items()] + [""]
+    for title, found in (("Entries not timed:", errors), ("Launches not counted:", count_errors(rec))):
+        if found:
+            lines += [title, ""] + [
+                f"- {op} {name} ({where[0] if len(where) == 1 else f'{len(where)} shapes'}): {err}"
+                for (op, name, err), where in found.items()] + [""]
     for reason, shapes in not_reached_by_reason(rec).items():
         lines += [f"Shapes not timed, {reason} ({len(shapes)}): " + "; ".join(shapes), ""]
     notes = [f"- {op}: {line}" if op != "run" else f"- {line}"
