@@ -134,6 +134,49 @@ def touched_bytes(op, inputs, outputs: list[torch.Tensor]) -> int:
     if op.name == "mla_cache_write":        # cache: only the rows the slots name are written, none read
         rows = int((t["slot_mapping"] >= 0).sum())
         total += -2 * nb["cache"] + rows * t["cache"][0, 0].numel() * t["cache"].element_size()
+    if op.family == "layers":
+        return layer_touched_bytes(inputs)
+    return total
+
+
+def layer_touched_bytes(inputs) -> int:
+    """A layer's N steps, each on its own: every weight tensor but the four expert tensors read whole;
+    of those, the rows of the experts the reference's router chose at the step (decode_steps' routing
+    record); x_steps[t] read and prefix_steps[t] written; blocks[:, :ceil(l / 12)] read; KDA state
+    read and written; MLA: each sequence's cached tokens at the step read, its new token written,
+    block_table read, seq_lens read and written."""
+    from references.config import get_config
+    from references.layers import LayerState, decode_steps
+    from references.weights import LayerWeights
+
+    t, p = inputs.tensors, inputs.params
+    kind = "mla" if "cache" in t else "kda"
+    state_names = ("cache", "block_table", "seq_lens") if kind == "mla" else ("conv_state", "recurrent_state")
+    cfg = get_config(p["config"])
+    work = {k: v.clone() for k, v in t.items()}
+    weights = {k: v for k, v in work.items() if k not in state_names + ("x_steps", "blocks")}
+    state = LayerState(prefix=torch.zeros_like(work["x_steps"][0]), blocks=work["blocks"],
+                       **{k: work[k] for k in state_names})
+    routing = []
+    decode_steps(kind, LayerWeights(kind, cfg, work["x_steps"].dtype, weights), state, work["x_steps"],
+                 p["layer_idx"], routing=routing)
+    size = {k: v.numel() * v.element_size() for k, v in t.items()}
+    experts = ("w13_packed", "w13_scale", "w2_packed", "w2_scale")
+    N, B, D = t["x_steps"].shape
+    token_bytes = B * D * t["x_steps"].element_size()
+    visible = -(-p["layer_idx"] // cfg.attn_res_block)
+    total = 0
+    for step, (ids, _) in enumerate(routing):
+        chosen = {int(e) for e in ids.flatten().tolist()}
+        total += sum(v for k, v in size.items() if k in weights and k not in experts)
+        total += sum(len(chosen) * size[k] // t[k].shape[0] for k in experts)
+        total += 2 * token_bytes + visible * token_bytes
+        if kind == "kda":
+            total += 2 * size["conv_state"] + 2 * size["recurrent_state"]
+        else:
+            cached = sum(int(n) + step for n in t["seq_lens"].tolist())
+            total += (cached + B) * t["cache"][0, 0].numel() * t["cache"].element_size()
+            total += size["block_table"] + 2 * size["seq_lens"]
     return total
 
 

@@ -21,13 +21,18 @@ the op's bytes) where the floor is 10 us or more, &lt;= 2 x below.</p>
 {% for reason, shapes in not_reached.items() %}<h3>Not timed, {{ reason }}: {{ shapes|length }} shapes</h3>
 <p class="mono">{{ "; ".join(shapes) }}</p>{% endfor %}
 {% for title, img in plots %}<h3>{{ title }}</h3><img alt="{{ title }}" src="data:image/png;base64,{{ img }}">{% endfor %}
-<h3>Rows</h3><table><tr><th>op</th><th>shape</th><th>floor us</th><th>candidate</th><th>us</th><th>x floor</th>
+<h3>Rows</h3><table><tr><th>op</th><th>shape</th><th>floor us</th><th>candidate</th><th>us</th><th>launches</th><th>x floor</th>
 <th>verdict</th><th>misses</th></tr>
 {% for r in rec.rows %}{% for c, j in r.judged.items() %}<tr><td>{{ r.op }}</td><td>{{ r.shape }}</td>
 <td>{{ fmt(r.timings.get("floor")) }}</td><td>{{ c }}</td><td>{{ fmt(r.timings.get(c if c != "reference" else "eager")) }}</td>
+<td>{{ launches((r.launches or {}).get(c if c != "reference" else "eager")) }}</td>
 <td>{{ j.floor_ratio if j.floor_ratio is not none else "-" }}</td><td class="{{ 'pass' if j.verdict == 'met' else 'fail' }}">{{ j.verdict }}</td>
 <td class="mono">{{ "; ".join(j.misses + (["unjudged: " + ", ".join(j.unjudged)] if j.unjudged else [])) }}</td></tr>
 {% endfor %}{% endfor %}</table>
+{% for op in counted %}<h3>{{ op }}: {{ unit(rec, op) }}, and kernel launches per call</h3>
+{% set head, body = table(rec, op) %}<table><tr>{% for h in head if not h.endswith(" rule") %}<th>{{ h }}</th>{% endfor %}</tr>
+{% for cells in body %}<tr>{% for h in head %}{% if not h.endswith(" rule") %}<td>{{ cells[loop.index0] }}</td>{% endif %}{% endfor %}</tr>
+{% endfor %}</table>{% endfor %}
 """
 
 _PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>verify-kernels bench</title><style>
@@ -117,11 +122,13 @@ def _fmt(t: dict | None) -> str:
 def section(rec: dict, cache: dict | None = None) -> str:
     import jinja2
 
-    from verify.bench.output import not_reached_by_reason
+    from verify.bench.output import launch_cell, not_reached_by_reason, op_table, unit
 
     env = jinja2.Environment(autoescape=True)
+    counted = list(dict.fromkeys(r["op"] for r in rec["rows"] if r.get("launches")))
     return env.from_string(_SECTION).render(rec=rec, plots=plots(rec, cache), pct=_pct, fmt=_fmt,
-                                            not_reached=not_reached_by_reason(rec))
+                                            not_reached=not_reached_by_reason(rec), launches=launch_cell,
+                                            counted=counted, table=op_table, unit=unit)
 
 
 def page(rec: dict, cache: dict | None = None) -> str:

@@ -63,19 +63,56 @@ def _speedups(sp: dict) -> str:
     return "/".join("-" if v is None else f"{v:.2f}" for v in cells)
 
 
-def _op_table(rec: dict, op: str) -> tuple[list[str], list[list[str]]]:
+def launch_cell(count: dict | None) -> str:
+    """Kernel launches per call: the count ("*": from the profiler, the call was not capturable),
+    "error" where it could not be counted, "-" where not counted."""
+    if not count:
+        return "-"
+    if count.get("kernels") is None:
+        return "error"
+    return f"{count['kernels']}" + ("*" if count.get("method") == "profiler_kernels" else "")
+
+
+def is_step_table(rows: list[dict]) -> bool:
+    """Rows of one decode step per call (a layer op benched at knob steps=1)."""
+    return bool(rows) and all(r.get("knobs", {}).get("steps") == 1 for r in rows)
+
+
+def unit(rec: dict, op: str) -> str:
+    rows = [r for r in rec["rows"] if r["op"] == op]
+    if is_step_table(rows):
+        return ("us per layer step (one decode step per call, knob steps=1); floor: a device copy of the step's "
+                "weight and state bytes (the roofline)")
+    return "us per call"
+
+
+def count_errors(rec: dict) -> dict[tuple, list[str]]:
+    """(op, "ENTRY launches", error) -> the shapes where the entry's launches could not be counted."""
+    out: dict[tuple, list[str]] = {}
+    for r in rec["rows"]:
+        for name, count in r.get("launches", {}).items():
+            if count.get("error"):
+                out.setdefault((r["op"], f"{name} launches", count["error"]), []).append(r["shape"])
+    return out
+
+
+def op_table(rec: dict, op: str) -> tuple[list[str], list[list[str]]]:
     """One op's table, shared by the terminal and markdown forms: the header and the rows' cells (a
-    candidate's "rule" column holds its verdict, "not timed" or "-")."""
+    candidate's "rule" column holds its verdict, "not timed" or "-"); where the rows count launches,
+    a "launches" column per entry after the times."""
     rows = [r for r in rec["rows"] if r["op"] == op]
     names = list(dict.fromkeys(k for r in rows for k in r["timings"] if k != "floor"))
     cands = list(dict.fromkeys(c for r in rows for c in r["judged"]))
+    counted = [n for n in names if any(n in r.get("launches", {}) for r in rows)]
     head = ["shape", "MB", "floor"] + [n.replace("peer:", "") for n in names]
+    head += [f"{n.replace('peer:', '')} launches" for n in counted]
     for c in cands:
         head += [f"{c} / floor", f"{c} x eager/compiled/peer", f"{c} rule"]
     body = []
     for r in rows:
         cells = [r["shape"], "-" if not r.get("bytes") else f"{r['bytes'] / 1e6:.3g}", _us(r["timings"].get("floor"))]
         cells += [_us(r["timings"].get(n)) for n in names]
+        cells += [launch_cell(r.get("launches", {}).get(n)) for n in counted]
         for c in cands:
             j = r["judged"].get(c)
             if j is None:
@@ -95,8 +132,8 @@ def tables(rec: dict):
     colors = {"met": "green", "miss": "bold red", "-": ""}
     out = []
     for op in dict.fromkeys(r["op"] for r in rec["rows"]):
-        head, body = _op_table(rec, op)
-        t = Table(title=f"{op}: us per call (median of CUDA-graph replays)", title_justify="left")
+        head, body = op_table(rec, op)
+        t = Table(title=f"{op}: {unit(rec, op)} (median of CUDA-graph replays)", title_justify="left")
         rule = [k for k, name in enumerate(head) if name.endswith(" rule")]
         for k, name in enumerate(head):
             t.add_column(name, justify="left" if k == 0 or k in rule else "right")
@@ -151,6 +188,8 @@ def print_report(console, rec: dict, out_path) -> None:
         for name, note in r.get("peer_checks", {}).items():
             if not note.startswith("ok"):
                 errors.setdefault((r["op"], name, "against the reference: " + note), []).append(r["shape"])
+    for key, where in count_errors(rec).items():
+        errors.setdefault(key, []).extend(where)
     for (op, name, err), where in errors.items():
         shown = where[0] if len(where) == 1 else f"{len(where)} shapes"
         console.print(f"[yellow]{op} {name} ({shown}): {err}[/]")
@@ -195,10 +234,13 @@ def markdown(rec: dict) -> str:
              + (" (dirty tree)" if env.get("git_dirty") else "") + ".",
              "", f"Command: `{rec.get('command', '')}`", "",
              "Times: us per call, median of CUDA-graph replays (`*`: not capturable, launched from Python); "
-             "x eager / compiled / peer: how many times faster the candidate is (> 1 is faster).", ""]
+             "x eager / compiled / peer: how many times faster the candidate is (> 1 is faster); launches: "
+             "kernel launches per call (CUDA graph nodes; `*`: the profiler's kernels of one eager call).", ""]
     for op in dict.fromkeys(r["op"] for r in rec["rows"]):
-        head, body = _op_table(rec, op)
-        lines += [f"### {op}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        head, body = op_table(rec, op)
+        step = is_step_table([r for r in rec["rows"] if r["op"] == op])
+        lines += [f"### {op}", ""] + ([f"Times: {unit(rec, op)}.", ""] if step else [])
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(cells) + " |" for cells in body]
         lines.append("")
     vrows = variant_rows(rec)
@@ -218,10 +260,11 @@ def markdown(rec: dict) -> str:
     for r in rec["rows"]:
         for name, err in r.get("errors", {}).items():
             errors.setdefault((r["op"], name, err), []).append(r["shape"])
-    if errors:
-        lines += ["Entries not timed:", ""] + [
-            f"- {op} {name} ({where[0] if len(where) == 1 else f'{len(where)} shapes'}): {err}"
-            for (op, name, err), where in errors.items()] + [""]
+    for title, found in (("Entries not timed:", errors), ("Launches not counted:", count_errors(rec))):
+        if found:
+            lines += [title, ""] + [
+                f"- {op} {name} ({where[0] if len(where) == 1 else f'{len(where)} shapes'}): {err}"
+                for (op, name, err), where in found.items()] + [""]
     for reason, shapes in not_reached_by_reason(rec).items():
         lines += [f"Shapes not timed, {reason} ({len(shapes)}): " + "; ".join(shapes), ""]
     notes = [f"- {op}: {line}" if op != "run" else f"- {line}"

@@ -6,6 +6,17 @@ entry's error in its row, never the end of the run. The shapes run in rounds, on
 every op per round, in each op's coverage order (B = 1, 64, 8, 2, 16, 4, 32): a time budget that
 stops starting new shapes, or a SIGTERM, cuts the last rounds of every op alike, and every op keeps
 a spread of batches. The shapes not timed are listed with the reason.
+
+Each entry of a layer op (LAUNCH_FAMILIES) also gets its kernel launches per call counted
+(verify.bench.launches) after its timing, on the same launch: a count that fails is that entry's
+count error, never the run's. An op's integer state (an MLA layer's seq_lens) is put back before
+each call of an op-form entry, as the stock layer's step does inside its graph, so that repeated
+calls of one step write the same cache slot instead of running out of pages.
+
+A candidate whose module declares a step launch for the op (`<op>_step_peer`, the peer protocol:
+prepare(tensors, params) -> launch, e.g. stock.layers:kda_layer_step_peer beside its registry form
+stock.layers:layer_steps) is timed through it: its layer prepared once, untimed, and one step per
+call, as the stock peer is; the step launch is checked against the reference like a whole-op peer.
 """
 from __future__ import annotations
 
@@ -16,6 +27,7 @@ from typing import Callable
 from verify.bench import floor, peer_check, score, shapes, timing
 
 EAGER, COMPILED, FLOOR = "eager", "compiled", "floor"
+LAUNCH_FAMILIES = ("layers",)       # ops whose entries' launches per call are counted and reported
 
 
 @dataclass
@@ -30,10 +42,55 @@ class Plan:
     budget_s: float | None = None
     notes: dict[str, list[str]] = field(default_factory=dict)
     variants: bool = False                      # also time each candidate's declared launch variants
+    counter: Callable | None = None             # launch -> launches record (count_entry when None)
 
 
-def _op_launch(fn):
-    return lambda s: (lambda: fn(**s.tensors, **s.params))
+def _op_launch(fn, op=None):
+    """input set -> a launch of fn on it; the op's integer state tensors are put back to the set's
+    starting values before each call (a copy on the device, inside the timed launch)."""
+    def make(s):
+        ints = [] if op is None else [n for n in op.state if n in s.tensors and not s.tensors[n].is_floating_point()]
+        if not ints:
+            return lambda: fn(**s.tensors, **s.params)
+        start = {n: s.tensors[n].clone() for n in ints}
+
+        def launch():
+            for n, v in start.items():
+                s.tensors[n].copy_(v)
+            return fn(**s.tensors, **s.params)
+        return launch
+    return make
+
+
+def counts_launches(op) -> bool:
+    return op.family in LAUNCH_FAMILIES
+
+
+STEP_SUFFIX = "_step_peer"
+
+
+def step_launch_of(op, label: str):
+    """The candidate's step launch for the op (its module's `<op name>_step_peer`), or None where the
+    module declares none (the candidate is then timed through its registry form)."""
+    import importlib
+
+    from verify.ops.registry import import_callable
+
+    path = op.fused if label == "fused" else label if ":" in label else None
+    if not path:
+        return None
+    module = path.split(":", 1)[0]
+    if not hasattr(importlib.import_module(module), op.name + STEP_SUFFIX):
+        return None
+    return import_callable(f"{module}:{op.name}{STEP_SUFFIX}")
+
+
+def count_entry(launch) -> dict:
+    """Kernel launches of one call of `launch` (verify.bench.launches.count_launches: CUDA graph
+    nodes, else the profiler's kernels); bench_shape records what it raises as the count's error."""
+    from verify.bench.launches import count_launches
+
+    return count_launches(launch).to_json()
 
 
 def _peer_launch(prepare):
@@ -43,15 +100,15 @@ def _peer_launch(prepare):
 def entries_for(op, allowed: dict[str, Callable], device: str = "cuda"
                 ) -> tuple[dict[str, Callable], dict[str, str], dict[str, Callable]]:
     """name -> (input set -> launch) for the baselines, the peers and the allowed candidates; name ->
-    error for those that cannot even be resolved here; and name -> prepare of each whole-op peer (the
-    ones checked against the reference, peer_check)."""
+    error for those that cannot even be resolved here; and name -> prepare of each whole-op peer and
+    each candidate's step launch (step_launch_of), the ones checked against the reference (peer_check)."""
     from verify.judge.candidates import compiled_fn, reference_fn
     from verify.ops.registry import import_callable
 
     makers, errors, whole = {}, {}, {}
     for name, resolve in ((EAGER, lambda: reference_fn(op)), (COMPILED, lambda: compiled_fn(op.name))):
         try:
-            makers[name] = _op_launch(resolve())
+            makers[name] = _op_launch(resolve(), op)
         except Exception as e:  # noqa: BLE001
             errors[name] = f"{type(e).__name__}: {e}"[:300]
     for peer in op.peers:
@@ -64,7 +121,14 @@ def entries_for(op, allowed: dict[str, Callable], device: str = "cuda"
             errors[f"peer:{peer.name}"] = f"{type(e).__name__}: {e}"[:300]
     for label, fn in allowed.items():
         if label not in (EAGER, COMPILED, "reference"):
-            makers[label] = _op_launch(fn)
+            try:
+                step = step_launch_of(op, label)
+            except Exception as e:  # noqa: BLE001  (a step launch that cannot be imported: the label's error)
+                errors[label] = _error_line(e)
+                continue
+            makers[label] = _op_launch(fn, op) if step is None else _peer_launch(step)
+            if step is not None:
+                whole[label] = step
     if device == "cuda":
         parallel_compile()
     return makers, errors, whole
@@ -150,14 +214,15 @@ def _note_failure(failures: dict, name: str, err: str | None) -> None:
 
 def bench_shape(op, shape, inputs, makers: dict, errors: dict, candidates: list[str], clock, device: str,
                 profile: Callable | None = None, timing_kw: dict | None = None, checks: dict | None = None,
-                failures: dict | None = None, variants: dict | None = None) -> dict:
+                failures: dict | None = None, variants: dict | None = None, counter: Callable | None = None) -> dict:
     """One row: every entry timed over the same rotated sets, the floor, and each candidate judged;
     each whole-op peer in `checks` (name -> prepare) first run against the reference once.
 
     failures (kept by the caller across one op's shapes): an entry that failed with the same error at
     GIVE_UP_AFTER shapes in a row is not tried again (a compile that fails would cost its compile
     time at every shape); its row says so. variants (variant_makers): timed on the same sets into
-    row["variant_timings"], unjudged, and summarised by fastest_variants."""
+    row["variant_timings"], unjudged, and summarised by fastest_variants. counter (launch -> record,
+    count_entry): each timed entry's launches per call into row["launches"], counted after its timing."""
     failures = {} if failures is None else failures
     nbytes = floor.declared_bytes(op, inputs)
     n_sets = timing.sets_needed(max(floor.input_bytes(inputs.tensors), nbytes or 0))
@@ -190,6 +255,12 @@ def bench_shape(op, shape, inputs, makers: dict, errors: dict, candidates: list[
                     profile(op.name, shape.label, name, launches)
             except Exception as e:  # noqa: BLE001  (one entry's failure is its row's error)
                 err = row["errors"][name] = _error_line(e)
+            if counter is not None and err is None:
+                try:
+                    count = counter(launches[0])
+                except Exception as e:  # noqa: BLE001  (a count that fails is the count's error)
+                    count = {"error": _error_line(e)}
+                row.setdefault("launches", {})[name] = count
             _note_failure(failures, name, err)
         for name, make in (variants or {}).items():
             try:
@@ -293,7 +364,7 @@ def bench_all(plan: Plan, clock, on_row: Callable[[dict, dict], None], profile: 
         return {"rows": rows, "not_reached": not_reached + pending,
                 "notes": {k: v for k, v in notes.items() if v}}
 
-    cache, entries = shapes.InputCache(), {}
+    cache, entries = shapes.InputCache(plan.device), {}
     largest = {op.name: max((s.batch for s in ss), default=1) for op, ss in per_op}
     try:
         for op, shape in todo:
@@ -314,7 +385,8 @@ def bench_all(plan: Plan, clock, on_row: Callable[[dict, dict], None], profile: 
                 inputs = cache.inputs(op, shape, largest[op.name])
                 row = bench_shape(op, shape, inputs, makers, errors, cands, clock, plan.device, profile,
                                   timing_kw, checks, failures,
-                                  variant_makers(plan.allowed[op.name], inputs) if plan.variants else None)
+                                  variant_makers(plan.allowed[op.name], inputs) if plan.variants else None,
+                                  (plan.counter or count_entry) if counts_launches(op) else None)
             except Exception as e:  # noqa: BLE001  (inputs or a split that cannot be built: the row says so)
                 row = untimed_row(op, shape, cands, "")
                 row["errors"] = {"inputs": f"{type(e).__name__}: {e}"[:300]}

@@ -6,6 +6,11 @@ shard. Building K3 weights takes seconds on a CPU, so the unsplit inputs are bui
 knobs) at the largest batch and a smaller batch takes the first B rows along the op's batch dims:
 the same shapes and dtypes as the builder's own case at B (the weights, drawn per name, are its
 own; activations differ in value only).
+
+A layer op (kda_layer, mla_layer) at K3 on a CUDA device is built with its weights drawn there
+(stock.weights.make_layer_weights_on: the registry's names, shapes, dtypes and scales, another random
+stream; the registry's CPU builder quantises 896 MXFP4 experts for minutes); its activations and
+state are the registry builder's own, moved to the device. Its inputs stay on the device.
 """
 from __future__ import annotations
 
@@ -81,6 +86,42 @@ def case_for(op, shape: Shape, batch: int | None = None):
     return Case(op.name, SEED, batch or shape.batch, CONFIG, DTYPE, "normal", shape.tp, shape.knobs)
 
 
+DEVICE_BUILT_FAMILIES = ("layers",)
+
+
+def build_inputs(op, case, device: str = "cpu"):
+    """The op's inputs for `case`: its registry builder's, except a layer op at K3 on a CUDA device,
+    whose weights are drawn on the device (see the module doc)."""
+    if op.family not in DEVICE_BUILT_FAMILIES or case.config != "k3" or not str(device).startswith("cuda"):
+        return op.make_inputs(case)
+    return device_layer_inputs(op, case, device)
+
+
+def device_layer_inputs(op, case, device: str = "cuda"):
+    """A layer case's inputs with the weights of stock.weights.make_layer_weights_on (drawn on `device`)
+    and the activations and state of the op's own builder (run with an empty weight set, then moved)."""
+    import importlib
+    from unittest import mock
+
+    import torch
+
+    from references.config import get_config
+    from references.weights import LayerWeights
+    from stock.weights import make_layer_weights_on
+    from verify.model.opdef import OpInputs
+
+    module = importlib.import_module(op.make_inputs.__module__)
+    kind = op.name.split("_")[0]
+
+    def no_weights(kind, cfg, seed, dtype):
+        return LayerWeights(kind, cfg, dtype, {})
+    with mock.patch.object(module, "make_layer_weights", no_weights):
+        base = op.make_inputs(case)
+    wd = getattr(torch, case.dtype)
+    weights = make_layer_weights_on(kind, get_config(case.config), case.seed, wd, device=device)
+    return OpInputs({**{n: t.to(device) for n, t in base.tensors.items()}, **weights.tensors}, dict(base.params))
+
+
 def take_batch(op, inputs, batch: int):
     """The first `batch` rows of every tensor the op declares a batch dim for (contiguous copies)."""
     from verify.model.opdef import OpInputs
@@ -103,18 +144,20 @@ def rank_inputs(op, unsplit, tp: int):
 
 
 class InputCache:
-    """Unsplit CPU inputs per (op, knobs), built once at the largest batch a run asks of them, and rank
-    0's shard of them per T, both kept for the run (its rounds come back to every op; the K3 inputs
-    of the six fused ops hold about 1 GB)."""
+    """Unsplit inputs per (op, knobs), built once at the largest batch a run asks of them (on the CPU,
+    a K3 layer's on the device: build_inputs), and rank 0's shard of them per T, both kept for the
+    run (its rounds come back to every op; the K3 inputs of the six fused ops hold about 1 GB, a K3
+    layer's about 16 GB)."""
 
-    def __init__(self):
+    def __init__(self, device: str = "cpu"):
+        self.device = device
         self._built: dict[tuple, tuple[int, object]] = {}
         self._ranked: dict[tuple, object] = {}
 
     def inputs(self, op, shape: Shape, largest: int):
         key = (op.name, shape.knobs)
         if key not in self._built or self._built[key][0] < shape.batch:
-            self._built[key] = (largest, op.make_inputs(case_for(op, shape, largest)))
+            self._built[key] = (largest, build_inputs(op, case_for(op, shape, largest), self.device))
             self._ranked = {k: v for k, v in self._ranked.items() if k[:2] != key}
         rkey = (*key, shape.tp)
         if rkey not in self._ranked:

@@ -14,7 +14,7 @@ from references.config import get_config
 from references.layers import BLOCK_SLOTS, layer_kind_of
 from references.weights import make_layer_weights
 from verify.model.case import Case
-from verify.model.opdef import OpDef, OpInputs
+from verify.model.opdef import OpDef, OpInputs, Peer
 from verify.ops.common_splits import activation, gen_for, working_dtype
 from verify.ops.kda import starting_state
 
@@ -96,6 +96,72 @@ def make_mla_layer_inputs(case: Case) -> OpInputs:
     return OpInputs(tensors, params)
 
 
+EXPERT_TENSORS = ("w13_packed", "w13_scale", "w2_packed", "w2_scale")
+STATE_TENSORS = {"kda": ("conv_state", "recurrent_state"), "mla": ("cache", "block_table", "seq_lens")}
+
+
+def step_routing(inputs: OpInputs) -> list[torch.Tensor]:
+    """ids[B,k] the reference's router picks at each of the case's steps, from the attention side only
+    (copies of the state; the routed experts, whose output the next step never sees, are not run):
+    the step's input is x_steps[t] and its state the one the earlier steps' attention left."""
+    from references.attn_res import attn_res_rmsnorm
+    from references.layers import LayerState, attn_side, kda_attention, mla_attention, next_slots
+    from references.moe import router_topk
+    from references.weights import LayerWeights
+
+    t, p = inputs.tensors, inputs.params
+    kind = "kda" if "conv_state" in t else "mla"
+    cfg, x_steps = get_config(p["config"]), t["x_steps"]
+    w = LayerWeights(kind, cfg, x_steps.dtype, {n: v for n, v in t.items()
+                                                if n not in (*STATE_TENSORS[kind], "x_steps", "blocks")})
+    state = LayerState(prefix=torch.zeros_like(x_steps[0]), blocks=t["blocks"].clone(),
+                       **{n: t[n].clone() for n in STATE_TENSORS[kind]})
+    out = []
+    for x in x_steps:
+        state.prefix.copy_(x)
+        slots = next_slots(state) if kind == "mla" else None
+        x_in, mlp_blocks = attn_side(w, state, p["layer_idx"])
+        attn = kda_attention(x_in, w, state) if kind == "kda" else mla_attention(x_in, w, state, slots)
+        h = attn_res_rmsnorm(state.prefix, attn, state.blocks, w["mlp_res_norm_w"], w["mlp_res_proj_w"],
+                             w["post_norm_w"], mlp_blocks, -1, cfg.rms_eps, cfg.rms_eps)
+        out.append(router_topk(h, w["w_router"], w["router_bias"], cfg.top_k, cfg.routed_scale)[0])
+    return out
+
+
+def layer_steps_bytes(inputs: OpInputs) -> int:
+    """Bytes the case's N decode steps must move, step by step (weights do not stay on chip between
+    steps): every weight but the routed experts read once; the MXFP4 weights and scales of the distinct
+    experts the step's router picks (step_routing), once each; x_steps[t] read, prefix_steps[t]
+    written; the n_blocks block snapshots the layer attends to read (a push lands in the working copy
+    of blocks, not an output). State: KDA conv_state and recurrent_state read and written; MLA the
+    seq_lens[b] + t cached latents of each sequence read, one latent per sequence written, block_table
+    read, seq_lens read and written."""
+    from references.layers import attn_res_layout
+
+    t, p = inputs.tensors, inputs.params
+    kind = "kda" if "conv_state" in t else "mla"
+    nb = {n: v.numel() * v.element_size() for n, v in t.items()}
+    N, B, D = t["x_steps"].shape
+    row = B * D * t["x_steps"].element_size()
+    weights = sum(v for n, v in nb.items() if n not in (*STATE_TENSORS[kind], *EXPERT_TENSORS, "x_steps", "blocks"))
+    per_expert = sum(nb[n] // t[n].shape[0] for n in EXPERT_TENSORS)
+    n_blocks, _ = attn_res_layout(p["layer_idx"], get_config(p["config"]).attn_res_block)
+    total = 0
+    for step, ids in enumerate(step_routing(inputs)):
+        total += weights + per_expert * int(torch.unique(ids).numel()) + 2 * row + n_blocks * row
+        if kind == "kda":
+            total += 2 * (nb["conv_state"] + nb["recurrent_state"])
+        else:
+            latent = t["cache"].stride(1) * t["cache"].element_size()
+            total += (int(t["seq_lens"].long().sum()) + step * B + B) * latent + nb["block_table"] + 2 * nb["seq_lens"]
+    return total
+
+
+# bench: one decode step per timed call (the stock layer's step, graph-capturable) beside the reference
+KDA_LAYER_PEERS = (Peer("stock_layer", "stock.layers:kda_layer_step_peer"),)
+MLA_LAYER_PEERS = (Peer("stock_layer", "stock.layers:mla_layer_step_peer"),)
+BENCH_KNOBS = ({"steps": 1},)       # the timed unit is one layer step, as the peers time it
+
 _SIG_COMMON = ("x_steps[N,B,D] wd (layer input h per step); blocks[B,8,D] wd (block snapshots)\n"
                "weights: the tensors of references.weights.make_layer_weights (wd; conv_w, A_log, dt_bias, "
                "o_norm_w, router_bias fp32; w13/w2 MXFP4 uint8)\n"
@@ -120,6 +186,7 @@ OPS: list[OpDef] = [
         row_ndims={"conv_state": 2},
         configs=("tiny", "small"), dists=DISTS, max_batch=MAX_BATCH, compile_heavy=True, cpu_ok=False, notes=_NOTES,
         knob_sweep=LONG_RUNS,
+        moved_bytes=layer_steps_bytes, peers=KDA_LAYER_PEERS, bench_knobs=BENCH_KNOBS,
     ),
     OpDef(
         name="mla_layer", family="layers", reference="references.layers:mla_layer_steps",
@@ -129,5 +196,6 @@ OPS: list[OpDef] = [
         batch_dims={"x_steps": 1, "blocks": 0, "block_table": 0, "seq_lens": 0, "prefix_steps": 1},
         configs=("tiny", "small"), dists=DISTS, max_batch=MAX_BATCH, compile_heavy=True, cpu_ok=False, notes=_NOTES,
         knob_sweep=LONG_RUNS,
+        moved_bytes=layer_steps_bytes, peers=MLA_LAYER_PEERS, bench_knobs=BENCH_KNOBS,
     ),
 ]
