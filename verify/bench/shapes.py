@@ -99,27 +99,17 @@ def build_inputs(op, case, device: str = "cpu"):
 
 def device_layer_inputs(op, case, device: str = "cuda"):
     """A layer case's inputs with the weights of stock.weights.make_layer_weights_on (drawn on `device`)
-    and the activations and state of the op's own builder (run with an empty weight set, then moved)."""
-    import importlib
-    from unittest import mock
-
+    and the activations and state of the op's own builder (moved there)."""
     import torch
 
     from references.config import get_config
-    from references.weights import LayerWeights
     from stock.weights import make_layer_weights_on
     from verify.model.opdef import OpInputs
 
-    module = importlib.import_module(op.make_inputs.__module__)
     kind = op.name.split("_")[0]
-
-    def no_weights(kind, cfg, seed, dtype):
-        return LayerWeights(kind, cfg, dtype, {})
-    with mock.patch.object(module, "make_layer_weights", no_weights):
-        base = op.make_inputs(case)
-    wd = getattr(torch, case.dtype)
-    weights = make_layer_weights_on(kind, get_config(case.config), case.seed, wd, device=device)
-    return OpInputs({**{n: t.to(device) for n, t in base.tensors.items()}, **weights.tensors}, dict(base.params))
+    weights = make_layer_weights_on(kind, get_config(case.config), case.seed, getattr(torch, case.dtype), device=device)
+    base = op.make_inputs(case, weights=weights)
+    return OpInputs({n: t.to(device) for n, t in base.tensors.items()}, dict(base.params))
 
 
 def take_batch(op, inputs, batch: int):

@@ -48,9 +48,9 @@ def _steps(case: Case) -> int:
     return n
 
 
-def _common(case: Case, kind: str) -> tuple[dict, dict]:
+def _common(case: Case, kind: str, weights=None) -> tuple[dict, dict]:
     cfg, wd, B = get_config(case.config), working_dtype(case), case.batch
-    weights = make_layer_weights(kind, cfg, case.seed, wd)
+    weights = make_layer_weights(kind, cfg, case.seed, wd) if weights is None else weights
     scales = torch.exp2(torch.randint(-2, 3, (BLOCK_SLOTS,), generator=gen_for(case, "block_scales")).double())
     blocks = torch.stack([activation(case, f"block{i}", (B, cfg.hidden), wd, scale=float(scales[i]))
                           for i in range(BLOCK_SLOTS)], dim=1)
@@ -59,8 +59,10 @@ def _common(case: Case, kind: str) -> tuple[dict, dict]:
     return {"x_steps": x_steps, "blocks": blocks, **weights.tensors}, params
 
 
-def make_kda_layer_inputs(case: Case) -> OpInputs:
-    tensors, params = _common(case, "kda")
+def make_kda_layer_inputs(case: Case, weights=None) -> OpInputs:
+    """The case's inputs; `weights` (a references.weights.LayerWeights) in place of the seeded draw
+    (the bench's K3 rows take weights drawn on the device: stock.weights.make_layer_weights_on)."""
+    tensors, params = _common(case, "kda", weights)
     cfg, wd, B = get_config(case.config), working_dtype(case), case.batch
     C = cfg.n_heads * cfg.head_dim
     tensors["conv_state"] = activation(case, "conv_state", (B, 3, C, cfg.conv_kernel - 1), wd, dist="normal")
@@ -90,8 +92,9 @@ def mla_paged_state(case: Case, n_steps: int) -> dict[str, torch.Tensor]:
     return {"cache": cache, "block_table": table, "seq_lens": torch.tensor(lengths, dtype=torch.int32)}
 
 
-def make_mla_layer_inputs(case: Case) -> OpInputs:
-    tensors, params = _common(case, "mla")
+def make_mla_layer_inputs(case: Case, weights=None) -> OpInputs:
+    """As make_kda_layer_inputs, with the paged cache state."""
+    tensors, params = _common(case, "mla", weights)
     tensors.update(mla_paged_state(case, tensors["x_steps"].shape[0]))
     return OpInputs(tensors, params)
 
