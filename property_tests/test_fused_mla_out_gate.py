@@ -56,31 +56,57 @@ def test_fp16_compiles_at_k3():
         runtime.compile_for_cpu_check("mla_out_gate", "float16", 96 * 128, 128, 512, uv)
 
 
-@pytest.mark.parametrize("T", TP)
-def test_the_gate_gemms_the_dispatcher_picks_compile_at_k3(T):
-    """Launch 1 is skinny_gemm at N = H*Dh, K = D: its picks for B = 1, 8, 64 compile (the rest of its
+@pytest.mark.parametrize("T", (1, 2, 8, 16))
+def test_the_gate_gemms_a_launch_picks_compile_at_k3(T):
+    """Launch 1 is skinny_gemm at N = H*Dh, K = D: default_gate_gemm's picks for B = 1, 8, 29, 64 (the
+    tensor-core ones with fresh accumulators) compile in both dtypes (the rest of skinny_gemm's
     variants compile in test_fused_skinny_gemm*.py)."""
-    from fused import skinny_gemm as sg
-    N, K = K3_HEADS[T] * K3.head_dim, K3.hidden
-    for cfg in {sg.default_config(B, N, K) for B in (1, 8, 64)}:
-        assert runtime.compile_for_cpu_check("skinny_gemm", "bfloat16", "bfloat16", N, K, cfg) is not None
+    from fused import mla_out_gate as fm
+    N, K = K3.heads_per_rank(T) * K3.head_dim, K3.hidden
+    for cfg in {fm.default_gate_gemm(B, N, K) for B in (1, 8, 29, 64)}:
+        for dtype in ("bfloat16", "float16"):
+            assert runtime.compile_for_cpu_check("skinny_gemm", dtype, dtype, N, K, cfg) is not None
 
 
 @pytest.mark.parametrize("T", TP)
 def test_dispatchers_picks_are_certified_variants(T):
-    """For every B the pair the dispatcher launches (skinny_gemm's pick, uv_config's tile) is in
+    """For every B the pair a launch runs (default_gate_gemm's pick, uv_config's tile) is in
     variants(): the harness certifies what runs. Every up-projection tile is listed, and every GEMM
-    variant skinny_gemm certifies at that M."""
+    variant skinny_gemm certifies at that M, as gate_gemm runs it."""
     from fused import mla_out_gate as fm
     from fused import skinny_gemm as sg
     H, Dh, C, D = K3_HEADS[T], K3.head_dim, K3.kv_lora_rank, K3.hidden
     for B in range(1, 65):
         t = _meta(B, H, Dh, C, D)
         listed = fm.variants(t, {})
-        assert fm.MlaOutGateConfig(sg.default_config(B, H * Dh, D), fm.uv_config(B, H * Dh, Dh)) in listed
+        assert fm.MlaOutGateConfig(fm.default_gate_gemm(B, H * Dh, D), fm.uv_config(B, H * Dh, Dh)) in listed
         assert {v.uv for v in listed} == set(fm.uv_configs(Dh))
-        assert {v.gemm for v in listed} >= set(sg.variants({"x": t["x"], "w": t["w_g"]}, {}))
+        assert {v.gemm for v in listed} == {fm.gate_gemm(g) for g in sg.variants({"x": t["x"], "w": t["w_g"]}, {})}
         assert len({v.name for v in listed}) == len(listed)
+
+
+@pytest.mark.parametrize("T", (1, 2, 8, 16))
+def test_tensor_core_gate_gemms_run_with_fresh_accumulators(T, monkeypatch):
+    """Every gate GEMM the op launches or lists at K3 per rank, B = 1..64, is an IEEE fp32 chain: SIMT,
+    or a tensor-core variant with fresh_acc (a chain in C through all of K errs several times an fp32
+    GEMM: gate_gemm). launch() hands skinny_gemm the default_gate_gemm pick (skinny_gemm.launch and the
+    up-projection kernel replaced by stand-ins that record what they get, the H200's SM count)."""
+    from fused import mla_out_gate as fm
+    from fused import skinny_gemm as sg
+    H, Dh, C, D = K3.heads_per_rank(T), K3.head_dim, K3.kv_lora_rank, K3.hidden
+    tensor_core = (sg.SkinnyGemmWgmmaConfig, sg.SkinnyGemmMmaConfig)
+    seen = []
+    monkeypatch.setattr(fm.sg, "launch", lambda x, w, out, variant=None: seen.append(variant))
+    monkeypatch.setattr(fm, "_compile", lambda *static: (lambda *args: None))
+    monkeypatch.setattr(fm.runtime, "sm_count", lambda device: 132)          # the H200's, on the CPU
+    for B in range(1, 65):
+        gemms = {v.gemm for v in fm.variants(_meta(B, H, Dh, C, D), {})} | {fm.default_gate_gemm(B, H * Dh, D)}
+        assert all(g.fresh_acc for g in gemms if isinstance(g, tensor_core)), (B, [g.name for g in gemms])
+    for B in (8, 29, 58):
+        fm.launch(**_meta(B, H, Dh, C, D, dtype=torch.float16, device="cpu"),
+                  out=torch.empty(B, H * Dh, dtype=torch.float16))
+        assert seen[-1] == fm.default_gate_gemm(B, H * Dh, D)
+    assert any(isinstance(g, tensor_core) for g in seen), "no tensor-core gate GEMM at these shapes"
 
 
 def test_tiles_fill_the_sms_and_fit_a_head():
