@@ -147,40 +147,55 @@ def test_fused_ranks_over_nccl_on_two_gpus(kind):
     assert torch.isfinite(results[0][1]).all()
 
 
+def _graph_time_us(fn, replays: int = 20) -> float:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays * 1e3
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["kda", "mla"])
 def test_k3_rank_step_on_one_gpu(kind):
-    """One rank's step at K3 per-rank shapes (T = 8, 16; B = 1, 8, 64), its gathers standing in
-    (CopiesGather): captured in a CUDA graph, launches counted, timed over replays (printed for the
-    layer table; the all-gathers' time is not in it)."""
+    """One rank's step at K3 per-rank shapes (T = 8, 16; B = 1, 8, 64) beside the stock layer's step on
+    the same shards (stock.layers with the rank's head count: its partials used as they are, no
+    all-reduce): each captured in a CUDA graph, launches counted, timed over replays (printed for the
+    layer table). Neither time holds the all-gathers / all-reduces (one GPU)."""
+    import dataclasses
+
+    import fused.layers_tp as TP
+    import stock.layers as stock
     from references.config import K3
     from references.layers import new_layer_state
     from stock.weights import make_layer_weights_on
     from verify.bench.launches import count_launches
-    import fused.layers_tp as TP
 
     w = make_layer_weights_on(kind, K3, 0, device="cuda").tensors
     for T in (8, 16):
         layer = TP.prepare_rank(kind, w, K3, LAYER[kind], torch.bfloat16, TP.CopiesGather(T))
+        rank_cfg = dataclasses.replace(K3, n_heads=K3.n_heads // T)
+        stock_layer = stock.prepare(kind, TP.shard_weights(kind, w, K3, torch.bfloat16, T, 0), rank_cfg, LAYER[kind],
+                                    torch.bfloat16)
         for B in (1, 8, 64):
             st = new_layer_state(kind, K3, B, max_tokens=512)
-            state = TP.shard_state(kind, {n: getattr(st, n).cuda() for n in KINDS[kind]}, K3, T, 0)
             g = torch.Generator(device="cuda").manual_seed(B)
             blocks = torch.randn(B, 8, K3.hidden, device="cuda", generator=g).to(torch.bfloat16)
             prefix = torch.randn(B, K3.hidden, device="cuda", generator=g).to(torch.bfloat16)
-            out = layer.step(prefix, blocks.clone(), *state.values())
-            count = count_launches(lambda: layer.step(prefix, blocks, *state.values()), warmup=1)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                layer.step(prefix, blocks, *state.values())
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            graph.replay()
-            start.record()
-            for _ in range(20):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            print(f"\nK3 {kind} rank step T={T} B={B}: {count.kernels} launches, "
-                  f"{start.elapsed_time(end) / 20 * 1e3:.1f} us, unfused {sorted(layer.unfused)}")
-            assert torch.isfinite(out).all()
+            row = {}
+            for name, lay in (("fused", layer), ("stock", stock_layer)):
+                state = TP.shard_state(kind, {n: getattr(st, n).cuda() for n in KINDS[kind]}, K3, T, 0)
+                bl = blocks.clone()
+                out = lay.step(prefix, bl.clone(), *state.values())
+                assert torch.isfinite(out).all(), (name, T, B)
+                count = count_launches(lambda: lay.step(prefix, bl, *state.values()), warmup=1)
+                row[name] = (count.kernels, _graph_time_us(lambda: lay.step(prefix, bl, *state.values())))
+            print(f"\nK3 {kind} rank step T={T} B={B}: fused {row['fused'][0]} launches {row['fused'][1]:.1f} us | "
+                  f"stock {row['stock'][0]} launches {row['stock'][1]:.1f} us | fused unfused {sorted(layer.unfused)}")
