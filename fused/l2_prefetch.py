@@ -83,7 +83,7 @@ class L2Prefetch:
         cutlass, cute = runtime.cutlass_modules()
         from cutlass import Int32, Int64
 
-        chunk, threads, bulk = self.cfg.chunk, self.cfg.threads, self.cfg.mode == "bulk"
+        chunk, threads = self.cfg.chunk, self.cfg.threads
 
         @cute.kernel
         def kernel(s0: cute.Tensor, s1: cute.Tensor, s2: cute.Tensor, s3: cute.Tensor):
@@ -106,27 +106,36 @@ class L2Prefetch:
             chunks = Int32((hi - lo + Int64(chunk - 1)) // Int64(chunk))
             for c in cutlass.range(bidx * threads + tidx, chunks, gdim * threads):
                 a = lo + Int64(c) * Int64(chunk)
-                if cutlass.const_expr(bulk):
-                    size = Int32(chunk)
-                    if hi - a < Int64(chunk):
-                        size = Int32(hi - a)
-                    cute.arch.inline_ptx("{\n.reg .u64 pfg;\ncvta.to.global.u64 pfg, {$r0};\n"
-                                         "cp.async.bulk.prefetch.L2.global [pfg], {$r1};\n}",
-                                         read_only_args=[a, size])
-                else:
-                    cute.arch.inline_ptx("{\n.reg .u64 pfg;\ncvta.to.global.u64 pfg, {$r0};\n"
-                                         "prefetch.global.L2::evict_last [pfg];\n}",
-                                         read_only_args=[a])
+                size = Int32(chunk)
+                if hi - a < Int64(chunk):
+                    size = Int32(hi - a)
+                self.issue(c, a, size)
 
         return kernel
+
+    def issue(self, c, a, size) -> None:
+        """Inside the kernel: the prefetch of chunk c, `size` bytes (a multiple of 16) at the global
+        address `a` (128-byte aligned). Neither instruction writes memory or a register."""
+        _, cute = runtime.cutlass_modules()
+        to_global = "{\n.reg .u64 pfg;\ncvta.to.global.u64 pfg, {$r0};\n"
+        if self.cfg.mode == "bulk":
+            cute.arch.inline_ptx(to_global + "cp.async.bulk.prefetch.L2.global [pfg], {$r1};\n}",
+                                 read_only_args=[a, size])
+        else:
+            cute.arch.inline_ptx(to_global + "prefetch.global.L2::evict_last [pfg];\n}", read_only_args=[a])
+
+
+def build(cfg: L2PrefetchConfig, kernel_class=L2Prefetch):
+    """cute.compile of `kernel_class`'s launch for `cfg`: four 1-D uint8 spans of any size and base."""
+    from cutlass import Int32
+
+    span = lambda: runtime.fake_tensor("uint8", (runtime.sym_int(),), align=1)
+    return runtime.compile_tvm_ffi(kernel_class(cfg).jit_host(), span(), span(), span(), span(), Int32(1), Int32(1))
 
 
 @runtime.compile_cache("l2_prefetch")
 def _compile(cfg: L2PrefetchConfig):
-    from cutlass import Int32
-
-    span = lambda: runtime.fake_tensor("uint8", (runtime.sym_int(),), align=1)
-    return runtime.compile_tvm_ffi(L2Prefetch(cfg).jit_host(), span(), span(), span(), span(), Int32(1), Int32(1))
+    return build(cfg)
 
 
 def byte_span(t: torch.Tensor) -> torch.Tensor | None:
@@ -144,7 +153,9 @@ def default_budget(device) -> int:
     return l2 * L2_SHARE[0] // L2_SHARE[1]
 
 
-def launch(weights: list, max_bytes: int, variant: L2PrefetchConfig | None = None) -> None:
+def launch(weights: list, max_bytes: int, variant: L2PrefetchConfig | None = None, compiled=None) -> None:
+    """The byte spans of `weights`, cut to `max_bytes` in call order, prefetched by SLOTS per launch of
+    `compiled` (default: this module's kernel for the variant)."""
     cfg = variant or BULK
     spans, left = [], max_bytes
     for w in weights:
@@ -156,7 +167,7 @@ def launch(weights: list, max_bytes: int, variant: L2PrefetchConfig | None = Non
         left -= s.numel()
     if not spans:
         return
-    fn = _compile(cfg)
+    fn = compiled or _compile(cfg)
     cap = CTAS_PER_SM * runtime.sm_count(spans[0].device)
     for i in range(0, len(spans), SLOTS):
         group = spans[i:i + SLOTS]
