@@ -23,6 +23,7 @@ all-reduce's buffers, the activations) in L2. Spans are 32-bit sized in the kern
 Launched on the caller's current stream (the serving layer puts it on a side stream during the
 all-reduce); no host sync, no allocation, so a CUDA graph can capture it.
 """
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -153,27 +154,37 @@ def default_budget(device) -> int:
     return l2 * L2_SHARE[0] // L2_SHARE[1]
 
 
-def launch(weights: list, max_bytes: int, variant: L2PrefetchConfig | None = None, compiled=None) -> None:
-    """The byte spans of `weights`, cut to `max_bytes` in call order, prefetched by SLOTS per launch of
-    `compiled` (default: this module's kernel for the variant)."""
-    cfg = variant or BULK
+def budget_spans(weights: list, max_bytes: int) -> list[torch.Tensor]:
+    """The byte spans of `weights` in call order, the one that crosses `max_bytes` cut there, the rest
+    dropped (empty weights have no span)."""
     spans, left = [], max_bytes
     for w in weights:
         s = byte_span(w)
         if s is None or left <= 0:
             continue
-        s = s[:left] if s.numel() > left else s
-        spans.append(s)
-        left -= s.numel()
+        spans.append(s[:left])
+        left -= spans[-1].numel()
+    return spans
+
+
+def chunks(span: torch.Tensor, chunk: int) -> int:
+    """Requests the kernel issues for `span`: its whole 128-byte lines in `chunk`-byte pieces."""
+    lo, hi = span.data_ptr() // LINE * LINE, -(-(span.data_ptr() + span.numel()) // LINE) * LINE
+    return -(-(hi - lo) // chunk)
+
+
+def launch(weights: list, max_bytes: int, variant: L2PrefetchConfig | None = None, compiled=None) -> None:
+    """The byte spans of `weights`, cut to `max_bytes` in call order, prefetched SLOTS at a time by a
+    launch of `compiled` (default: this module's kernel for the variant) on the current stream."""
+    cfg = variant or BULK
+    spans = budget_spans(weights, max_bytes)
     if not spans:
         return
     fn = compiled or _compile(cfg)
     cap = CTAS_PER_SM * runtime.sm_count(spans[0].device)
     for i in range(0, len(spans), SLOTS):
         group = spans[i:i + SLOTS]
-        most = max(-(-((s.data_ptr() + s.numel() + LINE - 1) // LINE * LINE - s.data_ptr() // LINE * LINE)
-                     // cfg.chunk) for s in group)
-        ctas = min(cap, -(-most // cfg.threads))
+        ctas = min(cap, -(-max(chunks(s, cfg.chunk) for s in group) // cfg.threads))
         padded = group + [group[0]] * (SLOTS - len(group))      # rows past len(group) are not launched
         fn(*padded, len(group), ctas)
 
@@ -194,11 +205,14 @@ def _check(weights: list, names: list, max_bytes) -> None:
 
 
 _op = None
+_op_lock = threading.Lock()
 
 
 def _custom_op():
     global _op
-    if _op is None:
+    with _op_lock:
+        if _op is not None:
+            return _op
         @runtime.register_op("l2_prefetch", mutates_args=())
         def l2_prefetch_(weights: list[torch.Tensor], max_bytes: int) -> None:
             launch(weights, max_bytes)
@@ -206,7 +220,7 @@ def _custom_op():
         # no output and nothing mutated: without this mark torch.compile would drop the call as dead
         torch.fx.node.has_side_effect(torch.ops.verify_kernels.l2_prefetch.default)
         _op = l2_prefetch_
-    return _op
+        return _op
 
 
 def l2_prefetch(*weights: torch.Tensor, max_bytes: int | None = None, variant=None,
