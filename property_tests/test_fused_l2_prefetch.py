@@ -162,6 +162,7 @@ def test_one_compile_serves_every_tensor_count_and_size():
 READ_BYTES = 32 << 20
 FLUSH_BYTES = 200 << 20
 REPEATS = 20
+HOLD_CYCLES = 2_000_000        # ~1 ms of the stream at H200 clocks: longer than any launch's host latency
 
 
 def _flush(scratch: torch.Tensor, i: int) -> None:
@@ -171,13 +172,20 @@ def _flush(scratch: torch.Tensor, i: int) -> None:
     scratch.sum()
 
 
-def _timed_read(w: torch.Tensor, out: torch.Tensor) -> float:
+def _timed(fn) -> float:
+    """GPU time of the work `fn` enqueues, in us: the stream is held busy (a sleep kernel) while the
+    host enqueues it, so the launch latency is not counted."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(HOLD_CYCLES)
     start.record()
-    torch.sum(w, out=out)
+    fn()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3
+
+
+def _timed_read(w: torch.Tensor, out: torch.Tensor) -> float:
+    return _timed(lambda: torch.sum(w, out=out))
 
 
 def _read_times(w, prefetch) -> tuple[list[float], list[float]]:
@@ -243,12 +251,7 @@ def test_prefetch_launch_time():
         times = []
         for i in range(REPEATS):
             _flush(scratch, i)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fl.l2_prefetch(w, variant=cfg)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
+            times.append(_timed(lambda: fl.l2_prefetch(w, variant=cfg)))
         print(f"\n{cfg.name}: prefetch of 32 MB after an L2 flush, median {statistics.median(times):.1f} us")
     assert torch.equal(w, before)
 
