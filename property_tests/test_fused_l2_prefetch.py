@@ -73,6 +73,25 @@ def test_chunks_cover_every_line_of_a_span():
             assert (k - 1) * cfg.chunk < hi - lo <= k * cfg.chunk, (off, n, cfg)
 
 
+@pytest.mark.parametrize("cfg", fl.all_configs(), ids=lambda c: c.name)
+def test_launch_plan_rows_and_grid(cfg, monkeypatch):
+    """The host side of launch() with a recording stand-in for the compiled kernel: SLOTS spans per
+    launch (the unused rows padded, not launched), enough CTAs for the longest span of the launch up to
+    the cap, and every span of the budget handed over once."""
+    monkeypatch.setattr(runtime, "sm_count", lambda device: 132)
+    calls = []
+    ws = [torch.zeros(n, dtype=torch.uint8) for n in (5, 1 << 20, 300, 70_000, 1, 4096, 129, 2 << 20, 64)]
+    fl.launch(ws, 10**9, cfg, compiled=lambda *a: calls.append(a))
+    assert [c[fl.SLOTS] for c in calls] == [4, 4, 1]
+    handed = [s for c in calls for s in c[:c[fl.SLOTS]]]
+    assert [(s.data_ptr(), s.numel()) for s in handed] == [(w.data_ptr(), w.numel()) for w in ws]
+    for c in calls:
+        rows, ctas = c[:c[fl.SLOTS]], c[fl.SLOTS + 1]
+        need = -(-max(fl.chunks(s, cfg.chunk) for s in rows) // cfg.threads)
+        assert ctas == min(need, fl.CTAS_PER_SM * 132) and ctas >= 1
+        assert all(s is rows[0] for s in c[len(rows):fl.SLOTS])
+
+
 @pytest.mark.parametrize("call,needle", [
     (lambda: fl.l2_prefetch(torch.zeros(4)), "weights[0]: the fused kernel needs a CUDA tensor"),
     (lambda: fl.l2_prefetch(w_dense=torch.zeros(4)), "w_dense: the fused kernel needs a CUDA tensor"),
