@@ -1,24 +1,26 @@
 """l2_prefetch: the bytes of the given weight tensors brought into L2, nothing written.
 
 Each weight is taken as the byte span of storage it covers (from its first element to its last, so a
-strided or expanded view prefetches the storage between them; any dtype, any layout), widened to whole
-128-byte lines. The L2 keeps lines, so the widening is what the hardware would fetch anyway, and a line
+strided or expanded view prefetches the storage between them; any dtype, any layout: a prefetch reads
+no values, so a gap between strided elements costs bandwidth only, and refusing such views would buy
+nothing), widened to whole 128-byte lines. The L2 keeps lines, so the widening is what the hardware would fetch anyway, and a line
 holding one byte of an allocation lies inside that allocation's mapped pages, never past them.
 
 Launch: up to SLOTS spans per launch, one grid row (blockIdx.y) per span; the CTAs of a row stride
 over the span's chunks, one chunk per thread per step. Two variants:
 - "bulk": one `cp.async.bulk.prefetch.L2.global [a], n` per 4 KiB chunk (Hopper's TMA engine fetches
   the chunk into L2; no destination, no completion to wait for), 32 threads per CTA.
-- "lines": one `prefetch.global.L2::evict_last [a]` per 128-byte line, 128 threads per CTA (the
-  evict_last priority keeps the lines ahead of the streaming traffic that runs alongside).
+- "lines": one `prefetch.global.L2 [a]` per 128-byte line, 128 threads per CTA.
+Both bring the lines in at normal eviction priority: evict_last lines would outlive the next op's read
+and hold L2 against every later op's traffic (an effect on timings the caller did not ask for).
 Neither instruction writes memory or registers; the kernel has no store. Spans, chunk counts and the
 grid are runtime values: one compile per variant serves every tensor count and size.
 
 Budget: the spans are taken in call order (positional weights, then named ones) until `max_bytes`
 is reached; the span that crosses it is cut there, later ones are skipped. The default is three
-quarters of the device's L2 (H200: 37.5 of 50 MiB): bytes past the L2's capacity evict the first
-bytes the prefetch brought, and the quarter left keeps what runs beside the prefetch (the
-all-reduce's buffers, the activations) in L2. Spans are 32-bit sized in the kernel: max_bytes < 2^31.
+quarters of the device's L2 as CUDA reports it (H200: 37.5 of 50 MiB): bytes past the L2's capacity
+evict the first bytes the prefetch brought, and the quarter left keeps what runs beside the prefetch
+(the all-reduce's buffers, the activations) in L2. Spans are 32-bit sized in the kernel: max_bytes < 2^31.
 
 Launched on the caller's current stream (the serving layer puts it on a side stream during the
 all-reduce); no host sync, no allocation, so a CUDA graph can capture it.
@@ -123,7 +125,7 @@ class L2Prefetch:
             cute.arch.inline_ptx(to_global + "cp.async.bulk.prefetch.L2.global [pfg], {$r1};\n}",
                                  read_only_args=[a, size])
         else:
-            cute.arch.inline_ptx(to_global + "prefetch.global.L2::evict_last [pfg];\n}", read_only_args=[a])
+            cute.arch.inline_ptx(to_global + "prefetch.global.L2 [pfg];\n}", read_only_args=[a])
 
 
 def build(cfg: L2PrefetchConfig, kernel_class=L2Prefetch):
