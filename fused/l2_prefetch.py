@@ -3,8 +3,9 @@
 Each weight is taken as the byte span of storage it covers (from its first element to its last, so a
 strided or expanded view prefetches the storage between them; any dtype, any layout: a prefetch reads
 no values, so a gap between strided elements costs bandwidth only, and refusing such views would buy
-nothing), widened to whole 128-byte lines. The L2 keeps lines, so the widening is what the hardware would fetch anyway, and a line
-holding one byte of an allocation lies inside that allocation's mapped pages, never past them.
+nothing), widened to whole 128-byte lines. The L2 keeps lines, so the widening is what the hardware
+would fetch anyway, and a line holding one byte of an allocation lies inside that allocation's mapped
+pages, never past them.
 
 Launch: up to SLOTS spans per launch, one grid row (blockIdx.y) per span; the CTAs of a row stride
 over the span's chunks, one chunk per thread per step. Two variants:
@@ -64,7 +65,8 @@ def variants(tensors: dict, params: dict) -> list:
 
 class L2Prefetch:
     def __init__(self, cfg: L2PrefetchConfig):
-        if cfg.mode not in ("bulk", "lines") or cfg.chunk % LINE or (cfg.mode == "lines" and cfg.chunk != LINE):
+        lines_ok = cfg.mode == "lines" and cfg.chunk == LINE
+        if not (lines_ok or cfg.mode == "bulk" and cfg.chunk > 0 and cfg.chunk % LINE == 0):
             raise ValueError(f"variant: {cfg} is not a prefetch variant; expected one of {all_configs()}")
         self.cfg = cfg
 
@@ -133,7 +135,8 @@ def build(cfg: L2PrefetchConfig, kernel_class=L2Prefetch):
     from cutlass import Int32
 
     span = lambda: runtime.fake_tensor("uint8", (runtime.sym_int(),), align=1)
-    return runtime.compile_tvm_ffi(kernel_class(cfg).jit_host(), span(), span(), span(), span(), Int32(1), Int32(1))
+    return runtime.compile_tvm_ffi(kernel_class(cfg).jit_host(), *(span() for _ in range(SLOTS)),
+                                   Int32(1), Int32(1))
 
 
 @runtime.compile_cache("l2_prefetch")
@@ -200,7 +203,8 @@ def _check(weights: list, names: list, max_bytes) -> None:
         if device is None:
             device = w.device
         elif w.device != device:
-            raise ValueError(f"{name}: on {w.device}, the other weights on {device}; one launch prefetches one device")
+            raise ValueError(f"{name}: on {w.device}, the other weights on {device}; "
+                             "one launch prefetches one device")
     if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
                                   or not 0 <= max_bytes < 2**31):
         raise ValueError(f"max_bytes: expected an int in [0, 2^31), got {max_bytes!r}")
