@@ -42,7 +42,7 @@ def test_every_spec_has_an_op_and_every_op_a_spec():
 # Kernels in fused/ whose op's registry entry does not name them yet: wiring `fused=` edits the family's
 # registry module, which stales that family's certified ops, so it lands with the release run that
 # certifies the new kernel and re-certifies the family.
-AWAITING_RELEASE: set[str] = set()
+AWAITING_RELEASE: set[str] = {"l2_prefetch"}
 
 
 def test_every_fused_kernel_has_a_reference():
