@@ -70,7 +70,7 @@ def _pad_dim(t: torch.Tensor, dim: int, extra: int) -> torch.Tensor:
         return t
     shape = list(t.shape)
     shape[dim] = extra
-    return torch.cat([t, torch.zeros(shape, dtype=t.dtype)], dim)
+    return torch.cat([t, torch.zeros(shape, dtype=t.dtype, device=t.device)], dim)
 
 
 def shard_routed_experts(w: LayerWeights, T: int) -> list[dict[str, torch.Tensor]]:
