@@ -218,24 +218,23 @@ def _mlp_side(layer: FusedLayer, prefix: torch.Tensor, attn: torch.Tensor, block
     return prefix + _latent_moe(layer, h)
 
 
-def kda_step(layer: FusedLayer, prefix, blocks, conv_state, recurrent_state) -> torch.Tensor:
-    """One KDA layer step: prefix[B,D] (the layer input h) is the working prefix, updated in place."""
+def kda_attention(layer: FusedLayer, x, conv_state, recurrent_state, n_heads: int) -> torch.Tensor:
+    """in_proj -> kda_decode -> o_proj over `n_heads` heads (a rank's: its partial o_proj output)."""
     w, cfg = layer.w, layer.cfg
-    x, n = _attn_side(layer, prefix, blocks)
-    q_raw, k_raw, v_raw, g_raw, beta_raw, z = layer.call("kda_in_proj", x, w["w_in"], w["w_fb"], cfg.n_heads)
+    q_raw, k_raw, v_raw, g_raw, beta_raw, z = layer.call("kda_in_proj", x, w["w_in"], w["w_fb"], n_heads)
     y = layer.call("kda_decode", q_raw, k_raw, v_raw, g_raw, beta_raw, z, w["conv_w"], conv_state, w["A_log"],
                    w["dt_bias"], w["o_norm_w"], recurrent_state, cfg.gate_lower_bound, cfg.l2_eps, cfg.rms_eps)
-    return _mlp_side(layer, prefix, layer.call("skinny_gemm", y, w["w_o"]), blocks, n)
+    return layer.call("skinny_gemm", y, w["w_o"])
 
 
-def mla_step(layer: FusedLayer, prefix, blocks, cache, block_table, seq_lens) -> torch.Tensor:
-    """One gated-MLA layer step: the token's latent goes to the slot of seq_lens in block_table, the
-    attention reads seq_lens + 1 tokens, seq_lens advances by one (in place)."""
+def mla_attention(layer: FusedLayer, x, cache, block_table, seq_lens) -> torch.Tensor:
+    """qkv_a -> q_absorb -> the token's latent written to the slot of seq_lens in block_table -> the
+    attention over seq_lens + 1 tokens (seq_lens advanced in place) -> out_gate -> o_proj (a rank's
+    heads: its partial o_proj output)."""
     w, cfg = layer.w, layer.cfg
     page = cache.shape[1]
     pos = seq_lens.long()
     slots = block_table.long().gather(1, (pos // page).unsqueeze(1)).squeeze(1) * page + pos % page
-    x, n = _attn_side(layer, prefix, blocks)
     q_c, kv_c, k_rot = layer.call("mla_qkv_a", x, w["w_qkv_a"], w["q_a_norm_w"], w["kv_a_norm_w"],
                                   cfg.mla_latent_eps)
     q_abs = layer.call("mla_q_absorb", q_c, w["w_q_b"], w["w_uk"])
@@ -245,7 +244,19 @@ def mla_step(layer: FusedLayer, prefix, blocks, cache, block_table, seq_lens) ->
     o_latent = layer.call("mla_decode_attn", q_abs.view(B, 1, H, -1), cache, block_table, seq_lens,
                           cfg.mla_scale, cfg.kv_lora_rank)
     o = layer.call("mla_out_gate", o_latent.reshape(B, H, cfg.kv_lora_rank), w["w_uv"], x, w["w_g"])
-    return _mlp_side(layer, prefix, layer.call("skinny_gemm", o, w["w_o"]), blocks, n)
+    return layer.call("skinny_gemm", o, w["w_o"])
+
+
+def kda_step(layer: FusedLayer, prefix, blocks, conv_state, recurrent_state) -> torch.Tensor:
+    """One KDA layer step: prefix[B,D] (the layer input h) is the working prefix, updated in place."""
+    x, n = _attn_side(layer, prefix, blocks)
+    return _mlp_side(layer, prefix, kda_attention(layer, x, conv_state, recurrent_state, layer.cfg.n_heads), blocks, n)
+
+
+def mla_step(layer: FusedLayer, prefix, blocks, cache, block_table, seq_lens) -> torch.Tensor:
+    """One gated-MLA layer step (mla_attention: the cache slot, seq_lens advanced by one)."""
+    x, n = _attn_side(layer, prefix, blocks)
+    return _mlp_side(layer, prefix, mla_attention(layer, x, cache, block_table, seq_lens), blocks, n)
 
 
 # ---------------------------------------------------------------------------------------------- registry form

@@ -163,31 +163,15 @@ def _mlp_side_tp(layer: RankLayer, prefix, partial: torch.Tensor, blocks, n_bloc
 
 def kda_step_tp(layer: RankLayer, prefix, blocks, conv_state, recurrent_state) -> torch.Tensor:
     """One KDA layer step of this rank: conv_state / recurrent_state are its head slices."""
-    w, cfg = layer.w, layer.cfg
     x, n = FL._attn_side(layer, prefix, blocks)
-    q_raw, k_raw, v_raw, g_raw, beta_raw, z = layer.call("kda_in_proj", x, w["w_in"], w["w_fb"], cfg.n_heads // layer.T)
-    y = layer.call("kda_decode", q_raw, k_raw, v_raw, g_raw, beta_raw, z, w["conv_w"], conv_state, w["A_log"],
-                   w["dt_bias"], w["o_norm_w"], recurrent_state, cfg.gate_lower_bound, cfg.l2_eps, cfg.rms_eps)
-    return _mlp_side_tp(layer, prefix, layer.call("skinny_gemm", y, w["w_o"]), blocks, n)
+    partial = FL.kda_attention(layer, x, conv_state, recurrent_state, layer.cfg.n_heads // layer.T)
+    return _mlp_side_tp(layer, prefix, partial, blocks, n)
 
 
 def mla_step_tp(layer: RankLayer, prefix, blocks, cache, block_table, seq_lens) -> torch.Tensor:
     """One MLA layer step of this rank: the cache is its replica (every rank writes the same latent)."""
-    w, cfg = layer.w, layer.cfg
-    page = cache.shape[1]
-    pos = seq_lens.long()
-    slots = block_table.long().gather(1, (pos // page).unsqueeze(1)).squeeze(1) * page + pos % page
     x, n = FL._attn_side(layer, prefix, blocks)
-    q_c, kv_c, k_rot = layer.call("mla_qkv_a", x, w["w_qkv_a"], w["q_a_norm_w"], w["kv_a_norm_w"],
-                                  cfg.mla_latent_eps)
-    q_abs = layer.call("mla_q_absorb", q_c, w["w_q_b"], w["w_uk"])
-    layer.call("mla_cache_write", torch.cat([kv_c, k_rot], dim=-1), cache, slots)
-    seq_lens.add_(1)
-    B, H = q_abs.shape[0], q_abs.shape[1]
-    o_latent = layer.call("mla_decode_attn", q_abs.view(B, 1, H, -1), cache, block_table, seq_lens,
-                          cfg.mla_scale, cfg.kv_lora_rank)
-    o = layer.call("mla_out_gate", o_latent.reshape(B, H, cfg.kv_lora_rank), w["w_uv"], x, w["w_g"])
-    return _mlp_side_tp(layer, prefix, layer.call("skinny_gemm", o, w["w_o"]), blocks, n)
+    return _mlp_side_tp(layer, prefix, FL.mla_attention(layer, x, cache, block_table, seq_lens), blocks, n)
 
 
 def rank_steps(kind: str, x_steps: torch.Tensor, blocks: torch.Tensor, state: dict, layer_idx: int, config: str,

@@ -92,6 +92,7 @@ def test_one_launch_beside_the_torch_fold_and_the_single_delta_kernel():
     """CUDA-graph replays at K3 (D = 7168, 8 blocks), T = 8 and 16, B = 1, 8, 64: the fused fold
     against torch's fold (references.primitives.fold_ranks) followed by fused attn_res_rmsnorm."""
     from fused.attn_res_rmsnorm import attn_res_rmsnorm
+    from property_tests.gpu_timing import graph_us
     from references.primitives import fold_ranks
 
     m = _m()
@@ -110,17 +111,7 @@ def test_one_launch_beside_the_torch_fold_and_the_single_delta_kernel():
             times = {}
             for name, fn in (("fused", fused), ("fold+kernel", two)):
                 fn()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    fn()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                graph.replay()
-                start.record()
-                for _ in range(50):
-                    graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                times[name] = start.elapsed_time(end) / 50 * 1e3
+                times[name] = graph_us(fn, 50)
             print(f"\nallreduce_attn_res_rmsnorm T={T} B={B}: fused {times['fused']:.1f} us, "
                   f"torch fold + fused attn_res {times['fold+kernel']:.1f} us")
             assert times["fused"] < times["fold+kernel"], times

@@ -253,6 +253,7 @@ def test_k3_fused_step_graph_launches_and_time(kind):
     layer table), the fused step's output within the bf16 layer error of the stock step's."""
     from references.config import K3
     from references.layers import DEFAULT_LAYER, new_layer_state
+    from property_tests.gpu_timing import graph_us
     from stock.weights import make_layer_weights_on
     from verify.bench.launches import count_launches
 
@@ -273,17 +274,7 @@ def test_k3_fused_step_graph_launches_and_time(kind):
             p, bl = prefix.clone(), blocks.clone()
             outs[name] = layer.step(p.clone(), bl.clone(), *(v.clone() for v in s.values()))
             count = count_launches(lambda: layer.step(p, bl, *s.values()), warmup=1)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                layer.step(p, bl, *s.values())
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            graph.replay()
-            start.record()
-            for _ in range(20):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            row[name] = (count.kernels, start.elapsed_time(end) / 20 * 1e3)
+            row[name] = (count.kernels, graph_us(lambda: layer.step(p, bl, *s.values())))
         rel = ((outs["fused"].double() - outs["stock"].double()).norm() / outs["stock"].double().norm()).item()
         print(f"\nK3 {kind} B={B}: fused {row['fused'][0]} launches {row['fused'][1]:.1f} us | stock "
               f"{row['stock'][0]} launches {row['stock'][1]:.1f} us | unfused {sorted(fused_layer.unfused)} | "

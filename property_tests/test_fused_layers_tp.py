@@ -147,20 +147,6 @@ def test_fused_ranks_over_nccl_on_two_gpus(kind):
     assert torch.isfinite(results[0][1]).all()
 
 
-def _graph_time_us(fn, replays: int = 20) -> float:
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays * 1e3
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["kda", "mla"])
@@ -173,6 +159,7 @@ def test_k3_rank_step_on_one_gpu(kind):
 
     import fused.layers_tp as TP
     import stock.layers as stock
+    from property_tests.gpu_timing import graph_us
     from references.config import K3
     from references.layers import new_layer_state
     from stock.weights import make_layer_weights_on
@@ -196,6 +183,6 @@ def test_k3_rank_step_on_one_gpu(kind):
                 out = lay.step(prefix, bl.clone(), *state.values())
                 assert torch.isfinite(out).all(), (name, T, B)
                 count = count_launches(lambda: lay.step(prefix, bl, *state.values()), warmup=1)
-                row[name] = (count.kernels, _graph_time_us(lambda: lay.step(prefix, bl, *state.values())))
+                row[name] = (count.kernels, graph_us(lambda: lay.step(prefix, bl, *state.values())))
             print(f"\nK3 {kind} rank step T={T} B={B}: fused {row['fused'][0]} launches {row['fused'][1]:.1f} us | "
                   f"stock {row['stock'][0]} launches {row['stock'][1]:.1f} us | fused unfused {sorted(layer.unfused)}")
