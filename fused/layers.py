@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from references.config import K3Config
-from references.layers import attn_res_layout
+from references.layers import attn_res_layout, kda_kind_of
 from stock import layers as stock
 
 # Declared scope (verify.plan.scope): the fused kernels' working dtypes.
@@ -75,9 +75,12 @@ LAYER_OPS = {
             "shared_experts", "latent_norm_up"),
     "mla": ("attn_res_rmsnorm", "mla_qkv_a", "mla_q_absorb", "mla_cache_write", "mla_decode_attn", "mla_out_gate",
             "skinny_gemm", "router_topk", "moe_experts_mxfp4", "shared_experts", "latent_norm_up"),
+    # layer 0: KDA attention and the dense MLP, whose math is the shared experts' (references.moe.dense_mlp)
+    "dense": ("attn_res_rmsnorm", "kda_in_proj", "kda_decode", "skinny_gemm", "shared_experts"),
 }
 GLUE = {
     "kda": ("prefix working copy", "prefix + mlp (residual add)"),
+    "dense": ("prefix working copy", "prefix + mlp (residual add)"),
     "mla": ("prefix working copy", "slot of seq_lens in block_table (gather, index math)", "cat(kv_c, k_rot) (the cached latent)",
             "seq_lens += 1", "prefix + mlp (residual add)"),
 }
@@ -115,7 +118,7 @@ class FusedLayer:
         state tensors and blocks updated in place. Returns the new prefix (the next layer's h)."""
         work = self.buffer("prefix", prefix)
         work.copy_(prefix)
-        return (kda_step if self.kind == "kda" else mla_step)(self, work, blocks, *state)
+        return (mla_step if self.kind == "mla" else kda_step)(self, work, blocks, *state)
 
     def call(self, op: str, *args):
         """`op` through its kernel; a fused kernel's refusal of these shapes (outside a capture) moves the
@@ -215,7 +218,13 @@ def _mlp_side(layer: FusedLayer, prefix: torch.Tensor, attn: torch.Tensor, block
     w, eps = layer.w, layer.cfg.rms_eps
     h = layer.call("attn_res_rmsnorm", prefix, attn, blocks, w["mlp_res_norm_w"], w["mlp_res_proj_w"],
                    w["post_norm_w"], n_blocks, -1, eps, eps)
-    return prefix + _latent_moe(layer, h)
+    return prefix + (_dense_mlp(layer, h) if layer.kind == "dense" else _latent_moe(layer, h))
+
+
+def _dense_mlp(layer: FusedLayer, h: torch.Tensor) -> torch.Tensor:
+    w, cfg = layer.w, layer.cfg
+    return layer.call("shared_experts", h, w["w_dense_gate_up"], w["w_dense_down"], cfg.situ_beta,
+                      cfg.situ_linear_beta).wait()
 
 
 def kda_attention(layer: FusedLayer, x, conv_state, recurrent_state, n_heads: int) -> torch.Tensor:
@@ -248,7 +257,8 @@ def mla_attention(layer: FusedLayer, x, cache, block_table, seq_lens) -> torch.T
 
 
 def kda_step(layer: FusedLayer, prefix, blocks, conv_state, recurrent_state) -> torch.Tensor:
-    """One KDA layer step: prefix[B,D] (the layer input h) is the working prefix, updated in place."""
+    """One KDA layer step (layer 0: with the dense MLP): prefix[B,D] (the layer input h) is the working
+    prefix, updated in place."""
     x, n = _attn_side(layer, prefix, blocks)
     return _mlp_side(layer, prefix, kda_attention(layer, x, conv_state, recurrent_state, layer.cfg.n_heads), blocks, n)
 
@@ -264,8 +274,9 @@ def kda_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, conv_state: tor
                     recurrent_state: torch.Tensor, layer_idx: int, config: str, **weights: torch.Tensor) -> torch.Tensor:
     """references.layers.kda_layer_steps through the fused step: prefix_steps[N,B,D]; conv_state and
     recurrent_state updated in place."""
-    return stock.run_steps("kda", x_steps, blocks, {"conv_state": conv_state, "recurrent_state": recurrent_state},
-                           layer_idx, config, weights, prepare)
+    return stock.run_steps(kda_kind_of(layer_idx), x_steps, blocks,
+                           {"conv_state": conv_state, "recurrent_state": recurrent_state}, layer_idx, config,
+                           weights, prepare)
 
 
 def mla_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,

@@ -76,7 +76,7 @@ def shard_weights(kind: str, weights: dict, cfg: K3Config, wd: torch.dtype, T: i
     check_tp(T, cfg)
     w = dict(weights)
     H = cfg.n_heads
-    if kind == "kda":
+    if kind in ("kda", "dense"):
         w.update(shard_in_proj_weights(weights["w_in"], weights["w_fb"], H, T)[rank])
         per_head = shard_decode_tensors({"state": torch.empty(1, H, cfg.head_dim, cfg.head_dim, device="meta"),
                                          "conv_state": torch.empty(1, 3, H * cfg.head_dim, 1, device="meta"),
@@ -88,6 +88,10 @@ def shard_weights(kind: str, weights: dict, cfg: K3Config, wd: torch.dtype, T: i
         for name in ("w_q_b", "w_uk", "w_uv", "w_g"):
             w[name] = shard_heads(weights[name], H, T, 0, name)[rank].contiguous()
         w["w_o"] = shard_heads(weights["w_o"], H, T, 1, "w_o")[rank].contiguous()
+    if kind == "dense":
+        w["w_dense_gate_up"], w["w_dense_down"] = shard_gated_mlp(weights["w_dense_gate_up"], weights["w_dense_down"],
+                                                                  T, "dense MLP")[rank]
+        return w
     w.update(shard_routed_experts(LayerWeights(kind, cfg, wd, weights), T)[rank])
     w["w_shared_gate_up"], w["w_shared_down"] = shard_gated_mlp(weights["w_shared_gate_up"],
                                                                 weights["w_shared_down"], T, "shared expert")[rank]
@@ -95,9 +99,9 @@ def shard_weights(kind: str, weights: dict, cfg: K3Config, wd: torch.dtype, T: i
 
 
 def shard_state(kind: str, state: dict, cfg: K3Config, T: int, rank: int) -> dict:
-    """Rank `rank`'s state: the KDA conv and recurrent state by head (copies); the MLA cache replicated
+    """Rank `rank`'s state: the KDA (and dense) conv and recurrent state by head (copies); the MLA cache replicated
     (a copy per rank), block_table and seq_lens as they are (copies)."""
-    if kind != "kda":
+    if kind == "mla":
         return {n: t.clone() for n, t in state.items()}
     H, Dh = cfg.n_heads, cfg.head_dim
     hl = H // T
@@ -108,7 +112,7 @@ def shard_state(kind: str, state: dict, cfg: K3Config, T: int, rank: int) -> dic
 
 def join_state(kind: str, per_rank: list[dict]) -> dict:
     """The unsplit state from the ranks' (rank order): KDA by head; MLA rank 0's replica."""
-    if kind != "kda":
+    if kind == "mla":
         return dict(per_rank[0])
     return {"conv_state": torch.cat([s["conv_state"] for s in per_rank], 2),
             "recurrent_state": torch.cat([s["recurrent_state"] for s in per_rank], 1)}
@@ -125,7 +129,7 @@ class RankLayer(FL.FusedLayer):
     def step(self, prefix: torch.Tensor, blocks: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
         work = self.buffer("prefix", prefix)
         work.copy_(prefix)
-        return (kda_step_tp if self.kind == "kda" else mla_step_tp)(self, work, blocks, *state)
+        return (mla_step_tp if self.kind == "mla" else kda_step_tp)(self, work, blocks, *state)
 
 
 def prepare_rank(kind: str, weights: dict, config: str | K3Config, layer_idx: int, wd: torch.dtype, gather,
@@ -148,6 +152,8 @@ def _mlp_side_tp(layer: RankLayer, prefix, partial: torch.Tensor, blocks, n_bloc
     w, cfg, eps = layer.w, layer.cfg, layer.cfg.rms_eps
     h = layer.call("allreduce_attn_res_rmsnorm", prefix, layer.gather(partial), blocks, w["mlp_res_norm_w"],
                    w["mlp_res_proj_w"], w["post_norm_w"], n_blocks, -1, eps, eps)
+    if layer.kind == "dense":                                              # the dense MLP's partial, folded
+        return prefix + fold_ranks(layer.gather(FL._dense_mlp(layer, h)))
     shared = layer.call("shared_experts", h, w["w_shared_gate_up"], w["w_shared_down"], cfg.situ_beta,
                         cfg.situ_linear_beta)
     ids, route_w = layer.call("router_topk", h, w["w_router"], w["router_bias"], cfg.top_k, cfg.routed_scale)
@@ -162,7 +168,8 @@ def _mlp_side_tp(layer: RankLayer, prefix, partial: torch.Tensor, blocks, n_bloc
 
 
 def kda_step_tp(layer: RankLayer, prefix, blocks, conv_state, recurrent_state) -> torch.Tensor:
-    """One KDA layer step of this rank: conv_state / recurrent_state are its head slices."""
+    """One KDA layer step of this rank (layer 0: the dense MLP's slice): conv_state / recurrent_state
+    are its head slices."""
     x, n = FL._attn_side(layer, prefix, blocks)
     partial = FL.kda_attention(layer, x, conv_state, recurrent_state, layer.cfg.n_heads // layer.T)
     return _mlp_side_tp(layer, prefix, partial, blocks, n)

@@ -35,6 +35,10 @@ def _inputs(op_name: str, config: str, batch: int, layer_idx: int, steps: int = 
     return MAKERS[op_name](case)
 
 
+def _kind(op_name: str, layer_idx: int) -> str:
+    return "mla" if op_name == "mla_layer" else R.kda_kind_of(layer_idx)
+
+
 def _run(op_name: str, inputs, prepare_fn, device="cpu"):
     """prefix_steps and the final state of the registry form through `prepare_fn`'s layer."""
     t = {k: v.to(device, copy=True) for k, v in inputs.tensors.items()}
@@ -44,7 +48,7 @@ def _run(op_name: str, inputs, prepare_fn, device="cpu"):
     def keep(*args):
         made["layer"] = prepare_fn(*args)
         return made["layer"]
-    out = stock.run_steps(op_name.removesuffix("_layer"), t.pop("x_steps"), t.pop("blocks"), state,
+    out = stock.run_steps(_kind(op_name, inputs.params["layer_idx"]), t.pop("x_steps"), t.pop("blocks"), state,
                           inputs.params["layer_idx"], inputs.params["config"], t, keep)
     return out, state, made["layer"]
 
@@ -57,10 +61,12 @@ def _reference(op_name: str, inputs):
 
 # ---------------------------------------------------------------------------------------------- composition
 @pytest.mark.parametrize("op_name,config,layer_idx", [("kda_layer", "tiny", 12), ("kda_layer", "small", 13),
-                                                      ("mla_layer", "tiny", 3), ("mla_layer", "small", 15)])
+                                                      ("kda_layer", "small", 0), ("mla_layer", "tiny", 3),
+                                                      ("mla_layer", "small", 15)])
 def test_reference_kernel_table_is_the_reference_layer_bit_for_bit(op_name, config, layer_idx):
-    """Layer 12 pushes a block, 13 and 15 do not; 3 is the first MLA layer. Every output step and every
-    state tensor must be the reference layer's bits: same ops, same order, same arguments."""
+    """Layer 12 pushes a block, 13 and 15 do not; 0 is the dense layer (its MLP through the shared
+    experts' op); 3 is the first MLA layer. Every output step and every state tensor must be the
+    reference layer's bits: same ops, same order, same arguments."""
     inputs = _inputs(op_name, config, 3, layer_idx)
     want, want_state = _reference(op_name, inputs)
     got, got_state, layer = _run(op_name, inputs, FL.reference_prepare)
@@ -166,7 +172,8 @@ def kda_layer_steps_push_unseen(x_steps, blocks, conv_state, recurrent_state, la
 
 @pytest.mark.parametrize("op_name,candidate,layer_idx", [
     ("mla_layer", "mla_layer_steps_slot_after_advance", 15),
-    ("kda_layer", "kda_layer_steps_push_unseen", 24)])
+    ("kda_layer", "kda_layer_steps_push_unseen", 24),
+    ("kda_layer", "kda_layer_steps_push_unseen", 0)])
 def test_planted_composition_bugs_are_rejected(op_name, candidate, layer_idx):
     from property_tests.harness_case import judge_case
 
@@ -183,7 +190,7 @@ def _device_layer(op_name, config, batch, layer_idx, dtype="bfloat16", seed=3):
     t = {k: v.to("cuda") for k, v in inputs.tensors.items()}
     state = {n: t.pop(n) for n in STATE[op_name]}
     x_steps, blocks = t.pop("x_steps"), t.pop("blocks")
-    layer = FL.prepare(op_name.removesuffix("_layer"), t, config, layer_idx, x_steps.dtype)
+    layer = FL.prepare(_kind(op_name, layer_idx), t, config, layer_idx, x_steps.dtype)
     return layer, x_steps, blocks, state
 
 
@@ -200,8 +207,22 @@ def test_fused_layer_certifies_on_gpu(op_name):
 
 @needs_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("config,dtype", [("tiny", "bfloat16"), ("small", "float16")])
+def test_fused_dense_layer_and_a_long_run_on_gpu(config, dtype):
+    """Layer 0 (the dense MLP through the shared experts' kernel) and a 64-step run of a push layer:
+    the knob sweep's cases of the release profile."""
+    from property_tests.harness_case import judge_case
+
+    for extra in ((("layer_idx", 0), ("steps", 8)), (("layer_idx", 12), ("steps", 64))):
+        v = judge_case(Case(op="kda_layer", seed=9, batch=3, config=config, dtype=dtype, extra=extra), CANDIDATE)
+        assert v.status == PASS, f"{extra}: {v.reason}\n  {v.repro}"
+
+
+@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("op_name,config,layer_idx", [("kda_layer", "small", 12), ("kda_layer", "tiny", 13),
-                                                      ("mla_layer", "small", 15), ("mla_layer", "tiny", 3)])
+                                                      ("kda_layer", "small", 0), ("mla_layer", "small", 15),
+                                                      ("mla_layer", "tiny", 3)])
 def test_every_op_runs_fused_on_gpu(op_name, config, layer_idx):
     """At the configs the ops are certified at, no kernel refuses the layer's shapes."""
     layer, x_steps, blocks, state = _device_layer(op_name, config, 3, layer_idx)

@@ -11,16 +11,17 @@ import socket
 import pytest
 import torch
 
-KINDS = {"kda": ("conv_state", "recurrent_state"), "mla": ("cache", "block_table", "seq_lens")}
-LAYER = {"kda": 12, "mla": 15}        # 12 pushes a block; 15 is an MLA layer with 2 blocks
+KINDS = {"kda": ("conv_state", "recurrent_state"), "mla": ("cache", "block_table", "seq_lens"),
+         "dense": ("conv_state", "recurrent_state")}
+LAYER = {"kda": 12, "mla": 15, "dense": 0}   # 12 pushes a block; 15 is an MLA layer with 2 blocks; 0 the dense one
 
 
 def _inputs(kind: str, config: str = "tiny", batch: int = 3, steps: int = 3, seed: int = 5):
     from verify.model.case import Case
     from verify.ops.layers import make_kda_layer_inputs, make_mla_layer_inputs
 
-    make = make_kda_layer_inputs if kind == "kda" else make_mla_layer_inputs
-    inputs = make(Case(op=f"{kind}_layer", seed=seed, batch=batch, config=config,
+    make = make_mla_layer_inputs if kind == "mla" else make_kda_layer_inputs
+    inputs = make(Case(op="mla_layer" if kind == "mla" else "kda_layer", seed=seed, batch=batch, config=config,
                        extra=(("layer_idx", LAYER[kind]), ("steps", steps))))
     t = dict(inputs.tensors)
     state = {n: t.pop(n) for n in KINDS[kind]}
@@ -103,7 +104,7 @@ def _reference(kind: str, T: int):
     return decode_steps(kind, w, st, x_steps, params["layer_idx"], tp=T), {n: getattr(st, n) for n in KINDS[kind]}
 
 
-@pytest.mark.parametrize("kind,T", [("kda", 2), ("mla", 2), ("kda", 4)])
+@pytest.mark.parametrize("kind,T", [("kda", 2), ("mla", 2), ("kda", 4), ("dense", 2)])
 def test_ranks_over_gloo_are_the_simulated_tp_layer_bit_for_bit(kind, T):
     from fused.layers_tp import join_state
 

@@ -287,12 +287,19 @@ def _flat_state(x_steps, blocks, **state_tensors) -> LayerState:
 
 def kda_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, conv_state: torch.Tensor,
                     recurrent_state: torch.Tensor, layer_idx: int, config: str, **weights: torch.Tensor) -> torch.Tensor:
-    """Registry form of decode_steps for a KDA layer: flat tensors in, prefix_steps[N,B,D] out;
-    conv_state and recurrent_state updated in place. weights: the names of references.weights."""
+    """Registry form of decode_steps for a KDA-attention layer: flat tensors in, prefix_steps[N,B,D] out;
+    conv_state and recurrent_state updated in place. weights: the names of references.weights. Layer 0
+    is the dense one (its weights: the dense MLP's in place of the LatentMoE's)."""
     from references.config import get_config
-    w = LayerWeights("kda", get_config(config), x_steps.dtype, weights)
+    kind = kda_kind_of(layer_idx)
+    w = LayerWeights(kind, get_config(config), x_steps.dtype, weights)
     state = _flat_state(x_steps, blocks, conv_state=conv_state, recurrent_state=recurrent_state)
-    return decode_steps("kda", w, state, x_steps, layer_idx)
+    return decode_steps(kind, w, state, x_steps, layer_idx)
+
+
+def kda_kind_of(layer_idx) -> str:
+    """"dense" for layer 0 (KDA attention, dense MLP), else "kda": the kind of a KDA-attention layer."""
+    return "dense" if layer_idx == 0 else "kda"
 
 
 def mla_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,

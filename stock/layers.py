@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from references.config import K3Config, get_config
-from references.layers import attn_res_layout, check_layer_idx, layer_kind_of
+from references.layers import attn_res_layout, check_layer_idx, kda_kind_of, layer_kind_of
 from references.mxfp4 import E2M1_LUT, GROUP, scale_values
 from references.primitives import FLOAT_DTYPES, check_tensor
 from references.weights import FP32_PARAMS, MXFP4_PARAMS
@@ -53,7 +53,7 @@ class StockLayer:
 
     def step(self, prefix: torch.Tensor, blocks: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
         """One decode step; state tensors updated in place. Returns the new prefix (the next layer's h)."""
-        return (kda_step if self.kind == "kda" else mla_step)(self, prefix, blocks, *state)
+        return STEPS[self.kind](self, prefix, blocks, *state)
 
 
 def dequant_table(wd: torch.dtype, device) -> torch.Tensor:
@@ -76,8 +76,8 @@ def fla_available(device) -> bool:
 def prepare(kind: str, weights: dict, config: str | K3Config, layer_idx: int, wd: torch.dtype,
             use_fla: bool | None = None) -> StockLayer:
     """Make the layer's step-ready form once (outside any captured step)."""
-    if kind not in ("kda", "mla"):
-        raise ValueError(f"kind: {kind!r} is not a stock layer kind; use 'kda' or 'mla'")
+    if kind not in ("kda", "mla", "dense"):
+        raise ValueError(f"kind: {kind!r} is not a stock layer kind; use 'kda', 'mla' or 'dense'")
     cfg = get_config(config) if isinstance(config, str) else config
     check_layer_idx(layer_idx)
     if layer_kind_of(layer_idx) != kind:
@@ -88,8 +88,9 @@ def prepare(kind: str, weights: dict, config: str | K3Config, layer_idx: int, wd
             else (wd,)
         check_tensor(f"weights[{name!r}]", t, dtypes=want)
     acc = torch.float64 if wd == torch.float64 else torch.float32
-    w["w_router_acc"] = w["w_router"].to(acc)
-    device = w["w_router"].device
+    if kind != "dense":
+        w["w_router_acc"] = w["w_router"].to(acc)
+    device = next(iter(w.values())).device
     if use_fla is None:
         use_fla = fla_available(device) and cfg.l2_eps == 1e-6     # fla's in-kernel L2 norm eps
     return StockLayer(kind, cfg, layer_idx, wd, w, dequant_table(wd, device), use_fla)
@@ -297,13 +298,20 @@ def _attn_side(layer: StockLayer, prefix: torch.Tensor, blocks: torch.Tensor) ->
     return x, prefix, n_blocks
 
 
+def dense_mlp(layer: StockLayer, x: torch.Tensor) -> torch.Tensor:
+    """Layer 0's dense MLP: gate_up GEMM, SiTU-and-mul, down GEMM (the shared experts' math)."""
+    w, cfg = layer.w, layer.cfg
+    return F.linear(situ_and_mul(F.linear(x, w["w_dense_gate_up"]), cfg.situ_beta, cfg.situ_linear_beta),
+                    w["w_dense_down"])
+
+
 def _mlp_side(layer: StockLayer, prefix: torch.Tensor, attn: torch.Tensor, blocks: torch.Tensor,
               n_blocks: int) -> torch.Tensor:
     w, eps = layer.w, layer.cfg.rms_eps
     p = prefix + attn                                                             # one wd rounding
     h = attn_res_mix_norm(torch.cat([blocks[:, :n_blocks], p.unsqueeze(1)], dim=1), w["mlp_res_norm_w"],
                           w["mlp_res_proj_w"], w["post_norm_w"], eps)
-    return p + latent_moe(layer, h)
+    return p + (dense_mlp(layer, h) if layer.kind == "dense" else latent_moe(layer, h))
 
 
 def kda_step(layer: StockLayer, prefix, blocks, conv_state, recurrent_state) -> torch.Tensor:
@@ -316,6 +324,9 @@ def mla_step(layer: StockLayer, prefix, blocks, cache, block_table, seq_lens) ->
     """One gated-MLA layer step; the token's latent goes to the slot of seq_lens in block_table."""
     x, p, n = _attn_side(layer, prefix, blocks)
     return _mlp_side(layer, p, mla_attention(layer, x, cache, block_table, seq_lens), blocks, n)
+
+
+STEPS = {"kda": kda_step, "dense": kda_step, "mla": mla_step}      # dense: _mlp_side takes the dense MLP
 
 
 # ---------------------------------------------------------------------------------------------- validation
@@ -366,8 +377,8 @@ def kda_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, conv_state: tor
                     recurrent_state: torch.Tensor, layer_idx: int, config: str, **weights: torch.Tensor) -> torch.Tensor:
     """references.layers.kda_layer_steps through the stock step: prefix_steps[N,B,D]; conv_state and
     recurrent_state updated in place."""
-    return run_steps("kda", x_steps, blocks, {"conv_state": conv_state, "recurrent_state": recurrent_state},
-                  layer_idx, config, weights)
+    return run_steps(kda_kind_of(layer_idx), x_steps, blocks,
+                     {"conv_state": conv_state, "recurrent_state": recurrent_state}, layer_idx, config, weights)
 
 
 def mla_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
@@ -394,7 +405,9 @@ def step_launch(kind: str, tensors: dict, params: dict, graph: bool | None = Non
     CUDA graph (the launch replays it; graph=False keeps it eager). The launch returns the new prefix
     [B,D]. MLA: seq_lens is put back to its starting value before each step (a device copy inside the
     graph), so repeated launches write the same cache slot instead of running out of pages."""
-    names = ("conv_state", "recurrent_state") if kind == "kda" else ("cache", "block_table", "seq_lens")
+    if kind == "kda":
+        kind = kda_kind_of(params["layer_idx"])
+    names = ("cache", "block_table", "seq_lens") if kind == "mla" else ("conv_state", "recurrent_state")
     x = tensors["x_steps"][0].contiguous().clone()
     blocks = tensors["blocks"].contiguous().clone()
     state = {n: tensors[n].clone() for n in names}

@@ -22,6 +22,7 @@ STEP_RANGE = (2, 5)      # decode steps per case, drawn
 # and in the knob sweep, runs of 64 steps with their state (a fused layer's per-step error must not
 # grow with the steps: the specs' derivations bound it at every step)
 LONG_RUNS = ({"steps": 64},)
+DENSE_LAYER = ({"layer_idx": 0},)        # kda_layer's knob sweep: layer 0, the dense MLP's layer
 MAX_BATCH = 4            # the reference loops over (token, expert) pairs in Python: keep a case ~1 s
 MAX_CONTEXT_PAGES = 4    # MLA context already cached before the first step, per sequence
 # layer indices worth drawing: first layer of a block (push), 1..8 blocks before the layer, the last layers
@@ -31,9 +32,11 @@ DISTS = ("normal", "heavy_tailed", "outliers", "zero_rows", "small_rows")
 
 
 def _layer_idx(case: Case, kind: str) -> int:
+    """The case's layer (knob `layer_idx`, else drawn); kda_layer takes layer 0 too (the knob sweep's
+    dense layer: KDA attention, the dense MLP)."""
     choices = KDA_LAYERS if kind == "kda" else MLA_LAYERS
     idx = int(case.knob("layer_idx", choices[int(torch.randint(0, len(choices), (1,), generator=gen_for(case, "layer")))]))
-    if layer_kind_of(idx) != kind:
+    if layer_kind_of(idx) != kind and not (kind == "kda" and idx == 0):
         raise ValueError(f"layer_idx={idx}: K3 layer {idx} is a {layer_kind_of(idx)!r} layer, not {kind!r}")
     return idx
 
@@ -50,12 +53,13 @@ def _steps(case: Case) -> int:
 
 def _common(case: Case, kind: str, weights=None) -> tuple[dict, dict]:
     cfg, wd, B = get_config(case.config), working_dtype(case), case.batch
-    weights = make_layer_weights(kind, cfg, case.seed, wd) if weights is None else weights
+    layer_idx = _layer_idx(case, kind)
+    weights = make_layer_weights(layer_kind_of(layer_idx), cfg, case.seed, wd) if weights is None else weights
     scales = torch.exp2(torch.randint(-2, 3, (BLOCK_SLOTS,), generator=gen_for(case, "block_scales")).double())
     blocks = torch.stack([activation(case, f"block{i}", (B, cfg.hidden), wd, scale=float(scales[i]))
                           for i in range(BLOCK_SLOTS)], dim=1)
     x_steps = activation(case, "x_steps", (_steps(case), B, cfg.hidden), wd)
-    params = {"layer_idx": _layer_idx(case, kind), "config": case.config}
+    params = {"layer_idx": layer_idx, "config": case.config}
     return {"x_steps": x_steps, "blocks": blocks, **weights.tensors}, params
 
 
@@ -115,6 +119,8 @@ def step_routing(inputs: OpInputs) -> list[torch.Tensor]:
     t, p = inputs.tensors, inputs.params
     kind = "kda" if "conv_state" in t else "mla"
     cfg, x_steps = get_config(p["config"]), t["x_steps"]
+    if "w_router" not in t:                      # layer 0: the dense MLP, no router
+        return [torch.empty(x_steps.shape[1], 0, dtype=torch.int64) for _ in range(x_steps.shape[0])]
     w = LayerWeights(kind, cfg, x_steps.dtype, {n: v for n, v in t.items()
                                                 if n not in (*STATE_TENSORS[kind], "x_steps", "blocks")})
     state = LayerState(prefix=torch.zeros_like(x_steps[0]), blocks=t["blocks"].clone(),
@@ -147,7 +153,7 @@ def layer_steps_bytes(inputs: OpInputs) -> int:
     N, B, D = t["x_steps"].shape
     row = B * D * t["x_steps"].element_size()
     weights = sum(v for n, v in nb.items() if n not in (*STATE_TENSORS[kind], *EXPERT_TENSORS, "x_steps", "blocks"))
-    per_expert = sum(nb[n] // t[n].shape[0] for n in EXPERT_TENSORS)
+    per_expert = sum(nb[n] // t[n].shape[0] for n in EXPERT_TENSORS if n in t)
     n_blocks, _ = attn_res_layout(p["layer_idx"], get_config(p["config"]).attn_res_block)
     total = 0
     for step, ids in enumerate(step_routing(inputs)):
@@ -172,7 +178,8 @@ _SIG_COMMON = ("x_steps[N,B,D] wd (layer input h per step); blocks[B,8,D] wd (bl
 _NOTES = ("k3 is not run on CPU: the 896 MXFP4 experts are ~9.9 GB per layer and the Python (token, expert) "
           "loop is slow; tiny/small have the same structure. No harness split rule: a whole layer all-reduces "
           "mid-layer, which per-rank candidate calls cannot express; the TP form (references.layers_tp) is checked "
-          "against the unsplit layer in property_tests/test_layers.py for T in 1, 2, 4. Known limit: a token "
+          "against the unsplit layer in property_tests/test_layers.py for T in 1, 2, 4. kda_layer at layer_idx 0 "
+          "(the knob sweep) is the dense layer: KDA attention and the dense MLP. Known limit: a token "
           "whose router top-k is inside the tie band may pick another expert set in the candidate than in the "
           "baseline; that row then differs by a whole expert (measured ~3% of bf16 rows at small, relative "
           "error ~0.3): router_topk's tie-aware entry is where routing is certified. Knobs: steps, layer_idx.")
@@ -188,7 +195,7 @@ OPS: list[OpDef] = [
         # all channels of one conv of one sequence together, [C, W-1]
         row_ndims={"conv_state": 2},
         configs=("tiny", "small"), dists=DISTS, max_batch=MAX_BATCH, compile_heavy=True, cpu_ok=False, notes=_NOTES,
-        knob_sweep=LONG_RUNS,
+        knob_sweep=LONG_RUNS + DENSE_LAYER,
         moved_bytes=layer_steps_bytes, peers=KDA_LAYER_PEERS, bench_knobs=BENCH_KNOBS,
     ),
     OpDef(
