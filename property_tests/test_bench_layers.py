@@ -266,3 +266,37 @@ def test_the_layer_table_at_k3_one_rank(name, monkeypatch, tmp_path):
     assert int(dict(zip(head, body[0]))["stock_layer launches"]) == row["launches"]["peer:stock_layer"]["kernels"]
     print(f"\n{name} K3 T=1 B=1: " + ", ".join(f"{k} {v['median_us']:.1f} us" for k, v in row["timings"].items())
           + "; launches " + ", ".join(f"{k} {v.get('kernels')}" for k, v in row["launches"].items()))
+
+
+def test_certificate_records_launches_per_step_of_layer_candidates():
+    """A passing layer verdict on CUDA gets its candidate's launches per step in the certificate (the
+    count is faked here: no GPU); other ops, failing verdicts, candidates without a step launch and
+    CPU runs get none; a count that raises is recorded as its error, the run goes on."""
+    from types import SimpleNamespace
+
+    from verify.bench.launches import LaunchCount, record_layer_launches
+
+    seen = []
+
+    def fake_count(launch, warmup):
+        seen.append(launch())              # the step runs (stock layer, CPU tensors)
+        return LaunchCount(11, "fake")
+
+    def verdict(op, cand, status="pass"):
+        return SimpleNamespace(op=op, candidate=cand, status=status)
+    cert = {"ops": {n: {} for n in ("kda_layer", "mla_layer", "skinny_gemm")}}
+    verdicts = [verdict("kda_layer", "stock.layers:layer_steps"), verdict("mla_layer", "stock.layers:layer_steps", "fail"),
+                verdict("kda_layer", "reference"), verdict("skinny_gemm", "fused")]
+    assert record_layer_launches(cert, verdicts, "cpu", fake_count) == []
+    lines = record_layer_launches(cert, verdicts, "cuda", fake_count, place=lambda t: t)
+    assert cert["ops"]["kda_layer"]["launches"]["stock.layers:layer_steps"]["kernels"] == 11
+    assert "launches" not in cert["ops"]["mla_layer"] and "launches" not in cert["ops"]["skinny_gemm"]
+    assert set(cert["ops"]["kda_layer"]["launches"]) == {"stock.layers:layer_steps"}
+    assert len(seen) == 1 and seen[0].shape[0] == 4 and len(lines) == 1 and "11 kernel launches" in lines[0]
+
+    def broken(launch, warmup):
+        raise RuntimeError("capture failed: a host sync\nmore")
+    lines = record_layer_launches(cert, verdicts[:1], "cuda", broken, place=lambda t: t)
+    assert cert["ops"]["kda_layer"]["launches"]["stock.layers:layer_steps"]["error"] == \
+        "RuntimeError: capture failed: a host sync"
+    assert "not counted" in lines[0]

@@ -493,6 +493,10 @@ def _finish_run(args, verdicts, cert, console, where: str) -> int:
     for v in verdicts:
         if v.status in (FAIL, XPASS):
             print_failure(console, v)
+    from verify.bench.launches import record_layer_launches
+
+    for line in record_layer_launches(cert, verdicts, cert.get("options", {}).get("device", "cpu")):
+        console.print(f"launches: {line}", soft_wrap=True)
     path = certificate.write(cert, Path(args.out))
     if args.junit:
         from verify.record.reporters.junit import write_junit

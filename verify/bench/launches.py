@@ -160,3 +160,45 @@ def count_launches(fn, warmup: int = 2) -> LaunchCount:
         torch.cuda.synchronize()
         return _count_in_profiler(fn, warmup, f"CUDA graph count unavailable: {type(e).__name__}: "
                                               f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}")
+
+
+# ---------------------------------------------------------------------------------------------- certificate
+STEP_CASE = {"batch": 4, "config": "small", "seed": 0}       # the case whose one step is counted
+
+
+def record_layer_launches(cert: dict, verdicts, device: str, count=None, place=None) -> list[str]:
+    """Into `cert` (verify.record.certificate.build's dict): for every passing verdict of a layer op
+    (family "layers") on a CUDA device whose candidate declares a step launch (its module's
+    `<op>_step_peer`, the bench peer protocol), the kernel launches of one decode step on STEP_CASE's
+    inputs (ops[op]["launches"][candidate]: the count, its method and the case; or the error that
+    stopped it). `count` (count_launches) and `place` (a tensor onto the device) are the tests' seams.
+    Returns a line per entry, for the summary."""
+    if not str(device).startswith("cuda"):
+        return []
+    from verify.bench.run import step_launch_of
+    from verify.model.case import Case
+    from verify.model.opdef import OpInputs
+    from verify.ops.registry import all_ops
+
+    count = count or count_launches
+    place = place or (lambda t: t.to(device))
+    lines = []
+    for v in verdicts:
+        op = all_ops().get(v.op)
+        if op is None or op.family != "layers" or v.status != "pass" or v.op not in cert.get("ops", {}):
+            continue
+        case = Case(op.name, STEP_CASE["seed"], STEP_CASE["batch"], STEP_CASE["config"], extra=(("steps", 1),))
+        entry: dict = {"case": case.to_json()}
+        try:
+            peer = step_launch_of(op, v.candidate)
+            if peer is None:
+                continue
+            inputs = op.make_inputs(case)
+            moved = OpInputs({k: place(t) for k, t in inputs.tensors.items()}, dict(inputs.params))
+            entry.update(count(peer(moved.tensors, moved.params), warmup=1).to_json())
+            lines.append(f"{v.op} {v.candidate}: {entry['kernels']} kernel launches per step ({entry['method']})")
+        except Exception as e:  # noqa: BLE001  (a count that fails is recorded, never the end of the run)
+            entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            lines.append(f"{v.op} {v.candidate}: launches not counted ({entry['error']})")
+        cert["ops"][v.op].setdefault("launches", {})[v.candidate] = entry
+    return lines
