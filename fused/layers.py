@@ -155,8 +155,8 @@ def _reference_shared(x, w_gate_up, w_down, situ_beta, situ_linear_beta):
 
 def _fallbacks(layer: stock.StockLayer) -> dict:
     """Sync-free torch forms of the ops whose references read tensor values on the host (the routed
-    experts' id checks, the decode attention's CPU-built mask) or allocate on the CPU; the others'
-    references are sync-free as written."""
+    experts' id checks and per-pair expert ids, the decode attention's per-sequence lengths); the
+    others' references are sync-free as written."""
     def routed(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_beta, situ_linear_beta):
         return stock.routed_experts(layer, z, ids, weights)
 
