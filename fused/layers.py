@@ -155,8 +155,8 @@ def _reference_shared(x, w_gate_up, w_down, situ_beta, situ_linear_beta):
 
 def _fallbacks(layer: stock.StockLayer) -> dict:
     """Sync-free torch forms of the ops whose references read tensor values on the host (the routed
-    experts' id checks and per-pair expert ids, the decode attention's per-sequence lengths); the
-    others' references are sync-free as written."""
+    experts' id checks and per-pair expert ids, the cache write's slot checks, the decode attention's
+    per-sequence lengths); the others' references are sync-free as written."""
     def routed(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_beta, situ_linear_beta):
         return stock.routed_experts(layer, z, ids, weights)
 
@@ -167,8 +167,13 @@ def _fallbacks(layer: stock.StockLayer) -> dict:
         return stock.paged_latent_attention(q_abs.view(n_seq, H, C), cache, block_table, seq_lens, scale,
                                             kv_lora_rank).view(n_seq, 1, H, kv_lora_rank)
 
+    def cache_write(latent, cache, slot_mapping):
+        """The layer's slots are valid and distinct (validate_state): a row copy per slot."""
+        cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, latent)
+
     out = {op: _resolve(path) for op, path in REFERENCES.items()}
-    out.update(moe_experts_mxfp4=routed, mla_decode_attn=decode, shared_experts=_reference_shared)
+    out.update(moe_experts_mxfp4=routed, mla_decode_attn=decode, shared_experts=_reference_shared,
+               mla_cache_write=cache_write)
     return out
 
 

@@ -116,16 +116,18 @@ def test_a_refusal_inside_a_capture_is_raised(monkeypatch):
     assert layer.unfused == {}
 
 
-def test_step_runs_on_the_meta_device_through_its_stand_ins():
-    """No value is read on the host by the stand-ins either (a meta tensor has none): a refused kernel
-    keeps the step capturable."""
-    inputs = _inputs("kda_layer", "tiny", 2, 12)
+@pytest.mark.parametrize("op_name,layer_idx", [("kda_layer", 12), ("kda_layer", 0), ("mla_layer", 15)])
+def test_step_runs_on_the_meta_device_through_its_stand_ins(op_name, layer_idx):
+    """No value is read on the host by the stand-ins either (a meta tensor has none: .item(), int() of a
+    tensor and nonzero raise on it): a refused kernel keeps the step capturable."""
+    inputs = _inputs(op_name, "tiny", 2, layer_idx)
     t = {k: v.to("meta") for k, v in inputs.tensors.items()}
-    state = {n: t.pop(n) for n in STATE["kda_layer"]}
+    state = {n: t.pop(n) for n in STATE[op_name]}
     x_steps, blocks = t.pop("x_steps"), t.pop("blocks")
-    layer = FL.prepare("kda", t, "tiny", 12, torch.bfloat16)
+    layer = FL.prepare(_kind(op_name, layer_idx), t, "tiny", layer_idx, torch.bfloat16)
     out = layer.step(x_steps[0], blocks, *state.values())
     assert out.device.type == "meta" and out.shape == x_steps[0].shape
+    assert sorted(layer.unfused) == sorted(FL.LAYER_OPS[layer.kind])
 
 
 @pytest.mark.parametrize("op_name", ["kda_layer", "mla_layer"])
