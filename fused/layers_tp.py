@@ -8,7 +8,8 @@ replica of the MLA cache. One step:
   attn side    attn_res_rmsnorm, replicated (every rank the same bits)
   attention    the rank's heads -> its partial o_proj output [B, D]
   all-reduce   the T partials gathered (rank order) -> allreduce_attn_res_rmsnorm: the fp32 rank-order
-               fold inside the AttnRes + post-norm kernel (fused/allreduce_attn_res_rmsnorm.py)
+               fold inside the AttnRes + post-norm kernel (fused/allreduce_attn_res_rmsnorm.py); with
+               `prefetch`, l2_prefetch of the MoE's first weights on a side stream during the gather
   MoE          shared experts (the rank's slice) on their side stream, router and latent down
                replicated, the rank's slice of every chosen expert -> partials of the latent output
                and of the shared experts, gathered in one [T, B, L + D] all-gather, each folded in
@@ -33,7 +34,11 @@ from references.mla import shard_heads
 from references.primitives import fold_ranks
 from references.weights import LayerWeights
 
-TP_OPS = ("allreduce_attn_res_rmsnorm",)
+TP_OPS = ("allreduce_attn_res_rmsnorm", "l2_prefetch")
+# prefetched into L2 on a side stream while the attention partials are gathered (prepare_rank's
+# `prefetch`): the weights the MoE reads first, the router's and the rank's shared-experts gate_up
+# (K3, T = 8: 12.8 + 22 MB, inside l2_prefetch's default budget of 3/4 of the H200's 50 MB L2)
+PREFETCH = ("w_router", "w_shared_gate_up")
 KDA_SHARDED_STATE = ("conv_state", "recurrent_state")
 
 
@@ -125,6 +130,13 @@ class RankLayer(FL.FusedLayer):
     gather: object = None
     T: int = 1
     rank: int = 0
+    prefetch: tuple = ()                  # weight names l2_prefetch brings in during the attention gather
+
+    def buffer_stream(self) -> torch.cuda.Stream:
+        """The rank's side stream for the prefetch (made once)."""
+        if "stream" not in self.kept:
+            self.kept["stream"] = torch.cuda.Stream()
+        return self.kept["stream"]
 
     def step(self, prefix: torch.Tensor, blocks: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
         work = self.buffer("prefix", prefix)
@@ -133,8 +145,9 @@ class RankLayer(FL.FusedLayer):
 
 
 def prepare_rank(kind: str, weights: dict, config: str | K3Config, layer_idx: int, wd: torch.dtype, gather,
-                 kernels: str = "fused") -> RankLayer:
-    """Rank gather.rank of gather.T: its shards of the unsplit `weights`, its kernel table."""
+                 kernels: str = "fused", prefetch: bool = False) -> RankLayer:
+    """Rank gather.rank of gather.T: its shards of the unsplit `weights`, its kernel table; with
+    `prefetch`, the MoE's first weights (PREFETCH) prefetched into L2 during the attention gather."""
     cfg = get_config(config) if isinstance(config, str) else config
     shards = shard_weights(kind, weights, cfg, wd, gather.T, gather.rank)
     base = FL.prepare(kind, shards, cfg, layer_idx, wd, kernels)
@@ -143,14 +156,37 @@ def prepare_rank(kind: str, weights: dict, config: str | K3Config, layer_idx: in
         base.kernels[op] = FL._resolve(table[op])
         if kernels == "fused":
             base.fallbacks[op] = FL._resolve(FL.REFERENCES[op])
+    names = tuple(n for n in PREFETCH if n in shards) if prefetch else ()
     return RankLayer(**{f: getattr(base, f) for f in base.__dataclass_fields__}, gather=gather, T=gather.T,
-                     rank=gather.rank)
+                     rank=gather.rank, prefetch=names)
+
+
+def _start_prefetch(layer: RankLayer):
+    """l2_prefetch of layer.prefetch on a side stream forked from the current one (on CUDA; inline
+    elsewhere); returns the event to join on, or None."""
+    if not layer.prefetch:
+        return None
+    weights = [layer.w[n] for n in layer.prefetch]
+    if not weights[0].is_cuda:
+        layer.call("l2_prefetch", *weights)
+        return None
+    side = layer.buffer_stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer.call("l2_prefetch", *weights)
+        done = torch.cuda.Event()
+        done.record(side)
+    return done
 
 
 # ---------------------------------------------------------------------------------------------- one step
 def _mlp_side_tp(layer: RankLayer, prefix, partial: torch.Tensor, blocks, n_blocks: int) -> torch.Tensor:
     w, cfg, eps = layer.w, layer.cfg, layer.cfg.rms_eps
-    h = layer.call("allreduce_attn_res_rmsnorm", prefix, layer.gather(partial), blocks, w["mlp_res_norm_w"],
+    prefetched = _start_prefetch(layer)
+    deltas = layer.gather(partial)
+    if prefetched is not None:
+        torch.cuda.current_stream().wait_event(prefetched)
+    h = layer.call("allreduce_attn_res_rmsnorm", prefix, deltas, blocks, w["mlp_res_norm_w"],
                    w["mlp_res_proj_w"], w["post_norm_w"], n_blocks, -1, eps, eps)
     if layer.kind == "dense":                                              # the dense MLP's partial, folded
         return prefix + fold_ranks(layer.gather(FL._dense_mlp(layer, h)))
@@ -182,12 +218,12 @@ def mla_step_tp(layer: RankLayer, prefix, blocks, cache, block_table, seq_lens) 
 
 
 def rank_steps(kind: str, x_steps: torch.Tensor, blocks: torch.Tensor, state: dict, layer_idx: int, config: str,
-               weights: dict, gather, kernels: str = "fused") -> tuple[torch.Tensor, dict]:
+               weights: dict, gather, kernels: str = "fused", prefetch: bool = False) -> tuple[torch.Tensor, dict]:
     """This rank's registry-form run: the unsplit weights and state in, sharded here; returns
     (prefix_steps[N,B,D], this rank's final state)."""
     from stock.layers import validate_state
 
-    layer = prepare_rank(kind, weights, config, layer_idx, x_steps.dtype, gather, kernels)
+    layer = prepare_rank(kind, weights, config, layer_idx, x_steps.dtype, gather, kernels, prefetch)
     mine = shard_state(kind, state, layer.cfg, gather.T, gather.rank)
     blocks = blocks.contiguous().clone()
     if kind == "mla":
@@ -199,8 +235,8 @@ def describe(layer: RankLayer) -> dict:
     """fused.layers.describe for a rank: its ops plus the all-reduce op, and the gathers and the MoE
     partials' fold as glue."""
     info = FL.describe(layer)
-    if "allreduce_attn_res_rmsnorm" not in layer.unfused:
-        info["fused"].append("allreduce_attn_res_rmsnorm")
+    info["fused"] += [op for op in ("allreduce_attn_res_rmsnorm", "l2_prefetch")
+                      if op not in layer.unfused and (op != "l2_prefetch" or layer.prefetch)]
     info["glue"] += ["all-gather of the attention partials", "all-gather of the MoE (latent | shared) partials",
                      "rank-order fold of the MoE partials (torch)"]
     return info

@@ -1,8 +1,9 @@
 """The fused layer step split over T real ranks (fused/layers_tp.py), one process per rank: with the
 reference kernels inside, every rank's output steps and the joined state are references.layers_tp's
 simulated T-rank layer bit for bit (gloo on CPUs); a fold in another order is rejected by that
-comparison. On two GPUs (NCCL) the fused kernels run inside; on one GPU the rank's own step is timed
-at K3 per-rank shapes (T = 8, 16) with its gathers standing in."""
+comparison. On two GPUs (NCCL) the fused kernels run inside, with and without the L2 prefetch during
+the attention gather (the same bits); on one GPU the rank's own step is timed at K3 per-rank shapes
+(T = 8, 16) with its gathers standing in, with and without the prefetch, beside the stock step."""
 from __future__ import annotations
 
 import os
@@ -34,7 +35,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_worker(rank: int, T: int, kind: str, port: int, backend: str, kernels: str, fold: str, queue):
+def _rank_worker(rank: int, T: int, kind: str, port: int, backend: str, kernels: str, fold: str, queue,
+                 prefetch: bool = False):
     import torch.distributed as dist
 
     import fused.layers_tp as TP
@@ -53,7 +55,7 @@ def _rank_worker(rank: int, T: int, kind: str, port: int, backend: str, kernels:
         if fold == "wd_allreduce":       # the planted bug: a working-dtype all-reduce (NCCL's bf16 sum)
             gather = _WdAllReduce(gather)
         out, mine = TP.rank_steps(kind, x_steps.to(device), blocks.to(device), move(state), params["layer_idx"],
-                                  params["config"], move(weights), gather, kernels)
+                                  params["config"], move(weights), gather, kernels, prefetch)
         queue.put((rank, out.cpu(), {n: t.cpu() for n, t in mine.items()}))
     finally:
         dist.destroy_process_group()
@@ -76,13 +78,14 @@ class _WdAllReduce:
         return out
 
 
-def _run_ranks(kind: str, T: int, backend: str = "gloo", kernels: str = "reference", fold: str = "declared"):
+def _run_ranks(kind: str, T: int, backend: str = "gloo", kernels: str = "reference", fold: str = "declared",
+               prefetch: bool = False):
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_worker, args=(r, T, kind, port, backend, kernels, fold, queue))
+    procs = [ctx.Process(target=_rank_worker, args=(r, T, kind, port, backend, kernels, fold, queue, prefetch))
              for r in range(T)]
     for p in procs:
         p.start()
@@ -104,12 +107,13 @@ def _reference(kind: str, T: int):
     return decode_steps(kind, w, st, x_steps, params["layer_idx"], tp=T), {n: getattr(st, n) for n in KINDS[kind]}
 
 
-@pytest.mark.parametrize("kind,T", [("kda", 2), ("mla", 2), ("kda", 4), ("dense", 2)])
-def test_ranks_over_gloo_are_the_simulated_tp_layer_bit_for_bit(kind, T):
+@pytest.mark.parametrize("kind,T,prefetch", [("kda", 2, False), ("mla", 2, True), ("kda", 4, False),
+                                             ("dense", 2, False)])
+def test_ranks_over_gloo_are_the_simulated_tp_layer_bit_for_bit(kind, T, prefetch):
     from fused.layers_tp import join_state
 
     want, want_state = _reference(kind, T)
-    results = _run_ranks(kind, T)
+    results = _run_ranks(kind, T, prefetch=prefetch)
     for rank, out, _ in results:
         assert torch.equal(out, want), f"rank {rank}: outputs differ from references.layers_tp at T={T}"
     joined = join_state(kind, [r[2] for r in results])
@@ -143,6 +147,8 @@ def test_fused_ranks_over_nccl_on_two_gpus(kind):
     want, _ = _reference(kind, 2)
     results = _run_ranks(kind, 2, backend="nccl", kernels="fused")
     assert torch.equal(results[0][1], results[1][1]), "the ranks' replicated outputs differ"
+    prefetched = _run_ranks(kind, 2, backend="nccl", kernels="fused", prefetch=True)
+    assert torch.equal(prefetched[0][1], results[0][1]), "the L2 prefetch changed the layer's outputs"
     err = ((results[0][1].double() - want.double()).norm() / want.double().norm()).item()
     print(f"\n{kind} fused T=2 over NCCL: relative distance to the reference layer {err:.2e}")
     assert torch.isfinite(results[0][1]).all()
@@ -169,6 +175,7 @@ def test_k3_rank_step_on_one_gpu(kind):
     w = make_layer_weights_on(kind, K3, 0, device="cuda").tensors
     for T in (8, 16):
         layer = TP.prepare_rank(kind, w, K3, LAYER[kind], torch.bfloat16, TP.CopiesGather(T))
+        prefetching = TP.prepare_rank(kind, w, K3, LAYER[kind], torch.bfloat16, TP.CopiesGather(T), prefetch=True)
         rank_cfg = dataclasses.replace(K3, n_heads=K3.n_heads // T)
         stock_layer = stock.prepare(kind, TP.shard_weights(kind, w, K3, torch.bfloat16, T, 0), rank_cfg, LAYER[kind],
                                     torch.bfloat16)
@@ -178,7 +185,7 @@ def test_k3_rank_step_on_one_gpu(kind):
             blocks = torch.randn(B, 8, K3.hidden, device="cuda", generator=g).to(torch.bfloat16)
             prefix = torch.randn(B, K3.hidden, device="cuda", generator=g).to(torch.bfloat16)
             row = {}
-            for name, lay in (("fused", layer), ("stock", stock_layer)):
+            for name, lay in (("fused", layer), ("fused+prefetch", prefetching), ("stock", stock_layer)):
                 state = TP.shard_state(kind, {n: getattr(st, n).cuda() for n in KINDS[kind]}, K3, T, 0)
                 bl = blocks.clone()
                 out = lay.step(prefix, bl.clone(), *state.values())
@@ -186,4 +193,5 @@ def test_k3_rank_step_on_one_gpu(kind):
                 count = count_launches(lambda: lay.step(prefix, bl, *state.values()), warmup=1)
                 row[name] = (count.kernels, graph_us(lambda: lay.step(prefix, bl, *state.values())))
             print(f"\nK3 {kind} rank step T={T} B={B}: fused {row['fused'][0]} launches {row['fused'][1]:.1f} us | "
+                  f"with the L2 prefetch {row['fused+prefetch'][0]} launches {row['fused+prefetch'][1]:.1f} us | "
                   f"stock {row['stock'][0]} launches {row['stock'][1]:.1f} us | fused unfused {sorted(layer.unfused)}")
