@@ -300,3 +300,18 @@ def test_certificate_records_launches_per_step_of_layer_candidates():
     assert cert["ops"]["kda_layer"]["launches"]["stock.layers:layer_steps"]["error"] == \
         "RuntimeError: capture failed: a host sync"
     assert "not counted" in lines[0]
+
+
+def test_report_shows_the_launches_per_layer_step():
+    """`verify-kernels report` renders the certificate's launch counts (and a count's error)."""
+    from verify.record.reporters.html import render
+
+    cert = {"created": "2026-12-04T00:00:00+00:00", "environment": {}, "options": {}, "ops": {
+        "kda_layer": {"verdicts": {}, "cases": {}, "sources": {}, "launches": {
+            "fused.layers:layer_steps": {"kernels": 17, "method": "cuda_graph_nodes", "other": {"memcpy": 1},
+                                         "case": "{\"op\":\"kda_layer\"}"},
+            "stock.layers:layer_steps": {"error": "RuntimeError: capture failed", "case": "{}"}}}}}
+    page = render(cert)
+    assert "Kernel launches per layer step" in page
+    assert "<td>17</td>" in page and "not counted: RuntimeError: capture failed" in page
+    assert "Kernel launches per layer step" not in render({**cert, "ops": {"kda_layer": {"verdicts": {}}}})

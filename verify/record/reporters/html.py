@@ -126,10 +126,13 @@ def render(cert: dict, sections: list[str] = ()) -> str:
               "fail": sum(r["status"] in ("fail", "unexpected_pass") for r in rows),
               "skip": sum(r["status"] == "skip" for r in rows), "carried": sum(r["carried"] for r in rows)}
     waivers = [dict(w, op=op) for op, e in sorted(cert.get("ops", {}).items()) for w in e.get("waivers", [])]
+    launches = [dict(c, op=op, candidate=cand) for op, e in sorted(cert.get("ops", {}).items())
+                for cand, c in sorted(e.get("launches", {}).items())]
     sources = [(op, e.get("sources", {})) for op, e in sorted(cert.get("ops", {}).items())]
     env = sorted((k, v) for k, v in cert.get("environment", {}).items() if v not in (None, ""))
     return env_j.get_template("report.html.j2").render(cert=cert, rows=rows, totals=totals, matrix=_matrix(cert),
                                                          plots=_plots(cert), waivers=waivers, sources=sources, env=env,
+                                                         launches=launches,
                                                          sections=list(sections))
 
 
