@@ -332,22 +332,33 @@ def _check(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, bloc
     runtime.require_cuda("prefix", prefix)
 
 
-def launch(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, out, n_blocks: int,
-           block_write: int, eps: float, norm_eps: float, variant: AttnResConfig | None = None):
-    """Destination-passing launch on the current stream: writes out, updates prefix/blocks."""
-    if prefix.shape[0] == 0:
-        return
-    D = prefix.shape[1]
-    cfg = variant or AttnResConfig.for_shape(D, 8 * prefix.element_size(), prefix.shape[0], n_blocks)
-    fn = _compile(runtime.dtype_name(prefix.dtype), D, n_blocks, cfg)
-    # every operand is read (and prefix, blocks written) in 16-byte vectors: a misaligned base is
-    # copied to fresh storage first, and the state updates go back to the caller's tensors
+def default_config(prefix, n_blocks: int) -> AttnResConfig:
+    """The dispatcher's variant for this batch, row width and source count."""
+    return AttnResConfig.for_shape(prefix.shape[1], 8 * prefix.element_size(), prefix.shape[0], n_blocks)
+
+
+def run_compiled(fn, prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, out, block_write: int, eps: float,
+                 norm_eps: float) -> None:
+    """A compiled kernel of this module (or of fused/allreduce_attn_res_rmsnorm.py, whose `delta` is the
+    partials) on the caller's operands. Every operand is read (and prefix, blocks written) in 16-byte
+    vectors: a misaligned base is copied to fresh storage first, and the state updates go back to the
+    caller's tensors."""
     p, b = runtime.aligned(prefix), runtime.aligned(blocks)
     fn(p, runtime.aligned(delta.contiguous()), b, runtime.aligned(res_norm_w.contiguous()),
        runtime.aligned(res_proj_w.reshape(-1).contiguous()), runtime.aligned(norm_w.contiguous()), out,
        block_write, eps, norm_eps)
     runtime.write_back(p, prefix)
     runtime.write_back(b, blocks)
+
+
+def launch(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, out, n_blocks: int,
+           block_write: int, eps: float, norm_eps: float, variant: AttnResConfig | None = None):
+    """Destination-passing launch on the current stream: writes out, updates prefix/blocks."""
+    if prefix.shape[0] == 0:
+        return
+    cfg = variant or default_config(prefix, n_blocks)
+    fn = _compile(runtime.dtype_name(prefix.dtype), prefix.shape[1], n_blocks, cfg)
+    run_compiled(fn, prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, out, block_write, eps, norm_eps)
 
 
 _op = None

@@ -207,7 +207,10 @@ def _attn_side(layer: FusedLayer, prefix: torch.Tensor, blocks: torch.Tensor) ->
     return x, n_blocks + int(push)
 
 
-def _latent_moe(layer: FusedLayer, h: torch.Tensor) -> torch.Tensor:
+def moe_experts(layer: FusedLayer, h: torch.Tensor):
+    """(pending shared-experts output, routed latent output y): the shared experts started on their side
+    stream first, then router_topk, skinny_gemm (latent down) and the routed experts (a rank's shards:
+    both are its partials)."""
     w, cfg = layer.w, layer.cfg
     shared = layer.call("shared_experts", h, w["w_shared_gate_up"], w["w_shared_down"], cfg.situ_beta,
                         cfg.situ_linear_beta)
@@ -215,7 +218,13 @@ def _latent_moe(layer: FusedLayer, h: torch.Tensor) -> torch.Tensor:
     z = layer.call("skinny_gemm", h, w["w_latent_down"])
     y = layer.call("moe_experts_mxfp4", z, ids, route_w, w["w13_packed"], w["w13_scale"], w["w2_packed"],
                    w["w2_scale"], cfg.situ_beta, cfg.situ_linear_beta)
-    return layer.call("latent_norm_up", y, w["latent_norm_w"], w["w_latent_up"], shared.wait(), cfg.rms_eps)
+    return shared, y
+
+
+def _latent_moe(layer: FusedLayer, h: torch.Tensor) -> torch.Tensor:
+    shared, y = moe_experts(layer, h)
+    return layer.call("latent_norm_up", y, layer.w["latent_norm_w"], layer.w["w_latent_up"], shared.wait(),
+                      layer.cfg.rms_eps)
 
 
 def _mlp_side(layer: FusedLayer, prefix: torch.Tensor, attn: torch.Tensor, blocks: torch.Tensor,
@@ -308,14 +317,7 @@ def step_launch(kind: str, tensors: dict, params: dict, graph: bool | None = Non
     """stock.layers.step_launch with the fused step: prepared, validated and (on CUDA) captured in a
     CUDA graph untimed; the launch returns the new prefix. The prepared layer is the launch's `layer`
     (its `unfused` names the ops that did not run fused)."""
-    made = {}
-
-    def prepare_kept(*args):
-        made["layer"] = prepare(*args)
-        return made["layer"]
-    launch = stock.step_launch(kind, tensors, params, graph, prepare_fn=prepare_kept)
-    launch.layer = made["layer"]
-    return launch
+    return stock.step_launch(kind, tensors, params, graph, prepare_fn=prepare)
 
 
 def kda_layer_step_peer(tensors: dict, params: dict):

@@ -76,6 +76,18 @@ class CopiesGather:
 
 
 # ---------------------------------------------------------------------------------------------- shards
+def _kda_head_shard(given: dict, cfg: K3Config, T: int, rank: int) -> dict:
+    """Rank `rank`'s head slice of the KDA per-head tensors in `given` (weights or state), by
+    references.kda_tp.shard_decode_tensors; the ones it needs and `given` lacks stand in on the meta
+    device (shapes only) and are left out of the result."""
+    H, Dh, W = cfg.n_heads, cfg.head_dim, cfg.conv_kernel
+    meta = {"state": (1, H, Dh, Dh), "conv_state": (1, 3, H * Dh, W - 1), "conv_w": (3, H * Dh, W), "A_log": (H,),
+            "o_norm_w": (Dh,)}
+    full = {**{n: torch.empty(shape, device="meta") for n, shape in meta.items()}, **given}
+    rank_part = shard_decode_tensors(full, T)[rank]
+    return {n: rank_part[n] for n in given}
+
+
 def shard_weights(kind: str, weights: dict, cfg: K3Config, wd: torch.dtype, T: int, rank: int) -> dict:
     """Rank `rank`'s weights under the names of the unsplit layer (replicated ones as they are)."""
     check_tp(T, cfg)
@@ -83,10 +95,7 @@ def shard_weights(kind: str, weights: dict, cfg: K3Config, wd: torch.dtype, T: i
     H = cfg.n_heads
     if kind in ("kda", "dense"):
         w.update(shard_in_proj_weights(weights["w_in"], weights["w_fb"], H, T)[rank])
-        per_head = shard_decode_tensors({"state": torch.empty(1, H, cfg.head_dim, cfg.head_dim, device="meta"),
-                                         "conv_state": torch.empty(1, 3, H * cfg.head_dim, 1, device="meta"),
-                                         **{n: weights[n] for n in ("conv_w", "A_log", "dt_bias", "o_norm_w")}},
-                                        T)[rank]
+        per_head = _kda_head_shard({n: weights[n] for n in ("conv_w", "A_log", "dt_bias")}, cfg, T, rank)
         w.update({n: per_head[n] for n in ("conv_w", "A_log", "dt_bias")})
         w["w_o"] = torch.chunk(weights["w_o"], T, dim=1)[rank].contiguous()
     else:
@@ -108,11 +117,8 @@ def shard_state(kind: str, state: dict, cfg: K3Config, T: int, rank: int) -> dic
     (a copy per rank), block_table and seq_lens as they are (copies)."""
     if kind == "mla":
         return {n: t.clone() for n, t in state.items()}
-    H, Dh = cfg.n_heads, cfg.head_dim
-    hl = H // T
-    heads, chans = slice(rank * hl, (rank + 1) * hl), slice(rank * hl * Dh, (rank + 1) * hl * Dh)
-    return {"conv_state": state["conv_state"][:, :, chans].clone(),
-            "recurrent_state": state["recurrent_state"][:, heads].clone()}
+    per_head = _kda_head_shard({"state": state["recurrent_state"], "conv_state": state["conv_state"]}, cfg, T, rank)
+    return {"conv_state": per_head["conv_state"], "recurrent_state": per_head["state"]}
 
 
 def join_state(kind: str, per_rank: list[dict]) -> dict:
@@ -132,7 +138,7 @@ class RankLayer(FL.FusedLayer):
     rank: int = 0
     prefetch: tuple = ()                  # weight names l2_prefetch brings in during the attention gather
 
-    def buffer_stream(self) -> torch.cuda.Stream:
+    def side_stream(self) -> torch.cuda.Stream:
         """The rank's side stream for the prefetch (made once)."""
         if "stream" not in self.kept:
             self.kept["stream"] = torch.cuda.Stream()
@@ -170,7 +176,7 @@ def _start_prefetch(layer: RankLayer):
     if not weights[0].is_cuda:
         layer.call("l2_prefetch", *weights)
         return None
-    side = layer.buffer_stream()
+    side = layer.side_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         layer.call("l2_prefetch", *weights)
@@ -181,7 +187,7 @@ def _start_prefetch(layer: RankLayer):
 
 # ---------------------------------------------------------------------------------------------- one step
 def _mlp_side_tp(layer: RankLayer, prefix, partial: torch.Tensor, blocks, n_blocks: int) -> torch.Tensor:
-    w, cfg, eps = layer.w, layer.cfg, layer.cfg.rms_eps
+    w, eps = layer.w, layer.cfg.rms_eps
     prefetched = _start_prefetch(layer)
     deltas = layer.gather(partial)
     if prefetched is not None:
@@ -190,12 +196,7 @@ def _mlp_side_tp(layer: RankLayer, prefix, partial: torch.Tensor, blocks, n_bloc
                    w["mlp_res_proj_w"], w["post_norm_w"], n_blocks, -1, eps, eps)
     if layer.kind == "dense":                                              # the dense MLP's partial, folded
         return prefix + fold_ranks(layer.gather(FL._dense_mlp(layer, h)))
-    shared = layer.call("shared_experts", h, w["w_shared_gate_up"], w["w_shared_down"], cfg.situ_beta,
-                        cfg.situ_linear_beta)
-    ids, route_w = layer.call("router_topk", h, w["w_router"], w["router_bias"], cfg.top_k, cfg.routed_scale)
-    z = layer.call("skinny_gemm", h, w["w_latent_down"])
-    y = layer.call("moe_experts_mxfp4", z, ids, route_w, w["w13_packed"], w["w13_scale"], w["w2_packed"],
-                   w["w2_scale"], cfg.situ_beta, cfg.situ_linear_beta)
+    shared, y = FL.moe_experts(layer, h)
     parts = layer.gather(torch.cat([y, shared.wait()], dim=-1))              # [T, B, L + D]
     L = y.shape[-1]
     mlp = layer.call("latent_norm_up", fold_ranks(parts[..., :L]), w["latent_norm_w"], w["w_latent_up"],

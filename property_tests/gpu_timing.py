@@ -1,4 +1,5 @@
-"""Shared by the GPU tests that print times: microseconds per call of a CUDA-graph replay."""
+"""Shared by the GPU tests of layer steps and kernels: microseconds per call of a CUDA-graph replay, and
+a layer step's graph checked against its eager steps."""
 from __future__ import annotations
 
 import torch
@@ -18,3 +19,33 @@ def graph_us(fn, replays: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / replays * 1e3
+
+
+def assert_graph_replays_eager(layer, x_steps, blocks, state: dict):
+    """The layer's steps over x_steps run eagerly, then one step captured in a CUDA graph (after a
+    warm-up on copies, so the graph's state starts fresh) and replayed with each x copied in: the
+    replayed outputs, state and blocks must be the eager bits. Returns (prefix, blocks, state) the
+    graph was captured on (for a launch count)."""
+    eager_blocks, eager_state = blocks.clone(), {n: s.clone() for n, s in state.items()}
+    eager = torch.stack([layer.step(x.clone(), eager_blocks, *eager_state.values()) for x in x_steps])
+    g_blocks, g_state = blocks.clone(), {n: s.clone() for n, s in state.items()}
+    prefix = x_steps[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer.step(prefix, g_blocks.clone(), *(s.clone() for s in g_state.values()))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer.step(prefix, g_blocks, *g_state.values())
+    replayed = []
+    for x in x_steps:
+        prefix.copy_(x)
+        graph.replay()
+        replayed.append(out.clone())
+    torch.cuda.synchronize()
+    assert torch.equal(torch.stack(replayed), eager)
+    for n in state:
+        assert torch.equal(g_state[n], eager_state[n]), n
+    assert torch.equal(g_blocks, eager_blocks)
+    return prefix, g_blocks, g_state

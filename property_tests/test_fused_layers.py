@@ -238,30 +238,12 @@ def test_every_op_runs_fused_on_gpu(op_name, config, layer_idx):
 def test_fused_step_is_captured_and_replays_to_the_eager_bits(op_name):
     """A host synchronisation inside the step fails its capture (eager calls keep the kernels' own
     value checks, such as mla_decode_attn's page check: the layer runs validate_state once instead)."""
+    from property_tests.gpu_timing import assert_graph_replays_eager
     from verify.bench.launches import GRAPH_METHOD, count_launches
 
     layer, x_steps, blocks, state = _device_layer(op_name, "small", 4, 12 if op_name == "kda_layer" else 15)
     stock.validate_state(layer, x_steps[0], blocks, state, 2 * x_steps.shape[0] + 4)
-    layer.step(x_steps[0].clone(), blocks.clone(), *(s.clone() for s in state.values()))     # compile, lazy init
-    torch.cuda.synchronize()
-
-    eager_blocks, eager_state = blocks.clone(), {n: s.clone() for n, s in state.items()}
-    eager = torch.stack([layer.step(x.clone(), eager_blocks, *eager_state.values()) for x in x_steps])
-    g_blocks, g_state = blocks.clone(), {n: s.clone() for n, s in state.items()}
-    prefix = x_steps[0].clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = layer.step(prefix, g_blocks, *g_state.values())
-    replayed = []
-    for x in x_steps:
-        prefix.copy_(x)
-        graph.replay()
-        replayed.append(out.clone())
-    torch.cuda.synchronize()
-    assert torch.equal(torch.stack(replayed), eager)
-    for n in state:
-        assert torch.equal(g_state[n], eager_state[n]), n
-    assert torch.equal(g_blocks, eager_blocks)
+    prefix, g_blocks, g_state = assert_graph_replays_eager(layer, x_steps, blocks, state)
     count = count_launches(lambda: layer.step(prefix, g_blocks, *g_state.values()), warmup=2)
     print(f"\n{op_name} fused step, small B=4: {count.to_json()} {FL.describe(layer)}")
     assert count.method == GRAPH_METHOD and count.kernels > 0, count

@@ -158,31 +158,11 @@ def test_step_has_no_host_sync_on_gpu(op_name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op_name", ["kda_layer", "mla_layer"])
 def test_step_in_a_cuda_graph_replays_to_the_eager_bits(op_name):
+    from property_tests.gpu_timing import assert_graph_replays_eager
+
     layer, x_steps, blocks, state = _layer_and_state(op_name, "small", 4, "cuda")
     stock.validate_state(layer, x_steps[0], blocks, state, x_steps.shape[0])
-    eager_blocks, eager_state = blocks.clone(), {n: s.clone() for n, s in state.items()}
-    eager = torch.stack([layer.step(x, eager_blocks, *eager_state.values()) for x in x_steps])
-
-    g_blocks, g_state = blocks.clone(), {n: s.clone() for n, s in state.items()}
-    prefix = x_steps[0].clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):                      # warm-up on copies: the graph's state stays fresh
-        layer.step(prefix, g_blocks.clone(), *(s.clone() for s in g_state.values()))
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = layer.step(prefix, g_blocks, *g_state.values())
-    replayed = []
-    for x in x_steps:
-        prefix.copy_(x)
-        graph.replay()
-        replayed.append(out.clone())
-    torch.cuda.synchronize()
-    assert torch.equal(torch.stack(replayed), eager)
-    for n in state:
-        assert torch.equal(g_state[n], eager_state[n]), n
-    assert torch.equal(g_blocks, eager_blocks)
+    prefix, _, _ = assert_graph_replays_eager(layer, x_steps, blocks, state)
 
     c_blocks, c_state = blocks.clone(), {n: s.clone() for n, s in state.items()}   # room for 2 warm-up steps
     count = count_launches(lambda: layer.step(prefix, c_blocks, *c_state.values()), warmup=2)

@@ -404,7 +404,8 @@ def step_launch(kind: str, tensors: dict, params: dict, graph: bool | None = Non
     of blocks and state), made untimed: prepare and validate here, and on CUDA the step captured in a
     CUDA graph (the launch replays it; graph=False keeps it eager). The launch returns the new prefix
     [B,D]. MLA: seq_lens is put back to its starting value before each step (a device copy inside the
-    graph), so repeated launches write the same cache slot instead of running out of pages."""
+    graph), so repeated launches write the same cache slot instead of running out of pages. The
+    prepared layer is the launch's `layer`."""
     if kind == "kda":
         kind = kda_kind_of(params["layer_idx"])
     names = ("cache", "block_table", "seq_lens") if kind == "mla" else ("conv_state", "recurrent_state")
@@ -420,6 +421,7 @@ def step_launch(kind: str, tensors: dict, params: dict, graph: bool | None = Non
         if start is not None:
             state["seq_lens"].copy_(start)
         return layer.step(x, blocks, *state.values())
+    step.layer = layer
     if x.device.type != "cuda" or graph is False:
         return step
     side = torch.cuda.Stream()
@@ -438,6 +440,7 @@ def step_launch(kind: str, tensors: dict, params: dict, graph: bool | None = Non
         g.replay()
         return out
     replay.cuda_graph = g
+    replay.layer = layer
     return replay
 
 
