@@ -217,7 +217,7 @@ def test_fused_dense_layer_and_a_long_run_on_gpu(config, dtype):
 
     for extra in ((("layer_idx", 0), ("steps", 8)), (("layer_idx", 12), ("steps", 64))):
         v = judge_case(Case(op="kda_layer", seed=9, batch=3, config=config, dtype=dtype, extra=extra), CANDIDATE)
-        assert v.status == PASS, f"{extra}: {v.reason}\n  {v.repro}"
+        assert v.status == PASS, f"{extra}: {v.stage}: {v.reason}"
 
 
 @needs_gpu

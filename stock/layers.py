@@ -20,6 +20,7 @@ Kernels, as a serving engine without custom fusion composes them:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +58,14 @@ class StockLayer:
 
 
 def dequant_table(wd: torch.dtype, device) -> torch.Tensor:
-    """[4096] wd: entry (s << 4) | c = E2M1[c] * 2^(s-127), exact in float64, rounded once to wd."""
+    """[4096] wd: entry (s << 4) | c = E2M1[c] * 2^(s-127), exact in float64, rounded once to wd. One
+    read-only table per dtype and device, made on the first call: a later prepare inside a CUDA graph
+    capture (the harness captures a whole registry call) then copies nothing from the host."""
+    return _dequant_table(wd, torch.device(device))
+
+
+@functools.cache
+def _dequant_table(wd: torch.dtype, device: torch.device) -> torch.Tensor:
     values = E2M1_LUT[None, :] * scale_values(torch.arange(256, dtype=torch.uint8))[:, None]
     return values.reshape(-1).to(wd).to(device)
 
@@ -330,16 +338,23 @@ STEPS = {"kda": kda_step, "dense": kda_step, "mla": mla_step}      # dense: _mlp
 
 
 # ---------------------------------------------------------------------------------------------- validation
+def _capturing(t: torch.Tensor) -> bool:
+    """A CUDA graph is being captured on the current stream: host reads of values would end the
+    capture, so the value checks are left to the eager calls (the capture's own warm-up among them)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def validate_state(layer: StockLayer, prefix: torch.Tensor, blocks: torch.Tensor, state: dict, n_steps: int) -> None:
     """Every check the steps leave out, made once before them (host reads allowed here): shapes and
     dtypes as references.layers.check_layer_args, and for MLA a valid cache page for each of the next
-    n_steps tokens of every sequence (the reference's next_slots check, for all steps at once)."""
+    n_steps tokens of every sequence (the reference's next_slots check, for all steps at once). While a
+    CUDA graph is captured only the shape and dtype checks run."""
     from references.layers import LayerState, check_layer_args
     from references.weights import LayerWeights
 
     check_layer_args(LayerWeights(layer.kind, layer.cfg, layer.wd, layer.w), LayerState(prefix, blocks, **state),
                      layer.kind)
-    if layer.kind != "mla":
+    if layer.kind != "mla" or _capturing(state["seq_lens"]):
         return
     cache, table, seq_lens = state["cache"], state["block_table"], state["seq_lens"]
     page, n_pages = cache.shape[1], cache.shape[0]
