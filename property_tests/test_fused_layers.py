@@ -102,6 +102,53 @@ def test_refused_kernels_run_their_torch_form_and_are_named():
     assert all("CUDA" in why for why in info["unfused"].values()), info["unfused"]
 
 
+def _strided_copy(t: torch.Tensor) -> torch.Tensor:
+    """The same values in an offset view with every other element of the last dim."""
+    buf = torch.zeros(*t.shape[:-1], 2 * t.shape[-1] + 1, dtype=t.dtype)
+    view = buf[..., 1::2]
+    view.copy_(t)
+    assert not view.is_contiguous()
+    return view
+
+
+@pytest.mark.parametrize("op_name,layer_idx", [("kda_layer", 0), ("kda_layer", 12), ("mla_layer", 15)])
+def test_a_strided_state_runs_the_same_kernels_and_is_written_back(monkeypatch, op_name, layer_idx):
+    """A kernel that refuses the caller's strided state (as a fused kernel updating it in place may) must
+    not hand its op to a stand-in for such a caller: the steps run on dense working copies, and the
+    caller's views get the results."""
+    refused = []
+
+    def dense_only(path):
+        fn = FL._reference_shared if path == FL.REFERENCES["shared_experts"] else orig(path)
+
+        def call(*args):
+            if any(isinstance(a, torch.Tensor) and not a.is_contiguous()
+                   and a.untyped_storage().data_ptr() in callers for a in args):
+                refused.append(path)
+                raise ValueError(f"{path}: a non-contiguous state tensor")
+            return fn(*args)
+        return call
+    orig = FL._resolve
+    monkeypatch.setattr(FL, "_resolve", dense_only)
+    monkeypatch.setattr(FL, "KERNELS", dict(FL.REFERENCES))
+    inputs = _inputs(op_name, "tiny", 3, layer_idx)
+    want, want_state = _reference(op_name, inputs)
+    t = {k: v.clone() for k, v in inputs.tensors.items()}
+    state = {n: (_strided_copy(t.pop(n)) if t[n].dim() > 1 else t.pop(n)) for n in STATE[op_name]}
+    callers = {v.untyped_storage().data_ptr() for v in state.values()}
+    made = {}
+
+    def keep(*args):
+        made["layer"] = FL.prepare(*args)
+        return made["layer"]
+    got = stock.run_steps(_kind(op_name, layer_idx), t.pop("x_steps"), t.pop("blocks"), state, layer_idx,
+                          "tiny", t, keep)
+    assert refused == [] and made["layer"].unfused == {}, made["layer"].unfused
+    assert torch.equal(got, want)
+    for n in STATE[op_name]:
+        assert torch.equal(state[n], want_state[n]), n
+
+
 def test_a_refusal_inside_a_capture_is_raised(monkeypatch):
     """Inside a CUDA-graph capture the fallback would be recorded as the graph's work for good while the
     next eager call takes another path: the refusal is raised instead."""

@@ -379,13 +379,21 @@ def validate_state(layer: StockLayer, prefix: torch.Tensor, blocks: torch.Tensor
 def run_steps(kind: str, x_steps, blocks, state: dict, layer_idx, config, weights: dict,
               prepare_fn=None) -> torch.Tensor:
     """The registry form of any prepared layer (`prepare_fn(kind, weights, config, layer_idx, wd)`,
-    this module's by default): validate once, then one step per x_steps[t]."""
+    this module's by default): validate once, then one step per x_steps[t]. The steps update dense
+    working copies of state tensors given as strided or offset views, written back at the end, so the
+    kernels a layer runs (and so its bits) do not depend on the caller's layout: a fused kernel that
+    refuses a strided state would otherwise hand its op to a torch stand-in for that call only."""
     check_tensor("x_steps", x_steps, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("blocks", blocks, ndim=3, dtypes=(x_steps.dtype,))
     layer = (prepare_fn or prepare)(kind, weights, config, layer_idx, x_steps.dtype)
     blocks = blocks.contiguous().clone()          # the working copy: the registry's blocks is a plain input
-    validate_state(layer, x_steps[0], blocks, state, x_steps.shape[0])
-    return torch.stack([layer.step(x, blocks, *state.values()) for x in x_steps])
+    work = {n: t.contiguous() for n, t in state.items()}
+    validate_state(layer, x_steps[0], blocks, work, x_steps.shape[0])
+    out = torch.stack([layer.step(x, blocks, *work.values()) for x in x_steps])
+    for n, t in state.items():
+        if work[n] is not t:
+            t.copy_(work[n])
+    return out
 
 
 def kda_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, conv_state: torch.Tensor,
@@ -426,7 +434,7 @@ def step_launch(kind: str, tensors: dict, params: dict, graph: bool | None = Non
     names = ("cache", "block_table", "seq_lens") if kind == "mla" else ("conv_state", "recurrent_state")
     x = tensors["x_steps"][0].contiguous().clone()
     blocks = tensors["blocks"].contiguous().clone()
-    state = {n: tensors[n].clone() for n in names}
+    state = {n: tensors[n].clone(memory_format=torch.contiguous_format) for n in names}
     weights = {n: t for n, t in tensors.items() if n not in (*names, "x_steps", "blocks")}
     layer = (prepare_fn or prepare)(kind, weights, params["config"], params["layer_idx"], x.dtype)
     validate_state(layer, x, blocks, state, 1)
