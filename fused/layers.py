@@ -130,7 +130,7 @@ class FusedLayer:
         try:
             return self.kernels[op](*args)
         except REFUSALS as e:
-            if op not in self.fallbacks or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            if op not in self.fallbacks or stock.capturing():
                 raise
             self.unfused[op] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             return self.fallbacks[op](*args)

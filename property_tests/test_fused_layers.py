@@ -13,6 +13,7 @@ import fused.layers as FL
 import references.layers as R
 import stock.layers as stock
 from verify.judge.candidates import Candidate
+from verify.judge.placement import place
 from verify.model.case import Case
 from verify.model.profile import Profile
 from verify.model.verdict import FAIL, PASS
@@ -39,10 +40,11 @@ def _kind(op_name: str, layer_idx: int) -> str:
     return "mla" if op_name == "mla_layer" else R.kda_kind_of(layer_idx)
 
 
-def _run(op_name: str, inputs, prepare_fn, device="cpu"):
-    """prefix_steps and the final state of the registry form through `prepare_fn`'s layer."""
+def _run(op_name: str, inputs, prepare_fn, device="cpu", layout=None):
+    """prefix_steps and the final state of the registry form through `prepare_fn`'s layer; layout(name,
+    tensor) gives each state tensor as the caller passes it (the tensor itself by default)."""
     t = {k: v.to(device, copy=True) for k, v in inputs.tensors.items()}
-    state = {n: t.pop(n) for n in STATE[op_name]}
+    state = {n: (layout or (lambda _, v: v))(n, t.pop(n)) for n in STATE[op_name]}
     made = {}
 
     def keep(*args):
@@ -102,15 +104,6 @@ def test_refused_kernels_run_their_torch_form_and_are_named():
     assert all("CUDA" in why for why in info["unfused"].values()), info["unfused"]
 
 
-def _strided_copy(t: torch.Tensor) -> torch.Tensor:
-    """The same values in an offset view with every other element of the last dim."""
-    buf = torch.zeros(*t.shape[:-1], 2 * t.shape[-1] + 1, dtype=t.dtype)
-    view = buf[..., 1::2]
-    view.copy_(t)
-    assert not view.is_contiguous()
-    return view
-
-
 @pytest.mark.parametrize("op_name,layer_idx", [("kda_layer", 0), ("kda_layer", 12), ("mla_layer", 15)])
 def test_a_strided_state_runs_the_same_kernels_and_is_written_back(monkeypatch, op_name, layer_idx):
     """A kernel that refuses the caller's strided state (as a fused kernel updating it in place may) must
@@ -131,19 +124,17 @@ def test_a_strided_state_runs_the_same_kernels_and_is_written_back(monkeypatch, 
     orig = FL._resolve
     monkeypatch.setattr(FL, "_resolve", dense_only)
     monkeypatch.setattr(FL, "KERNELS", dict(FL.REFERENCES))
+    callers = set()
+
+    def strided(name, t):
+        """The harness's strided/offset placement of the state (guard:strided_inputs)."""
+        view = place(name, t, "cpu", strided=True).view
+        callers.add(view.untyped_storage().data_ptr())
+        return view
     inputs = _inputs(op_name, "tiny", 3, layer_idx)
     want, want_state = _reference(op_name, inputs)
-    t = {k: v.clone() for k, v in inputs.tensors.items()}
-    state = {n: (_strided_copy(t.pop(n)) if t[n].dim() > 1 else t.pop(n)) for n in STATE[op_name]}
-    callers = {v.untyped_storage().data_ptr() for v in state.values()}
-    made = {}
-
-    def keep(*args):
-        made["layer"] = FL.prepare(*args)
-        return made["layer"]
-    got = stock.run_steps(_kind(op_name, layer_idx), t.pop("x_steps"), t.pop("blocks"), state, layer_idx,
-                          "tiny", t, keep)
-    assert refused == [] and made["layer"].unfused == {}, made["layer"].unfused
+    got, state, layer = _run(op_name, inputs, FL.prepare, layout=strided)
+    assert refused == [] and layer.unfused == {}, layer.unfused
     assert torch.equal(got, want)
     for n in STATE[op_name]:
         assert torch.equal(state[n], want_state[n]), n

@@ -57,15 +57,11 @@ class StockLayer:
         return STEPS[self.kind](self, prefix, blocks, *state)
 
 
-def dequant_table(wd: torch.dtype, device) -> torch.Tensor:
+@functools.cache
+def dequant_table(wd: torch.dtype, device: torch.device) -> torch.Tensor:
     """[4096] wd: entry (s << 4) | c = E2M1[c] * 2^(s-127), exact in float64, rounded once to wd. One
     read-only table per dtype and device, made on the first call: a later prepare inside a CUDA graph
     capture (the harness captures a whole registry call) then copies nothing from the host."""
-    return _dequant_table(wd, torch.device(device))
-
-
-@functools.cache
-def _dequant_table(wd: torch.dtype, device: torch.device) -> torch.Tensor:
     values = E2M1_LUT[None, :] * scale_values(torch.arange(256, dtype=torch.uint8))[:, None]
     return values.reshape(-1).to(wd).to(device)
 
@@ -338,10 +334,11 @@ STEPS = {"kda": kda_step, "dense": kda_step, "mla": mla_step}      # dense: _mlp
 
 
 # ---------------------------------------------------------------------------------------------- validation
-def _capturing(t: torch.Tensor) -> bool:
-    """A CUDA graph is being captured on the current stream: host reads of values would end the
-    capture, so the value checks are left to the eager calls (the capture's own warm-up among them)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+def capturing() -> bool:
+    """The current CUDA stream is being captured into a graph: no tensor value can be read on the host
+    (False where torch has no CUDA, whose capture query raises). Value checks are then left to the
+    eager calls, the capture's own warm-up among them."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def validate_state(layer: StockLayer, prefix: torch.Tensor, blocks: torch.Tensor, state: dict, n_steps: int) -> None:
@@ -354,7 +351,7 @@ def validate_state(layer: StockLayer, prefix: torch.Tensor, blocks: torch.Tensor
 
     check_layer_args(LayerWeights(layer.kind, layer.cfg, layer.wd, layer.w), LayerState(prefix, blocks, **state),
                      layer.kind)
-    if layer.kind != "mla" or _capturing(state["seq_lens"]):
+    if layer.kind != "mla" or capturing():
         return
     cache, table, seq_lens = state["cache"], state["block_table"], state["seq_lens"]
     page, n_pages = cache.shape[1], cache.shape[0]
