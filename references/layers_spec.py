@@ -219,15 +219,19 @@ class SpecLayer:
         return outs
 
     def attend(self, q_abs: torch.Tensor, n_tokens: torch.Tensor) -> torch.Tensor:
-        """Multi-query latent attention q_abs[B, T, H, C] -> o_latent[B, T, H, kv_lora]: the sequences with
-        k draft tokens in one mla_decode_attn over their first k slots and seq_lens + k positions."""
+        """Multi-query latent attention q_abs[B, T, H, C] -> o_latent[B, T, H, kv_lora], causal among the
+        drafts: draft t of a sequence with more than t draft tokens sees its seq_lens + t + 1 positions,
+        one mla_decode_attn query per draft slot. The same math as one multi-query call per sequence, but
+        each query's sums have the same shape however many tokens the step drafts, so a step's bits do not
+        depend on it (torch's CUDA GEMMs pick their kernel, and so their fp32 order, by the row count)."""
         cfg = self.weights.config
         B, T, H = q_abs.shape[:3]
         out = torch.zeros(B, T, H, cfg.kv_lora_rank, dtype=q_abs.dtype, device=q_abs.device)
-        for k in sorted(set(n_tokens.tolist())):
-            sel = n_tokens == k
-            out[sel, :k] = mla_decode_attn(q_abs[sel, :k], self.cache, self.block_table[sel],
-                                           self.seq_lens[sel] + k, cfg.mla_scale, cfg.kv_lora_rank)
+        for t in range(T):
+            sel = n_tokens > t
+            if bool(sel.any()):
+                out[sel, t:t + 1] = mla_decode_attn(q_abs[sel, t:t + 1], self.cache, self.block_table[sel],
+                                                    self.seq_lens[sel] + t + 1, cfg.mla_scale, cfg.kv_lora_rank)
         return out
 
     def accept(self, accepted: torch.Tensor) -> None:
