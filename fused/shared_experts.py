@@ -108,6 +108,32 @@ def _compile(dtype: str, inter: int):
                                    runtime.fake_tensor(dtype, (b, inter)), Float32(4.0), Float32(25.0))
 
 
+def _wg(stages: int, ksplit: int, occupancy: int) -> "sg.SkinnyGemmWgmmaConfig":
+    return sg.SkinnyGemmWgmmaConfig(m_pad=64, rows=64, stages=stages, ksplit=ksplit, occupancy=occupancy)
+
+
+# The GEMM pair for 33 <= B <= 64 (skinny_gemm's m_pad 64 bucket) at the K3 per-rank shapes, (D, I) ->
+# (gate_up, down): the fastest pair of variants() that `bench --variants` timed at B = 64 on the H200.
+# skinny_gemm's dispatcher has no wgmma default for the down GEMM's shapes (N = 7168, K = I), so it
+# ran SIMT there: the dispatcher's pair took 275 / 79 / 79 us at T = 1 / 8 / 16, these 76 / 25 / 30 us.
+# Below 33 and at other shapes the pair is skinny_gemm's dispatcher's.
+M64_PAIRS = {
+    (7168, 6144): (_wg(6, 1, 2), _wg(12, 1, 1)),
+    (7168, 768): (_wg(12, 5, 1), _wg(12, 1, 1)),
+    (7168, 384): (_wg(12, 11, 1), _wg(6, 1, 2)),
+}
+
+
+def picks(B: int, D: int, inter: int) -> tuple:
+    """(gate_up, down) GEMM configs launched for B tokens of hidden D and per-rank intermediate I
+    (the down GEMM's K is I padded to a multiple of 8)."""
+    pair = M64_PAIRS.get((D, inter)) if 33 <= B <= 64 else None
+    if pair is not None:
+        return pair
+    width = -(-inter // VEC) * VEC
+    return sg.default_config(B, 2 * inter, D), sg.default_config(B, D, width)
+
+
 def _check(x, w_gate_up, w_down, situ_beta, situ_linear_beta, out):
     check_tensor("x", x, ndim=2, dtypes=(torch.bfloat16, torch.float16))
     B, D = x.shape
@@ -133,14 +159,17 @@ def launch(x, w_gate_up, w_down, situ_beta: float, situ_linear_beta: float, out,
     if B == 0:
         return
     inter = w_down.shape[1]
+    pick_gu, pick_d = picks(B, x.shape[1], inter)
+    if variant is not None:
+        pick_gu, pick_d = variant.gate_up or pick_gu, variant.down or pick_d
     h = torch.empty(B, 2 * inter, dtype=x.dtype, device=x.device)
-    sg.launch(x, w_gate_up, h, variant.gate_up if variant is not None else None)
+    sg.launch(x, w_gate_up, h, pick_gu)
     if inter % VEC:
         h, w_down = _padded(h, w_down)
     width = w_down.shape[1]
     a = torch.empty(B, width, dtype=x.dtype, device=x.device)
     _compile(runtime.dtype_name(x.dtype), width)(h, a, float(situ_beta), float(situ_linear_beta))
-    sg.launch(a, w_down, out, variant.down if variant is not None else None)
+    sg.launch(a, w_down, out, pick_d)
 
 
 def _padded(h, w_down):
@@ -270,8 +299,7 @@ def variants(tensors: dict, params: dict) -> list[SharedExpertsConfig]:
     width = -(-inter // VEC) * VEC                  # the down GEMM's K (a padded width: see _padded)
     a = torch.empty(B, width, dtype=x.dtype, device="meta")
     w_down = torch.empty(D, width, dtype=x.dtype, device="meta")
-    pick_gu = sg.default_config(B, 2 * inter, D)
-    pick_d = sg.default_config(B, D, width)
+    pick_gu, pick_d = picks(B, D, inter)
     out = [SharedExpertsConfig(pick_gu, pick_d)]
     out += [SharedExpertsConfig(g, pick_d) for g in sg.variants({"x": x, "w": w_gu}, {}) if g != pick_gu]
     out += [SharedExpertsConfig(pick_gu, d) for d in sg.variants({"x": a, "w": w_down}, {}) if d != pick_d]

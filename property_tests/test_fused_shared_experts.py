@@ -47,29 +47,35 @@ def test_situ_mul_compiles_at_k3_per_rank_and_cpu_configs(dtype):
 
 @pytest.mark.parametrize("T", TP)
 def test_the_gemms_the_dispatcher_picks_compile_at_k3(T):
-    """Launches 1 and 3 are skinny_gemm at (2I, D) and (D, I): their picks for B = 1, 8, 64 compile (the
-    rest of its variants compile in test_fused_skinny_gemm*.py)."""
-    from fused import skinny_gemm as sg
+    """Launches 1 and 3 are skinny_gemm at (2I, D) and (D, I): this module's picks for B = 1, 8, 64 compile
+    (the rest of its variants compile in test_fused_skinny_gemm*.py)."""
+    from fused import shared_experts as fm
     inter = K3_INTER[T]
-    for N, K in ((2 * inter, D3), (D3, inter)):
-        for cfg in {sg.default_config(B, N, K) for B in (1, 8, 64)}:
+    for i, (N, K) in enumerate(((2 * inter, D3), (D3, inter))):
+        for cfg in {fm.picks(B, D3, inter)[i] for B in (1, 8, 64)}:
             assert runtime.compile_for_cpu_check("skinny_gemm", "bfloat16", "bfloat16", N, K, cfg) is not None
 
 
 @pytest.mark.parametrize("T", TP)
 def test_dispatchers_picks_are_certified_variants(T):
-    """For every B the pair the dispatcher launches is in variants(), and so is every GEMM variant
-    skinny_gemm certifies at that M for each launch."""
+    """For every B the pair the dispatcher launches is in variants(), is skinny_gemm's pair wherever this
+    module has no measured pair of its own, is made of variants skinny_gemm certifies at that M, and
+    every GEMM variant skinny_gemm certifies at that M for each launch is listed."""
     from fused import shared_experts as fm
     from fused import skinny_gemm as sg
     inter = K3_INTER[T]
     for B in range(1, 65):
         t = _meta(B, D3, inter)
         listed = fm.variants(t, {})
-        assert fm.SharedExpertsConfig(sg.default_config(B, 2 * inter, D3), sg.default_config(B, D3, inter)) in listed
+        pick = fm.picks(B, D3, inter)
+        assert listed[0] == fm.SharedExpertsConfig(*pick)
+        if B <= 32:
+            assert pick == (sg.default_config(B, 2 * inter, D3), sg.default_config(B, D3, inter))
         a = torch.empty(B, inter, dtype=torch.bfloat16, device="meta")
-        assert {v.gate_up for v in listed} >= set(sg.variants({"x": t["x"], "w": t["w_gate_up"]}, {}))
-        assert {v.down for v in listed} >= set(sg.variants({"x": a, "w": t["w_down"]}, {}))
+        gu, down = set(sg.variants({"x": t["x"], "w": t["w_gate_up"]}, {})), set(sg.variants({"x": a, "w": t["w_down"]}, {}))
+        assert pick[0] in gu and pick[1] in down, (B, pick)
+        assert {v.gate_up for v in listed} >= gu
+        assert {v.down for v in listed} >= down
         assert len({v.name for v in listed}) == len(listed)
 
 
