@@ -57,8 +57,12 @@ def cublas_logits_topk(tensors: dict, params: dict):
 
 def _fla():
     try:
-        from fla.modules.causal_conv1d import causal_conv1d_update
-        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+        try:
+            from fla.modules.causal_conv1d import causal_conv1d_update
+            from fla.modules.norm.fused_norm_gate import rms_norm_gated
+        except ModuleNotFoundError:         # fla-core 0.5's layout of the same functions
+            from fla.modules.convolution import causal_conv1d_update
+            from fla.modules.fused_norm_gate import rms_norm_gated
         from fla.ops.kda import fused_recurrent_kda
     except Exception as e:  # noqa: BLE001  (missing package, or triton without a device)
         raise ImportError(f"fla-core is not importable here ({type(e).__name__}: {e}); "
