@@ -96,6 +96,36 @@ def test_verify_then_accept_is_decode_steps_one_token_at_a_time_bit_for_bit(kind
                                           "cache"))
 
 
+def test_the_mla_draft_attention_has_the_same_shapes_however_many_tokens_a_step_drafts(monkeypatch):
+    """The prefix property compares a step of n_tokens drafts with the same layer run on the accepted ones
+    alone, bit for bit: every mla_decode_attn call of a verify holds one query token, whose length is
+    its own, so no sum changes shape with the draft (a multi-query call over the draft failed it on the
+    H200: torch's CUDA GEMMs pick their kernel by the row count). Ragged 5 / 2 / 4 drafts."""
+    import references.layers_spec as LS
+
+    calls = []
+    real = LS.mla_decode_attn
+
+    def recording(q_abs, cache, block_table, seq_lens, *rest):
+        calls.append((q_abs.shape[1], seq_lens.tolist()))
+        return real(q_abs, cache, block_table, seq_lens, *rest)
+
+    monkeypatch.setattr(LS, "mla_decode_attn", recording)
+    w = make_layer_weights("mla", TINY, 3)
+    B, n_q = 3, 5
+    state = new_layer_state("mla", TINY, B, 64, torch.bfloat16)
+    state.seq_lens.copy_(torch.tensor([0, 5, 9]))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(B, n_q, TINY.hidden, generator=g).bfloat16()
+    blocks = torch.randn(B, n_q, 8, TINY.hidden, generator=g).bfloat16()
+    layer = SpecLayer("mla", w, 3)
+    layer.begin(state, n_q)
+    layer.verify(x, blocks, torch.tensor([5, 2, 4]))
+    assert {q for q, _ in calls} == {1}, calls
+    lengths = sorted(n for _, lens in calls for n in lens)
+    assert lengths == sorted([1, 2, 3, 4, 5] + [6, 7] + [10, 11, 12, 13]), calls
+
+
 @pytest.mark.parametrize("kind", ["kda", "mla"])
 def test_the_reference_layer_meets_the_contract_at_small(kind):
     report = check_layer_contract(reference_layer(), LayerDrive(kind=kind, config="small", batch=2, steps=4, seed=3))
