@@ -114,13 +114,15 @@ class FusedLayer:
     unfused: dict = field(default_factory=dict)     # op -> why its fused kernel is not used
     kept: dict = field(default_factory=dict)        # buffers made once: the working prefix, the zero delta
 
-    def step(self, prefix: torch.Tensor, blocks: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
+    def step(self, prefix: torch.Tensor, blocks: torch.Tensor, *state: torch.Tensor,
+             routing: list | None = None) -> torch.Tensor:
         """One decode step from the layer input h = prefix (left as it is: the AttnRes ops update their
         prefix in place, so the step works on a kept buffer, as the reference layer on state.prefix);
-        state tensors and blocks updated in place. Returns the new prefix (the next layer's h)."""
+        state tensors and blocks updated in place. Returns the new prefix (the next layer's h); appends
+        the step's expert ids [B,k] to `routing` when given (MoE layers)."""
         work = self.buffer("prefix", prefix)
         work.copy_(prefix)
-        return (mla_step if self.kind == "mla" else kda_step)(self, work, blocks, *state)
+        return (mla_step if self.kind == "mla" else kda_step)(self, work, blocks, *state, routing=routing)
 
     def call(self, op: str, *args):
         """`op` through its kernel; a fused kernel's refusal of these shapes (outside a capture) moves the
@@ -207,7 +209,7 @@ def _attn_side(layer: FusedLayer, prefix: torch.Tensor, blocks: torch.Tensor) ->
     return x, n_blocks + int(push)
 
 
-def moe_experts(layer: FusedLayer, h: torch.Tensor):
+def moe_experts(layer: FusedLayer, h: torch.Tensor, routing: list | None = None):
     """(pending shared-experts output, routed latent output y): the shared experts started on their side
     stream first, then router_topk, skinny_gemm (latent down) and the routed experts (a rank's shards:
     both are its partials)."""
@@ -215,26 +217,28 @@ def moe_experts(layer: FusedLayer, h: torch.Tensor):
     shared = layer.call("shared_experts", h, w["w_shared_gate_up"], w["w_shared_down"], cfg.situ_beta,
                         cfg.situ_linear_beta)
     ids, route_w = layer.call("router_topk", h, w["w_router"], w["router_bias"], cfg.top_k, cfg.routed_scale)
+    if routing is not None:
+        routing.append(ids)
     z = layer.call("skinny_gemm", h, w["w_latent_down"])
     y = layer.call("moe_experts_mxfp4", z, ids, route_w, w["w13_packed"], w["w13_scale"], w["w2_packed"],
                    w["w2_scale"], cfg.situ_beta, cfg.situ_linear_beta)
     return shared, y
 
 
-def _latent_moe(layer: FusedLayer, h: torch.Tensor) -> torch.Tensor:
-    shared, y = moe_experts(layer, h)
+def _latent_moe(layer: FusedLayer, h: torch.Tensor, routing: list | None = None) -> torch.Tensor:
+    shared, y = moe_experts(layer, h, routing)
     return layer.call("latent_norm_up", y, layer.w["latent_norm_w"], layer.w["w_latent_up"], shared.wait(),
                       layer.cfg.rms_eps)
 
 
 def _mlp_side(layer: FusedLayer, prefix: torch.Tensor, attn: torch.Tensor, blocks: torch.Tensor,
-              n_blocks: int) -> torch.Tensor:
+              n_blocks: int, routing: list | None = None) -> torch.Tensor:
     """prefix += attn (in place, by the AttnRes op), mix + post norm, the MoE; returns prefix + mlp (the
     working prefix is the step's scratch: the next step starts from its own input)."""
     w, eps = layer.w, layer.cfg.rms_eps
     h = layer.call("attn_res_rmsnorm", prefix, attn, blocks, w["mlp_res_norm_w"], w["mlp_res_proj_w"],
                    w["post_norm_w"], n_blocks, -1, eps, eps)
-    return prefix + (_dense_mlp(layer, h) if layer.kind == "dense" else _latent_moe(layer, h))
+    return prefix + (_dense_mlp(layer, h) if layer.kind == "dense" else _latent_moe(layer, h, routing))
 
 
 def _dense_mlp(layer: FusedLayer, h: torch.Tensor) -> torch.Tensor:
@@ -272,23 +276,25 @@ def mla_attention(layer: FusedLayer, x, cache, block_table, seq_lens) -> torch.T
     return layer.call("skinny_gemm", o, w["w_o"])
 
 
-def kda_step(layer: FusedLayer, prefix, blocks, conv_state, recurrent_state) -> torch.Tensor:
+def kda_step(layer: FusedLayer, prefix, blocks, conv_state, recurrent_state, routing: list | None = None) -> torch.Tensor:
     """One KDA layer step (layer 0: with the dense MLP): prefix[B,D] (the layer input h) is the working
     prefix, updated in place."""
     x, n = _attn_side(layer, prefix, blocks)
-    return _mlp_side(layer, prefix, kda_attention(layer, x, conv_state, recurrent_state, layer.cfg.n_heads), blocks, n)
+    return _mlp_side(layer, prefix, kda_attention(layer, x, conv_state, recurrent_state, layer.cfg.n_heads), blocks, n,
+                     routing)
 
 
-def mla_step(layer: FusedLayer, prefix, blocks, cache, block_table, seq_lens) -> torch.Tensor:
+def mla_step(layer: FusedLayer, prefix, blocks, cache, block_table, seq_lens, routing: list | None = None) -> torch.Tensor:
     """One gated-MLA layer step (mla_attention: the cache slot, seq_lens advanced by one)."""
     x, n = _attn_side(layer, prefix, blocks)
-    return _mlp_side(layer, prefix, mla_attention(layer, x, cache, block_table, seq_lens), blocks, n)
+    return _mlp_side(layer, prefix, mla_attention(layer, x, cache, block_table, seq_lens), blocks, n, routing)
 
 
 # ---------------------------------------------------------------------------------------------- registry form
 def kda_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, conv_state: torch.Tensor,
-                    recurrent_state: torch.Tensor, layer_idx: int, config: str, **weights: torch.Tensor) -> torch.Tensor:
-    """references.layers.kda_layer_steps through the fused step: prefix_steps[N,B,D]; conv_state and
+                    recurrent_state: torch.Tensor, layer_idx: int, config: str,
+                    **weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """references.layers.kda_layer_steps through the fused step: (prefix_steps, router_ids); conv_state and
     recurrent_state updated in place."""
     return stock.run_steps(kda_kind_of(layer_idx), x_steps, blocks,
                            {"conv_state": conv_state, "recurrent_state": recurrent_state}, layer_idx, config,
@@ -296,15 +302,16 @@ def kda_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, conv_state: tor
 
 
 def mla_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, layer_idx: int, config: str, **weights: torch.Tensor) -> torch.Tensor:
-    """references.layers.mla_layer_steps through the fused step: prefix_steps[N,B,D]; cache written and
+                    seq_lens: torch.Tensor, layer_idx: int, config: str,
+                    **weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """references.layers.mla_layer_steps through the fused step: (prefix_steps, router_ids); cache written and
     seq_lens advanced by N in place."""
     return stock.run_steps("mla", x_steps, blocks, {"cache": cache, "block_table": block_table,
                                                     "seq_lens": seq_lens}, layer_idx, config, weights, prepare)
 
 
 def layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, layer_idx: int, config: str,
-                **tensors: torch.Tensor) -> torch.Tensor:
+                **tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Both registry forms under one name, told apart by their state (`cache` = MLA), so one
     `--candidate fused.layers:layer_steps` certifies kda_layer and mla_layer in one run."""
     if "cache" in tensors:

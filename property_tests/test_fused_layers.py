@@ -41,7 +41,7 @@ def _kind(op_name: str, layer_idx: int) -> str:
 
 
 def _run(op_name: str, inputs, prepare_fn, device="cpu", layout=None):
-    """prefix_steps and the final state of the registry form through `prepare_fn`'s layer; layout(name,
+    """(prefix_steps, router_ids) and the final state of the registry form through `prepare_fn`'s layer; layout(name,
     tensor) gives each state tensor as the caller passes it (the tensor itself by default)."""
     t = {k: v.to(device, copy=True) for k, v in inputs.tensors.items()}
     state = {n: (layout or (lambda _, v: v))(n, t.pop(n)) for n in STATE[op_name]}
@@ -72,7 +72,7 @@ def test_reference_kernel_table_is_the_reference_layer_bit_for_bit(op_name, conf
     inputs = _inputs(op_name, config, 3, layer_idx)
     want, want_state = _reference(op_name, inputs)
     got, got_state, layer = _run(op_name, inputs, FL.reference_prepare)
-    assert torch.equal(got, want)
+    assert all(map(torch.equal, got, want))          # prefix_steps and router_ids
     for n in STATE[op_name]:
         assert torch.equal(got_state[n], want_state[n]), n
     assert layer.unfused == {}
@@ -98,7 +98,7 @@ def test_refused_kernels_run_their_torch_form_and_are_named():
     inputs = _inputs("mla_layer", "tiny", 2, 15)
     want, _ = _reference("mla_layer", inputs)
     got, _, layer = _run("mla_layer", inputs, FL.prepare)
-    assert torch.equal(got, want)
+    assert all(map(torch.equal, got, want))          # prefix_steps and router_ids
     info = FL.describe(layer)
     assert info["fused"] == [] and sorted(info["unfused"]) == sorted(FL.LAYER_OPS["mla"])
     assert all("CUDA" in why for why in info["unfused"].values()), info["unfused"]
@@ -135,7 +135,7 @@ def test_a_strided_state_runs_the_same_kernels_and_is_written_back(monkeypatch, 
     want, want_state = _reference(op_name, inputs)
     got, state, layer = _run(op_name, inputs, FL.prepare, layout=strided)
     assert refused == [] and layer.unfused == {}, layer.unfused
-    assert torch.equal(got, want)
+    assert all(map(torch.equal, got, want))          # prefix_steps and router_ids
     for n in STATE[op_name]:
         assert torch.equal(state[n], want_state[n]), n
 
@@ -176,11 +176,11 @@ def test_fused_layer_certifies_at_tiny_through_its_stand_ins(op_name):
 
 
 # ---------------------------------------------------------------------------------------------- planted bugs
-def _mla_step_slot_after_advance(layer, prefix, blocks, cache, block_table, seq_lens):
+def _mla_step_slot_after_advance(layer, prefix, blocks, cache, block_table, seq_lens, routing=None):
     """The planted bug: seq_lens advanced before the slot is taken, so each token's latent lands one
     slot past its position and the attention reads the slot it should have written."""
     seq_lens.add_(1)
-    out = _REAL_MLA_STEP(layer, prefix, blocks, cache, block_table, seq_lens)
+    out = _REAL_MLA_STEP(layer, prefix, blocks, cache, block_table, seq_lens, routing)
     seq_lens.sub_(1)
     return out
 

@@ -22,8 +22,8 @@ from references.attn_res import MAX_SOURCES, attn_res_rmsnorm
 from references.config import K3Config
 from references.kda import kda_attention_step
 from references.mla import mla_attention_step
-from references.moe import (dense_mlp, latent_norm_up, moe_experts_mxfp4, router_choice_scores, router_topk,
-                            shared_experts)
+from references.moe import (dense_mlp, latent_norm_up, moe_experts_mxfp4, renormalise, router_choice_scores,
+                            router_topk, shared_experts)
 from references.primitives import FLOAT_DTYPES, check_tensor, linear
 from references.weights import LayerWeights
 
@@ -175,10 +175,18 @@ def router_choice(x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
     return router_choice_scores(x, w["w_router"], w["router_bias"])[1]
 
 
-def latent_moe(x: torch.Tensor, w: LayerWeights, routing: list | None = None) -> torch.Tensor:
-    """K3 LatentMoE on the normed x[B,D]; appends (ids, choice scores) to `routing` when given."""
+def latent_moe(x: torch.Tensor, w: LayerWeights, routing: list | None = None,
+               ids: torch.Tensor | None = None) -> torch.Tensor:
+    """K3 LatentMoE on the normed x[B,D]; appends (ids, choice scores) to `routing` when given. `ids`
+    [B,k]: experts to route to in place of the router's top-k, weighted as the router weighs them
+    (renormalise): the reference at a candidate's own choice inside a near-tie."""
     cfg = w.config
-    ids, route_w = router_topk(x, w["w_router"], w["router_bias"], cfg.top_k, cfg.routed_scale)
+    if ids is None:
+        ids, route_w = router_topk(x, w["w_router"], w["router_bias"], cfg.top_k, cfg.routed_scale)
+    else:
+        s, _ = router_choice_scores(x, w["w_router"], w["router_bias"])
+        ids = ids.to(device=x.device, dtype=torch.int64)
+        route_w = renormalise(s, ids, cfg.routed_scale)
     if routing is not None:
         routing.append((ids, router_choice(x, w)))
     z = linear(x, w["w_latent_down"])
@@ -188,11 +196,11 @@ def latent_moe(x: torch.Tensor, w: LayerWeights, routing: list | None = None) ->
     return latent_norm_up(y, w["latent_norm_w"], w["w_latent_up"], shared, cfg.rms_eps)
 
 
-def mlp(x: torch.Tensor, w: LayerWeights, routing: list | None = None) -> torch.Tensor:
+def mlp(x: torch.Tensor, w: LayerWeights, routing: list | None = None, ids: torch.Tensor | None = None) -> torch.Tensor:
     cfg = w.config
     if w.kind == "dense":
         return dense_mlp(x, w["w_dense_gate_up"], w["w_dense_down"], cfg.situ_beta, cfg.situ_linear_beta)
-    return latent_moe(x, w, routing)
+    return latent_moe(x, w, routing, ids)
 
 
 # ---------------------------------------------------------------------------------------------- one layer step
@@ -207,21 +215,23 @@ def attn_side(w: LayerWeights, state: LayerState, layer_idx: int) -> tuple[torch
 
 
 def mlp_side(w: LayerWeights, state: LayerState, attn_out: torch.Tensor, mlp_blocks: int,
-             routing: list | None = None) -> torch.Tensor:
+             routing: list | None = None, ids: torch.Tensor | None = None) -> torch.Tensor:
     """prefix += attn; AttnRes mix (mlp side) + post-attention RMSNorm; mlp; prefix += mlp. Returns prefix."""
     cfg = w.config
     h = attn_res_rmsnorm(state.prefix, attn_out, state.blocks, w["mlp_res_norm_w"], w["mlp_res_proj_w"],
                          w["post_norm_w"], mlp_blocks, -1, cfg.rms_eps, cfg.rms_eps)
-    state.prefix.copy_(state.prefix + mlp(h, w, routing))
+    state.prefix.copy_(state.prefix + mlp(h, w, routing, ids))
     return state.prefix.clone()
 
 
-def kda_layer(weights: LayerWeights, state: LayerState, layer_idx: int, routing: list | None = None) -> torch.Tensor:
-    """One decode step of a KDA layer (LatentMoE); state.prefix in = h, out = the new prefix (returned)."""
+def kda_layer(weights: LayerWeights, state: LayerState, layer_idx: int, routing: list | None = None,
+              ids: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode step of a KDA layer (LatentMoE); state.prefix in = h, out = the new prefix (returned).
+    ids[B,k]: the experts in place of the router's choice (latent_moe)."""
     check_layer_args(weights, state, "kda")
     check_layer_idx(layer_idx)
     x, mlp_blocks = attn_side(weights, state, layer_idx)
-    return mlp_side(weights, state, kda_attention(x, weights, state), mlp_blocks, routing)
+    return mlp_side(weights, state, kda_attention(x, weights, state), mlp_blocks, routing, ids)
 
 
 def dense_layer0(weights: LayerWeights, state: LayerState) -> torch.Tensor:
@@ -231,13 +241,15 @@ def dense_layer0(weights: LayerWeights, state: LayerState) -> torch.Tensor:
     return mlp_side(weights, state, kda_attention(x, weights, state), mlp_blocks)
 
 
-def mla_layer(weights: LayerWeights, state: LayerState, layer_idx: int, routing: list | None = None) -> torch.Tensor:
-    """One decode step of a gated MLA layer: the new token's latent is cached at its next slot."""
+def mla_layer(weights: LayerWeights, state: LayerState, layer_idx: int, routing: list | None = None,
+              ids: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode step of a gated MLA layer: the new token's latent is cached at its next slot.
+    ids[B,k]: the experts in place of the router's choice (latent_moe)."""
     check_layer_args(weights, state, "mla")
     check_layer_idx(layer_idx)
     slots = next_slots(state)                     # raises before any state is written
     x, mlp_blocks = attn_side(weights, state, layer_idx)
-    return mlp_side(weights, state, mla_attention(x, weights, state, slots), mlp_blocks, routing)
+    return mlp_side(weights, state, mla_attention(x, weights, state, slots), mlp_blocks, routing, ids)
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -245,12 +257,14 @@ DEFAULT_LAYER = {"kda": 13, "mla": 15, "dense": 0}   # 13: 2 blocks, no push; 15
 
 
 def decode_steps(layer_kind: str, weights: LayerWeights, state: LayerState, x_steps: torch.Tensor,
-                 layer_idx: int | None = None, tp: int | None = None, routing: list | None = None) -> torch.Tensor:
+                 layer_idx: int | None = None, tp: int | None = None, routing: list | None = None,
+                 route_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Step B sequences through N decode steps: x_steps[N,B,D] are the layer inputs h (state.prefix is set
     to x_steps[t] before step t; state.blocks stay the token's block snapshots). Returns prefix_out[N,B,D].
 
     tp=None runs the unsplit layer, tp=T the tensor-parallel form (references.layers_tp). `routing`
-    collects (ids[B,k], choice scores[B,E]) per step for MoE layers.
+    collects (ids[B,k], choice scores[B,E]) per step for MoE layers. route_ids[N,B,k] (unsplit MoE
+    layers): each step's experts in place of the router's choice (latent_moe).
     """
     if layer_kind not in DEFAULT_LAYER:
         raise ValueError(f"layer_kind: {layer_kind!r} is unknown; use one of {sorted(DEFAULT_LAYER)}")
@@ -261,20 +275,34 @@ def decode_steps(layer_kind: str, weights: LayerWeights, state: LayerState, x_st
                          f"{layer_kind!r}; pick one from references.layers.layer_kind_of")
     check_tensor("x_steps", x_steps, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("x_steps", x_steps, shape=(None,) + tuple(state.prefix.shape), dtypes=(state.prefix.dtype,))
+    if route_ids is not None and (tp is not None or layer_kind == "dense"):
+        raise ValueError("route_ids: only the unsplit MoE layers ('kda', 'mla') take them")
+    if route_ids is not None:
+        check_tensor("route_ids", route_ids, shape=(x_steps.shape[0], x_steps.shape[1], weights.config.top_k),
+                     dtypes=(torch.int32, torch.int64))
     if tp is not None:
         from references.layers_tp import layer_step_tp
     outs = []
-    for x in x_steps:
+    for t, x in enumerate(x_steps):
         state.prefix.copy_(x)
+        ids = None if route_ids is None else route_ids[t]
         if tp is not None:
             outs.append(layer_step_tp(layer_kind, weights, state, layer_idx, tp, routing))
         elif layer_kind == "kda":
-            outs.append(kda_layer(weights, state, layer_idx, routing))
+            outs.append(kda_layer(weights, state, layer_idx, routing, ids))
         elif layer_kind == "mla":
-            outs.append(mla_layer(weights, state, layer_idx, routing))
+            outs.append(mla_layer(weights, state, layer_idx, routing, ids))
         else:
             outs.append(dense_layer0(weights, state))
     return torch.stack(outs)
+
+
+def stacked_ids(routing: list, x_steps: torch.Tensor) -> torch.Tensor:
+    """router_ids[N,B,k] int64 from decode_steps' `routing` (one (ids, scores) per step); [N,B,0] for the
+    dense layer, which routes nothing."""
+    if not routing:
+        return torch.empty(x_steps.shape[0], x_steps.shape[1], 0, dtype=torch.int64, device=x_steps.device)
+    return torch.stack([ids for ids, _ in routing]).to(torch.int64)
 
 
 # ---------------------------------------------------------------------------------------------- registry form
@@ -286,15 +314,19 @@ def _flat_state(x_steps, blocks, **state_tensors) -> LayerState:
 
 
 def kda_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, conv_state: torch.Tensor,
-                    recurrent_state: torch.Tensor, layer_idx: int, config: str, **weights: torch.Tensor) -> torch.Tensor:
-    """Registry form of decode_steps for a KDA-attention layer: flat tensors in, prefix_steps[N,B,D] out;
-    conv_state and recurrent_state updated in place. weights: the names of references.weights. Layer 0
-    is the dense one (its weights: the dense MLP's in place of the LatentMoE's)."""
+                    recurrent_state: torch.Tensor, layer_idx: int, config: str,
+                    **weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Registry form of decode_steps for a KDA-attention layer: flat tensors in, (prefix_steps[N,B,D],
+    router_ids[N,B,k] int64: each step's experts) out; conv_state and recurrent_state updated in place.
+    weights: the names of references.weights. Layer 0 is the dense one (its weights: the dense MLP's in
+    place of the LatentMoE's; router_ids [N,B,0])."""
     from references.config import get_config
     kind = kda_kind_of(layer_idx)
     w = LayerWeights(kind, get_config(config), x_steps.dtype, weights)
     state = _flat_state(x_steps, blocks, conv_state=conv_state, recurrent_state=recurrent_state)
-    return decode_steps(kind, w, state, x_steps, layer_idx)
+    routing: list = []
+    out = decode_steps(kind, w, state, x_steps, layer_idx, routing=routing)
+    return out, stacked_ids(routing, x_steps)
 
 
 def kda_kind_of(layer_idx) -> str:
@@ -303,10 +335,14 @@ def kda_kind_of(layer_idx) -> str:
 
 
 def mla_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, layer_idx: int, config: str, **weights: torch.Tensor) -> torch.Tensor:
-    """Registry form of decode_steps for a gated MLA layer: prefix_steps[N,B,D] out; each step's latents
-    are written to cache at the next slot of block_table, seq_lens advanced by N (both in place)."""
+                    seq_lens: torch.Tensor, layer_idx: int, config: str,
+                    **weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Registry form of decode_steps for a gated MLA layer: (prefix_steps[N,B,D], router_ids[N,B,k])
+    out; each step's latents are written to cache at the next slot of block_table, seq_lens advanced
+    by N (both in place)."""
     from references.config import get_config
     w = LayerWeights("mla", get_config(config), x_steps.dtype, weights)
     state = _flat_state(x_steps, blocks, cache=cache, block_table=block_table, seq_lens=seq_lens)
-    return decode_steps("mla", w, state, x_steps, layer_idx)
+    routing: list = []
+    out = decode_steps("mla", w, state, x_steps, layer_idx, routing=routing)
+    return out, stacked_ids(routing, x_steps)

@@ -52,9 +52,11 @@ class StockLayer:
     dequant_table: torch.Tensor | None     # [256 * 16] wd: value of (scale byte << 4 | code)
     use_fla: bool
 
-    def step(self, prefix: torch.Tensor, blocks: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
-        """One decode step; state tensors updated in place. Returns the new prefix (the next layer's h)."""
-        return STEPS[self.kind](self, prefix, blocks, *state)
+    def step(self, prefix: torch.Tensor, blocks: torch.Tensor, *state: torch.Tensor,
+             routing: list | None = None) -> torch.Tensor:
+        """One decode step; state tensors updated in place. Returns the new prefix (the next layer's h);
+        appends the step's expert ids [B,k] to `routing` when given (MoE layers)."""
+        return STEPS[self.kind](self, prefix, blocks, *state, routing=routing)
 
 
 @functools.cache
@@ -182,9 +184,11 @@ def routed_experts(layer: StockLayer, z: torch.Tensor, ids: torch.Tensor, route_
     return (route_w.to(acc).unsqueeze(-1) * expert_outputs(layer, z, ids).to(acc)).sum(1).to(z.dtype)
 
 
-def latent_moe(layer: StockLayer, x: torch.Tensor) -> torch.Tensor:
+def latent_moe(layer: StockLayer, x: torch.Tensor, routing: list | None = None) -> torch.Tensor:
     w, cfg = layer.w, layer.cfg
     ids, route_w = router(layer, x)
+    if routing is not None:
+        routing.append(ids)
     y = routed_experts(layer, F.linear(x, w["w_latent_down"]), ids, route_w)
     shared = F.linear(situ_and_mul(F.linear(x, w["w_shared_gate_up"]), cfg.situ_beta, cfg.situ_linear_beta),
                       w["w_shared_down"])
@@ -310,24 +314,24 @@ def dense_mlp(layer: StockLayer, x: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp_side(layer: StockLayer, prefix: torch.Tensor, attn: torch.Tensor, blocks: torch.Tensor,
-              n_blocks: int) -> torch.Tensor:
+              n_blocks: int, routing: list | None = None) -> torch.Tensor:
     w, eps = layer.w, layer.cfg.rms_eps
     p = prefix + attn                                                             # one wd rounding
     h = attn_res_mix_norm(torch.cat([blocks[:, :n_blocks], p.unsqueeze(1)], dim=1), w["mlp_res_norm_w"],
                           w["mlp_res_proj_w"], w["post_norm_w"], eps)
-    return p + (dense_mlp(layer, h) if layer.kind == "dense" else latent_moe(layer, h))
+    return p + (dense_mlp(layer, h) if layer.kind == "dense" else latent_moe(layer, h, routing))
 
 
-def kda_step(layer: StockLayer, prefix, blocks, conv_state, recurrent_state) -> torch.Tensor:
+def kda_step(layer: StockLayer, prefix, blocks, conv_state, recurrent_state, routing: list | None = None) -> torch.Tensor:
     """One KDA layer step: prefix[B,D] is the layer input h; returns the new prefix."""
     x, p, n = _attn_side(layer, prefix, blocks)
-    return _mlp_side(layer, p, kda_attention(layer, x, conv_state, recurrent_state), blocks, n)
+    return _mlp_side(layer, p, kda_attention(layer, x, conv_state, recurrent_state), blocks, n, routing)
 
 
-def mla_step(layer: StockLayer, prefix, blocks, cache, block_table, seq_lens) -> torch.Tensor:
+def mla_step(layer: StockLayer, prefix, blocks, cache, block_table, seq_lens, routing: list | None = None) -> torch.Tensor:
     """One gated-MLA layer step; the token's latent goes to the slot of seq_lens in block_table."""
     x, p, n = _attn_side(layer, prefix, blocks)
-    return _mlp_side(layer, p, mla_attention(layer, x, cache, block_table, seq_lens), blocks, n)
+    return _mlp_side(layer, p, mla_attention(layer, x, cache, block_table, seq_lens), blocks, n, routing)
 
 
 STEPS = {"kda": kda_step, "dense": kda_step, "mla": mla_step}      # dense: _mlp_side takes the dense MLP
@@ -374,9 +378,10 @@ def validate_state(layer: StockLayer, prefix: torch.Tensor, blocks: torch.Tensor
 
 # ---------------------------------------------------------------------------------------------- registry form
 def run_steps(kind: str, x_steps, blocks, state: dict, layer_idx, config, weights: dict,
-              prepare_fn=None) -> torch.Tensor:
+              prepare_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The registry form of any prepared layer (`prepare_fn(kind, weights, config, layer_idx, wd)`,
-    this module's by default): validate once, then one step per x_steps[t]. The steps update dense
+    this module's by default): validate once, then one step per x_steps[t]; (prefix_steps[N,B,D],
+    router_ids[N,B,k] int64: each step's experts, [N,B,0] for the dense layer). The steps update dense
     working copies of state tensors given as strided or offset views, written back at the end, so the
     kernels a layer runs (and so its bits) do not depend on the caller's layout: a fused kernel that
     refuses a strided state would otherwise hand its op to a torch stand-in for that call only."""
@@ -386,31 +391,36 @@ def run_steps(kind: str, x_steps, blocks, state: dict, layer_idx, config, weight
     blocks = blocks.contiguous().clone()          # the working copy: the registry's blocks is a plain input
     work = {n: t.contiguous() for n, t in state.items()}
     validate_state(layer, x_steps[0], blocks, work, x_steps.shape[0])
-    out = torch.stack([layer.step(x, blocks, *work.values()) for x in x_steps])
+    routing: list = []
+    out = torch.stack([layer.step(x, blocks, *work.values(), routing=routing) for x in x_steps])
     for n, t in state.items():
         if work[n] is not t:
             t.copy_(work[n])
-    return out
+    ids = (torch.stack(routing).to(torch.int64) if routing else
+           torch.empty(*x_steps.shape[:2], 0, dtype=torch.int64, device=x_steps.device))
+    return out, ids
 
 
 def kda_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, conv_state: torch.Tensor,
-                    recurrent_state: torch.Tensor, layer_idx: int, config: str, **weights: torch.Tensor) -> torch.Tensor:
-    """references.layers.kda_layer_steps through the stock step: prefix_steps[N,B,D]; conv_state and
+                    recurrent_state: torch.Tensor, layer_idx: int, config: str,
+                    **weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """references.layers.kda_layer_steps through the stock step: (prefix_steps, router_ids); conv_state and
     recurrent_state updated in place."""
     return run_steps(kda_kind_of(layer_idx), x_steps, blocks,
                      {"conv_state": conv_state, "recurrent_state": recurrent_state}, layer_idx, config, weights)
 
 
 def mla_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, layer_idx: int, config: str, **weights: torch.Tensor) -> torch.Tensor:
-    """references.layers.mla_layer_steps through the stock step: prefix_steps[N,B,D]; cache written and
+                    seq_lens: torch.Tensor, layer_idx: int, config: str,
+                    **weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """references.layers.mla_layer_steps through the stock step: (prefix_steps, router_ids); cache written and
     seq_lens advanced by N in place."""
     return run_steps("mla", x_steps, blocks, {"cache": cache, "block_table": block_table, "seq_lens": seq_lens},
                   layer_idx, config, weights)
 
 
 def layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, layer_idx: int, config: str,
-                **tensors: torch.Tensor) -> torch.Tensor:
+                **tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Both registry forms under one name, told apart by their state (`cache` = MLA), so one
     `--candidate stock.layers:layer_steps` certifies kda_layer and mla_layer in one run."""
     if "cache" in tensors:

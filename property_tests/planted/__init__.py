@@ -269,6 +269,12 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "KDA recurrent state kept in scratch, never stored back"),
     ("mla_layer", f"{P}.layers:mla_layer_seq_lens_not_advanced", "compare:seq_lens",
      "seq_lens state not advanced after the cache writes"),
+    ("kda_layer", f"{P}.layers:kda_layer_reports_previous_step_ids", "compare:router_ids|select a different set",
+     "router ids reported one step late (a buffer read before the step's router writes it)"),
+    ("mla_layer", f"{P}.layers:mla_layer_routes_k_plus_1", "compare:router_ids|missing certain winners",
+     "each token routed to its (k+1)-th best expert in place of its k-th, and reported so"),
+    ("kda_layer", f"{P}.layers:kda_layer_routes_neighbour", "compare:prefix_steps|exceed",
+     "each token routed with its neighbour's experts while reporting its own router's ids"),
     # ---- run to run: a wrong later call is guard:deterministic (invariance:deterministic is right values)
     ("skinny_gemm", f"{P}.gemm:skinny_gemm_second_call_drops_k_tail", "guard:deterministic|differ bitwise",
      "every second call drops the last K chunk (a plan cached after the first call)"),

@@ -30,6 +30,10 @@ def compare(ref_out, peer_out) -> str:
 
     ref, peer = _tensors(ref_out), _tensors(peer_out)
     ref = [_one_step(a, b) for a, b in zip(ref, peer)] + ref[len(peer):]
+    left = ""
+    if 0 < len(peer) < len(ref) and all(not t.is_floating_point() for t in ref[len(peer):]):
+        # a layer's step launch returns its prefix, not the step's router ids: judged on what it returns
+        left, ref = f" (the reference's last {len(ref) - len(peer)} integer outputs not returned)", ref[:len(peer)]
     if len(ref) != len(peer) or any(a.shape != b.shape for a, b in zip(ref, peer)):
         return (f"DIFFERS: outputs {[tuple(t.shape) for t in peer]} against the reference's "
                 f"{[tuple(t.shape) for t in ref]}")
@@ -46,7 +50,7 @@ def compare(ref_out, peer_out) -> str:
             a, b = a.sort(-1).values, b.sort(-1).values
         scale = a.abs().max().clamp_min(1e-30)
         worst = max(worst, float(((a - b).abs().max() / scale).nan_to_num(nan=float("inf"))))
-    return ("ok" if worst <= REL_TOL else "DIFFERS") + f": max |peer - reference| / max |reference| = {worst:.2g}"
+    return ("ok" if worst <= REL_TOL else "DIFFERS") + f": max |peer - reference| / max |reference| = {worst:.2g}" + left
 
 
 def check(op, inputs, reference, prepare) -> str:

@@ -28,8 +28,8 @@ def judge_outputs(op: OpDef, spec: ToleranceSpec, cand: dict, oracle: dict, base
             raise ValueError(f"op {op.name}: output {name} is tie_aware_ids but the OpDef has no tie_scores")
         c = cand[name]
         s64, swd = op.tie_scores(inputs64), op.tie_scores(inputs)
-        checks.append(compare.compare_tie_aware_ids(name, c, s64.cpu().double(), swd.cpu(), c.shape[-1],
-                                                    magnitudes.get(name)))
+        checks.append(compare.compare_tie_aware_ids(name, c, s64.cpu().double(), swd.cpu(), base[name].shape[-1],
+                                                    magnitudes.get(name), spec.output(name).score_k or 1.0))
         if op.reweigh is None:
             continue
         why = compare.malformed_ids(c, tuple(base[name].shape), s64.shape[-1])

@@ -203,12 +203,13 @@ def compare_derived(name: str, cand: torch.Tensor, oracle: torch.Tensor, base: t
 
 
 def tie_band(scores64: torch.Tensor, scores_wd: torch.Tensor, kth: torch.Tensor,
-             magnitude: torch.Tensor | None = None) -> torch.Tensor:
-    """Scores' own rounding error near the k-th place: 2x the working-precision error + 2 fp32 ulps,
-    or 4 fp32 ulps of the row's largest running-error magnitude if larger (any summation order errs by
-    ulps of a score's terms, which the one baseline draw can miss)."""
+             magnitude: torch.Tensor | None = None, score_k: float = 1.0) -> torch.Tensor:
+    """Scores' own rounding error near the k-th place: 2 score_k x the working-precision error (a
+    winner's and a loser's score each err by up to score_k x the baseline's) + 2 fp32 ulps, or 4 fp32
+    ulps of the row's largest running-error magnitude if larger (any summation order errs by ulps of a
+    score's terms, which the one baseline draw can miss)."""
     err = (scores_wd.to(torch.float64) - scores64).abs().amax(-1)
-    band = 2 * err + 2 * ulp(kth.abs(), torch.float32)
+    band = 2 * score_k * err + 2 * ulp(kth.abs(), torch.float32)
     if magnitude is not None:
         band = torch.maximum(band, 4 * ulp(magnitude.detach().cpu().to(torch.float64).amax(-1), torch.float32))
     return band
@@ -221,6 +222,8 @@ def malformed_ids(ids: torch.Tensor, shape: tuple, n_choices: int) -> str | None
         return f"dtype {ids.dtype}, not an integer dtype"
     if tuple(ids.shape) != tuple(shape):
         return f"shape {tuple(ids.shape)}, expected {tuple(shape)}"
+    if ids.numel() == 0:
+        return None
     ids = ids.detach().cpu().to(torch.int64).reshape(-1, shape[-1] if shape else 1)
     outside = (ids < 0) | (ids >= n_choices)
     if outside.any():
@@ -246,20 +249,31 @@ def _out_of_order(row: list[int], scores: torch.Tensor, band: float) -> str:
 
 
 def compare_tie_aware_ids(name: str, ids: torch.Tensor, scores64: torch.Tensor, scores_wd: torch.Tensor,
-                          k: int, magnitude: torch.Tensor | None = None) -> Check:
+                          k: int, magnitude: torch.Tensor | None = None, score_k: float = 1.0) -> Check:
     """Selected sets must match wherever the k-th and (k+1)-th scores differ by more than the band, and
     each row lists its ids in the declared order: descending score (the MoE combine sums in slot
     order), two slots swapped only where their scores lie within the band of each other, and equal
-    scores in exact arithmetic ordered lower id first."""
-    ids = ids.detach().cpu().to(torch.int64)
-    B, E = scores64.shape
-    if ids.shape != (B, k):
-        return Check(f"compare:{name}", False, f"ids shape {tuple(ids.shape)}, expected {(B, k)}")
+    scores in exact arithmetic ordered lower id first. ids[..., k] and scores[..., E] share their
+    leading dims (a layer's [steps, batch]): each leading index is one selection, reported by its index."""
+    ids = ids.detach().cpu()
+    lead, E = tuple(scores64.shape[:-1]), scores64.shape[-1]
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        return Check(f"compare:{name}", False, f"ids dtype {ids.dtype}, not an integer dtype")
+    if tuple(ids.shape) != lead + (k,):
+        return Check(f"compare:{name}", False, f"ids shape {tuple(ids.shape)}, expected {lead + (k,)}")
+    if k == 0:
+        return Check(f"compare:{name}", True, "no ids to judge (k = 0)", {"rows": math.prod(lead)})
+    ids = ids.to(torch.int64).reshape(-1, k)
+    scores64 = scores64.detach().cpu().to(torch.float64).reshape(-1, E)
+    scores_wd = scores_wd.detach().cpu().reshape(-1, E)
+    if magnitude is not None:
+        magnitude = magnitude.detach().cpu().reshape(-1, E)
+    B = scores64.shape[0]
     if ((ids < 0) | (ids >= E)).any():
         return Check(f"compare:{name}", False, f"ids outside [0, {E})")
     srt = scores64.sort(-1, descending=True).values
     kth, next_ = srt[:, k - 1], srt[:, k] if k < E else torch.full((B,), -float("inf"), dtype=torch.float64)
-    band = tie_band(scores64, scores_wd, kth, magnitude)
+    band = tie_band(scores64, scores_wd, kth, magnitude, score_k)
     bad_rows, ties = [], 0
     for r in range(B):
         chosen = set(ids[r].tolist())
@@ -289,5 +303,7 @@ def compare_tie_aware_ids(name: str, ids: torch.Tensor, scores64: torch.Tensor, 
     if not bad_rows:
         return Check(f"compare:{name}", True, f"sets match ({ties} rows inside the tie band)", metrics)
     r, why = bad_rows[0]
-    return Check(f"compare:{name}", False, f"{len(bad_rows)} of {B} rows select a different set; row {r}: {why}",
-                 metrics, ((r,), why, None, None))
+    at = tuple(int(i) for i in torch.unravel_index(torch.tensor(r), lead)) if len(lead) > 1 else (r,)
+    where = f"row {r}" if len(lead) == 1 else f"row {at}"
+    return Check(f"compare:{name}", False, f"{len(bad_rows)} of {B} rows select a different set; {where}: {why}",
+                 metrics, (at, why, None, None))

@@ -132,11 +132,3 @@ def binds_claims(candidate: str) -> bool:
     those runs: the reference and torch.compile of it call MKL/oneDNN, whose row results depend on
     the row's position in the blocked GEMM and on the operand strides, without being wrong."""
     return candidate not in ("reference", "compiled")
-
-
-def binds_claims(candidate: str) -> bool:
-    """The spec's bitwise claims (batch invariance, identical bits for strided views) bind every kernel
-    judged: ours and a user's. Only the two CPU-BLAS stand-ins are held to the class tolerance in
-    those runs: the reference and torch.compile of it call MKL/oneDNN, whose row results depend on
-    the row's position in the blocked GEMM and on the operand strides, without being wrong."""
-    return candidate not in ("reference", "compiled")

@@ -37,6 +37,10 @@ class OutputSpec(BaseModel):
     # every element also judged on its own scale, down to element_floor x its row's (compare.
     # compare_derived); the derivation must bound a correct kernel's error at an element by that scale
     element_floor: float | None = Field(default=None, gt=0.0, le=1.0)
+    # tie_aware_ids: how many times the baseline's own score error a correct candidate's scores may err
+    # by (1: the selection is the op itself; a whole layer's router sees its input within the layer's k);
+    # the tie band is that many times the baseline's (compare.tie_band). The derivation must bound it.
+    score_k: float | None = Field(default=None, ge=1.0, le=64.0)
 
     @model_validator(mode="after")
     def _derived_needs_bounds(self):
@@ -45,6 +49,8 @@ class OutputSpec(BaseModel):
         if self.klass != "derived" and (self.k is not None or self.floor_ulps is not None or self.by_dtype
                                         or self.element_floor is not None):
             raise ValueError(f"class {self.klass!r} takes no k, floor_ulps, by_dtype or element_floor")
+        if self.klass != "tie_aware_ids" and self.score_k is not None:
+            raise ValueError(f"class {self.klass!r} takes no score_k (tie_aware_ids only)")
         return self
 
     def bounds(self, dtype) -> tuple[float, float]:
