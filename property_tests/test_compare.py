@@ -6,7 +6,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from verify.judge.compare import compare_bitwise, compare_derived, compare_tie_aware_ids, ulp, vacuous_reason
+from verify.judge.compare import (compare_bitwise, compare_derived, compare_tie_aware_ids, malformed_ids, ulp,
+                                  vacuous_reason)
 
 DT = st.sampled_from([torch.bfloat16, torch.float16, torch.float32])
 
@@ -189,6 +190,42 @@ def test_tie_band_widens_with_the_scores_running_error_magnitude():
     assert not compare_tie_aware_ids("ids", swapped, scores64, scores_wd, 2).ok
     assert not compare_tie_aware_ids("ids", swapped, scores64, scores_wd, 2, torch.full((1, 4), 1.0)).ok
     assert compare_tie_aware_ids("ids", swapped, scores64, scores_wd, 2, torch.full((1, 4), 8.0)).ok
+
+
+@given(st.integers(0, 10**6))
+def test_tie_aware_ids_with_leading_dims_name_the_row_by_its_index(seed):
+    """A layer's ids [steps, batch, k] against scores [steps, batch, E]: each (step, sequence) is one
+    selection; the same clear-loser swap is caught wherever it is, and named by its index."""
+    g = torch.Generator().manual_seed(seed)
+    s64 = torch.rand(3, 4, 40, generator=g, dtype=torch.float64)
+    ids = s64.topk(8, -1).indices
+    assert compare_tie_aware_ids("router_ids", ids, s64, s64.float(), 8).ok
+    t, b = int(torch.randint(0, 3, (1,), generator=g)), int(torch.randint(0, 4, (1,), generator=g))
+    bad = ids.clone()
+    bad[t, b, 0] = s64[t, b].argmin()
+    chk = compare_tie_aware_ids("router_ids", bad, s64, s64.float(), 8)
+    assert not chk.ok and f"row ({t}, {b})" in chk.detail and chk.worst[0] == (t, b), chk.detail
+    assert not compare_tie_aware_ids("router_ids", ids[:, :3], s64, s64.float(), 8).ok     # a sequence short
+    assert not compare_tie_aware_ids("router_ids", ids.float(), s64, s64.float(), 8).ok    # not integer ids
+
+
+def test_no_choice_is_judged_where_the_layer_routes_nothing():
+    """The dense layer: ids [N, B, 0] against scores [N, B, 0]; ids of any other width fail."""
+    none = torch.empty(2, 3, 0, dtype=torch.float64)
+    assert compare_tie_aware_ids("router_ids", torch.empty(2, 3, 0, dtype=torch.int64), none, none.float(), 0).ok
+    assert not compare_tie_aware_ids("router_ids", torch.zeros(2, 3, 1, dtype=torch.int64), none, none.float(), 0).ok
+    assert malformed_ids(torch.empty(2, 3, 0, dtype=torch.int64), (2, 3, 0), 0) is None
+
+
+def test_score_k_widens_the_band_by_the_candidates_allowed_score_error():
+    """The k-th and (k+1)-th scores 3e-3 apart, the baseline's scores off by 5e-4: a swap lies outside
+    the op's own band (2 x 5e-4) and inside a layer's (2 x 4 x 5e-4)."""
+    s64 = torch.tensor([[0.9, 0.5 + 3e-3, 0.5, 0.1]], dtype=torch.float64)
+    swd = (s64 + torch.tensor([[0.0, 5e-4, 0.0, 0.0]], dtype=torch.float64)).float()
+    swapped = torch.tensor([[0, 2]])
+    assert not compare_tie_aware_ids("ids", swapped, s64, swd, 2).ok
+    assert compare_tie_aware_ids("ids", swapped, s64, swd, 2, score_k=4.0).ok
+    assert not compare_tie_aware_ids("ids", torch.tensor([[0, 3]]), s64, swd, 2, score_k=4.0).ok
 
 
 @pytest.mark.gpu

@@ -27,6 +27,8 @@ def test_good_spec_parses():
     (lambda s: s + "tolerance = 3\n", "tolerance"),
     (lambda s: s.replace("k = 2.0", "k = 0.5"), "outputs.y.k"),
     (lambda s: s.replace("[outputs.y]", "[outputs.y"), "not valid TOML"),
+    (lambda s: s.replace("floor_ulps = 1.0", "floor_ulps = 1.0\nscore_k = 4.0"), "outputs.y"),   # tie_aware_ids only
+    (lambda s: s + '[outputs.ids]\nclass = "tie_aware_ids"\nscore_k = 0.5\n', "outputs.ids.score_k"),
 ])
 def test_malformed_spec_names_the_field(mutate, field):
     with pytest.raises(SpecError, match=field.replace(".", r"\.")) as e:
