@@ -195,3 +195,73 @@ def test_a_malformed_certificate_is_named_not_a_traceback(tmp_path, body, words)
     with pytest.raises(ValueError, match=words.replace("(", r"\(")) as e:
         certificate.load(p)
     assert str(p) in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------- a candidate by import path
+def _user_package(root, body="def kernel(x, w):\n    return helper.scale(x @ w.T)\n"):
+    """A user's kernel package under root: kern.main:kernel imports kern.helper."""
+    pkg = root / "kern"
+    pkg.mkdir(exist_ok=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "helper.py").write_text("def scale(y):\n    return y\n")
+    (pkg / "main.py").write_text("from kern import helper\n\n\n" + body)
+    return pkg
+
+
+@pytest.fixture
+def user_kernel(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("kern", "kern.main", "kern.helper"):
+        monkeypatch.delitem(__import__("sys").modules, name, raising=False)
+    return _user_package(tmp_path)
+
+
+def _cert_with_own_sources(label):
+    from verify.record.certificate import candidate_sources
+
+    cert = _cert("2026-11-30T00:00:00+00:00", candidate=label, ops=("skinny_gemm",))
+    cert["ops"]["skinny_gemm"]["candidate_sources"] = {label: candidate_sources(label)}
+    return cert
+
+
+def test_a_user_kernels_verdict_holds_until_its_module_or_a_module_it_imports_changes(user_kernel):
+    """The op's sources do not cover a candidate named by import path: its verdict names its own
+    module and the modules it imports from its package, and an edit to either makes it stale."""
+    label = "kern.main:kernel"
+    cert = ("a.json", _cert_with_own_sources(label))
+    assert sorted(cert[1]["ops"]["skinny_gemm"]["candidate_sources"][label]["files"]) == \
+        ["kern/__init__.py", "kern/helper.py", "kern/main.py"]
+    (st,) = gate.check(OPS[:1], [cert], label)
+    assert st.state == "certified", st.detail
+    (user_kernel / "helper.py").write_text("def scale(y):\n    return 2 * y\n")
+    (st,) = gate.check(OPS[:1], [cert], label)
+    assert st.state == "stale" and "candidate (kern/helper.py)" in st.detail, st.detail
+
+
+def test_a_user_kernels_verdict_without_its_own_sources_does_not_hold(user_kernel):
+    """A certificate that recorded no candidate sources (written before they were kept, or edited) cannot
+    show the kernel judged is the one in the tree: stale, saying so."""
+    (st,) = gate.check(OPS[:1], [("a.json", _cert("2026-11-30T00:00:00+00:00", candidate="kern.main:kernel",
+                                                      ops=("skinny_gemm",)))], "kern.main:kernel")
+    assert st.state == "stale" and "does not record the candidate's own sources" in st.detail, st.detail
+
+
+def test_a_layer_candidate_covers_the_kernels_it_resolves_by_name():
+    """fused.layers resolves its kernels from 'fused.<op>:<fn>' strings, not imports: they count."""
+    from verify.record.certificate import candidate_sources
+
+    files = candidate_sources("fused.layers:layer_steps")["files"]
+    assert {"fused/layers.py", "fused/mla_decode_attn.py", "fused/kda_decode.py", "stock/layers.py"} <= set(files)
+    assert candidate_sources("fused") is None and candidate_sources("nosuch.module:f")["hash"] is None
+
+
+def test_carry_forward_judges_a_changed_user_kernel_again(user_kernel):
+    from verify.record.certificate import carry_forward
+
+    label = "kern.main:kernel"
+    old = _cert_with_own_sources(label)
+    carried, changed = carry_forward(old, {"skinny_gemm": OPS[0]}, [label])
+    assert list(carried) == ["skinny_gemm"] and changed == []
+    (user_kernel / "main.py").write_text("from kern import helper\n\n\ndef kernel(x, w):\n    return x @ w.T\n")
+    carried, changed = carry_forward(old, {"skinny_gemm": OPS[0]}, [label])
+    assert carried == {} and changed == ["skinny_gemm"]

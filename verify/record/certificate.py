@@ -81,9 +81,11 @@ def sha256_file(path: Path | None) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _project_imports(path: Path, packages: tuple[str, ...] = ("fused", "references")) -> set[str]:
+def _project_imports(path: Path, packages: tuple[str, ...] = ("fused", "references"),
+                     named: bool = False) -> set[str]:
     """Module names this file imports from `packages` (by default the kernel and reference ones; a
-    dotted entry such as "verify.ops" names a subpackage)."""
+    dotted entry such as "verify.ops" names a subpackage); with `named`, also the modules of the
+    'module:attr' strings it holds (a layer's table of the kernels it resolves by name)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_bytes())):
         if isinstance(node, ast.Import):
@@ -91,13 +93,17 @@ def _project_imports(path: Path, packages: tuple[str, ...] = ("fused", "referenc
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
             names |= {f"{node.module}.{a.name}" for a in node.names}       # `from fused import runtime`
+        elif named and isinstance(node, ast.Constant) and isinstance(node.value, str):
+            mod, colon, attr = node.value.partition(":")
+            if colon and attr.isidentifier() and all(part.isidentifier() for part in mod.split(".")):
+                names.add(mod)
     return {n for n in names if any(n == p or n.startswith(p + ".") for p in packages)}
 
 
 def closure_files(path: Path | None, root: Path = ROOT,
-                  packages: tuple[str, ...] = ("fused", "references")) -> dict[Path, bytes]:
+                  packages: tuple[str, ...] = ("fused", "references"), named: bool = False) -> dict[Path, bytes]:
     """A module and every project module of `packages` it imports, transitively (at module level or
-    inside functions), with their bytes; {} for a missing module."""
+    inside functions), with their bytes; {} for a missing module. `named`: _project_imports'."""
     seen: dict[Path, bytes] = {}
     todo = [path] if path is not None and path.exists() else []
     while todo:
@@ -105,7 +111,7 @@ def closure_files(path: Path | None, root: Path = ROOT,
         if p in seen:
             continue
         seen[p] = p.read_bytes()
-        for name in _project_imports(p, packages):
+        for name in _project_imports(p, packages, named):
             base = root.joinpath(*name.split("."))
             for f in (base.with_suffix(".py"), base / "__init__.py"):
                 if f.is_file():
@@ -125,6 +131,69 @@ def sha256_closure(path: Path | None, root: Path = ROOT,
     for p in sorted(seen, key=lambda q: str(q.relative_to(root))):
         h.update(str(p.relative_to(root)).encode() + b"\0" + hashlib.sha256(seen[p]).digest())
     return h.hexdigest()
+
+
+# A candidate named by import path ('module:attr', 'path/to/file.py:attr') is code the op's sources do
+# not cover: its verdict holds only while its own module and the project modules it imports are
+# unchanged. The built-in candidates are covered by the op's sources (fused kernel, reference).
+BUILTIN_CANDIDATES = ("fused", "compiled", "reference")
+CANDIDATE_PACKAGES = ("fused", "references", "stock", "property_tests")
+
+
+def _candidate_module(label: str) -> tuple[Path | None, Path]:
+    """(the candidate's module file, the directory its top-level package sits in), or (None, ROOT)
+    where it names no file this process can find."""
+    mod = label.rpartition(":")[0]
+    if mod.endswith(".py"):
+        file = Path(mod).resolve()
+        return (file, ROOT if file.is_relative_to(ROOT) else file.parent) if file.is_file() else (None, ROOT)
+    try:
+        spec = importlib.util.find_spec(mod)
+    except (ImportError, ValueError):
+        return None, ROOT
+    if spec is None or not spec.origin or not Path(spec.origin).is_file():
+        return None, ROOT
+    file = Path(spec.origin).resolve()
+    depth = len(mod.split(".")) - (0 if file.name == "__init__.py" else 1)
+    return file, file.parents[depth]
+
+
+def candidate_sources(label: str) -> dict | None:
+    """None for a built-in candidate; else {"hash": the sha256 closure of its module (None where the
+    module cannot be found), "files": {file: sha256}}: the module and the modules it imports, or names
+    as 'module:attr' (kernels resolved by name), from its own top-level package and the project's
+    (CANDIDATE_PACKAGES), resolved from where it sits."""
+    if label in BUILTIN_CANDIDATES:
+        return None
+    file, root = _candidate_module(label)
+    if file is None:
+        return {"hash": None, "files": {}}
+    top = label.rpartition(":")[0].split(".")[0] if not label.rpartition(":")[0].endswith(".py") else ""
+    packages = tuple(p for p in (top, *CANDIDATE_PACKAGES) if p)
+    seen = closure_files(file, root, packages, named=True)
+    h = hashlib.sha256()
+    names = {}
+    for q in sorted(seen, key=str):
+        name = str(q.relative_to(root)) if q.is_relative_to(root) else str(q)
+        names[name] = hashlib.sha256(seen[q]).hexdigest()
+        h.update(name.encode() + b"\0" + bytes.fromhex(names[name]))
+    return {"hash": h.hexdigest(), "files": names}
+
+
+def candidate_holds(entry: dict, label: str, now: dict | None) -> str:
+    """'' where the op entry's verdict of `label` was judged on the candidate's sources of now (always,
+    for a built-in candidate); else why not."""
+    if now is None:
+        return ""
+    then = (entry.get("candidate_sources") or {}).get(label)
+    if then is None:
+        return "the certificate does not record the candidate's own sources (module:attr); judge it again"
+    if now["hash"] is None:
+        return f"the candidate's module cannot be found here ({label})"
+    if then.get("hash") != now["hash"]:
+        files = file_changes(then.get("files") or {}, now["files"])
+        return "candidate (" + ", ".join(files or ["its module"]) + ")"
+    return ""
 
 
 # The harness: the stages that draw cases, build inputs, judge and run them (verify/model, plan,
@@ -232,6 +301,9 @@ def build(verdicts: list[OpVerdict], ops: dict[str, OpDef], options: dict, devic
         entry = per_op.setdefault(v.op, {"sources": op_sources(ops[v.op]), "source_files": source_files(ops[v.op]),
                                          "verdicts": {}, "cases": {}, "waivers": _waivers(v.op)})
         entry["verdicts"][v.candidate] = asdict(v)
+        own = candidate_sources(v.candidate)
+        if own is not None:
+            entry.setdefault("candidate_sources", {})[v.candidate] = own
         entry["cases"][v.candidate] = list((cases or {}).get((v.op, v.candidate), []))
     for name, old in (carried or {}).items():
         per_op[name] = old
@@ -240,13 +312,14 @@ def build(verdicts: list[OpVerdict], ops: dict[str, OpDef], options: dict, devic
 
 
 def carry_forward(old: dict, ops: dict[str, OpDef], candidates: list[str]) -> tuple[dict, list[str]]:
-    """Split ops into carried (sources unchanged since `old`, every candidate has a verdict there) and
-    changed. Returns (carried entries marked with carried_from, names to certify)."""
+    """Split ops into carried (sources unchanged since `old`, every candidate has a verdict there, judged
+    on the candidate's sources of now) and changed. Returns (carried entries marked with carried_from, names to certify)."""
     origin = {"created": old.get("created"), "git_commit": old.get("environment", {}).get("git_commit")}
     carried, changed = {}, []
     for name, op in ops.items():
         prev = old.get("ops", {}).get(name)
-        if prev and prev.get("sources") == op_sources(op) and all(c in prev.get("verdicts", {}) for c in candidates):
+        if (prev and prev.get("sources") == op_sources(op) and all(c in prev.get("verdicts", {}) for c in candidates)
+                and not any(candidate_holds(prev, c, candidate_sources(c)) for c in candidates)):
             entry = json.loads(json.dumps(prev))
             entry.setdefault("source_files", source_files(op))      # same sources, so the same files now
             for v in entry["verdicts"].values():

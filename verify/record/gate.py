@@ -3,7 +3,8 @@
     verify-kernels check CERT.json [CERT.json ...] [--ops ...] [--candidate fused] [--profile release]
 
 A verdict holds when the sources it was judged on (reference, fused kernel, spec, registry entry,
-harness: `certificate.op_sources`) equal the tree's now. For each op, the newest certificate whose
+harness: `certificate.op_sources`; and for a candidate named by import path, its own module and the
+modules it imports: `certificate.candidate_sources`) equal the tree's now. For each op, the newest certificate whose
 entry holds gives the op's state; an op passes the gate only when that verdict passed (or failed
 exactly as its spec waives). Anything else names what to do: a stale op names the sources that
 changed since its newest verdict and the files behind them (from the certificate's per-file hashes,
@@ -45,7 +46,7 @@ def _entries(certs: list[tuple[str, dict]], op: str, candidate: str):
 
 def op_state(op, certs: list[tuple[str, dict]], candidate: str, profile: str | None = None,
              device: str | None = None, full_scope: bool = False) -> OpState:
-    from verify.record.certificate import op_sources
+    from verify.record.certificate import candidate_holds, candidate_sources, op_sources
 
     found = [f for f in _entries(certs, op.name, candidate)
              if (profile is None or f[1].get("options", {}).get("profile") == profile)
@@ -53,9 +54,9 @@ def op_state(op, certs: list[tuple[str, dict]], candidate: str, profile: str | N
     if not found:
         need = " ".join(x for x in (f"profile {profile}" if profile else "", f"on {device}" if device else "") if x)
         return OpState(op.name, "missing", detail=f"no certificate judged {candidate}" + (f" ({need})" if need else ""))
-    now = op_sources(op)
+    now, own = op_sources(op), candidate_sources(candidate)
     for path, cert, entry, verdict in found:
-        if entry.get("sources") == now:
+        if entry.get("sources") == now and not candidate_holds(entry, candidate, own):
             status = verdict.get("status")
             if status in OK_STATUSES and full_scope and verdict.get("scope"):
                 return _state(op.name, "partial_scope", path, cert,
@@ -67,8 +68,9 @@ def op_state(op, certs: list[tuple[str, dict]], candidate: str, profile: str | N
                 return _state(op.name, "not_certified", path, cert, f"skipped: {verdict.get('reason', '')}")
             return _state(op.name, "failed", path, cert, verdict.get("reason", ""))
     path, cert, entry, _ = found[0]
-    return _state(op.name, "stale", path, cert,
-                  "changed since its newest verdict: " + _what_changed(op, cert, entry, now) + "; run it again")
+    why = ", ".join(w for w in (_what_changed(op, cert, entry, now) if entry.get("sources") != now else "",
+                                candidate_holds(entry, candidate, own)) if w)
+    return _state(op.name, "stale", path, cert, "changed since its newest verdict: " + why + "; run it again")
 
 
 def _what_changed(op, cert: dict, entry: dict, now: dict) -> str:
