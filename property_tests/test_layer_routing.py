@@ -7,12 +7,13 @@ from __future__ import annotations
 import torch
 
 from property_tests.harness_case import judge_case
-from references.layers import LayerState, decode_steps, kda_kind_of
+from property_tests.planted.layers import routed_to
+from references.layers import kda_kind_of
 from verify.judge.compare import tie_band
 from verify.model.case import Case
 from verify.model.opdef import OpInputs
 from verify.model.verdict import PASS
-from verify.ops.layers import STATE_TENSORS, _weights, make_kda_layer_inputs, step_choices
+from verify.ops.layers import STATE_TENSORS, make_kda_layer_inputs, step_choices
 
 SWAPPED: list[tuple[int, int]] = []        # (step, sequence) rows the last candidate call swapped
 
@@ -22,36 +23,32 @@ def _swap_kth(tensors: dict, params: dict, near: bool) -> tuple[torch.Tensor, to
     this call's own inputs put them inside the tie band (near=True: of a candidate held to the op's
     score error alone, score_k = 1, narrower than the spec's), or at the row where they are farthest
     apart (near=False). State tensors updated in place, as the registry form does."""
-    kind = "kda" if "conv_state" in tensors else "mla"
-    inputs = OpInputs({n: t.clone() for n, t in tensors.items()}, dict(params))
     wide = OpInputs({n: t.double() if t.is_floating_point() else t.clone() for n, t in tensors.items()},
                     dict(params))
-    ids = torch.stack([i for i, _ in step_choices(inputs)])
-    s_wd = torch.stack([c for _, c in step_choices(inputs)])
     s64 = torch.stack([c for _, c in step_choices(wide)])
-    k = ids.shape[-1]
-    srt = s64.sort(-1, descending=True)
-    gap = srt.values[..., k - 1] - srt.values[..., k]
-    band = tie_band(s64.reshape(-1, s64.shape[-1]), s_wd.reshape(-1, s64.shape[-1]),
-                    srt.values[..., k - 1].reshape(-1)).view(gap.shape)
-    rows = torch.nonzero(gap < band) if near else torch.nonzero(gap == gap.max())[:1]
-    chosen = ids.clone()
-    SWAPPED.clear()
-    for t, b in rows.tolist():
-        kth, nxt = int(srt.indices[t, b, k - 1]), int(srt.indices[t, b, k])
-        if kth in chosen[t, b].tolist() and nxt not in chosen[t, b].tolist():
-            chosen[t, b][chosen[t, b] == kth] = nxt
-            order = s64[t, b, chosen[t, b]].sort(descending=True, stable=True).indices
-            chosen[t, b] = chosen[t, b][order]           # the declared slot order, by the oracle's scores
-            SWAPPED.append((t, b))
-    state = {n: tensors[n] for n in STATE_TENSORS[kind]}
-    run = LayerState(prefix=torch.zeros_like(tensors["x_steps"][0]), blocks=tensors["blocks"].clone(),
-                     **{n: v.clone() for n, v in state.items()})
-    out = decode_steps(kind if kind == "mla" else kda_kind_of(params["layer_idx"]), _weights(inputs, kind), run,
-                       tensors["x_steps"], params["layer_idx"], route_ids=chosen)
-    for n, v in state.items():
-        v.copy_(getattr(run, n))
-    return out, chosen
+
+    def pick(ids: torch.Tensor, s_wd: torch.Tensor) -> torch.Tensor:
+        k = ids.shape[-1]
+        srt = s64.sort(-1, descending=True)
+        gap = srt.values[..., k - 1] - srt.values[..., k]
+        band = tie_band(s64.reshape(-1, s64.shape[-1]), s_wd.reshape(-1, s64.shape[-1]),
+                        srt.values[..., k - 1].reshape(-1)).view(gap.shape)
+        rows = torch.nonzero(gap < band) if near else torch.nonzero(gap == gap.max())[:1]
+        chosen = ids.clone()
+        SWAPPED.clear()
+        for t, b in rows.tolist():
+            kth, nxt = int(srt.indices[t, b, k - 1]), int(srt.indices[t, b, k])
+            if kth in chosen[t, b].tolist() and nxt not in chosen[t, b].tolist():
+                chosen[t, b][chosen[t, b] == kth] = nxt
+                order = s64[t, b, chosen[t, b]].sort(descending=True, stable=True).indices
+                chosen[t, b] = chosen[t, b][order]           # the declared slot order, by the oracle's scores
+                SWAPPED.append((t, b))
+        return chosen
+
+    state = {n: tensors[n] for n in STATE_TENSORS["kda"]}
+    weights = {n: v for n, v in tensors.items() if n not in (*state, "x_steps", "blocks")}
+    return routed_to(kda_kind_of(params["layer_idx"]), tensors["x_steps"], tensors["blocks"], state,
+                     params["layer_idx"], params["config"], weights, pick)
 
 
 def kda_layer_takes_the_other_side_of_near_ties(x_steps, blocks, conv_state, recurrent_state, layer_idx: int,

@@ -275,9 +275,9 @@ def decode_steps(layer_kind: str, weights: LayerWeights, state: LayerState, x_st
                          f"{layer_kind!r}; pick one from references.layers.layer_kind_of")
     check_tensor("x_steps", x_steps, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("x_steps", x_steps, shape=(None,) + tuple(state.prefix.shape), dtypes=(state.prefix.dtype,))
-    if route_ids is not None and (tp is not None or layer_kind == "dense"):
-        raise ValueError("route_ids: only the unsplit MoE layers ('kda', 'mla') take them")
     if route_ids is not None:
+        if tp is not None or layer_kind == "dense":
+            raise ValueError("route_ids: only the unsplit MoE layers ('kda', 'mla') take them")
         check_tensor("route_ids", route_ids, shape=(x_steps.shape[0], x_steps.shape[1], weights.config.top_k),
                      dtypes=(torch.int32, torch.int64))
     if tp is not None:
@@ -297,12 +297,11 @@ def decode_steps(layer_kind: str, weights: LayerWeights, state: LayerState, x_st
     return torch.stack(outs)
 
 
-def stacked_ids(routing: list, x_steps: torch.Tensor) -> torch.Tensor:
-    """router_ids[N,B,k] int64 from decode_steps' `routing` (one (ids, scores) per step); [N,B,0] for the
-    dense layer, which routes nothing."""
-    if not routing:
+def stacked_ids(ids: list, x_steps: torch.Tensor) -> torch.Tensor:
+    """router_ids[N,B,k] int64 from each step's ids[B,k]; [N,B,0] for the dense layer (no step routed)."""
+    if not ids:
         return torch.empty(x_steps.shape[0], x_steps.shape[1], 0, dtype=torch.int64, device=x_steps.device)
-    return torch.stack([ids for ids, _ in routing]).to(torch.int64)
+    return torch.stack(ids).to(torch.int64)
 
 
 # ---------------------------------------------------------------------------------------------- registry form
@@ -326,7 +325,7 @@ def kda_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, conv_state: tor
     state = _flat_state(x_steps, blocks, conv_state=conv_state, recurrent_state=recurrent_state)
     routing: list = []
     out = decode_steps(kind, w, state, x_steps, layer_idx, routing=routing)
-    return out, stacked_ids(routing, x_steps)
+    return out, stacked_ids([ids for ids, _ in routing], x_steps)
 
 
 def kda_kind_of(layer_idx) -> str:
@@ -345,4 +344,4 @@ def mla_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, cache: torch.Te
     state = _flat_state(x_steps, blocks, cache=cache, block_table=block_table, seq_lens=seq_lens)
     routing: list = []
     out = decode_steps("mla", w, state, x_steps, layer_idx, routing=routing)
-    return out, stacked_ids(routing, x_steps)
+    return out, stacked_ids([ids for ids, _ in routing], x_steps)

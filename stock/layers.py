@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from references.config import K3Config, get_config
-from references.layers import attn_res_layout, check_layer_idx, kda_kind_of, layer_kind_of
+from references.layers import attn_res_layout, check_layer_idx, kda_kind_of, layer_kind_of, stacked_ids
 from references.mxfp4 import E2M1_LUT, GROUP, scale_values
 from references.primitives import FLOAT_DTYPES, check_tensor
 from references.weights import FP32_PARAMS, MXFP4_PARAMS
@@ -396,9 +396,7 @@ def run_steps(kind: str, x_steps, blocks, state: dict, layer_idx, config, weight
     for n, t in state.items():
         if work[n] is not t:
             t.copy_(work[n])
-    ids = (torch.stack(routing).to(torch.int64) if routing else
-           torch.empty(*x_steps.shape[:2], 0, dtype=torch.int64, device=x_steps.device))
-    return out, ids
+    return out, stacked_ids(routing, x_steps)
 
 
 def kda_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, conv_state: torch.Tensor,

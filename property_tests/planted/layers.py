@@ -34,7 +34,7 @@ def kda_layer_state_reset_every_3_steps(x_steps, blocks, conv_state, recurrent_s
     return torch.cat(outs), torch.cat(ids)
 
 
-def _routed(kind: str, x_steps, blocks, state: dict, layer_idx: int, config: str, weights: dict, pick):
+def routed_to(kind: str, x_steps, blocks, state: dict, layer_idx: int, config: str, weights: dict, pick):
     """The reference layer routed to pick(ids[N,B,k] its router chose, choice scores[N,B,E]) at every
     step, state updated in place: (prefix_steps, the picked ids)."""
     w = LayerWeights(kind, get_config(config), x_steps.dtype, weights)
@@ -67,7 +67,7 @@ def mla_layer_routes_k_plus_1(x_steps, blocks, cache, block_table, seq_lens, lay
         k = ids.shape[-1]
         order = torch.sort(choice, dim=-1, descending=True, stable=True).indices
         return torch.cat([order[..., :k - 1], order[..., k:k + 1]], dim=-1)
-    return _routed("mla", x_steps, blocks, {"cache": cache, "block_table": block_table, "seq_lens": seq_lens},
+    return routed_to("mla", x_steps, blocks, {"cache": cache, "block_table": block_table, "seq_lens": seq_lens},
                    layer_idx, config, weights, pick)
 
 
@@ -83,6 +83,6 @@ def kda_layer_routes_neighbour(x_steps, blocks, conv_state, recurrent_state, lay
     def pick(ids, choice):
         chosen["ids"] = ids
         return ids.roll(1, dims=1)
-    out, _ = _routed(kind, x_steps, blocks, {"conv_state": conv_state, "recurrent_state": recurrent_state},
+    out, _ = routed_to(kind, x_steps, blocks, {"conv_state": conv_state, "recurrent_state": recurrent_state},
                      layer_idx, config, weights, pick)
     return out, chosen["ids"]

@@ -119,18 +119,16 @@ def step_choices(inputs: OpInputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _step_choices(inputs: OpInputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
     from references.attn_res import attn_res_rmsnorm
-    from references.layers import LayerState, attn_side, kda_attention, mla_attention, next_slots, router_choice
+    from references.layers import attn_side, kda_attention, mla_attention, next_slots, router_choice
     from references.moe import router_topk
 
     t, p = inputs.tensors, inputs.params
-    kind = "kda" if "conv_state" in t else "mla"
+    kind = _kind(t)
     cfg, x_steps = get_config(p["config"]), t["x_steps"]
     if "w_router" not in t:                      # layer 0: the dense MLP, no router
         none = torch.empty(x_steps.shape[1], 0, device=x_steps.device)
         return [(none.to(torch.int64), none.to(torch.float64)) for _ in range(x_steps.shape[0])]
-    w = _weights(inputs, kind)
-    state = LayerState(prefix=torch.zeros_like(x_steps[0]), blocks=t["blocks"].clone(),
-                       **{n: t[n].clone() for n in STATE_TENSORS[kind]})
+    w, state = _weights(inputs, kind), _state_copy(inputs, kind)
     out = []
     for x in x_steps:
         state.prefix.copy_(x)
@@ -158,32 +156,42 @@ def layer_reweigh(inputs: OpInputs, ids: torch.Tensor) -> dict[str, torch.Tensor
     """prefix_steps of the reference routed to the candidate's ids[N,B,k] at every step (decode_steps'
     route_ids), from copies of the state: the reference at the candidate's own choice inside a near-tie.
     The dense layer routes nothing: no output to recompute."""
-    from references.layers import LayerState, decode_steps
+    from references.layers import decode_steps
 
-    t, p = inputs.tensors, inputs.params
-    kind = "kda" if "conv_state" in t else "mla"
-    x_steps = t["x_steps"]
-
+    t = inputs.tensors
     if "w_router" not in t:
         return {}
+    kind = _kind(t)
 
     def run():
-        state = LayerState(prefix=torch.zeros_like(x_steps[0]), blocks=t["blocks"].clone(),
-                           **{n: t[n].clone() for n in STATE_TENSORS[kind]})
-        return {"prefix_steps": decode_steps(kind, _weights(inputs, kind), state, x_steps, p["layer_idx"],
-                                             route_ids=ids)}
+        return {"prefix_steps": decode_steps(kind, _weights(inputs, kind), _state_copy(inputs, kind), t["x_steps"],
+                                             inputs.params["layer_idx"], route_ids=ids)}
     key = ("reweigh", ids.dtype, tuple(ids.shape), ids.detach().cpu().to(torch.int64).numpy().tobytes())
     return _memo(key, inputs, run)
 
 
+def _kind(tensors: dict) -> str:
+    """"kda" (layer 0 too: its state is KDA's) or "mla", told apart by the state."""
+    return "kda" if "conv_state" in tensors else "mla"
+
+
 def _weights(inputs: OpInputs, kind: str):
+    """The case's weights as the reference layer's LayerWeights (kind "dense" at layer 0)."""
     from references.weights import LayerWeights
 
     t = inputs.tensors
-    cfg = get_config(inputs.params["config"])
-    state = STATE_TENSORS["mla" if kind == "mla" else "kda"]
-    return LayerWeights(kind, cfg, t["x_steps"].dtype, {n: v for n, v in t.items()
-                                                         if n not in (*state, "x_steps", "blocks")})
+    state = STATE_TENSORS[_kind(t)]
+    return LayerWeights(kind, get_config(inputs.params["config"]), t["x_steps"].dtype,
+                        {n: v for n, v in t.items() if n not in (*state, "x_steps", "blocks")})
+
+
+def _state_copy(inputs: OpInputs, kind: str):
+    """A LayerState on copies of the case's state and blocks (the reference steps write them in place)."""
+    from references.layers import LayerState
+
+    t = inputs.tensors
+    return LayerState(prefix=torch.zeros_like(t["x_steps"][0]), blocks=t["blocks"].clone(),
+                      **{n: t[n].clone() for n in STATE_TENSORS[kind]})
 
 
 _MEMO: list[tuple[tuple, list, object]] = []      # (key, the inputs' tensors held alive, result), newest last
@@ -218,7 +226,7 @@ def layer_steps_bytes(inputs: OpInputs) -> int:
     from references.layers import attn_res_layout
 
     t, p = inputs.tensors, inputs.params
-    kind = "kda" if "conv_state" in t else "mla"
+    kind = _kind(t)
     nb = {n: v.numel() * v.element_size() for n, v in t.items()}
     N, B, D = t["x_steps"].shape
     row = B * D * t["x_steps"].element_size()

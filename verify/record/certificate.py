@@ -168,8 +168,8 @@ def candidate_sources(label: str) -> dict | None:
     file, root = _candidate_module(label)
     if file is None:
         return {"hash": None, "files": {}}
-    top = label.rpartition(":")[0].split(".")[0] if not label.rpartition(":")[0].endswith(".py") else ""
-    packages = tuple(p for p in (top, *CANDIDATE_PACKAGES) if p)
+    mod = label.rpartition(":")[0]
+    packages = CANDIDATE_PACKAGES if mod.endswith(".py") else (mod.split(".")[0], *CANDIDATE_PACKAGES)
     seen = closure_files(file, root, packages, named=True)
     h = hashlib.sha256()
     names = {}
