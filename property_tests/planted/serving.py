@@ -5,6 +5,8 @@ CATALOGUE names that guard (the harness's serving guards say what each checks).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from property_tests.planted._cache import TensorKeyed
@@ -15,7 +17,7 @@ from references.mla import mla_cache_write as _cache_write_ref
 from references.mla import mla_decode_attn as _decode_attn_ref
 from references.mxfp4 import mxfp4_dequant as _dequant_ref
 
-_SHADOWS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_SHADOWS = TensorKeyed()
 
 
 def attn_res_rmsnorm_stale_prefix_shadow(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, n_blocks,
@@ -23,14 +25,15 @@ def attn_res_rmsnorm_stale_prefix_shadow(prefix, delta, blocks, res_norm_w, res_
     """Keeps the p it computed per prefix buffer and, when the caller passes back exactly the prefix
     this kernel wrote (the next decode step), restores that p from its shadow: after a block write
     the prefix was zeroed, but the shadow still holds p, so the step after a block boundary adds
-    delta to the old prefix. Only a call fed the state its previous call wrote shows it."""
-    key = (prefix.data_ptr(), tuple(prefix.shape), prefix.dtype)
-    hit = _SHADOWS.get(key)
+    delta to the old prefix. Only a call fed the state its previous call wrote shows it. The shadow
+    is keyed by the live buffer, not its address, so a freed buffer's shadow never meets a new one
+    at the same address (the bug shows in the same buffers, and nowhere else)."""
+    hit = _SHADOWS.get(prefix)
     if hit is not None and torch.equal(hit[0], prefix):
         prefix.copy_(hit[1])
     p = prefix + delta
     out = _attn_res_ref(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, block_write, eps, norm_eps)
-    _SHADOWS[key] = (prefix.clone(), p)
+    _SHADOWS.put(prefix, (prefix.clone(), p))
     return out
 
 
@@ -93,23 +96,24 @@ def skinny_gemm_donates_x_storage(x, w):
     return y
 
 
-_FINGERPRINTED: dict[tuple, tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
+_FINGERPRINTED = TensorKeyed()
 
 
 def mxfp4_dequant_fingerprint_memo(packed, scale, out_dtype="bfloat16"):
     """A memo of dequantized weights per buffer, validated by the first and last rows of packed and
     scale: a partial update (a weight sync streamed in row chunks, one expert reloaded) keeps the
-    fingerprint, and the stale rows are returned. The refreshed-inputs run rewrites every row."""
+    fingerprint, and the stale rows are returned. The refreshed-inputs run rewrites every row. The
+    memo is keyed by the live packed buffer (a freed buffer's memo never meets a new one at its
+    address)."""
     if packed.shape[0] == 0:
         return _dequant_ref(packed, scale, out_dtype)
-    key = (packed.data_ptr(), scale.data_ptr(), tuple(packed.shape), tuple(packed.stride()), tuple(scale.stride()),
-           out_dtype)
     fp = (torch.cat([packed[0], packed[-1]]).clone(), torch.cat([scale[0], scale[-1]]).clone())
-    hit = _FINGERPRINTED.get(key)
-    if hit is not None and torch.equal(hit[0][0], fp[0]) and torch.equal(hit[0][1], fp[1]):
-        return hit[1].clone()
+    hit = _FINGERPRINTED.get(packed)
+    if hit is not None and hit[0]() is scale and hit[1] == out_dtype and torch.equal(hit[2][0], fp[0]) \
+            and torch.equal(hit[2][1], fp[1]):
+        return hit[3].clone()
     w = _dequant_ref(packed, scale, out_dtype)
-    _FINGERPRINTED[key] = (fp, w.clone())
+    _FINGERPRINTED.put(packed, (weakref.ref(scale), out_dtype, fp, w.clone()))
     return w
 
 
