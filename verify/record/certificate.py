@@ -128,9 +128,15 @@ def sha256_closure(path: Path | None, root: Path = ROOT,
     if not seen:
         return None
     h = hashlib.sha256()
-    for p in sorted(seen, key=lambda q: str(q.relative_to(root))):
-        h.update(str(p.relative_to(root)).encode() + b"\0" + hashlib.sha256(seen[p]).digest())
+    for name, p in sorted((_name(q, root), q) for q in seen):
+        h.update(name.encode() + b"\0" + hashlib.sha256(seen[p]).digest())
     return h.hexdigest()
+
+
+def _name(p: Path, root: Path) -> str:
+    """A module's name in a hash: its path under root, or its absolute path where it sits elsewhere (a
+    project package imported from another checkout than the harness's)."""
+    return str(p.relative_to(root)) if p.is_relative_to(root) else str(p)
 
 
 # A candidate named by import path ('module:attr', 'path/to/file.py:attr') is code the op's sources do
@@ -174,7 +180,7 @@ def candidate_sources(label: str) -> dict | None:
     h = hashlib.sha256()
     names = {}
     for q in sorted(seen, key=str):
-        name = str(q.relative_to(root)) if q.is_relative_to(root) else str(q)
+        name = _name(q, root)
         names[name] = hashlib.sha256(seen[q]).hexdigest()
         h.update(name.encode() + b"\0" + bytes.fromhex(names[name]))
     return {"hash": h.hexdigest(), "files": names}
