@@ -24,6 +24,10 @@ The step is sync-free (no host read of a tensor value, static shapes): on CUDA i
 CUDA graph and replayed (`step_launch`). Checks of values (page room in block_table) run once before
 the steps (stock.layers.validate_state). The registry forms (`layer_steps`) make this module a
 candidate of kda_layer and mla_layer: `--candidate fused.layers:layer_steps`.
+
+`layer_steps_shared_inline` is the same step with the shared experts' three launches on the caller's
+stream, after the routed experts' inputs are queued and before latent_norm_up: the same kernels and
+bits, no overlap. Benched beside `layer_steps`, it is the step time without the side stream.
 """
 from __future__ import annotations
 
@@ -151,6 +155,14 @@ def _resolve(path: str):
     return import_callable(path)
 
 
+def _inline_shared(x, w_gate_up, w_down, situ_beta, situ_linear_beta):
+    """fused.shared_experts.start with the caller's current stream as its "side" stream: the fork and
+    join are a stream waiting on itself (no-ops), so the launches run in line."""
+    from fused.shared_experts import start
+
+    return start(x, w_gate_up, w_down, situ_beta, situ_linear_beta, stream=torch.cuda.current_stream(x.device))
+
+
 def _reference_shared(x, w_gate_up, w_down, situ_beta, situ_linear_beta):
     from references.moe import shared_experts
 
@@ -182,9 +194,10 @@ def _fallbacks(layer: stock.StockLayer) -> dict:
 
 
 def prepare(kind: str, weights: dict, config: str | K3Config, layer_idx: int, wd: torch.dtype,
-            kernels: str = "fused") -> FusedLayer:
+            kernels: str = "fused", shared_stream: bool = True) -> FusedLayer:
     """Make the layer's step-ready form once (outside any captured step). kernels: "fused" (the fused
-    kernels, CUDA) or "reference" (the op references: the reference layer's composition)."""
+    kernels, CUDA) or "reference" (the op references: the reference layer's composition).
+    shared_stream=False runs the fused shared experts in line on the caller's stream."""
     if kernels not in ("fused", "reference"):
         raise ValueError(f"kernels: {kernels!r} is not a kernel table; use 'fused' or 'reference'")
     base = stock.prepare(kind, weights, config, layer_idx, wd, use_fla=False)
@@ -192,11 +205,17 @@ def prepare(kind: str, weights: dict, config: str | K3Config, layer_idx: int, wd
     resolved = {op: _resolve(table[op]) for op in LAYER_OPS[kind]}
     if kernels == "reference":
         resolved["shared_experts"] = _reference_shared
+    elif not shared_stream:
+        resolved["shared_experts"] = _inline_shared
     return FusedLayer(kind, base.cfg, layer_idx, wd, base.w, resolved, _fallbacks(base) if kernels == "fused" else {})
 
 
 def reference_prepare(kind: str, weights: dict, config, layer_idx: int, wd: torch.dtype) -> FusedLayer:
     return prepare(kind, weights, config, layer_idx, wd, kernels="reference")
+
+
+def prepare_shared_inline(kind: str, weights: dict, config, layer_idx: int, wd: torch.dtype) -> FusedLayer:
+    return prepare(kind, weights, config, layer_idx, wd, shared_stream=False)
 
 
 # ---------------------------------------------------------------------------------------------- one step
@@ -296,9 +315,8 @@ def kda_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, conv_state: tor
                     **weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """references.layers.kda_layer_steps through the fused step: (prefix_steps, router_ids); conv_state and
     recurrent_state updated in place."""
-    return stock.run_steps(kda_kind_of(layer_idx), x_steps, blocks,
-                           {"conv_state": conv_state, "recurrent_state": recurrent_state}, layer_idx, config,
-                           weights, prepare)
+    return _run(prepare, x_steps, blocks, layer_idx, config,
+                dict(weights, conv_state=conv_state, recurrent_state=recurrent_state))
 
 
 def mla_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
@@ -306,17 +324,36 @@ def mla_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, cache: torch.Te
                     **weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """references.layers.mla_layer_steps through the fused step: (prefix_steps, router_ids); cache written and
     seq_lens advanced by N in place."""
-    return stock.run_steps("mla", x_steps, blocks, {"cache": cache, "block_table": block_table,
-                                                    "seq_lens": seq_lens}, layer_idx, config, weights, prepare)
+    return _run(prepare, x_steps, blocks, layer_idx, config,
+                dict(weights, cache=cache, block_table=block_table, seq_lens=seq_lens))
 
 
 def layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, layer_idx: int, config: str,
                 **tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Both registry forms under one name, told apart by their state (`cache` = MLA), so one
     `--candidate fused.layers:layer_steps` certifies kda_layer and mla_layer in one run."""
-    if "cache" in tensors:
-        return mla_layer_steps(x_steps, blocks, layer_idx=layer_idx, config=config, **tensors)
-    return kda_layer_steps(x_steps, blocks, layer_idx=layer_idx, config=config, **tensors)
+    return _run(prepare, x_steps, blocks, layer_idx, config, tensors)
+
+
+def layer_steps_shared_inline(x_steps: torch.Tensor, blocks: torch.Tensor, layer_idx: int, config: str,
+                              **tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """layer_steps with the shared experts in line on the caller's stream (no side stream)."""
+    return _run(prepare_shared_inline, x_steps, blocks, layer_idx, config, tensors)
+
+
+_STATE = {"mla": ("cache", "block_table", "seq_lens"), "kda": ("conv_state", "recurrent_state")}
+
+
+def _run(prepare_fn, x_steps, blocks, layer_idx: int, config: str, tensors: dict):
+    """stock.run_steps over the layer the tensors describe (`cache` = MLA), prepared by prepare_fn."""
+    family = "mla" if "cache" in tensors else "kda"
+    missing = [n for n in _STATE[family] if n not in tensors]
+    if missing:
+        raise TypeError(f"{family}_layer steps: missing state tensor(s) {', '.join(missing)}")
+    state = {n: tensors[n] for n in _STATE[family]}
+    weights = {n: t for n, t in tensors.items() if n not in state}
+    kind = "mla" if family == "mla" else kda_kind_of(layer_idx)
+    return stock.run_steps(kind, x_steps, blocks, state, layer_idx, config, weights, prepare_fn)
 
 
 # ---------------------------------------------------------------------------------------------- one-step launch

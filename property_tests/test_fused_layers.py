@@ -168,6 +168,29 @@ def test_step_runs_on_the_meta_device_through_its_stand_ins(op_name, layer_idx):
     assert sorted(layer.unfused) == sorted(FL.LAYER_OPS[layer.kind])
 
 
+@pytest.mark.parametrize("op_name,layer_idx", [("kda_layer", 12), ("kda_layer", 0), ("mla_layer", 15)])
+def test_the_shared_inline_layer_differs_only_in_its_shared_experts(op_name, layer_idx):
+    """layer_steps_shared_inline (the bench's step without the side stream) resolves the same kernel for
+    every op but the shared experts, which it starts on the caller's own stream."""
+    inputs = _inputs(op_name, "tiny", 2, layer_idx)
+    t = {k: v for k, v in inputs.tensors.items() if k not in STATE[op_name] and k not in ("x_steps", "blocks")}
+    kind = _kind(op_name, layer_idx)
+    side = FL.prepare(kind, t, "tiny", layer_idx, torch.bfloat16)
+    inline = FL.prepare_shared_inline(kind, t, "tiny", layer_idx, torch.bfloat16)
+    assert {op: f for op, f in inline.kernels.items() if op != "shared_experts"} == \
+        {op: f for op, f in side.kernels.items() if op != "shared_experts"}
+    assert inline.kernels["shared_experts"] is FL._inline_shared
+    assert side.kernels["shared_experts"] is not FL._inline_shared
+
+
+def test_layer_steps_names_a_missing_state_tensor():
+    inputs = _inputs("kda_layer", "tiny", 2, 12)
+    t = dict(inputs.tensors)
+    del t["recurrent_state"]
+    with pytest.raises(TypeError, match="missing state tensor.*recurrent_state"):
+        FL.layer_steps(**t, **inputs.params)
+
+
 @pytest.mark.parametrize("op_name", ["kda_layer", "mla_layer"])
 def test_fused_layer_certifies_at_tiny_through_its_stand_ins(op_name):
     v = certify_op(all_ops()[op_name], Candidate(CANDIDATE), RunOptions(device="cpu", profile=TINY))
@@ -289,6 +312,21 @@ def test_fused_step_is_captured_and_replays_to_the_eager_bits(op_name):
 
 @needs_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("op_name,layer_idx", [("kda_layer", 12), ("kda_layer", 0), ("mla_layer", 15)])
+def test_the_shared_inline_layer_gives_the_side_stream_layers_bits(op_name, layer_idx):
+    """The same kernels in another stream order: every output and state bit for bit."""
+    inputs = _inputs(op_name, "small", 4, layer_idx, steps=3)
+    got = {}
+    for name, fn in (("side", FL.layer_steps), ("inline", FL.layer_steps_shared_inline)):
+        t = {k: v.to("cuda", copy=True) for k, v in inputs.tensors.items()}
+        out = fn(**t, **inputs.params)
+        got[name] = (*out, *(t[n] for n in STATE[op_name]))
+    for a, b in zip(got["side"], got["inline"]):
+        assert torch.equal(a, b)
+
+
+@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["kda", "mla"])
 def test_k3_fused_step_graph_launches_and_time(kind):
     """K3 shapes (unsplit, T = 1) on the device: the fused step beside the stock step, each captured in a
@@ -302,6 +340,7 @@ def test_k3_fused_step_graph_launches_and_time(kind):
 
     w = make_layer_weights_on(kind, K3, 0, device="cuda").tensors
     fused_layer = FL.prepare(kind, w, K3, DEFAULT_LAYER[kind], torch.bfloat16)
+    inline_layer = FL.prepare_shared_inline(kind, w, K3, DEFAULT_LAYER[kind], torch.bfloat16)
     stock_layer = stock.prepare(kind, w, K3, DEFAULT_LAYER[kind], torch.bfloat16)
     for B in (1, 8, 64):
         st = new_layer_state(kind, K3, B, max_tokens=512)
@@ -312,16 +351,18 @@ def test_k3_fused_step_graph_launches_and_time(kind):
         stock.validate_state(fused_layer, prefix, blocks, state, 64)
         row = {}
         outs = {}
-        for name, layer in (("fused", fused_layer), ("stock", stock_layer)):
+        for name, layer in (("fused", fused_layer), ("inline", inline_layer), ("stock", stock_layer)):
             s = {n: v.clone() for n, v in state.items()}
             p, bl = prefix.clone(), blocks.clone()
             outs[name] = layer.step(p.clone(), bl.clone(), *(v.clone() for v in s.values()))
             count = count_launches(lambda: layer.step(p, bl, *s.values()), warmup=1)
             row[name] = (count.kernels, graph_us(lambda: layer.step(p, bl, *s.values())))
         rel = ((outs["fused"].double() - outs["stock"].double()).norm() / outs["stock"].double().norm()).item()
-        print(f"\nK3 {kind} B={B}: fused {row['fused'][0]} launches {row['fused'][1]:.1f} us | stock "
+        print(f"\nK3 {kind} B={B}: fused {row['fused'][0]} launches {row['fused'][1]:.1f} us | shared experts in "
+              f"line {row['inline'][1]:.1f} us | stock "
               f"{row['stock'][0]} launches {row['stock'][1]:.1f} us | unfused {sorted(fused_layer.unfused)} | "
               f"relative distance to the stock step {rel:.2e}")
         # correctness is certified at tiny/small (test_fused_layer_certifies_on_gpu); here only that the
         # K3 step computes numbers at all
         assert torch.isfinite(outs["fused"]).all(), f"B={B}: the fused K3 step gave non-finite values"
+        assert torch.equal(outs["inline"], outs["fused"]), f"B={B}: the shared experts in line changed the step's bits"
