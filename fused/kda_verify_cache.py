@@ -19,19 +19,27 @@ draft q_raw, k_raw, v_raw, g_raw, z [B, n_q, C] and beta_raw [B, n_q, H] wd; n_t
 int32 or int64. The cache is one buffer [B, S, 5C + H] wd (S = window - 1 + n_q <= 32) whose column
 blocks are the reference's cache.<name> tensors [B, S, ...] (views: rollback_buffers gives the
 design's own storage); fill [B] int32. Dh in 16, 32, 64, 128; W >= 2.
+
+`kda_cache_step` is the registry op of the same name (references.kda_spec_cache.kda_cache_step): one
+verify launch and one write-back launch on buffers the caller owns (the packed cache, fill, the base),
+updated in place; a buffer the kernel cannot take as it is (strided, misaligned) goes through a
+contiguous copy written back after the launches.
 """
 from __future__ import annotations
 
 import torch
 
 from fused import runtime
-from references.kda_spec import COUNT_DTYPES
+from fused.kda_verify_accept import capturing
+from references.kda_spec import COUNT_DTYPES, check_accept_counts, check_verify_counts
+from references.kda_spec_cache import check_fill
 from references.primitives import check_tensor
 
 TOKEN_INPUTS = ("q_raw", "k_raw", "v_raw", "g_raw", "beta_raw", "z")
 CACHE_COLUMNS = ("q_raw", "k_raw", "v_raw", "g_raw", "z")    # C columns each, then beta_raw's H
 WD_DTYPES = (torch.bfloat16, torch.float16)
 MAX_CACHE_SLOTS = 32                                         # window - 1 + n_q (the kernel's chunks)
+DTYPES = ("bfloat16", "float16")   # working dtypes (the harness draws only these; the state is fp32)
 
 
 def _kernel():
@@ -162,3 +170,101 @@ class KdaInputCacheFused:
 def input_cache_fused(window: int = 6, variant=None) -> KdaInputCacheFused:
     """A fresh fused input-cache design (a factory for --design MODULE:ATTR)."""
     return KdaInputCacheFused(window, variant=variant)
+
+
+# ---------------------------------------------------------------------------------------------- the registry op
+def _check_step(q_raw, k_raw, v_raw, g_raw, beta_raw, z, n_tokens, accepted, conv_w, A_log, dt_bias, o_norm_w,
+                cache, fill, base_conv, base_state, lower_bound, window) -> None:
+    check_tensor("base_state", base_state, ndim=4, dtypes=(torch.float32,))
+    B, H, Dh, _ = base_state.shape
+    check_tensor("base_state", base_state, shape=(B, H, Dh, Dh))
+    C = H * Dh
+    check_tensor("q_raw", q_raw, ndim=3, dtypes=WD_DTYPES)
+    n_q = q_raw.shape[1]
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"window: expected an int >= 1 (cached tokens that trigger a write-back), got {window!r}")
+    if n_q < 1 or window - 1 + n_q > MAX_CACHE_SLOTS:
+        raise ValueError(f"q_raw: {n_q} draft slots with window {window} need {window - 1 + n_q} cache slots; the "
+                         f"kernel takes 1..{MAX_CACHE_SLOTS}")
+    for name, t in (("q_raw", q_raw), ("k_raw", k_raw), ("v_raw", v_raw), ("g_raw", g_raw), ("z", z)):
+        check_tensor(name, t, shape=(B, n_q, C), dtypes=(q_raw.dtype,))
+    check_tensor("beta_raw", beta_raw, shape=(B, n_q, H), dtypes=(q_raw.dtype,))
+    check_tensor("n_tokens", n_tokens, shape=(B,), dtypes=COUNT_DTYPES)
+    check_tensor("accepted", accepted, shape=(B,), dtypes=COUNT_DTYPES)
+    check_tensor("conv_w", conv_w, ndim=3, dtypes=(torch.float32,))
+    W = conv_w.shape[-1]
+    check_tensor("conv_w", conv_w, shape=(3, C, W))
+    check_tensor("A_log", A_log, shape=(H,), dtypes=(torch.float32,))
+    check_tensor("dt_bias", dt_bias, shape=(C,), dtypes=(torch.float32,))
+    check_tensor("o_norm_w", o_norm_w, shape=(Dh,), dtypes=(torch.float32,))
+    check_tensor("cache", cache, shape=(B, window - 1 + n_q, 5 * C + H), dtypes=(q_raw.dtype,))
+    check_tensor("fill", fill, shape=(B,), dtypes=(torch.int32,))
+    check_tensor("base_conv", base_conv, shape=(B, 3, C, W - 1), dtypes=(q_raw.dtype,))
+    if Dh not in (16, 32, 64, 128) or W < 2:
+        raise ValueError(f"base_state: head_dim {Dh} / conv_w: width {W}; the kernel takes Dh in 16, 32, 64, 128 "
+                         "and W >= 2")
+    if not lower_bound < 0:
+        raise ValueError(f"lower_bound: expected a negative float (K3: -5.0), got {lower_bound!r}")
+    runtime.require_cuda("base_state", base_state)
+    for name, t in (("q_raw", q_raw), ("k_raw", k_raw), ("v_raw", v_raw), ("g_raw", g_raw), ("beta_raw", beta_raw),
+                    ("z", z), ("n_tokens", n_tokens), ("accepted", accepted), ("conv_w", conv_w), ("A_log", A_log),
+                    ("dt_bias", dt_bias), ("o_norm_w", o_norm_w), ("cache", cache), ("fill", fill),
+                    ("base_conv", base_conv)):
+        if t.device != base_state.device:
+            raise ValueError(f"{name}: on {t.device}, base_state on {base_state.device}; every tensor on one device")
+
+
+def _working(t: torch.Tensor, align: int) -> torch.Tensor:
+    """`t` where the kernel can update it in place (contiguous, `align`-byte base), else a copy."""
+    return runtime.aligned(t, align) if t.is_contiguous() else t.contiguous()
+
+
+def kda_cache_step(q_raw, k_raw, v_raw, g_raw, beta_raw, z, n_tokens, accepted, conv_w, A_log, dt_bias, o_norm_w,
+                   cache, fill, base_conv, base_state, lower_bound: float, l2_eps: float, norm_eps: float,
+                   window: int, validate: bool = True, *, variant=None):
+    """Fused replacement of references.kda_spec_cache.kda_cache_step (same signature) -> y [B, n_q, C]:
+    the verify launch (y; the draft stored to the cache after fill), the write-back launch (fill +
+    accepted >= window: the cached tokens replayed into base_conv and base_state in place) and fill's
+    copy. validate=True checks the counts on the host as the reference does, except under CUDA-graph
+    capture; the kernel clamps every count either way."""
+    _check_step(q_raw, k_raw, v_raw, g_raw, beta_raw, z, n_tokens, accepted, conv_w, A_log, dt_bias, o_norm_w,
+                cache, fill, base_conv, base_state, lower_bound, window)
+    n_q = q_raw.shape[1]
+    if validate and not capturing():
+        check_verify_counts(n_tokens, n_q)
+        check_accept_counts(accepted, n_tokens)
+        check_fill(fill, window)
+    B, H, Dh, _ = base_state.shape
+    C, W = H * Dh, conv_w.shape[-1]
+    y = torch.empty((B, n_q, C), dtype=q_raw.dtype, device=q_raw.device)
+    if B == 0 or H == 0:
+        return y
+    k = _kernel()
+    cfg = variant or k.KdaVerifyConfig.for_shape(Dh, B * H, runtime.sm_count(base_state.device))
+    buf, fl, bc, bs = _working(cache, 16), _working(fill, 4), _working(base_conv, 16), _working(base_state, 16)
+    fill_next = torch.empty_like(fl)
+    lay = (runtime.aligned(conv_w.contiguous(), 16 if W % 4 == 0 else 4), A_log.contiguous(), dt_bias.contiguous(),
+           o_norm_w.contiguous())
+    params = (float(lower_bound), float(l2_eps), float(norm_eps))
+    C5 = 5 * C
+    views = [buf[:, :, i * C:(i + 1) * C] for i in range(len(CACHE_COLUMNS))] + [buf[:, :, C5:]]
+    cached = [views[i] for i in (0, 1, 2, 3)] + [views[5], views[4]]        # q, k, v, g, beta, z
+    draft = [t if t.stride(-1) == 1 else t.contiguous() for t in (q_raw, k_raw, v_raw, g_raw, beta_raw, z)]
+    n_chunks = -(-buf.shape[1] // k.CHUNK)
+    wd, cd = runtime.dtype_name(q_raw.dtype), runtime.dtype_name(n_tokens.dtype)
+    k._compile("verify", wd, Dh, W, cd, n_chunks, cfg)(
+        *draft, n_tokens.contiguous(), buf, fl, fill_next, *lay, bc, bs, bc, bs, y, *params, window)
+    y_unused = torch.empty((B, 1, C), dtype=q_raw.dtype, device=q_raw.device)
+    k._compile("writeback", wd, Dh, W, runtime.dtype_name(accepted.dtype), n_chunks, cfg)(
+        *cached, accepted.contiguous(), buf, fl, fill_next, *lay, bc, bs, bc, bs, y_unused, *params, window)
+    fl.copy_(fill_next)
+    for work, caller in ((buf, cache), (fl, fill), (bc, base_conv), (bs, base_state)):
+        runtime.write_back(work, caller)
+    return y
+
+
+def variants(tensors: dict, params: dict) -> list:
+    """Every launch variant the harness must certify for these inputs (KdaVerify's layouts)."""
+    from fused.kda_verify import KdaVerifyConfig
+
+    return KdaVerifyConfig.all_configs()

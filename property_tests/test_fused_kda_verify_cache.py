@@ -213,47 +213,22 @@ def test_rollback_buffers_are_views_of_the_one_cache_buffer():
 
 class _Emulated:
     """Mixin: KdaInputCacheFused with its launches replaced by a torch model of KdaCacheStep's modes
-    (references.kda.kda_decode per token over the batch, the kernel's clamps and slot mapping), so the
-    design's own logic (the packed cache and its views, fill and fill_next, fork, what
-    rollback_buffers declares) and the kernel's index logic run on the CPU. Not the CuTe code."""
+    (property_tests.kda_cache_emulation: references.kda.kda_decode per token over the batch, the
+    kernel's clamps and slot mapping), so the design's own logic (the packed cache and its views, fill
+    and fill_next, fork, what rollback_buffers declares) and the kernel's index logic run on the CPU.
+    Not the CuTe code."""
 
     def _require_device(self, state) -> None:
         pass
 
     def _launch(self, mode, draft, count, y, conv_out, state_out) -> None:
-        from references.kda import kda_decode
-        B, S = self.cache_buf.shape[:2]
-        dev = self.fill.device
-        n_q, rows = S - self.window + 1, torch.arange(B, device=dev)
-        fill, c, zero = self.fill.long(), count.long(), torch.zeros(B, dtype=torch.long, device=dev)
-        if mode == "verify":
-            n_rep, n = fill.clamp(0, S - n_q), c.clamp(0, n_q)
-            for t in range(n_q):                    # draft token t -> cache slot n_rep + t
-                slot, take = (n_rep + t).clamp(max=S - 1), (t < n).view(-1, 1)
-                for i, name in enumerate(TOKEN):
-                    self.cache[name][rows, slot] = torch.where(take, draft[i][:, t], self.cache[name][rows, slot])
-            y.zero_()
-        elif mode == "writeback":
-            f = fill.clamp(min=0) + c.clamp(0, n_q)
-            run = f >= self.window
-            n_rep, n = torch.where(run, f.clamp(max=S), zero), zero
-            self.fill_next.copy_(torch.where(run, zero, f))
-        else:
-            n_rep, n = fill.clamp(0, S), zero
-        total, conv, st = n_rep + n, self.base_conv.clone(), self.base_state.clone()
-        lb, l2, ne = self.params
-        for s in range(int(total.max())):
-            cs, sn = conv.clone(), st.clone()
-            yt = kda_decode(**{name: self.cache[name][:, s] for name in TOKEN}, **self.layer, conv_state=cs,
-                            state=sn, lower_bound=lb, l2_eps=l2, norm_eps=ne)
-            live = s < total
-            conv, st = torch.where(live.view(-1, 1, 1, 1), cs, conv), torch.where(live.view(-1, 1, 1, 1), sn, st)
-            if mode == "verify":
-                out = live & (s >= n_rep)
-                y[rows[out], (s - n_rep)[out]] = yt[out]
-        if mode != "verify":
-            conv_out.copy_(conv)
-            state_out.copy_(st)
+        from property_tests.kda_cache_emulation import launch
+        if draft is None:
+            draft = [self.cache[n] for n in TOKEN]
+        lay = self.layer
+        launch(mode, *draft, count, self.cache_buf, self.fill, self.fill_next, lay["conv_w"], lay["A_log"],
+               lay["dt_bias"], lay["o_norm_w"], self.base_conv, self.base_state, conv_out, state_out, y,
+               *self.params, self.window)
 
 
 def _emulated(window: int = 6):

@@ -103,6 +103,7 @@ def test_planted_bug_rejected(op_name, candidate, expected, description, request
 # planted eps bug).
 CONTROLS = [("kda_decode", "kda:kda_decode_control", QUICK_ALL_DTYPES, 25),
             ("kda_verify", "kda_verify:kda_verify_control", PLANTED, 6),
+            ("kda_cache_step", "kda_cache:kda_cache_step_control", PLANTED, 6),
             ("skinny_gemm", "gemm:skinny_gemm_control", FULL_BATCHES, 6),
             ("attn_res_rmsnorm", "attn_res:attn_res_rmsnorm_control", PLANTED, 6),
             ("mxfp4_dequant", "mxfp4:mxfp4_dequant_control", QUICK_ALL_DTYPES, 6),

@@ -24,14 +24,22 @@ Layouts (B sequences, n_q draft slots, C = H*Dh, the rest as references.kda.kda_
 Every replay runs whole-batch kda_decode launches and keeps each sequence's rows by mask (rows past a
 sequence's count are computed and dropped), so a sequence's bits are those of its tokens run one
 kda_decode launch each; the one value read on the host is the longest replay's length.
+
+`kda_cache_step` is one step of the design (verify, then accept) on buffers the caller owns, the
+registry op `kda_cache_step`: the cache as one [B, window - 1 + n_q, 5C + H] buffer whose column
+blocks are cache.q_raw, k_raw, v_raw, g_raw, z (C each), then beta_raw (H), fill [B] int32, and the
+base (base_conv, base_state), all updated in place.
 """
 from __future__ import annotations
 
 import torch
 
-from references.kda import kda_decode
+from references.kda import PARAM_DTYPES, kda_decode
+from references.kda_spec import (COUNT_DTYPES, _first, check_accept_counts, check_verify_counts)
+from references.primitives import FLOAT_DTYPES, check_tensor
 
 TOKEN_INPUTS = ("q_raw", "k_raw", "v_raw", "g_raw", "beta_raw", "z")
+CACHE_COLUMNS = ("q_raw", "k_raw", "v_raw", "g_raw", "z")        # C columns each, then beta_raw's H
 
 
 def _select(keep: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -115,3 +123,82 @@ class KdaInputCache:
     def rollback_buffers(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """The cache: slots [0, fill[b]) hold committed tokens, draft token t goes to slot fill[b] + t."""
         return [(f"cache.{name}", self.cache[name], self.fill) for name in TOKEN_INPUTS if name in self.cache]
+
+
+def cache_views(cache: torch.Tensor, C: int) -> dict[str, torch.Tensor]:
+    """The packed cache [B, S, 5C + H] as the design's cache.<name> tensors (views: writes land in it)."""
+    views = {name: cache[:, :, i * C:(i + 1) * C] for i, name in enumerate(CACHE_COLUMNS)}
+    views["beta_raw"] = cache[:, :, 5 * C:]
+    return views
+
+
+def _check_cache_step_args(q_raw, beta_raw, n_tokens, accepted, cache, fill, base_conv, base_state,
+                           window) -> tuple[int, int, int]:
+    """Shapes and dtypes of kda_cache_step's own arguments (a token's are kda_decode's); (B, n_q, C)."""
+    check_tensor("q_raw", q_raw, ndim=3, dtypes=FLOAT_DTYPES)
+    B, n_q, C = q_raw.shape
+    if n_q < 1:
+        raise ValueError(f"q_raw: expected [B, n_q, H*Dh] with n_q >= 1 draft slots, got {tuple(q_raw.shape)}")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"window: expected an int >= 1 (cached tokens that trigger a write-back), got {window!r}")
+    check_tensor("base_state", base_state, ndim=4, dtypes=PARAM_DTYPES)
+    H = base_state.shape[1]
+    check_tensor("beta_raw", beta_raw, shape=(B, n_q, H), dtypes=(q_raw.dtype,))
+    check_tensor("n_tokens", n_tokens, shape=(B,), dtypes=COUNT_DTYPES)
+    check_tensor("accepted", accepted, shape=(B,), dtypes=COUNT_DTYPES)
+    check_tensor("cache", cache, shape=(B, window - 1 + n_q, 5 * C + H), dtypes=(q_raw.dtype,))
+    check_tensor("fill", fill, shape=(B,), dtypes=(torch.int32,))
+    check_tensor("base_conv", base_conv, ndim=4, dtypes=(q_raw.dtype,))
+    check_tensor("base_state", base_state, shape=(B, H, C // H, C // H))
+    return B, n_q, C
+
+
+def check_fill(fill: torch.Tensor, window: int) -> None:
+    """Between steps every sequence holds 0..window-1 committed cached tokens (reads fill on the host)."""
+    b = _first((fill < 0) | (fill >= window))
+    if b is not None:
+        raise ValueError(f"fill: sequence {b} holds {int(fill[b])} cached tokens; expected 0..{window - 1} "
+                         f"(a cache of window={window} writes back when full)")
+
+
+def kda_cache_step(q_raw: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tensor, g_raw: torch.Tensor,
+                   beta_raw: torch.Tensor, z: torch.Tensor, n_tokens: torch.Tensor, accepted: torch.Tensor,
+                   conv_w: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_w: torch.Tensor,
+                   cache: torch.Tensor, fill: torch.Tensor, base_conv: torch.Tensor, base_state: torch.Tensor,
+                   lower_bound: float, l2_eps: float, norm_eps: float, window: int,
+                   validate: bool = True) -> torch.Tensor:
+    """One speculative step of the input-cache design -> y [B, n_q, C] wd (zero past n_tokens).
+
+    KdaInputCache's verify (the fill[b] cached tokens replayed from the base, then the n_tokens[b]
+    draft tokens, whose inputs go to cache slots fill[b] + t) and accept (fill += accepted; a sequence
+    holding `window` tokens or more replays them into its base and empties its cache), on the caller's
+    cache, fill, base_conv and base_state, updated in place. Cache slots other than the drafts' are
+    left as they were."""
+    _check_cache_step_args(q_raw, beta_raw, n_tokens, accepted, cache, fill, base_conv, base_state, window)
+    return cache_step(KdaInputCache(window), q_raw=q_raw, k_raw=k_raw, v_raw=v_raw, g_raw=g_raw, beta_raw=beta_raw,
+                      z=z, n_tokens=n_tokens, accepted=accepted, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias,
+                      o_norm_w=o_norm_w, cache=cache, fill=fill, base_conv=base_conv, base_state=base_state,
+                      lower_bound=lower_bound, l2_eps=l2_eps, norm_eps=norm_eps, validate=validate)
+
+
+def cache_step(design: KdaInputCache, *, q_raw, k_raw, v_raw, g_raw, beta_raw, z, n_tokens, accepted, conv_w, A_log,
+               dt_bias, o_norm_w, cache, fill, base_conv, base_state, lower_bound, l2_eps, norm_eps,
+               validate: bool = True) -> torch.Tensor:
+    """kda_cache_step through `design` (a KdaInputCache, or a variant of one): the caller's buffers
+    loaded into it, its verify and accept run, fill and the base written back."""
+    B, n_q, C = q_raw.shape
+    if validate:
+        check_verify_counts(n_tokens, n_q)
+        check_accept_counts(accepted, n_tokens)
+        check_fill(fill, design.window)
+    design.begin(conv_state=base_conv, state=base_state, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias,
+                 o_norm_w=o_norm_w, lower_bound=lower_bound, l2_eps=l2_eps, norm_eps=norm_eps, n_q=n_q)
+    design.fill = fill.to(torch.int64)
+    design.cache = cache_views(cache, C)
+    y = design.verify(q_raw=q_raw, k_raw=k_raw, v_raw=v_raw, g_raw=g_raw, beta_raw=beta_raw, z=z,
+                      n_tokens=n_tokens)
+    design.accept(accepted)
+    fill.copy_(design.fill)
+    base_conv.copy_(design.base_conv)
+    base_state.copy_(design.base_state)
+    return y

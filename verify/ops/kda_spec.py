@@ -1,4 +1,6 @@
-"""Registry entry of the speculative-decoding verify step through KDA: kda_verify (references/kda_spec.py).
+"""Registry entries of speculative decoding through KDA: kda_verify (the verify step of the per-token
+checkpoint design, references/kda_spec.py) and kda_cache_step (a verify + accept step of the input-cache
+design, references/kda_spec_cache.py).
 
 A case is kda_decode's case (verify.ops.kda: the same weights, committed conv window and fp32 state)
 with n_q draft slots instead of one token: slot t's token inputs are drawn as kda_decode's are, from
@@ -6,6 +8,13 @@ the case seed salted by t, so every slot is a fresh token of the case's distribu
 ragged over the batch, always holding 1 and n_q when B allows; its dtype (int32 or int64) is drawn.
 The checkpoint buffers start as stale checkpoints of an earlier step (random values, not zeros), so
 a kernel that writes a slot past a sequence's count, even with zeros, changes them.
+
+A kda_cache_step case is kda_verify's draft, committed state (the base) and counts, plus: the window
+(the `window` knob, else drawn), each sequence's committed cached tokens (fill, 0..window-1: sequence
+0 full but one, so its accept writes back; sequence 1 empty), the tokens accepted (sequence 0 all of
+its draft, sequence 1 none, the rest uniform in 0..n_tokens), and a cache whose every slot holds a
+token drawn as the draft's are: the committed ones in slots below fill, stale ones above, which a step
+that reads or writes the wrong slot meets.
 """
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ import torch
 from references.config import get_config
 from references.kda import kda_decode, kda_gate
 from references.primitives import silu
+from references.kda_spec_cache import CACHE_COLUMNS, cache_views
 from references.kda_tp import _own, _rank_slices, shard_decode_tensors
 from verify.model.case import Case
 from verify.model.opdef import OpDef, OpInputs, Peer, RankShard, SplitRule
@@ -224,4 +234,188 @@ KDA_VERIFY = OpDef(
            "steps) is judged by `verify-kernels spec-decode`."),
 )
 
-OPS: list[OpDef] = [KDA_VERIFY]
+
+# ---------------------------------------------------------------------------------------------- kda_cache_step
+WINDOWS = (1, 2, 3, 6, 6, 8, 12)     # drawn windows; K3's default is 6 (fused/kda_verify_cache.py)
+MAX_CACHE_SLOTS = 32                 # window - 1 + n_q: the fused kernel's cache chunks
+CACHE_KNOBS = ({"window": 1, "draft": 8}, {"window": 25, "draft": 8}, {"window": 6, "draft": 6})
+
+
+def cache_window(case: Case, n_q: int) -> int:
+    """The `window` knob, else drawn from the seed (WINDOWS); window - 1 + n_q <= MAX_CACHE_SLOTS."""
+    window = case.knob("window")
+    if window is None:
+        window = WINDOWS[int(torch.randint(0, len(WINDOWS), (1,), generator=_gen(case, "window")))]
+    if not isinstance(window, int) or window < 1 or window - 1 + n_q > MAX_CACHE_SLOTS:
+        raise ValueError(f"window={window!r}: expected an int >= 1 with window - 1 + n_q <= {MAX_CACHE_SLOTS} "
+                         f"(n_q={n_q})")
+    return window
+
+
+def _cache_counts(case: Case, n_tokens: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fill [B] int32 in 0..window-1, accepted [B] in 0..n_tokens, n_tokens' dtype): sequence 0 holds
+    window - 1 tokens and accepts its whole draft (a write-back), sequence 1 holds none and accepts none."""
+    B = n_tokens.shape[0]
+    g = _gen(case, "cache_counts")
+    fill = torch.randint(0, window, (B,), generator=g)
+    accepted = (torch.rand(B, generator=g) * (n_tokens.long() + 1)).long().clamp(max=n_tokens.long())
+    fill[0], accepted[0] = window - 1, n_tokens[0]
+    if B > 1:
+        fill[1], accepted[1] = 0, 0
+    return fill.to(torch.int32), accepted.to(n_tokens.dtype)
+
+
+def make_kda_cache_step_inputs(case: Case) -> OpInputs:
+    cfg = get_config(case.config)
+    wd, B, H, Dh, W = _wd(case), case.batch, cfg.n_heads, cfg.head_dim, cfg.conv_kernel
+    base = make_kda_verify_inputs(case)
+    n_q = base.tensors["q_raw"].shape[1]
+    window = cache_window(case, n_q)
+    t = {n: base.tensors[n] for n in TOKEN_INPUTS + ("n_tokens", "conv_w", "A_log", "dt_bias", "o_norm_w")}
+    t["fill"], t["accepted"] = _cache_counts(case, t["n_tokens"], window)
+    slots = []
+    for s in range(window - 1 + n_q):
+        c = dataclasses.replace(case, seed=zlib.crc32(f"{case.seed}:cache{s}".encode()) & 0x7FFFFFFF)
+        tok = _slot_tokens(c, 0, B, H, Dh, W, wd)
+        slots.append(torch.cat([tok[n] for n in CACHE_COLUMNS] + [tok["beta_raw"]], dim=-1))
+    t["cache"] = torch.stack(slots, dim=1)
+    t["base_conv"], t["base_state"] = base.tensors["conv_state"], base.tensors["state"]
+    return OpInputs(tensors=t, params={**base.params, "window": window})
+
+
+def _replay_slots(d: dict, C: int) -> dict[str, torch.Tensor]:
+    """The cache after the verify step's stores (draft token t in slot fill[b] + t, t < n_tokens[b]), as
+    [B, S, ...] tensors per token input: slot s is the s-th token each sequence's write-back replays."""
+    views = {n: v.clone() for n, v in cache_views(d["cache"], C).items()}
+    B, n_q = d["q_raw"].shape[:2]
+    dev = d["q_raw"].device
+    rows = torch.arange(B, device=dev)
+    fill, n_tok = d["fill"].long().to(dev), d["n_tokens"].long().to(dev)
+    for s in range(views["q_raw"].shape[1]):
+        tt = s - fill
+        take = (tt >= 0) & (tt < n_tok)
+        for n, v in views.items():
+            draft = d[n][rows, tt.clamp(0, n_q - 1)]
+            v[:, s] = torch.where(take.view((-1,) + (1,) * (draft.dim() - 1)), draft, v[:, s])
+    return views
+
+
+def cache_state_magnitude(inputs: OpInputs, cand: dict | None = None) -> dict[str, torch.Tensor]:
+    """Error scale of base_state (verify_state_magnitude's terms, summed over the tokens a sequence's
+    write-back replays: the fill cached ones, then its accepted drafts); zero where no write-back
+    happens (the base must come back as it was: the floor is then the row's own scale)."""
+    t, p = inputs.tensors, inputs.params
+    wd = cand["y"].dtype if cand and "y" in cand and cand["y"].dtype in _MANTISSA else torch.float32
+    d = {n: v.to(torch.float64) if v.is_floating_point() else v for n, v in t.items()}
+    B, H, Dh, _ = d["base_state"].shape
+    slots = _replay_slots(d, H * Dh)
+    f = d["fill"].long() + d["accepted"].long()
+    count = torch.where(f >= p["window"], f, torch.zeros_like(f))
+    layer = {n: d[n] for n in ("conv_w", "A_log", "dt_bias", "o_norm_w")}
+    flip_d = {**slots, **{n: d[n] for n in ("conv_w", "A_log", "dt_bias")}}
+    cs, st = d["base_conv"].clone(), d["base_state"].clone()
+    acc = torch.zeros_like(st)
+    for s in range(int(count.max()) if B else 0):
+        live = (count > s).view(B, 1, 1, 1)
+        token = {n: slots[n][:, s] for n in TOKEN_INPUTS}
+        m = decode_state_magnitude(OpInputs({**token, **layer, "conv_state": cs, "state": st}, p))["state"]
+        m = m + FLIP_SCALE * _flip_magnitude(flip_d, p, cs, st, s, wd)
+        acc = torch.where(live, acc + m, acc)
+        cs2, st2 = cs.clone(), st.clone()
+        kda_decode(**token, **layer, conv_state=cs2, state=st2, lower_bound=p["lower_bound"], l2_eps=p["l2_eps"],
+                   norm_eps=p["norm_eps"])
+        cs, st = torch.where(live, cs2, cs), torch.where(live, st2, st)
+    return {"base_state": acc}
+
+
+def _cache_columns(cache: torch.Tensor, C: int, H: int, cs: slice, hs: slice) -> torch.Tensor:
+    """A rank's cache: each token input's column block cut to its channels (beta to its heads)."""
+    blocks = [cache[:, :, i * C:(i + 1) * C][..., cs] for i in range(len(CACHE_COLUMNS))]
+    return _own(torch.cat(blocks + [cache[:, :, 5 * C:][..., hs]], dim=-1))
+
+
+def shard_kda_cache_step(inputs: OpInputs, T: int) -> list[RankShard]:
+    """By head, as kda_verify: the draft's channels and beta columns, the cache's column blocks, the
+    base's heads; the counts and fill are every rank's."""
+    t = inputs.tensors
+    H, Dh = t["base_state"].shape[1], t["base_state"].shape[-1]
+    C = H * Dh
+    out = []
+    for rank in range(T):
+        hs, cs = _rank_slices(H, Dh, T, rank)
+        r = {n: _own(t[n][..., cs]) for n in ("q_raw", "k_raw", "v_raw", "g_raw", "z", "dt_bias")}
+        r["beta_raw"] = _own(t["beta_raw"][..., hs])
+        r.update({n: t[n].clone() for n in ("n_tokens", "accepted", "fill")})
+        r["conv_w"], r["A_log"], r["o_norm_w"] = _own(t["conv_w"][:, cs]), _own(t["A_log"][hs]), t["o_norm_w"]
+        r["cache"] = _cache_columns(t["cache"], C, H, cs, hs)
+        r["base_conv"], r["base_state"] = _own(t["base_conv"][:, :, cs]), _own(t["base_state"][:, hs])
+        out.append(RankShard(r, dict(inputs.params)))
+    return out
+
+
+def combine_kda_cache_step(per_rank: list[dict[str, torch.Tensor]], inputs: OpInputs) -> dict[str, torch.Tensor]:
+    """The unsplit results; fill is rank 0's where every rank's agrees, else -1 (which no step gives)."""
+    c = [r["base_state"].shape[1] * r["base_state"].shape[-1] for r in per_rank]
+    blocks = [torch.cat([r["cache"][:, :, i * ci:(i + 1) * ci] for r, ci in zip(per_rank, c)], -1)
+              for i in range(len(CACHE_COLUMNS))]
+    blocks.append(torch.cat([r["cache"][:, :, 5 * ci:] for r, ci in zip(per_rank, c)], -1))
+    fill = per_rank[0]["fill"]
+    agree = all(torch.equal(r["fill"], fill) for r in per_rank)
+    return {"y": torch.cat([r["y"] for r in per_rank], -1), "cache": torch.cat(blocks, -1),
+            "fill": fill if agree else torch.full_like(fill, -1),
+            "base_conv": torch.cat([r["base_conv"] for r in per_rank], 2),
+            "base_state": torch.cat([r["base_state"] for r in per_rank], 1)}
+
+
+def kda_cache_step_bytes(inputs: OpInputs) -> int:
+    """What the step must move: the draft read and stored to the cache, the cached tokens replayed (read)
+    by the verify and again by each write-back, the base read once, written where it writes back, the
+    fp32 parameters, the counts, y written."""
+    t = inputs.tensors
+    B, n_q, C = t["q_raw"].shape
+    H = t["A_log"].shape[0]
+    Dh, W, window = C // H, t["conv_w"].shape[-1], inputs.params["window"]
+    e = t["q_raw"].element_size()
+    per_token = (5 * C + H) * e
+    fill, n_tok, acc = t["fill"].long(), t["n_tokens"].long(), t["accepted"].long()
+    f = fill + acc
+    wb = f >= window
+    tokens = int(fill.sum()) + 2 * int(n_tok.sum()) + int(torch.where(wb, f, torch.zeros_like(f)).sum())
+    base = H * Dh * Dh * 4 + 3 * C * (W - 1) * t["base_conv"].element_size()
+    params = (3 * C * W + H + C + Dh) * 4
+    counts = 3 * B * 4
+    return tokens * per_token + (B + 2 * int(wb.sum())) * base + params + counts + B * n_q * C * e
+
+
+KDA_CACHE_STEP = OpDef(
+    name="kda_cache_step",
+    family="kda_spec",
+    reference="references.kda_spec_cache:kda_cache_step",
+    make_inputs=make_kda_cache_step_inputs,
+    outputs=("y",),
+    signature=("q_raw, k_raw, v_raw, g_raw, z [B,n_q,H*Dh] wd; beta_raw[B,n_q,H] wd  (slot t = draft token t)\n"
+               "n_tokens[B] int32|int64 (1..n_q verified); accepted[B] same dtype (0..n_tokens)\n"
+               "conv_w[3,H*Dh,W], A_log[H], dt_bias[H*Dh], o_norm_w[Dh] fp32\n"
+               "cache[B,window-1+n_q,5*H*Dh+H] wd (state: q|k|v|g|z|beta of the tokens since the write-back, "
+               "slots < fill committed)\n"
+               "fill[B] int32 (state: 0..window-1); base_conv[B,3,H*Dh,W-1] wd, base_state[B,H,Dh,Dh] fp32 "
+               "(state: as of the write-back)\n"
+               "lower_bound, l2_eps, norm_eps: float; window: int\n"
+               "-> y[B,n_q,H*Dh] wd  (zero past n_tokens)"),
+    state=("cache", "fill", "base_conv", "base_state"),
+    batch_dims={**_ACT, "n_tokens": 0, "accepted": 0, "cache": 0, "fill": 0, "base_conv": 0, "base_state": 0,
+                "y": 0},
+    split=SplitRule(kind="heads", shard=shard_kda_cache_step, combine=combine_kda_cache_step,
+                    reduction_order="none: heads are independent; y, cache, base_conv, base_state concatenated by "
+                                    "head"),
+    fused="fused.kda_verify_cache:kda_cache_step",
+    magnitudes=cache_state_magnitude, moved_bytes=kda_cache_step_bytes,
+    max_batch=VERIFY_MAX_BATCH, compile_heavy=True, knob_sweep=CACHE_KNOBS,
+    notes=("The input-cache rollback design's step (references/kda_spec_cache.py): verify the draft from the "
+           "base plus the cached tokens, then accept, writing back where the cache fills. Its contract over many "
+           "steps is `verify-kernels spec-decode --design fused.kda_verify_cache:KdaInputCacheFused`. Knob sweep: "
+           "window 1 (every accepted token writes back), window 25 with 8 drafts (the 32 cache slots the fused "
+           "kernel takes), window 6 with 6 drafts (K3's step)."),
+)
+
+OPS: list[OpDef] = [KDA_VERIFY, KDA_CACHE_STEP]
