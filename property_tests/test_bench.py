@@ -131,6 +131,12 @@ def touched_bytes(op, inputs, outputs: list[torch.Tensor]) -> int:
         tokens = int(t["n_tokens"].sum())
         for k in ("conv_ckpt", "state_ckpt"):
             total += -2 * nb[k] + tokens * nb[k] // (t[k].shape[0] * t[k].shape[1])
+    if op.name == "kda_cache_step":         # cache: the committed slots read, the draft's stored; the base
+        row = t["cache"][0, 0].numel() * t["cache"].element_size()          # read, written where it writes back
+        total += -2 * nb["cache"] + (int(t["fill"].sum()) + int(t["n_tokens"].sum())) * row
+        wb = int(((t["fill"].long() + t["accepted"].long()) >= p["window"]).sum())
+        for k in ("base_conv", "base_state"):
+            total += -2 * nb[k] + nb[k] + wb * nb[k] // t[k].shape[0]
     if op.name == "mla_cache_write":        # cache: only the rows the slots name are written, none read
         rows = int((t["slot_mapping"] >= 0).sum())
         total += -2 * nb["cache"] + rows * t["cache"][0, 0].numel() * t["cache"].element_size()

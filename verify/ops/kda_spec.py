@@ -368,23 +368,22 @@ def combine_kda_cache_step(per_rank: list[dict[str, torch.Tensor]], inputs: OpIn
 
 
 def kda_cache_step_bytes(inputs: OpInputs) -> int:
-    """What the step must move: the draft read and stored to the cache, the cached tokens replayed (read)
-    by the verify and again by each write-back, the base read once, written where it writes back, the
-    fp32 parameters, the counts, y written."""
+    """What the step must move: the draft (every slot), the counts and the fp32 parameters read; each
+    sequence's fill cached tokens read once (one pass can both verify and write back: accepted is an
+    input) and its n_tokens draft slots stored; fill read and written; the base read once and written
+    where the step writes back; y written."""
     t = inputs.tensors
     B, n_q, C = t["q_raw"].shape
     H = t["A_log"].shape[0]
-    Dh, W, window = C // H, t["conv_w"].shape[-1], inputs.params["window"]
     e = t["q_raw"].element_size()
-    per_token = (5 * C + H) * e
-    fill, n_tok, acc = t["fill"].long(), t["n_tokens"].long(), t["accepted"].long()
-    f = fill + acc
-    wb = f >= window
-    tokens = int(fill.sum()) + 2 * int(n_tok.sum()) + int(torch.where(wb, f, torch.zeros_like(f)).sum())
-    base = H * Dh * Dh * 4 + 3 * C * (W - 1) * t["base_conv"].element_size()
-    params = (3 * C * W + H + C + Dh) * 4
-    counts = 3 * B * 4
-    return tokens * per_token + (B + 2 * int(wb.sum())) * base + params + counts + B * n_q * C * e
+    size = lambda n: t[n].numel() * t[n].element_size()
+    activations = sum(size(n) for n in TOKEN_INPUTS)
+    reads = sum(size(n) for n in ("n_tokens", "accepted", "conv_w", "A_log", "dt_bias", "o_norm_w"))
+    slot = (5 * C + H) * e
+    cache = (int(t["fill"].long().sum()) + int(t["n_tokens"].long().sum())) * slot
+    wb = int(((t["fill"].long() + t["accepted"].long()) >= inputs.params["window"]).sum())
+    base = (size("base_conv") + size("base_state")) // max(B, 1)
+    return activations + reads + cache + 2 * size("fill") + (B + wb) * base + B * n_q * C * e
 
 
 KDA_CACHE_STEP = OpDef(
