@@ -32,11 +32,9 @@ import torch
 from fused import runtime
 from fused.kda_verify_accept import capturing
 from references.kda_spec import COUNT_DTYPES, check_accept_counts, check_verify_counts
-from references.kda_spec_cache import check_fill
+from references.kda_spec_cache import TOKEN_INPUTS, cache_views, check_fill
 from references.primitives import check_tensor
 
-TOKEN_INPUTS = ("q_raw", "k_raw", "v_raw", "g_raw", "beta_raw", "z")
-CACHE_COLUMNS = ("q_raw", "k_raw", "v_raw", "g_raw", "z")    # C columns each, then beta_raw's H
 WD_DTYPES = (torch.bfloat16, torch.float16)
 MAX_CACHE_SLOTS = 32                                         # window - 1 + n_q (the kernel's chunks)
 DTYPES = ("bfloat16", "float16")   # working dtypes (the harness draws only these; the state is fp32)
@@ -143,10 +141,8 @@ class KdaInputCacheFused:
         runtime.require_cuda("state", state)
 
     def _buffers(self, cache_buf: torch.Tensor, fill: torch.Tensor) -> None:
-        C = self.base_state.shape[1] * self.base_state.shape[2]
         self.cache_buf, self.fill = cache_buf, fill
-        self.cache = {name: cache_buf[:, :, i * C:(i + 1) * C] for i, name in enumerate(CACHE_COLUMNS)}
-        self.cache["beta_raw"] = cache_buf[:, :, 5 * C:]
+        self.cache = cache_views(cache_buf, self.base_state.shape[1] * self.base_state.shape[2])
 
     def _launch(self, mode: str, draft, count, y, conv_out, state_out) -> None:
         B, H, Dh, _ = self.base_state.shape
@@ -246,9 +242,8 @@ def kda_cache_step(q_raw, k_raw, v_raw, g_raw, beta_raw, z, n_tokens, accepted, 
     lay = (runtime.aligned(conv_w.contiguous(), 16 if W % 4 == 0 else 4), A_log.contiguous(), dt_bias.contiguous(),
            o_norm_w.contiguous())
     params = (float(lower_bound), float(l2_eps), float(norm_eps))
-    C5 = 5 * C
-    views = [buf[:, :, i * C:(i + 1) * C] for i in range(len(CACHE_COLUMNS))] + [buf[:, :, C5:]]
-    cached = [views[i] for i in (0, 1, 2, 3)] + [views[5], views[4]]        # q, k, v, g, beta, z
+    views = cache_views(buf, C)
+    cached = [views[n] for n in TOKEN_INPUTS]
     draft = [t if t.stride(-1) == 1 else t.contiguous() for t in (q_raw, k_raw, v_raw, g_raw, beta_raw, z)]
     n_chunks = -(-buf.shape[1] // k.CHUNK)
     wd, cd = runtime.dtype_name(q_raw.dtype), runtime.dtype_name(n_tokens.dtype)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from references.config import K3Config
-from references.layers import attn_res_layout, kda_kind_of
+from references.layers import attn_res_layout
 from stock import layers as stock
 
 # Declared scope (verify.plan.scope): the fused kernels' working dtypes.
@@ -315,8 +315,8 @@ def kda_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, conv_state: tor
                     **weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """references.layers.kda_layer_steps through the fused step: (prefix_steps, router_ids); conv_state and
     recurrent_state updated in place."""
-    return _run(prepare, x_steps, blocks, layer_idx, config,
-                dict(weights, conv_state=conv_state, recurrent_state=recurrent_state))
+    return stock.registry_steps(x_steps, blocks, layer_idx, config,
+                                dict(weights, conv_state=conv_state, recurrent_state=recurrent_state), prepare)
 
 
 def mla_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
@@ -324,36 +324,21 @@ def mla_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, cache: torch.Te
                     **weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """references.layers.mla_layer_steps through the fused step: (prefix_steps, router_ids); cache written and
     seq_lens advanced by N in place."""
-    return _run(prepare, x_steps, blocks, layer_idx, config,
-                dict(weights, cache=cache, block_table=block_table, seq_lens=seq_lens))
+    return stock.registry_steps(x_steps, blocks, layer_idx, config,
+                                dict(weights, cache=cache, block_table=block_table, seq_lens=seq_lens), prepare)
 
 
 def layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, layer_idx: int, config: str,
                 **tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Both registry forms under one name, told apart by their state (`cache` = MLA), so one
     `--candidate fused.layers:layer_steps` certifies kda_layer and mla_layer in one run."""
-    return _run(prepare, x_steps, blocks, layer_idx, config, tensors)
+    return stock.registry_steps(x_steps, blocks, layer_idx, config, tensors, prepare)
 
 
 def layer_steps_shared_inline(x_steps: torch.Tensor, blocks: torch.Tensor, layer_idx: int, config: str,
                               **tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """layer_steps with the shared experts in line on the caller's stream (no side stream)."""
-    return _run(prepare_shared_inline, x_steps, blocks, layer_idx, config, tensors)
-
-
-_STATE = {"mla": ("cache", "block_table", "seq_lens"), "kda": ("conv_state", "recurrent_state")}
-
-
-def _run(prepare_fn, x_steps, blocks, layer_idx: int, config: str, tensors: dict):
-    """stock.run_steps over the layer the tensors describe (`cache` = MLA), prepared by prepare_fn."""
-    family = "mla" if "cache" in tensors else "kda"
-    missing = [n for n in _STATE[family] if n not in tensors]
-    if missing:
-        raise TypeError(f"{family}_layer steps: missing state tensor(s) {', '.join(missing)}")
-    state = {n: tensors[n] for n in _STATE[family]}
-    weights = {n: t for n, t in tensors.items() if n not in state}
-    kind = "mla" if family == "mla" else kda_kind_of(layer_idx)
-    return stock.run_steps(kind, x_steps, blocks, state, layer_idx, config, weights, prepare_fn)
+    return stock.registry_steps(x_steps, blocks, layer_idx, config, tensors, prepare_shared_inline)
 
 
 # ---------------------------------------------------------------------------------------------- one-step launch

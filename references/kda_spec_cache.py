@@ -47,6 +47,20 @@ def _select(keep: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.T
     return torch.where(keep.view((-1,) + (1,) * (new.dim() - 1)), new, old)
 
 
+def store_draft(cache: dict[str, torch.Tensor], draft: dict[str, torch.Tensor], fill: torch.Tensor,
+                n_tokens: torch.Tensor) -> None:
+    """Draft token t of sequence b into cache slot fill[b] + t for t < n_tokens[b], in place; every other
+    slot keeps what it holds (cache[name] [B, S, ...], draft[name] [B, n_q, ...])."""
+    B, n_q = next(iter(draft.values())).shape[:2]
+    fill, n_tokens = fill.long(), n_tokens.long()
+    rows = torch.arange(B, device=fill.device)
+    for s in range(next(iter(cache.values())).shape[1]):     # slot s of sequence b: its draft token s - fill[b]
+        t = s - fill
+        take = (t >= 0) & (t < n_tokens)
+        for name, x in draft.items():
+            cache[name][:, s] = _select(take, x[rows, t.clamp(0, n_q - 1)], cache[name][:, s])
+
+
 class KdaInputCache:
     """The input-cache rollback design (module docstring). `window`: the cached tokens that trigger a
     write-back (>= 1); `decode`: the one-token step, kda_decode's signature."""
@@ -100,12 +114,7 @@ class KdaInputCache:
         for t in range(n_q):
             y_t, conv, state = self._step({name: x[:, t] for name, x in draft.items()}, conv, state, n_tokens > t)
             y[:, t] = _select(n_tokens > t, y_t, torch.zeros_like(y_t))
-        rows = torch.arange(B, device=q_raw.device)
-        for s in range(self._slots()):                     # slot s of sequence b holds its draft token s - fill[b]
-            t = s - self.fill
-            take = (t >= 0) & (t < n_tokens)
-            for name, x in draft.items():
-                self.cache[name][:, s] = _select(take, x[rows, t.clamp(0, n_q - 1)], self.cache[name][:, s])
+        store_draft(self.cache, draft, self.fill, n_tokens)
         return y
 
     def accept(self, accepted: torch.Tensor) -> None:
@@ -133,8 +142,8 @@ def cache_views(cache: torch.Tensor, C: int) -> dict[str, torch.Tensor]:
 
 
 def _check_cache_step_args(q_raw, beta_raw, n_tokens, accepted, cache, fill, base_conv, base_state,
-                           window) -> tuple[int, int, int]:
-    """Shapes and dtypes of kda_cache_step's own arguments (a token's are kda_decode's); (B, n_q, C)."""
+                           window) -> None:
+    """Shapes and dtypes of kda_cache_step's own arguments (a token's are kda_decode's)."""
     check_tensor("q_raw", q_raw, ndim=3, dtypes=FLOAT_DTYPES)
     B, n_q, C = q_raw.shape
     if n_q < 1:
@@ -150,7 +159,6 @@ def _check_cache_step_args(q_raw, beta_raw, n_tokens, accepted, cache, fill, bas
     check_tensor("fill", fill, shape=(B,), dtypes=(torch.int32,))
     check_tensor("base_conv", base_conv, ndim=4, dtypes=(q_raw.dtype,))
     check_tensor("base_state", base_state, shape=(B, H, C // H, C // H))
-    return B, n_q, C
 
 
 def check_fill(fill: torch.Tensor, window: int) -> None:

@@ -421,9 +421,23 @@ def layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, layer_idx: int, con
                 **tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Both registry forms under one name, told apart by their state (`cache` = MLA), so one
     `--candidate stock.layers:layer_steps` certifies kda_layer and mla_layer in one run."""
-    if "cache" in tensors:
-        return mla_layer_steps(x_steps, blocks, layer_idx=layer_idx, config=config, **tensors)
-    return kda_layer_steps(x_steps, blocks, layer_idx=layer_idx, config=config, **tensors)
+    return registry_steps(x_steps, blocks, layer_idx, config, tensors)
+
+
+REGISTRY_STATE = {"mla": ("cache", "block_table", "seq_lens"), "kda": ("conv_state", "recurrent_state")}
+
+
+def registry_steps(x_steps, blocks, layer_idx: int, config: str, tensors: dict, prepare_fn=None):
+    """run_steps over the layer whose registry tensors these are (`cache` = MLA, else KDA), prepared by
+    prepare_fn (this module's by default); a missing state tensor is named in one line."""
+    family = "mla" if "cache" in tensors else "kda"
+    missing = [n for n in REGISTRY_STATE[family] if n not in tensors]
+    if missing:
+        raise TypeError(f"{family}_layer steps: missing state tensor(s) {', '.join(missing)}")
+    state = {n: tensors[n] for n in REGISTRY_STATE[family]}
+    weights = {n: t for n, t in tensors.items() if n not in state}
+    kind = "mla" if family == "mla" else kda_kind_of(layer_idx)
+    return run_steps(kind, x_steps, blocks, state, layer_idx, config, weights, prepare_fn)
 
 
 # ---------------------------------------------------------------------------------------------- one-step launch

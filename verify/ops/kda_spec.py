@@ -26,7 +26,7 @@ import torch
 from references.config import get_config
 from references.kda import kda_decode, kda_gate
 from references.primitives import silu
-from references.kda_spec_cache import CACHE_COLUMNS, cache_views
+from references.kda_spec_cache import CACHE_COLUMNS, cache_views, store_draft
 from references.kda_tp import _own, _rank_slices, shard_decode_tensors
 from verify.model.case import Case
 from verify.model.opdef import OpDef, OpInputs, Peer, RankShard, SplitRule
@@ -140,21 +140,39 @@ def verify_state_magnitude(inputs: OpInputs, cand: dict | None = None) -> dict[s
               scaled by FLIP_SCALE so that the spec's 16-fp32-ulp floor of the row covers it once.
     The working dtype is the candidate's y (fp32 without a candidate: no flip beyond fp32's own).
     Slots past a sequence's count keep their stale values: their magnitude is unused."""
-    t, p = inputs.tensors, inputs.params
-    wd = cand["y"].dtype if cand and "y" in cand and cand["y"].dtype in _MANTISSA else torch.float32
-    d = {n: v.to(torch.float64) if v.is_floating_point() else v for n, v in t.items()}
-    n_q = d["q_raw"].shape[1]
-    cs, st = d["conv_state"].clone(), d["state"].clone()
+    d, p, wd = _in_float64(inputs, cand)
     acc = torch.zeros_like(d["state_ckpt"])
+    for s, m in enumerate(_token_terms(d, p, d["conv_state"], d["state"], d["q_raw"].shape[1], wd)):
+        acc[:, s] = m + (acc[:, s - 1] if s else 0)
+    return {"state_ckpt": acc}
+
+
+def _in_float64(inputs: OpInputs, cand: dict | None) -> tuple[dict, dict, torch.dtype]:
+    """(the inputs' float tensors in float64, the params, the working dtype: the candidate's y, fp32
+    without a candidate: no flip beyond fp32's own)."""
+    wd = cand["y"].dtype if cand and "y" in cand and cand["y"].dtype in _MANTISSA else torch.float32
+    d = {n: v.to(torch.float64) if v.is_floating_point() else v for n, v in inputs.tensors.items()}
+    return d, inputs.params, wd
+
+
+def _token_terms(d: dict, p: dict, conv: torch.Tensor, state: torch.Tensor, steps: int, wd: torch.dtype,
+                 live=None):
+    """The error-scale term of each token s < steps of a chain over d's slot tensors ([B, S, ...]) from
+    (conv, state): kda_decode's running-error magnitude plus FLIP_SCALE x a k and a v rounding flip
+    (verify_state_magnitude). Each sequence advances by the token where live(s) ([B] bool) holds, every
+    sequence where live is None."""
     layer = {n: d[n] for n in ("conv_w", "A_log", "dt_bias", "o_norm_w")}
-    for s in range(n_q):
+    cs, st = conv.clone(), state.clone()
+    for s in range(steps):
         token = {n: d[n][:, s] for n in TOKEN_INPUTS}
         m = decode_state_magnitude(OpInputs({**token, **layer, "conv_state": cs, "state": st}, p))["state"]
-        m = m + FLIP_SCALE * _flip_magnitude(d, p, cs, st, s, wd)
-        acc[:, s] = m + (acc[:, s - 1] if s else 0)
-        kda_decode(**token, **layer, conv_state=cs, state=st, lower_bound=p["lower_bound"], l2_eps=p["l2_eps"],
-                   norm_eps=p["norm_eps"])
-    return {"state_ckpt": acc}
+        yield m + FLIP_SCALE * _flip_magnitude(d, p, cs, st, s, wd)
+        new_cs, new_st = cs.clone(), st.clone()
+        kda_decode(**token, **layer, conv_state=new_cs, state=new_st, lower_bound=p["lower_bound"],
+                   l2_eps=p["l2_eps"], norm_eps=p["norm_eps"])
+        keep = None if live is None else live(s).view(-1, 1, 1, 1)
+        cs = new_cs if keep is None else torch.where(keep, new_cs, cs)
+        st = new_st if keep is None else torch.where(keep, new_st, st)
 
 
 def shard_kda_verify(inputs: OpInputs, T: int) -> list[RankShard]:
@@ -238,6 +256,7 @@ KDA_VERIFY = OpDef(
 # ---------------------------------------------------------------------------------------------- kda_cache_step
 WINDOWS = (1, 2, 3, 6, 6, 8, 12)     # drawn windows; K3's default is 6 (fused/kda_verify_cache.py)
 MAX_CACHE_SLOTS = 32                 # window - 1 + n_q: the fused kernel's cache chunks
+CACHE_ORDER = CACHE_COLUMNS + ("beta_raw",)   # the packed cache's column blocks, in order
 CACHE_KNOBS = ({"window": 1, "draft": 8}, {"window": 25, "draft": 8}, {"window": 6, "draft": 6})
 
 
@@ -277,26 +296,18 @@ def make_kda_cache_step_inputs(case: Case) -> OpInputs:
     for s in range(window - 1 + n_q):
         c = dataclasses.replace(case, seed=zlib.crc32(f"{case.seed}:cache{s}".encode()) & 0x7FFFFFFF)
         tok = _slot_tokens(c, 0, B, H, Dh, W, wd)
-        slots.append(torch.cat([tok[n] for n in CACHE_COLUMNS] + [tok["beta_raw"]], dim=-1))
+        slots.append(torch.cat([tok[n] for n in CACHE_ORDER], dim=-1))
     t["cache"] = torch.stack(slots, dim=1)
     t["base_conv"], t["base_state"] = base.tensors["conv_state"], base.tensors["state"]
     return OpInputs(tensors=t, params={**base.params, "window": window})
 
 
 def _replay_slots(d: dict, C: int) -> dict[str, torch.Tensor]:
-    """The cache after the verify step's stores (draft token t in slot fill[b] + t, t < n_tokens[b]), as
-    [B, S, ...] tensors per token input: slot s is the s-th token each sequence's write-back replays."""
+    """The cache after the verify step's stores, as [B, S, ...] tensors per token input: slot s is the
+    s-th token each sequence's write-back replays."""
     views = {n: v.clone() for n, v in cache_views(d["cache"], C).items()}
-    B, n_q = d["q_raw"].shape[:2]
-    dev = d["q_raw"].device
-    rows = torch.arange(B, device=dev)
-    fill, n_tok = d["fill"].long().to(dev), d["n_tokens"].long().to(dev)
-    for s in range(views["q_raw"].shape[1]):
-        tt = s - fill
-        take = (tt >= 0) & (tt < n_tok)
-        for n, v in views.items():
-            draft = d[n][rows, tt.clamp(0, n_q - 1)]
-            v[:, s] = torch.where(take.view((-1,) + (1,) * (draft.dim() - 1)), draft, v[:, s])
+    store_draft(views, {n: d[n] for n in TOKEN_INPUTS}, d["fill"].to(d["q_raw"].device),
+                d["n_tokens"].to(d["q_raw"].device))
     return views
 
 
@@ -304,34 +315,22 @@ def cache_state_magnitude(inputs: OpInputs, cand: dict | None = None) -> dict[st
     """Error scale of base_state (verify_state_magnitude's terms, summed over the tokens a sequence's
     write-back replays: the fill cached ones, then its accepted drafts); zero where no write-back
     happens (the base must come back as it was: the floor is then the row's own scale)."""
-    t, p = inputs.tensors, inputs.params
-    wd = cand["y"].dtype if cand and "y" in cand and cand["y"].dtype in _MANTISSA else torch.float32
-    d = {n: v.to(torch.float64) if v.is_floating_point() else v for n, v in t.items()}
+    d, p, wd = _in_float64(inputs, cand)
     B, H, Dh, _ = d["base_state"].shape
-    slots = _replay_slots(d, H * Dh)
+    chain = {**d, **_replay_slots(d, H * Dh)}
     f = d["fill"].long() + d["accepted"].long()
     count = torch.where(f >= p["window"], f, torch.zeros_like(f))
-    layer = {n: d[n] for n in ("conv_w", "A_log", "dt_bias", "o_norm_w")}
-    flip_d = {**slots, **{n: d[n] for n in ("conv_w", "A_log", "dt_bias")}}
-    cs, st = d["base_conv"].clone(), d["base_state"].clone()
-    acc = torch.zeros_like(st)
-    for s in range(int(count.max()) if B else 0):
-        live = (count > s).view(B, 1, 1, 1)
-        token = {n: slots[n][:, s] for n in TOKEN_INPUTS}
-        m = decode_state_magnitude(OpInputs({**token, **layer, "conv_state": cs, "state": st}, p))["state"]
-        m = m + FLIP_SCALE * _flip_magnitude(flip_d, p, cs, st, s, wd)
-        acc = torch.where(live, acc + m, acc)
-        cs2, st2 = cs.clone(), st.clone()
-        kda_decode(**token, **layer, conv_state=cs2, state=st2, lower_bound=p["lower_bound"], l2_eps=p["l2_eps"],
-                   norm_eps=p["norm_eps"])
-        cs, st = torch.where(live, cs2, cs), torch.where(live, st2, st)
+    acc = torch.zeros_like(d["base_state"])
+    steps = int(count.max()) if B else 0
+    for s, m in enumerate(_token_terms(chain, p, d["base_conv"], d["base_state"], steps, wd, lambda s: count > s)):
+        acc = torch.where((count > s).view(B, 1, 1, 1), acc + m, acc)
     return {"base_state": acc}
 
 
-def _cache_columns(cache: torch.Tensor, C: int, H: int, cs: slice, hs: slice) -> torch.Tensor:
+def _cache_columns(cache: torch.Tensor, C: int, cs: slice, hs: slice) -> torch.Tensor:
     """A rank's cache: each token input's column block cut to its channels (beta to its heads)."""
-    blocks = [cache[:, :, i * C:(i + 1) * C][..., cs] for i in range(len(CACHE_COLUMNS))]
-    return _own(torch.cat(blocks + [cache[:, :, 5 * C:][..., hs]], dim=-1))
+    v = cache_views(cache, C)
+    return _own(torch.cat([v[n][..., hs if n == "beta_raw" else cs] for n in CACHE_ORDER], dim=-1))
 
 
 def shard_kda_cache_step(inputs: OpInputs, T: int) -> list[RankShard]:
@@ -347,7 +346,7 @@ def shard_kda_cache_step(inputs: OpInputs, T: int) -> list[RankShard]:
         r["beta_raw"] = _own(t["beta_raw"][..., hs])
         r.update({n: t[n].clone() for n in ("n_tokens", "accepted", "fill")})
         r["conv_w"], r["A_log"], r["o_norm_w"] = _own(t["conv_w"][:, cs]), _own(t["A_log"][hs]), t["o_norm_w"]
-        r["cache"] = _cache_columns(t["cache"], C, H, cs, hs)
+        r["cache"] = _cache_columns(t["cache"], C, cs, hs)
         r["base_conv"], r["base_state"] = _own(t["base_conv"][:, :, cs]), _own(t["base_state"][:, hs])
         out.append(RankShard(r, dict(inputs.params)))
     return out
@@ -355,10 +354,8 @@ def shard_kda_cache_step(inputs: OpInputs, T: int) -> list[RankShard]:
 
 def combine_kda_cache_step(per_rank: list[dict[str, torch.Tensor]], inputs: OpInputs) -> dict[str, torch.Tensor]:
     """The unsplit results; fill is rank 0's where every rank's agrees, else -1 (which no step gives)."""
-    c = [r["base_state"].shape[1] * r["base_state"].shape[-1] for r in per_rank]
-    blocks = [torch.cat([r["cache"][:, :, i * ci:(i + 1) * ci] for r, ci in zip(per_rank, c)], -1)
-              for i in range(len(CACHE_COLUMNS))]
-    blocks.append(torch.cat([r["cache"][:, :, 5 * ci:] for r, ci in zip(per_rank, c)], -1))
+    views = [cache_views(r["cache"], r["base_state"].shape[1] * r["base_state"].shape[-1]) for r in per_rank]
+    blocks = [torch.cat([v[n] for v in views], -1) for n in CACHE_ORDER]
     fill = per_rank[0]["fill"]
     agree = all(torch.equal(r["fill"], fill) for r in per_rank)
     return {"y": torch.cat([r["y"] for r in per_rank], -1), "cache": torch.cat(blocks, -1),
