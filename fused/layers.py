@@ -45,6 +45,7 @@ DTYPES = ("bfloat16", "float16")
 KERNELS = {
     "attn_res_rmsnorm": "fused.attn_res_rmsnorm:attn_res_rmsnorm",
     "allreduce_attn_res_rmsnorm": "fused.allreduce_attn_res_rmsnorm:allreduce_attn_res_rmsnorm",
+    "allreduce_fold": "fused.allreduce_fold:allreduce_fold",
     "l2_prefetch": "fused.l2_prefetch:l2_prefetch",
     "kda_in_proj": "fused.kda_in_proj:kda_in_proj",
     "kda_decode": "fused.kda_decode:kda_decode",
@@ -62,6 +63,7 @@ KERNELS = {
 REFERENCES = {
     "attn_res_rmsnorm": "references.attn_res:attn_res_rmsnorm",
     "allreduce_attn_res_rmsnorm": "references.attn_res:allreduce_attn_res_rmsnorm",
+    "allreduce_fold": "references.allreduce:allreduce_fold",
     "l2_prefetch": "references.moe:l2_prefetch",
     "kda_in_proj": "references.kda:kda_in_proj",
     "kda_decode": "references.kda:kda_decode",

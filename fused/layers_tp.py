@@ -12,8 +12,9 @@ replica of the MLA cache. One step:
                `prefetch`, l2_prefetch of the MoE's first weights on a side stream during the gather
   MoE          shared experts (the rank's slice) on their side stream, router and latent down
                replicated, the rank's slice of every chosen expert -> partials of the latent output
-               and of the shared experts, gathered in one [T, B, L + D] all-gather, each folded in
-               rank order (fold_ranks: torch), latent_norm_up, prefix + mlp
+               and of the shared experts, gathered in one [T, B, L + D] all-gather, each half folded
+               in rank order by allreduce_fold (one launch per half, reading its column slice in
+               place), latent_norm_up, prefix + mlp
 
 The gather is a `Collective`: `ProcessGroupGather` (torch.distributed: NCCL between GPUs, gloo on
 CPUs; one process per rank) or `CopiesGather` (one process: the rank's own partial in all T slots;
@@ -31,10 +32,9 @@ from references.config import K3Config, get_config
 from references.kda_tp import shard_decode_tensors, shard_in_proj_weights
 from references.layers_tp import check_tp, shard_gated_mlp, shard_routed_experts
 from references.mla import shard_heads
-from references.primitives import fold_ranks
 from references.weights import LayerWeights
 
-TP_OPS = ("allreduce_attn_res_rmsnorm", "l2_prefetch")
+TP_OPS = ("allreduce_attn_res_rmsnorm", "allreduce_fold", "l2_prefetch")
 # prefetched into L2 on a side stream while the attention partials are gathered (prepare_rank's
 # `prefetch`): the weights the MoE reads first, the router's and the rank's shared-experts gate_up
 # (K3, T = 8: 12.8 + 22 MB, inside l2_prefetch's default budget of 3/4 of the H200's 50 MB L2)
@@ -195,12 +195,12 @@ def _mlp_side_tp(layer: RankLayer, prefix, partial: torch.Tensor, blocks, n_bloc
     h = layer.call("allreduce_attn_res_rmsnorm", prefix, deltas, blocks, w["mlp_res_norm_w"],
                    w["mlp_res_proj_w"], w["post_norm_w"], n_blocks, -1, eps, eps)
     if layer.kind == "dense":                                              # the dense MLP's partial, folded
-        return prefix + fold_ranks(layer.gather(FL._dense_mlp(layer, h)))
+        return prefix + layer.call("allreduce_fold", layer.gather(FL._dense_mlp(layer, h)))
     shared, y = FL.moe_experts(layer, h)
     parts = layer.gather(torch.cat([y, shared.wait()], dim=-1))              # [T, B, L + D]
     L = y.shape[-1]
-    mlp = layer.call("latent_norm_up", fold_ranks(parts[..., :L]), w["latent_norm_w"], w["w_latent_up"],
-                     fold_ranks(parts[..., L:]), eps)
+    mlp = layer.call("latent_norm_up", layer.call("allreduce_fold", parts[..., :L]), w["latent_norm_w"],
+                     w["w_latent_up"], layer.call("allreduce_fold", parts[..., L:]), eps)
     return prefix + mlp
 
 
@@ -236,8 +236,6 @@ def describe(layer: RankLayer) -> dict:
     """fused.layers.describe for a rank: its ops plus the all-reduce op, and the gathers and the MoE
     partials' fold as glue."""
     info = FL.describe(layer)
-    info["fused"] += [op for op in ("allreduce_attn_res_rmsnorm", "l2_prefetch")
-                      if op not in layer.unfused and (op != "l2_prefetch" or layer.prefetch)]
-    info["glue"] += ["all-gather of the attention partials", "all-gather of the MoE (latent | shared) partials",
-                     "rank-order fold of the MoE partials (torch)"]
+    info["fused"] += [op for op in TP_OPS if op not in layer.unfused and (op != "l2_prefetch" or layer.prefetch)]
+    info["glue"] += ["all-gather of the attention partials", "all-gather of the MoE (latent | shared) partials"]
     return info

@@ -173,6 +173,7 @@ def test_k3_rank_step_on_one_gpu(kind):
     from verify.bench.launches import count_launches
 
     w = make_layer_weights_on(kind, K3, 0, device="cuda").tensors
+    fused_launches = {}
     for T in (8, 16):
         layer = TP.prepare_rank(kind, w, K3, LAYER[kind], torch.bfloat16, TP.CopiesGather(T))
         prefetching = TP.prepare_rank(kind, w, K3, LAYER[kind], torch.bfloat16, TP.CopiesGather(T), prefetch=True)
@@ -195,3 +196,8 @@ def test_k3_rank_step_on_one_gpu(kind):
             print(f"\nK3 {kind} rank step T={T} B={B}: fused {row['fused'][0]} launches {row['fused'][1]:.1f} us | "
                   f"with the L2 prefetch {row['fused+prefetch'][0]} launches {row['fused+prefetch'][1]:.1f} us | "
                   f"stock {row['stock'][0]} launches {row['stock'][1]:.1f} us | fused unfused {sorted(layer.unfused)}")
+            fused_launches.setdefault(B, {})[T] = row["fused"][0]
+    # the all-reduces are one launch each whatever T (allreduce_fold, allreduce_attn_res_rmsnorm): a
+    # rank's launch count does not grow with the number of ranks
+    for B, by_T in fused_launches.items():
+        assert by_T[16] == by_T[8], (kind, B, by_T)
