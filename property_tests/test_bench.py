@@ -140,6 +140,10 @@ def touched_bytes(op, inputs, outputs: list[torch.Tensor]) -> int:
     if op.name == "mla_cache_write":        # cache: only the rows the slots name are written, none read
         rows = int((t["slot_mapping"] >= 0).sum())
         total += -2 * nb["cache"] + rows * t["cache"][0, 0].numel() * t["cache"].element_size()
+    if op.name == "mla_cache_append":       # cache: one row per sequence written, none read; one
+        B = t["seq_lens"].shape[0]          # block-table entry per sequence read
+        total += (-2 * nb["cache"] + B * t["cache"][0, 0].numel() * t["cache"].element_size()
+                  - nb["block_table"] + B * t["block_table"].element_size())
     if op.family == "layers":
         return layer_touched_bytes(inputs)
     return total

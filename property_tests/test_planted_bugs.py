@@ -120,7 +120,8 @@ CONTROLS = [("kda_decode", "kda:kda_decode_control", QUICK_ALL_DTYPES, 25),
             ("kda_in_proj", "kda:kda_in_proj_control", PLANTED, 6),
             ("shared_experts", "moe:shared_experts_control", PLANTED, 6),
             ("latent_norm_up", "moe:latent_norm_up_control", PLANTED, 6),
-            ("allreduce_fold", "allreduce:allreduce_fold_control", PLANTED, 6)]
+            ("allreduce_fold", "allreduce:allreduce_fold_control", PLANTED, 6),
+            ("mla_cache_append", "mla_cache_append:mla_cache_append_control", PLANTED, 6)]
 
 
 @pytest.mark.parametrize("op_name,candidate,profile,examples", CONTROLS, ids=[c[1] for c in CONTROLS])
