@@ -5,8 +5,8 @@ rounding points, each op called through the kernel table the layer was prepared 
 
   attn side  attn_res_rmsnorm (AttnRes mix + input RMSNorm + block push)
   KDA        kda_in_proj -> kda_decode -> skinny_gemm (o_proj)
-  MLA        mla_qkv_a -> mla_q_absorb -> mla_cache_write -> mla_decode_attn -> mla_out_gate
-             -> skinny_gemm (o_proj)
+  MLA        mla_qkv_a -> mla_q_absorb -> mla_cache_append (the latent at the slot of seq_lens,
+             seq_lens advanced) -> mla_decode_attn -> mla_out_gate -> skinny_gemm (o_proj)
   mlp side   attn_res_rmsnorm (prefix += attn, AttnRes mix + post-attention RMSNorm)
   LatentMoE  shared_experts started on its side stream first, then router_topk, skinny_gemm (latent
              down), moe_experts_mxfp4; the shared experts joined; latent_norm_up
@@ -56,7 +56,7 @@ KERNELS = {
     "latent_norm_up": "fused.latent_norm_up:latent_norm_up",
     "mla_qkv_a": "fused.mla_qkv_a:mla_qkv_a",
     "mla_q_absorb": "fused.mla_q_absorb:mla_q_absorb",
-    "mla_cache_write": "fused.mla_cache_write:mla_cache_write",
+    "mla_cache_append": "fused.mla_cache_append:mla_cache_append",
     "mla_decode_attn": "fused.mla_decode_attn:mla_decode_attn",
     "mla_out_gate": "fused.mla_out_gate:mla_out_gate",
 }
@@ -74,14 +74,14 @@ REFERENCES = {
     "latent_norm_up": "references.moe:latent_norm_up",
     "mla_qkv_a": "references.mla:mla_qkv_a",
     "mla_q_absorb": "references.mla:mla_q_absorb",
-    "mla_cache_write": "references.mla:mla_cache_write",
+    "mla_cache_append": "references.mla_cache_append:mla_cache_append",
     "mla_decode_attn": "references.mla:mla_decode_attn",
     "mla_out_gate": "references.mla:mla_out_gate",
 }
 LAYER_OPS = {
     "kda": ("attn_res_rmsnorm", "kda_in_proj", "kda_decode", "skinny_gemm", "router_topk", "moe_experts_mxfp4",
             "shared_experts", "latent_norm_up"),
-    "mla": ("attn_res_rmsnorm", "mla_qkv_a", "mla_q_absorb", "mla_cache_write", "mla_decode_attn", "mla_out_gate",
+    "mla": ("attn_res_rmsnorm", "mla_qkv_a", "mla_q_absorb", "mla_cache_append", "mla_decode_attn", "mla_out_gate",
             "skinny_gemm", "router_topk", "moe_experts_mxfp4", "shared_experts", "latent_norm_up"),
     # layer 0: KDA attention and the dense MLP, whose math is the shared experts' (references.moe.dense_mlp)
     "dense": ("attn_res_rmsnorm", "kda_in_proj", "kda_decode", "skinny_gemm", "shared_experts"),
@@ -89,8 +89,7 @@ LAYER_OPS = {
 GLUE = {
     "kda": ("prefix working copy", "prefix + mlp (residual add)"),
     "dense": ("prefix working copy", "prefix + mlp (residual add)"),
-    "mla": ("prefix working copy", "slot of seq_lens in block_table (gather, index math)", "cat(kv_c, k_rot) (the cached latent)",
-            "seq_lens += 1", "prefix + mlp (residual add)"),
+    "mla": ("prefix working copy", "prefix + mlp (residual add)"),
 }
 REFUSALS = (ValueError, TypeError)      # what a fused kernel's argument checks raise, before any launch
 
@@ -173,8 +172,8 @@ def _reference_shared(x, w_gate_up, w_down, situ_beta, situ_linear_beta):
 
 def _fallbacks(layer: stock.StockLayer) -> dict:
     """Sync-free torch forms of the ops whose references read tensor values on the host (the routed
-    experts' id checks and per-pair expert ids, the cache write's slot checks, the decode attention's
-    per-sequence lengths); the others' references are sync-free as written."""
+    experts' id checks and per-pair expert ids, the cache append's slot checks and masked write, the
+    decode attention's per-sequence lengths); the others' references are sync-free as written."""
     def routed(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_beta, situ_linear_beta):
         return stock.routed_experts(layer, z, ids, weights)
 
@@ -185,13 +184,17 @@ def _fallbacks(layer: stock.StockLayer) -> dict:
         return stock.paged_latent_attention(q_abs.view(n_seq, H, C), cache, block_table, seq_lens, scale,
                                             kv_lora_rank).view(n_seq, 1, H, kv_lora_rank)
 
-    def cache_write(latent, cache, slot_mapping):
-        """The layer's slots are valid and distinct (validate_state): a row copy per slot."""
-        cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, latent)
+    def cache_append(kv_c, k_rot, cache, block_table, seq_lens, validate=True):
+        """The layer's slots are valid and distinct (validate_state): a row copy per sequence."""
+        from references.mla_cache_append import append_slots
+
+        slots = append_slots(cache, block_table, seq_lens)
+        cache.view(-1, cache.shape[-1]).index_copy_(0, slots, torch.cat([kv_c, k_rot], dim=-1))
+        seq_lens.add_(1)
 
     out = {op: _resolve(path) for op, path in REFERENCES.items()}
     out.update(moe_experts_mxfp4=routed, mla_decode_attn=decode, shared_experts=_reference_shared,
-               mla_cache_write=cache_write)
+               mla_cache_append=cache_append)
     return out
 
 
@@ -278,18 +281,14 @@ def kda_attention(layer: FusedLayer, x, conv_state, recurrent_state, n_heads: in
 
 
 def mla_attention(layer: FusedLayer, x, cache, block_table, seq_lens) -> torch.Tensor:
-    """qkv_a -> q_absorb -> the token's latent written to the slot of seq_lens in block_table -> the
-    attention over seq_lens + 1 tokens (seq_lens advanced in place) -> out_gate -> o_proj (a rank's
-    heads: its partial o_proj output)."""
+    """qkv_a -> q_absorb -> the token's latent appended at the slot of seq_lens in block_table, seq_lens
+    advanced in place (validated once before the steps: validate_state) -> the attention over the new
+    lengths -> out_gate -> o_proj (a rank's heads: its partial o_proj output)."""
     w, cfg = layer.w, layer.cfg
-    page = cache.shape[1]
-    pos = seq_lens.long()
-    slots = block_table.long().gather(1, (pos // page).unsqueeze(1)).squeeze(1) * page + pos % page
     q_c, kv_c, k_rot = layer.call("mla_qkv_a", x, w["w_qkv_a"], w["q_a_norm_w"], w["kv_a_norm_w"],
                                   cfg.mla_latent_eps)
     q_abs = layer.call("mla_q_absorb", q_c, w["w_q_b"], w["w_uk"])
-    layer.call("mla_cache_write", torch.cat([kv_c, k_rot], dim=-1), cache, slots)
-    seq_lens.add_(1)
+    layer.call("mla_cache_append", kv_c, k_rot, cache, block_table, seq_lens, False)
     B, H = q_abs.shape[0], q_abs.shape[1]
     o_latent = layer.call("mla_decode_attn", q_abs.view(B, 1, H, -1), cache, block_table, seq_lens,
                           cfg.mla_scale, cfg.kv_lora_rank)
