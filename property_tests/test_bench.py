@@ -123,6 +123,8 @@ def touched_bytes(op, inputs, outputs: list[torch.Tensor]) -> int:
         total += -2 * nb["blocks"] + p["n_blocks"] * row + (row if p["block_write"] >= 0 else 0)
     if op.name == "mla_decode_attn":        # cache: the slots each sequence attends to, read once
         total += -nb["cache"] + sum(int(n) for n in t["seq_lens"].tolist()) * t["cache"].stride(1) * t["cache"].element_size()
+    if op.name == "mla_decode_attn_cp":     # cache: the slots of each sequence's window, read once
+        total += -nb["cache"] + sum(int(n) for n in t["kv_len"].tolist()) * t["cache"].stride(1) * t["cache"].element_size()
     if op.name == "moe_experts_mxfp4":      # expert weights: the experts some token chose, once each
         chosen = {int(e) for e in t["ids"].flatten().tolist() if 0 <= e < t["w13_packed"].shape[0]}
         for k in ("w13_packed", "w13_scale", "w2_packed", "w2_scale"):
