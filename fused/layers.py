@@ -18,7 +18,8 @@ itself, bit for bit: the composition is checked there without a GPU). A fused ke
 the layer's shapes (its argument checks raise before any launch or write: the unsplit K3 routed
 experts exceed the 32-bit indexing of fused/moe_experts_mxfp4) is replaced, from that call on, by a
 sync-free torch form of its op, and `FusedLayer.unfused` names it with the refusal: the step's launch
-count stays honest. `GLUE` lists the torch ops the step runs between kernels.
+count stays honest. `GLUE` lists the torch ops the step runs between kernels, one launch each (a CPU
+trace of the step counts them: property_tests/test_fused_layers.py).
 
 The step is sync-free (no host read of a tensor value, static shapes): on CUDA it is captured in a
 CUDA graph and replayed (`step_launch`). Checks of values (page room in block_table) run once before

@@ -237,5 +237,7 @@ def describe(layer: RankLayer) -> dict:
     partials' fold as glue."""
     info = FL.describe(layer)
     info["fused"] += [op for op in TP_OPS if op not in layer.unfused and (op != "l2_prefetch" or layer.prefetch)]
-    info["glue"] += ["all-gather of the attention partials", "all-gather of the MoE (latent | shared) partials"]
+    info["glue"] += ["all-gather of the attention partials"] + (
+        ["all-gather of the dense MLP partials"] if layer.kind == "dense" else
+        ["cat of the MoE partials [y | shared] (the all-gather's send row)", "all-gather of the MoE partials"])
     return info

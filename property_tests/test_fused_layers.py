@@ -366,3 +366,89 @@ def test_k3_fused_step_graph_launches_and_time(kind):
         # K3 step computes numbers at all
         assert torch.isfinite(outs["fused"]).all(), f"B={B}: the fused K3 step gave non-finite values"
         assert torch.equal(outs["inline"], outs["fused"]), f"B={B}: the shared experts in line changed the step's bits"
+
+
+# ---------------------------------------------------------------------------------------------- launch budget
+class _Launches:
+    """Counts, during one step, the op calls through the layer's kernel table and the torch ops between
+    them that launch a kernel (not views, not allocations): the step's launches on a GPU, where every
+    kernel-table entry is one op and every other torch op is glue."""
+    NO_LAUNCH = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh")
+
+    def __init__(self, layer):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.calls, self.glue, self.inside = [], [], 0
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.__name__.split(".")[0]
+                if not outer.inside and not func.is_view and name not in outer.NO_LAUNCH:
+                    outer.glue.append(name)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        for op, fn in list(layer.kernels.items()):
+            layer.kernels[op] = self._counted(op, fn)
+
+    def _counted(self, op, fn):
+        def call(*args):
+            self.calls.append(op)
+            self.inside += 1
+            try:
+                return fn(*args)
+            finally:
+                self.inside -= 1
+        return call
+
+
+def _step_launches(layer, x, blocks, state) -> _Launches:
+    """The second step's launches (the first makes the kept buffers)."""
+    layer.step(x, blocks, *state.values())
+    count = _Launches(layer)
+    with count.mode:
+        layer.step(x, blocks, *state.values())
+    return count
+
+
+@pytest.mark.parametrize("op_name,layer_idx", [("kda_layer", 12), ("kda_layer", 0), ("mla_layer", 15)])
+def test_the_step_runs_one_launch_per_op_and_only_the_glue_it_lists(op_name, layer_idx):
+    """Traced on the CPU with the op references as kernels: every torch op between the kernel-table calls
+    is one of the step's declared glue (GLUE), so the launch count a GPU graph shows is the ops plus that."""
+    inputs = _inputs(op_name, "tiny", 2, layer_idx)
+    t = {k: v.clone() for k, v in inputs.tensors.items()}
+    kind = _kind(op_name, layer_idx)
+    state = {n: t.pop(n) for n in STATE[op_name]}
+    x, blocks = t.pop("x_steps")[0], t.pop("blocks")
+    layer = FL.reference_prepare(kind, t, inputs.params["config"], layer_idx, x.dtype)
+    count = _step_launches(layer, x, blocks, state)
+    want = {"kda": ["attn_res_rmsnorm", "kda_in_proj", "kda_decode", "skinny_gemm", "attn_res_rmsnorm",
+                    "shared_experts", "router_topk", "skinny_gemm", "moe_experts_mxfp4", "latent_norm_up"],
+            "dense": ["attn_res_rmsnorm", "kda_in_proj", "kda_decode", "skinny_gemm", "attn_res_rmsnorm", "shared_experts"],
+            "mla": ["attn_res_rmsnorm", "mla_qkv_a", "mla_q_absorb", "mla_cache_append", "mla_decode_attn",
+                    "mla_out_gate", "skinny_gemm", "attn_res_rmsnorm", "shared_experts", "router_topk", "skinny_gemm",
+                    "moe_experts_mxfp4", "latent_norm_up"]}[kind]
+    assert count.calls == want
+    assert len(count.glue) == len(FL.GLUE[kind]), (count.glue, FL.GLUE[kind])
+
+
+@pytest.mark.parametrize("kind,T", [("kda", 2), ("kda", 8), ("mla", 4), ("dense", 2)])
+def test_a_rank_step_runs_one_launch_per_op_and_only_the_glue_it_lists(kind, T):
+    """The T-rank step (one rank, its gathers standing in): the all-reduces are one op each whatever T
+    (allreduce_attn_res_rmsnorm, allreduce_fold), and every other torch op is glue fused.layers_tp.describe
+    lists (the gathers, the MoE partials' concatenation)."""
+    import fused.layers_tp as TP
+
+    op_name = "mla_layer" if kind == "mla" else "kda_layer"
+    layer_idx = {"kda": 12, "mla": 15, "dense": 0}[kind]
+    inputs = _inputs(op_name, "tiny", 2, layer_idx)
+    t = {k: v.clone() for k, v in inputs.tensors.items()}
+    state = {n: t.pop(n) for n in STATE[op_name]}
+    x, blocks = t.pop("x_steps")[0], t.pop("blocks")
+    layer = TP.prepare_rank(kind, t, inputs.params["config"], layer_idx, x.dtype, TP.CopiesGather(T), "reference")
+    mine = TP.shard_state(kind, state, layer.cfg, T, 0)
+    count = _step_launches(layer, x, blocks, mine)
+    assert count.calls.count("allreduce_attn_res_rmsnorm") == 1
+    assert count.calls.count("allreduce_fold") == (1 if kind == "dense" else 2)
+    assert len(count.glue) == len(TP.describe(layer)["glue"]), (count.glue, TP.describe(layer)["glue"])
