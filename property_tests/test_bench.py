@@ -125,7 +125,7 @@ def touched_bytes(op, inputs, outputs: list[torch.Tensor]) -> int:
         total += -nb["cache"] + sum(int(n) for n in t["seq_lens"].tolist()) * t["cache"].stride(1) * t["cache"].element_size()
     if op.name == "mla_decode_attn_cp":     # cache: the slots of each sequence's window, read once
         total += -nb["cache"] + sum(int(n) for n in t["kv_len"].tolist()) * t["cache"].stride(1) * t["cache"].element_size()
-    if op.name == "moe_experts_mxfp4":      # expert weights: the experts some token chose, once each
+    if op.name in ("moe_experts_mxfp4", "moe_experts_mxfp4_ep"):   # expert weights: the chosen experts, once each
         chosen = {int(e) for e in t["ids"].flatten().tolist() if 0 <= e < t["w13_packed"].shape[0]}
         for k in ("w13_packed", "w13_scale", "w2_packed", "w2_scale"):
             total += -nb[k] + len(chosen) * nb[k] // t[k].shape[0]

@@ -122,7 +122,8 @@ CONTROLS = [("kda_decode", "kda:kda_decode_control", QUICK_ALL_DTYPES, 25),
             ("latent_norm_up", "moe:latent_norm_up_control", PLANTED, 6),
             ("allreduce_fold", "allreduce:allreduce_fold_control", PLANTED, 6),
             ("mla_cache_append", "mla_cache_append:mla_cache_append_control", PLANTED, 6),
-            ("mla_decode_attn_cp", "mla_cp:mla_decode_attn_cp_control", PLANTED, 6)]
+            ("mla_decode_attn_cp", "mla_cp:mla_decode_attn_cp_control", PLANTED, 6),
+            ("moe_experts_mxfp4_ep", "moe_ep:moe_experts_mxfp4_ep_control", PLANTED, 6)]
 
 
 @pytest.mark.parametrize("op_name,candidate,profile,examples", CONTROLS, ids=[c[1] for c in CONTROLS])

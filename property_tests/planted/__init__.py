@@ -258,6 +258,12 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "a rank with no visible key returns NaN (softmax over -inf) instead of o = 0, lse = -inf"),
     ("mla_decode_attn_cp", f"{P}.mla_cp:mla_decode_attn_cp_whole_pages_only", "compare:",
      "a window read in whole pages only: its last partial page dropped"),
+    ("moe_experts_mxfp4_ep", f"{P}.moe_ep:moe_experts_mxfp4_ep_renormalised", "compare:y|exceed",
+     "EP: routing weights renormalised over the rank's own slots"),
+    ("moe_experts_mxfp4_ep", f"{P}.moe_ep:moe_experts_mxfp4_ep_padding_as_expert_0", "compare:y|exceed",
+     "EP: a padding slot (another rank's expert) run as the rank's first expert"),
+    ("moe_experts_mxfp4_ep", f"{P}.moe_ep:moe_experts_mxfp4_ep_empty_row_nan", "guard:outputs_written",
+     "EP: a token with no expert on the rank gets a NaN row instead of zeros"),
     # ---- moe
     ("router_topk", f"{P}.moe:router_topk_higher_id_wins", "compare:ids",
      "wrong tie-break in router top-k (higher id wins)"),
