@@ -10,23 +10,19 @@ intermediate dimension.
 """
 from __future__ import annotations
 
-from verify.model.values import GENERIC_DISTS
-from verify.model.opdef import OpDef
-from verify.ops.moe import make_moe_experts_inputs, moe_experts_mxfp4_bytes
+import dataclasses
+
+from verify.ops.moe import OPS as _MOE_OPS
 from verify.ops.moe_splits import MOE_EXPERTS_EP_SPLIT
 
+_TP = next(op for op in _MOE_OPS if op.name == "moe_experts_mxfp4")
+
 OPS = [
-    OpDef(
-        name="moe_experts_mxfp4_ep", family="moe_ep", reference="references.moe:moe_experts_mxfp4", collective="split",
-        make_inputs=make_moe_experts_inputs, outputs=("y",),
+    dataclasses.replace(
+        _TP, name="moe_experts_mxfp4_ep", family="moe_ep", split=MOE_EXPERTS_EP_SPLIT,
         signature=("z[B,L] wd, ids[B,k] int64 (-1 = padding: another rank's expert), weights[B,k] fp32, "
                    "w13_packed[E_r,2I,L/2] u8, w13_scale[E_r,2I,L/32] u8, w2_packed[E_r,L,I/2] u8, "
                    "w2_scale[E_r,L,I/32] u8, situ_beta: float, situ_linear_beta: float -> y[B,L] wd"),
-        batch_dims={"z": 0, "ids": 0, "weights": 0, "y": 0},
-        split=MOE_EXPERTS_EP_SPLIT, fused="fused.moe_experts_mxfp4:moe_experts_mxfp4",
-        moved_bytes=moe_experts_mxfp4_bytes,
-        configs=("tiny", "small"), compile_heavy=True, cpu_ok=False, max_batch=32,
-        dists=GENERIC_DISTS + ("mxfp4_grid",),
         knob_sweep=({"routing": "edges"}, {"routing": "same"}),
         notes="moe_experts_mxfp4 split by experts (EP): rank r holds the experts of expert_ranges(E, T)[r], "
               "ids of other ranks' experts are -1 on it, partials folded in rank order. Inputs, configs and "
