@@ -182,6 +182,19 @@ def test_expert_parallel_ranks_fold_to_the_unsplit_result(T):
     assert verdict.ok, verdict.detail
 
 
+@pytest.mark.parametrize("config,batch,dtype,dist,T,knobs", [
+    ("small", 8, "bfloat16", "normal", 16, ()), ("small", 17, "float16", "outliers", 4, (("routing", "edges"),)),
+    ("tiny", 5, "bfloat16", "mxfp4_grid", 8, (("routing", "same"),)), ("small", 32, "bfloat16", "normal", 2, ())])
+def test_expert_parallel_split_through_the_harness(config, batch, dtype, dist, T, knobs):
+    """The registry's EP form (moe_experts_mxfp4_ep): every variant under every guard on each rank's
+    mostly-padding slots, the partials folded by the split rule and judged against the unsplit oracle."""
+    from property_tests.harness_case import judge_case
+    from verify.model.case import Case
+
+    v = judge_case(Case("moe_experts_mxfp4_ep", 21, batch, config, dtype, dist, T, knobs))
+    assert v.status == "pass", f"{v.stage}: {v.reason}\n  {v.repro}"
+
+
 def test_cuda_graph_replay_and_no_recompile_for_a_new_batch():
     from fused import moe_experts_mxfp4 as fm
     from fused import runtime
