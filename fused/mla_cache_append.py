@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from fused import runtime
+from fused.kda_verify_accept import capturing
+from references.mla import INDEX_DTYPES
 from references.mla_cache_append import check_append
 from references.primitives import check_tensor
-
-INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def mla_cache_append(kv_c, k_rot, cache, block_table, seq_lens, validate: bool =
     and seq_lens in place). validate=True checks the lengths and the block table on the host as the
     reference does, except under CUDA-graph capture, where no host read is possible."""
     _check(kv_c, k_rot, cache, block_table, seq_lens)
-    if validate and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if validate and not capturing():
         check_append(cache, block_table, seq_lens)
     if variant is not None:
         launch(kv_c, k_rot, cache, block_table, seq_lens, variant)

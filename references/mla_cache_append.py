@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from references.mla import INDEX_DTYPES
 from references.primitives import FLOAT_DTYPES, check_tensor
-
-INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _check_args(kv_c, k_rot, cache, block_table, seq_lens) -> None:

@@ -20,23 +20,19 @@ from __future__ import annotations
 
 import torch
 
-from references.mla import INDEX_DTYPES, causal_visible, paged_cache_read
-from references.primitives import FLOAT_DTYPES, acc_dtype, check_tensor
+from references.mla import INDEX_DTYPES, _check_decode_inputs, causal_visible, paged_cache_read
+from references.primitives import acc_dtype, check_tensor
 
 
 def _check(q_abs, cache, block_table, kv_start, kv_len, seq_lens) -> None:
-    check_tensor("q_abs", q_abs, ndim=4, dtypes=FLOAT_DTYPES)
-    n_seq, n_q, _, width = q_abs.shape
-    check_tensor("cache", cache, shape=(None, None, width), dtypes=(q_abs.dtype,))
-    check_tensor("block_table", block_table, shape=(n_seq, None), dtypes=INDEX_DTYPES)
-    for name, t in (("kv_start", kv_start), ("kv_len", kv_len), ("seq_lens", seq_lens)):
+    """mla_decode_attn's argument checks, then the window's."""
+    _check_decode_inputs(q_abs, cache, block_table, seq_lens)
+    n_seq = q_abs.shape[0]
+    check_tensor("cache", cache, dtypes=(q_abs.dtype,))
+    for name, t in (("kv_start", kv_start), ("kv_len", kv_len)):
         check_tensor(name, t, shape=(n_seq,), dtypes=INDEX_DTYPES)
-    if not 1 <= n_q <= 8:
-        raise ValueError(f"q_abs: {n_q} query tokens per sequence; decode supports 1..8 (dim 1)")
     if not n_seq:
         return
-    if int(seq_lens.min()) < n_q:
-        raise ValueError(f"seq_lens: every length must cover the {n_q} query tokens, got {seq_lens.tolist()}")
     page = cache.shape[1]
     if bool((kv_start < 0).any()) or bool((kv_start % page != 0).any()):
         raise ValueError(f"kv_start: window starts must be >= 0 and page-aligned (page {page}), got {kv_start.tolist()}")
