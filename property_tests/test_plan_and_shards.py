@@ -114,6 +114,25 @@ def test_merge_refuses_mixed_plans_and_missing_shards(tmp_path):
     _cli(["merge", "a0", "a1", "--out", "m"], tmp_path, 0)
 
 
+def test_partial_merge_certifies_the_pairs_judged_in_full(tmp_path):
+    """A run cut before its last cases (a time limit): `merge --partial` gives the verdicts of the pairs
+    whose every case was judged, as the whole run gave them, and fails the others as incomplete."""
+    _cli(RUN + ["--out", "whole"], tmp_path, 0)
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "plan.json").write_text((tmp_path / "whole" / "plan.json").read_text())
+    lines = (tmp_path / "whole" / "run.jsonl").read_text().splitlines()
+    last = max(i for i, line in enumerate(lines) if json.loads(line).get("op") == "router_topk")
+    (cut / "run.jsonl").write_text("\n".join(lines[:last] + lines[last + 1:]) + "\n")
+    refused = _cli(["merge", "cut", "--out", "m"], tmp_path, 2)
+    assert "--partial" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    _cli(["merge", "cut", "--partial", "--out", "m"], tmp_path, 1)
+    whole, merged = _cert(tmp_path / "whole"), _cert(tmp_path / "m")
+    assert merged["ops"]["mxfp4_dequant"] == whole["ops"]["mxfp4_dequant"]
+    verdict = merged["ops"]["router_topk"]["verdicts"]["reference"]
+    assert verdict["status"] == FAIL and "1 of" in verdict["reason"] and "incomplete" in verdict["reason"]
+
+
 CUT = """import os, sys
 from verify.run import runlog
 k, written, write_case = int(sys.argv[1]), [0], runlog.RunLog.case

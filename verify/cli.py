@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     me.add_argument("--junit", default=None, metavar="FILE", help="also write JUnit XML")
     me.add_argument("--changed-since", default=None, metavar="OLD.json",
                     help="carry forward from OLD.json the ops the shards did not judge (as their runs did)")
+    me.add_argument("--partial", action="store_true",
+                    help="outputs of a cut run: certify the op/candidate pairs whose every case was judged; "
+                    "the others fail as incomplete")
     be = sub.add_parser("bench", help="time certified candidates beside eager, torch.compile, peers and a copy of "
                         "the op's bytes (needs a CUDA device)")
     from verify.bench.command import add_args as add_bench_args
@@ -529,7 +532,7 @@ def cmd_merge(args) -> int:
 
     _check_out_paths(args)
     try:
-        plan, judged = load_shards([Path(d) for d in args.dirs])
+        plan, judged = load_shards([Path(d) for d in args.dirs], partial=args.partial)
     except MergeError as e:
         raise UsageError(f"merge: {e}") from None
     carried = {}

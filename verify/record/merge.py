@@ -29,9 +29,11 @@ def assemble(plan: Plan, judged: Judged, carried: dict | None = None,
     return verdicts, certificate.build(verdicts, all_ops(), options, device, cases, carried)
 
 
-def load_shards(dirs: list[Path]) -> tuple[Plan, Judged]:
+def load_shards(dirs: list[Path], partial: bool = False) -> tuple[Plan, Judged]:
     """The one plan the directories share and every verdict their logs hold; a MergeError when a
-    directory has no plan or log, the plans differ, or some planned case has no verdict."""
+    directory has no plan or log, the plans differ, or (unless `partial`) some planned case has no
+    verdict. With `partial` (a run cut at a time limit) the pairs with unjudged cases fail as
+    incomplete in the certificate (runner.summarise) and every other pair gets its verdict."""
     plans = []
     for d in dirs:
         if not (Path(d) / PLAN_NAME).is_file() or not logs_in(Path(d)):
@@ -50,7 +52,7 @@ def load_shards(dirs: list[Path]) -> tuple[Plan, Judged]:
     except ValueError as e:
         raise MergeError(str(e)) from None
     missing = [pc.index for pc in plan.cases if pc.index not in judged.verdicts]
-    if missing:
+    if missing and not partial:
         raise MergeError(f"{len(missing)} of {len(plan.cases)} planned cases have no verdict in these outputs "
-                         f"(first: #{missing[0]}); merge every shard, or finish one with run --resume")
+                         f"(first: #{missing[0]}); merge every shard, finish one with run --resume, or certify the ops judged in full with --partial")
     return plan, judged
