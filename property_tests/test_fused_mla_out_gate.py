@@ -304,7 +304,7 @@ def test_every_variant_through_the_harness(config, batch, dtype, dist, tp):
     assert v.status == "pass", f"{v.stage}: {v.reason}"
 
 
-# The five cases the release certification of 2026-12-04 (results/release/mla) failed, when the gate
+# The five cases the release certification of 2026-12-04 at eb13531 failed, when the gate
 # GEMM's wgmma chain carried its running sum in C through all of K: large x rows (fp16 range_edges
 # 2^8..2^12, bf16 range_edges 2^16..2^20, fp16 wide_range) whose g cancels.
 RELEASE_FAILURES = [(58, 58, "float16", "range_edges", 1), (542, 58, "float16", "range_edges", 1),
