@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 UK = "property_tests.user_kernels"
 
@@ -57,7 +59,11 @@ def test_list_into_a_closed_pipe_ends_quietly():
     assert proc.wait(timeout=60) == 141 and err == "", err
 
 
-def test_ctrl_c_keeps_the_results_and_names_the_resume_command(tmp_path):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_keeps_the_results_and_names_the_resume_command(tmp_path, sig):
+    """Ctrl-C (SIGINT) or a scheduler's stop (SIGTERM, as `timeout` sends it, to the process group): exit
+    130, the judged cases kept, the resume command named, and a certificate of what was judged in which
+    the unfinished pair fails as incomplete."""
     import signal
     import time
 
@@ -74,7 +80,7 @@ def test_ctrl_c_keeps_the_results_and_names_the_resume_command(tmp_path):
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not (log.exists() and '"kind":"case"' in log.read_text()):
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, getattr(signal, sig))
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and len(err.strip().splitlines()) <= 3, err
@@ -82,7 +88,12 @@ def test_ctrl_c_keeps_the_results_and_names_the_resume_command(tmp_path):
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert any(x["kind"] == "case" for x in lines)                  # what was judged is kept
     assert all(x["record"]["status"] == "pass" for x in lines if x["kind"] == "case"), lines   # no case judged by the ^C
-    assert not (tmp_path / "certificate.json").exists()
+    cert = json.loads((tmp_path / "certificate.json").read_text())
+    assert cert["options"]["interrupted"] is True
+    verdict = cert["ops"]["kda_layer"]["verdicts"]["reference"]
+    judged = sum(x["kind"] == "case" for x in lines)
+    assert verdict["status"] == "fail" and verdict["reason"].startswith("incomplete: "), verdict["reason"]
+    assert verdict["cases_run"] == judged
 
 
 def test_a_redirected_run_prints_progress_lines(tmp_path):

@@ -3,7 +3,8 @@
 Heavy imports (torch, hypothesis, cutlass) are deferred so --help and list answer at once.
 Exit codes: 0 every op certified by at least one candidate and none failed (skipped candidates are
 listed), 1 an op failed or had no certified candidate (every one skipped), 2 bad usage or config,
-130 interrupted (Ctrl-C; `run --resume` continues).
+130 interrupted (Ctrl-C or SIGTERM; a cut `run` writes the certificate of what it judged and
+`run --resume` continues).
 `run` isolates candidates in a worker process (--no-isolate to run in-process), appends every verdict
 to OUT/run.jsonl (--resume continues a killed run, a cut op/candidate pair case by case), and writes
 OUT/certificate.json.
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["run"] + argv
     args = build_parser().parse_args(argv)
     args.argv = argv
+    _terminate_as_interrupt()
     try:
         rc = {"list": cmd_list, "describe": cmd_describe, "run": cmd_run, "repro": cmd_repro,
               "report": cmd_report, "diff": cmd_diff, "check": cmd_check, "merge": cmd_merge,
@@ -157,6 +159,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\nverify-kernels: interrupted{_resume_hint(args)}", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _terminate_as_interrupt() -> None:
+    """SIGTERM (a scheduler's or `timeout`'s stop) ends the command as Ctrl-C does: a cut run writes
+    the certificate of what it judged and prints how to resume."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
 def _resume_hint(args) -> str:
@@ -444,6 +460,10 @@ def cmd_run(args) -> int:
             judged = run_slice(plan, cfg, out, args.shard_of, args.resume, console)
     except PlanMismatch as e:
         raise UsageError(f"--resume: {e}") from None
+    except KeyboardInterrupt:
+        if args.shard_of == (0, 1):
+            _certify_cut_run(args, plan, out, carried, console)
+        raise
     if args.shard_of != (0, 1):
         mine = [judged.verdicts[pc.index] for pc in plan.slice(*args.shard_of) if pc.index in judged.verdicts]
         bad = [v for v in mine if v.status in ("fail", "unexpected_pass")]
@@ -453,6 +473,29 @@ def cmd_run(args) -> int:
         return EXIT_FAIL if bad else EXIT_OK
     verdicts, cert = assemble(plan, judged, carried, {"jobs": args.jobs})
     return _finish_run(args, verdicts, cert, console, f"{len(carried)} ops carried; log {out / 'run.jsonl'}")
+
+
+def _certify_cut_run(args, plan, out: Path, carried: dict, console) -> None:
+    """An interrupted run's certificate from the cases its logs hold: the pairs judged in full get their
+    verdicts, the others fail as incomplete (as `merge --partial`). Never masks the interrupt."""
+    import signal
+
+    from verify.record.merge import assemble
+    from verify.run.execute import judged_in
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)          # the certificate is written whole
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        judged = judged_in([out], plan.id)
+        if judged.verdicts:
+            verdicts, cert = assemble(plan, judged, carried, {"jobs": args.jobs, "interrupted": True})
+            _finish_run(args, verdicts, cert, console, f"interrupted after {len(judged.verdicts)} of "
+                        f"{len(plan.cases)} cases")
+    except Exception as e:  # noqa: BLE001 - the interrupt and its resume hint come first
+        print(f"verify-kernels: the interrupted run's certificate was not written: {e}", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
 def _run_special(args, ops, candidates, device, tps, console, carried) -> int:
