@@ -483,8 +483,7 @@ def _certify_cut_run(args, plan, out: Path, carried: dict, console) -> None:
     from verify.record.merge import assemble
     from verify.run.execute import judged_in
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)          # the certificate is written whole
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}   # written whole
     try:
         judged = judged_in([out], plan.id)
         if judged.verdicts:
@@ -494,8 +493,8 @@ def _certify_cut_run(args, plan, out: Path, carried: dict, console) -> None:
     except Exception as e:  # noqa: BLE001 - the interrupt and its resume hint come first
         print(f"verify-kernels: the interrupted run's certificate was not written: {e}", file=sys.stderr)
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, _raise_interrupt)
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
 
 
 def _run_special(args, ops, candidates, device, tps, console, carried) -> int:

@@ -54,5 +54,6 @@ def load_shards(dirs: list[Path], partial: bool = False) -> tuple[Plan, Judged]:
     missing = [pc.index for pc in plan.cases if pc.index not in judged.verdicts]
     if missing and not partial:
         raise MergeError(f"{len(missing)} of {len(plan.cases)} planned cases have no verdict in these outputs "
-                         f"(first: #{missing[0]}); merge every shard, finish one with run --resume, or certify the ops judged in full with --partial")
+                         f"(first: #{missing[0]}); merge every shard, finish one with run --resume, or certify "
+                         "the ops judged in full with --partial")
     return plan, judged
