@@ -170,6 +170,78 @@ def layer_reweigh(inputs: OpInputs, ids: torch.Tensor) -> dict[str, torch.Tensor
     return _memo(key, inputs, run)
 
 
+def kda_layer_state_magnitude(inputs: OpInputs, cand: dict | None = None) -> dict[str, torch.Tensor]:
+    """recurrent_state's error scale per element: FLIP_SCALE x the state change that one rounding flip of
+    a k and one of a v conv output per head and step (verify.ops.kda_spec: another fp32 order before a
+    rounding to wd lands one wd ulp away) leaves at the last step, each flip carried through the later
+    steps' decay and delta-rule projection exactly (first order, along the float64 oracle's trajectory)
+    and summed in absolute value. The spec's 16-fp32-ulp floor of a row covers this sum once. The
+    working dtype is the candidate's prefix_steps' (fp32 without a candidate). Other ops' and the
+    dense layer's state is KDA's too; MLA layers have no such term: {}."""
+    t = inputs.tensors
+    if _kind(t) != "kda":
+        return {}
+    from verify.ops.kda_spec import _MANTISSA
+    out = (cand or {}).get("prefix_steps")
+    wd = out.dtype if out is not None and out.dtype in _MANTISSA else torch.float32
+    return {"recurrent_state": _memo(("flips", wd), inputs, lambda: _carried_flips(inputs, wd))}
+
+
+def _carried_flips(inputs: OpInputs, wd: torch.dtype) -> torch.Tensor:
+    """FLIP_SCALE x sum over steps s of |F_s A_(s+1) ... A_N| (kda_layer_state_magnitude). F_s [B,H,V,K]:
+    per state row (b, h, v), the change of token s's new row when
+      v_j flips:  one wd ulp: beta ulp(v_j) k;
+      ks_c flips: k moves by dk = ulp(ks_c) / |ks| (e_c - k_c k) (the L2 norm's projection), the row by
+                  u_j dk - beta (S'_j . dk) k; the channel c with the largest first-order change of the row.
+    A_r: a row's error e becomes (e * alpha_r) (I - beta_r k_r k_r^T) at step r (references.kda.
+    gated_delta_step), applied to each flip separately so the sum of magnitudes is taken at the end."""
+    from references.kda import kda_decode, kda_gate, kda_in_proj
+    from references.layers import attn_side
+    from references.layers import kda_kind_of
+    from references.primitives import silu
+    from verify.ops.kda_spec import FLIP_SCALE, _ulp
+
+    t, p = inputs.tensors, inputs.params
+    cfg, layer_idx = get_config(p["config"]), p["layer_idx"]
+    w = _weights(inputs, kda_kind_of(layer_idx))
+    state = _state_copy(inputs, "kda")
+    conv_w = t["conv_w"]
+    carried = None                                              # [n, B, H, V, K]: the flips so far
+    for x in t["x_steps"]:
+        state.prefix.copy_(x)
+        x_in, _ = attn_side(w, state, layer_idx)
+        q_raw, k_raw, v_raw, g_raw, beta_raw, z = kda_in_proj(x_in, w["w_in"], w["w_fb"], cfg.n_heads)
+        S = state.recurrent_state
+        B, H, V, K = S.shape
+
+        def conv_out(i, x_raw):
+            window = torch.cat([state.conv_state[:, i], x_raw.unsqueeze(-1)], dim=-1)
+            return silu((window * conv_w[i]).sum(-1)).view(B, H, -1)
+        ks, v = conv_out(1, k_raw), conv_out(2, v_raw)
+        norm = torch.sqrt((ks * ks).sum(-1, keepdim=True) + cfg.l2_eps)
+        k = ks / norm
+        _, alpha = kda_gate(g_raw.view(B, H, K), w["A_log"], w["dt_bias"], cfg.gate_lower_bound)
+        beta = torch.sigmoid(beta_raw).view(B, H, 1, 1)
+        sd = S * alpha.unsqueeze(-2)                                            # [B, H, V, K]
+        u = beta[..., 0] * (v - (sd * k.unsqueeze(-2)).sum(-1))                 # [B, H, V]
+        f_v = (beta[..., 0] * _ulp(v, wd)).unsqueeze(-1) * k.unsqueeze(-2)      # [B, H, V, K]
+        dk_c = _ulp(ks, wd) / norm                                              # [B, H, K]
+        c = (dk_c.unsqueeze(-2) * (u.abs().unsqueeze(-1) + beta * sd.abs())).argmax(-1, keepdim=True)  # [B,H,V,1]
+        dkc = dk_c.unsqueeze(-2).expand(B, H, V, K).gather(-1, c)               # [B, H, V, 1]
+        kc = k.unsqueeze(-2).expand(B, H, V, K).gather(-1, c)
+        e_c = torch.zeros_like(sd).scatter_(-1, c, 1.0)
+        dk = dkc * (e_c - kc * k.unsqueeze(-2))                                 # [B, H, V, K]
+        f_k = u.unsqueeze(-1) * dk - beta * (sd * dk).sum(-1, keepdim=True) * k.unsqueeze(-2)
+        if carried is not None:                                 # the earlier flips through this step's map
+            carried = carried * alpha.unsqueeze(-2)
+            carried = carried - beta * (carried * k.unsqueeze(-2)).sum(-1, keepdim=True) * k.unsqueeze(-2)
+        born = torch.stack([f_v, f_k])
+        carried = born if carried is None else torch.cat([carried, born])
+        kda_decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, state.conv_state, w["A_log"], w["dt_bias"],
+                   w["o_norm_w"], S, cfg.gate_lower_bound, cfg.l2_eps, cfg.rms_eps)
+    return FLIP_SCALE * carried.abs().sum(0)
+
+
 def _kind(tensors: dict) -> str:
     """"kda" (layer 0 too: its state is KDA's) or "mla", told apart by the state."""
     return "kda" if "conv_state" in tensors else "mla"
@@ -272,7 +344,7 @@ OPS: list[OpDef] = [
                    "router_ids[N,B,k] int (each step's experts; k = 0 at the dense layer 0)"),
         batch_dims={"x_steps": 1, "blocks": 0, "conv_state": 0, "recurrent_state": 0, "prefix_steps": 1,
                     "router_ids": 1},
-        tie_scores=layer_tie_scores, reweigh=layer_reweigh,
+        tie_scores=layer_tie_scores, reweigh=layer_reweigh, magnitudes=kda_layer_state_magnitude,
         # a conv_state row of W-1 = 3 time steps has no scale of its own (projections cancel): judge
         # all channels of one conv of one sequence together, [C, W-1]
         row_ndims={"conv_state": 2},
