@@ -584,6 +584,29 @@ def test_torch_peers_compute_the_op():
     assert torch.allclose(peers.torch_linear(gi.tensors, {})().float(), y.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dequant_cublas_peer_computes_the_routed_experts(dtype):
+    from verify.bench import peer_check, peers
+    from verify.judge.candidates import reference_fn
+
+    op = get_op("moe_experts_mxfp4")
+    inputs = op.make_inputs(Case("moe_experts_mxfp4", 2, 6, "tiny", dtype, "normal"))
+    y = reference_fn(op)(**inputs.tensors, **inputs.params)
+    got = peers.dequant_cublas_experts(inputs.tensors, inputs.params)()
+    assert got.dtype == y.dtype and peer_check.compare(y, got).startswith("ok"), peer_check.compare(y, got)
+    wrong = dict(inputs.tensors, ids=inputs.tensors["ids"].roll(1, 0))        # checked, so a wrong peer shows
+    assert peer_check.compare(y, peers.dequant_cublas_experts(wrong, inputs.params)()).startswith("DIFFERS")
+
+
+def test_peer_option_adds_a_peer_to_the_named_op_for_the_run():
+    from verify.bench import command
+
+    ops = [get_op("moe_experts_mxfp4"), get_op("router_topk")]
+    got = command._with_peers(ops, ["moe_experts_mxfp4:dequant_cublas=verify.bench.peers:dequant_cublas_experts"])
+    assert [p.name for p in got[0].peers][-1] == "dequant_cublas" and got[1] is ops[1]
+    assert got[0].peers[:-1] == ops[0].peers and get_op("moe_experts_mxfp4").peers == ops[0].peers
+
+
 def test_peer_check_compares_ids_as_sets_and_weights_in_their_order():
     from verify.bench import peer_check
 
@@ -672,6 +695,9 @@ def test_bench_without_a_gpu_exits_2_with_one_line():
     (["--candidate", "weird"], "--candidate 'weird'"),
     (["--certificate", "/nonexistent/c.json"], "--certificate /nonexistent/c.json: no such file"),
     (["--time-budget", "0"], "--time-budget 0"),
+    (["--peer", "moe_experts_mxfp4=verify.bench.peers:x"], "expected OP:NAME=MODULE:ATTR"),
+    (["--ops", "router_topk", "--peer", "moe_experts_mxfp4:p=m:f"], "op 'moe_experts_mxfp4' is not among"),
+    (["--ops", "router_topk", "--peer", "router_topk:cublas_logits=m:f"], "already has a peer named 'cublas_logits'"),
     (["--out", "property_tests/planted_release"], None),
 ])
 def test_bench_bad_usage_is_one_line(args, words, tmp_path):

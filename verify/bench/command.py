@@ -41,6 +41,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(verify + accept) over many steps of random accept lengths, beside one fused kda_decode token")
     p.add_argument("--n-q", type=int, default=6, dest="n_q",
                    help="with --spec-decode: draft tokens per sequence and step, 1..8 (default 6)")
+    p.add_argument("--peer", action="append", default=[], metavar="OP:NAME=MODULE:ATTR",
+                   help="also time a peer the registry does not declare, beside the op's own: MODULE:ATTR is a "
+                        "function (tensors, params) -> zero-argument launch (verify/bench/peers.py), checked against "
+                        "the reference like the declared ones and counted in the speed rule; repeatable")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="stop starting new shapes after S seconds (shapes run in rounds of one batch size of every "
                         "op, so a cut keeps a spread of batches for each); the rest are listed")
@@ -88,7 +92,31 @@ def _setup(args):
                          f"{out / 'certificate.json'}, or give another --out (the quick certification writes one there)")
     if args.time_budget is not None and not args.time_budget > 0:
         raise UsageError(f"--time-budget {args.time_budget:g}: must be a positive number of seconds")
-    return ops, labels, tps, batches, certs, out
+    return _with_peers(ops, getattr(args, "peer", None) or []), labels, tps, batches, certs, out
+
+
+def _with_peers(ops: list, specs: list[str]) -> list:
+    """ops with each --peer OP:NAME=MODULE:ATTR added to its OP's declared peers (for this run only)."""
+    import dataclasses
+
+    from verify.model.opdef import Peer
+
+    extra: dict[str, list] = {}
+    by_name = {op.name: op for op in ops}
+    for spec in specs:
+        head, eq, path = spec.partition("=")
+        op_name, colon, name = head.partition(":")
+        if not (eq and colon and name and ":" in path):
+            raise UsageError(f"--peer {spec!r}: expected OP:NAME=MODULE:ATTR")
+        if op_name not in by_name:
+            raise UsageError(f"--peer {spec!r}: op {op_name!r} is not among the benched ops "
+                             f"({', '.join(sorted(by_name))})")
+        taken = [p.name for p in by_name[op_name].peers] + [p.name for p in extra.get(op_name, [])]
+        if name in taken:
+            raise UsageError(f"--peer {spec!r}: {op_name} already has a peer named {name!r}")
+        extra.setdefault(op_name, []).append(Peer(name, path))
+    return [dataclasses.replace(op, peers=tuple(op.peers) + tuple(extra[op.name])) if op.name in extra else op
+            for op in ops]
 
 
 def _has_cuda() -> bool:

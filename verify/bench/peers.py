@@ -180,3 +180,47 @@ def fla_recurrence_tokens(tensors: dict, params: dict):
         initial_state=tensors["state"], output_final_state=True, use_qk_l2norm_in_kernel=True,
         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=float(params["lower_bound"]),
         state_v_first=True)
+
+
+def dequant_cublas_experts(tensors: dict, params: dict):
+    """moe_experts_mxfp4 the way a user without a fused MXFP4 MoE kernel runs it: each distinct chosen
+    expert's w13 and w2 dequantised to the working dtype by the fused mxfp4_dequant kernel (into two
+    scratch buffers made here, reused expert after expert on the one stream), then cuBLAS GEMMs over the
+    rows routed to that expert, SiTU-and-mul in torch, and the routing-weighted combine in fp32
+    (index_add), rounded once to the working dtype. The (token, slot) pairs are grouped by expert here,
+    untimed, from the ids: the launch has no host sync (capturable), which makes it no slower than an
+    engine that groups them per step. Off CUDA the dequantisation is the reference's (tests)."""
+    import torch
+
+    from references.mxfp4 import mxfp4_dequant
+    from references.primitives import situ_and_mul
+
+    z, ids, weights = tensors["z"], tensors["ids"], tensors["weights"]
+    p13, s13, p2, s2 = (tensors[n] for n in ("w13_packed", "w13_scale", "w2_packed", "w2_scale"))
+    if z.is_cuda:
+        from fused.mxfp4_dequant import launch as dequant
+    else:
+        def dequant(packed, scale, out):
+            out.copy_(mxfp4_dequant(packed, scale, str(out.dtype).removeprefix("torch.")))
+    B, k = ids.shape
+    flat = ids.reshape(-1).long().cpu()
+    groups = []
+    for e in sorted(set(flat[flat >= 0].tolist())):
+        pairs = torch.nonzero(flat == e).flatten()
+        groups.append((e, (pairs // k).to(z.device), pairs.to(z.device)))
+    w13 = torch.empty(p13.shape[1], p13.shape[2] * 2, dtype=z.dtype, device=z.device)
+    w2 = torch.empty(p2.shape[1], p2.shape[2] * 2, dtype=z.dtype, device=z.device)
+    route = weights.reshape(-1).float()
+    beta, linear_beta = float(params["situ_beta"]), params["situ_linear_beta"]
+    linear_beta = None if linear_beta is None else float(linear_beta)
+
+    def launch():
+        y = torch.zeros(B, w2.shape[0], dtype=torch.float32, device=z.device)
+        for e, rows, pairs in groups:
+            dequant(p13[e], s13[e], w13)
+            dequant(p2[e], s2[e], w2)
+            h = situ_and_mul(torch.nn.functional.linear(z[rows], w13), beta, linear_beta)
+            o = torch.nn.functional.linear(h, w2)
+            y.index_add_(0, rows, o.float() * route[pairs].unsqueeze(1))
+        return y.to(z.dtype)
+    return launch
