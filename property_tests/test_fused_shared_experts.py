@@ -372,25 +372,21 @@ def test_a_twin_without_the_fork_reads_a_stale_input(monkeypatch):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_timing_tables():
-    """K3 per rank (I = 6144 / T), B = 1, 8, 64. Table 1: the shared experts fused (CUDA graph) against
-    the reference eager and torch.compile of the reference (CUDA graph), and the bytes floor at 4.8 TB/s.
-    Table 2: the fused routed experts (896 experts, top-16) plus the shared experts, both on the main
-    stream one after the other against the shared experts on their side stream (CUDA graphs). Prints
-    (run with -s); asserts nothing about speed (a record, not a gate)."""
-    from fused.moe_experts_mxfp4 import moe_experts_mxfp4
-    from fused.shared_experts import launch, start
+def test_timing_table():
+    """K3 per rank (I = 6144 / T), B = 1, 8, 64: the shared experts fused (CUDA graph) against the
+    reference eager and torch.compile of the reference (CUDA graph), and the bytes floor at 4.8 TB/s.
+    Prints (run with -s) and writes $OUT/shared_experts_timing.md; asserts nothing about speed (a
+    record, not a gate)."""
+    from fused.shared_experts import start
     from property_tests.test_mla_decode_attn_gpu import _time_eager, _time_graph
     from references.moe import shared_experts as ref
     compiled = torch.compile(ref, dynamic=False)
-    one = ["| T | I | B | fused us | ref eager us | compiled us | HBM floor us |", "|---|---|---|---|---|---|---|"]
-    two = ["| T | B | routed us | shared us | serial us | side stream us | saved us |", "|---|---|---|---|---|---|---|"]
+    rows = ["| T | I | B | fused us | ref eager us | compiled us | HBM floor us |", "|---|---|---|---|---|---|---|"]
     for T in TP:
         inter = K3_INTER[T]
         for B in (1, 8, 64):
             s = _inputs(B, inter)
             out = torch.empty(B, D3, dtype=torch.bfloat16, device="cuda")
-            main_only = lambda: launch(**s, situ_beta=4.0, situ_linear_beta=25.0, out=out)
             fused_us = _time_graph(lambda: start(**s, out=out).wait())
             eager_us = _time_eager(lambda: ref(**s))
             try:
@@ -398,16 +394,35 @@ def test_timing_tables():
             except Exception as e:          # a record, not a gate: the table keeps the other columns
                 comp = f"failed: {type(e).__name__}"
             nbytes = sum(v.numel() * v.element_size() for v in s.values()) + out.numel() * 2
-            one.append(f"| {T} | {inter} | {B} | {fused_us:.1f} | {eager_us:.1f} | {comp} | {nbytes / 4.8e6:.1f} |")
-            if T == 1:                      # the fused routed experts refuse K3's unsplit 896 experts
-                continue
+            rows.append(f"| {T} | {inter} | {B} | {fused_us:.1f} | {eager_us:.1f} | {comp} | {nbytes / 4.8e6:.1f} |")
+    _record("shared_experts_timing.md", "shared_experts on " + torch.cuda.get_device_name(), rows)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_side_stream_step_time():
+    """K3 per rank, T = 8 and 16 (the fused routed experts refuse K3's unsplit 896 experts at T = 1),
+    B = 1, 8, 64: the fused routed experts (top-16 of 896) and the fused shared experts, one after the
+    other on the main stream, against the shared experts started on their side stream while the routed
+    experts run, then joined (each a CUDA graph). Both forms are first checked to give the same bits.
+    Prints and writes $OUT/shared_experts_side_stream.md; asserts nothing about speed."""
+    from fused.moe_experts_mxfp4 import moe_experts_mxfp4
+    from fused.shared_experts import launch, start
+    from property_tests.test_mla_decode_attn_gpu import _time_graph
+    rows = ["| T | B | routed us | shared us | serial us | side stream us | saved us | side / serial |",
+            "|---|---|---|---|---|---|---|---|"]
+    for T in (8, 16):
+        for B in (1, 8, 64):
+            s = _inputs(B, K3_INTER[T])
             r = _routed(B, T)
+            out = torch.empty(B, D3, dtype=torch.bfloat16, device="cuda")
             out_r = torch.empty(B, r["z"].shape[1], dtype=torch.bfloat16, device="cuda")
-            routed_us = _time_graph(lambda: moe_experts_mxfp4(**r, out=out_r))
-            shared_us = _time_graph(main_only)
+
+            def shared():
+                launch(**s, situ_beta=4.0, situ_linear_beta=25.0, out=out)
 
             def serial():
-                main_only()
+                shared()
                 moe_experts_mxfp4(**r, out=out_r)
 
             def overlapped():
@@ -415,12 +430,24 @@ def test_timing_tables():
                 moe_experts_mxfp4(**r, out=out_r)
                 p.wait()
 
-            ser, ovl = _time_graph(serial), _time_graph(overlapped)
-            two.append(f"| {T} | {B} | {routed_us:.1f} | {shared_us:.1f} | {ser:.1f} | {ovl:.1f} | {ser - ovl:.1f} |")
+            serial()
+            want = (out.clone(), out_r.clone())
+            out.fill_(float("nan"))
+            out_r.fill_(float("nan"))
+            overlapped()
+            torch.cuda.synchronize()
+            assert torch.equal(_bits(out), _bits(want[0])) and torch.equal(_bits(out_r), _bits(want[1]))
+            routed_us = _time_graph(lambda: moe_experts_mxfp4(**r, out=out_r))
+            shared_us, ser, ovl = _time_graph(shared), _time_graph(serial), _time_graph(overlapped)
+            rows.append(f"| {T} | {B} | {routed_us:.1f} | {shared_us:.1f} | {ser:.1f} | {ovl:.1f} | "
+                        f"{ser - ovl:.1f} | {ovl / ser:.2f} |")
             del r
-    text = ("\nshared_experts on " + torch.cuda.get_device_name() + "\n" + "\n".join(one) +
-            "\n\nrouted + shared experts\n" + "\n".join(two))
+    _record("shared_experts_side_stream.md", "routed + shared experts on " + torch.cuda.get_device_name(), rows)
+
+
+def _record(name: str, title: str, rows: list[str]) -> None:
+    text = f"\n{title}\n" + "\n".join(rows)
     print(text)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "shared_experts_timing.md"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
             f.write(text + "\n")
