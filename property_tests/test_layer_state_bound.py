@@ -55,14 +55,6 @@ def _state_check(fn, case: Case):
     return next(c for c in checks if c.name == "compare:recurrent_state")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.parametrize("seed,dist", [(18, "normal"), (14, "normal"), (11, "small_rows"), (8, "normal")])
 def test_rounding_flips_of_a_correct_candidate_pass(seed, dist, monkeypatch):
     monkeypatch.setenv("VK_PERTURB_REL", "9.5e-7")
