@@ -176,8 +176,8 @@ def kda_layer_state_magnitude(inputs: OpInputs, cand: dict | None = None) -> dic
     rounding to wd lands one wd ulp away) leaves at the last step, each flip carried through the later
     steps' decay and delta-rule projection exactly (first order, along the float64 oracle's trajectory)
     and summed in absolute value. The spec's 16-fp32-ulp floor of a row covers this sum once. The
-    working dtype is the candidate's prefix_steps' (fp32 without a candidate). Other ops' and the
-    dense layer's state is KDA's too; MLA layers have no such term: {}."""
+    working dtype is the candidate's prefix_steps' (fp32 without a candidate). The dense layer 0 has
+    KDA's state too; an MLA layer has no such term: {}."""
     t = inputs.tensors
     if _kind(t) != "kda":
         return {}
