@@ -11,7 +11,8 @@ Needs CUDA and fla-core (`pip install fla-core`); elsewhere it raises ImportErro
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from references.kda import gated_rms_norm, short_conv_update
 
 
 def fla_kda_decode(q_raw: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tensor, g_raw: torch.Tensor,
@@ -19,32 +20,23 @@ def fla_kda_decode(q_raw: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tensor
                    A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_w: torch.Tensor, state: torch.Tensor,
                    lower_bound: float, l2_eps: float, norm_eps: float) -> torch.Tensor:
     """One KDA decode step -> y [B, H*Dh] wd; conv_state and state updated in place (kda_decode's
-    contract). The conv outputs are rounded to wd before the recurrence and o after it, as in the
-    reference; fla's kernel fixes its own L2-norm epsilon (1e-6, K3's l2_eps)."""
+    contract), both only after the recurrence ran. The conv outputs are rounded to wd before the
+    recurrence and o after it, as in the reference; fla's kernel fixes its own L2-norm epsilon (1e-6,
+    K3's l2_eps). The fla call is the bench peers' (verify.bench.peers._recurrence)."""
     if q_raw.device.type != "cuda":
         raise ImportError(f"stock.kda.fla_kda_decode runs fla-core's Triton kernel on CUDA only, not on "
                           f"{q_raw.device.type}")
-    try:
-        from fla.ops.kda import fused_recurrent_kda
-    except Exception as e:  # noqa: BLE001  (missing package, or triton without a usable device)
-        raise ImportError(f"fla-core is not importable here ({type(e).__name__}: {e}); "
-                          "install it with `pip install fla-core`") from None
+    from verify.bench.peers import _fla, _recurrence
+
+    _, fused_recurrent_kda, _ = _fla()
     B, C = q_raw.shape
     H = A_log.shape[0]
-    Dh = C // H
-    wd, acc = q_raw.dtype, torch.float32
-    raw = torch.stack([q_raw, k_raw, v_raw], dim=1)                                 # [B, 3, C]
-    window = torch.cat([conv_state, raw.unsqueeze(-1)], dim=-1)                    # [B, 3, C, W]
-    conv = F.silu((window.to(acc) * conv_w.to(acc)).sum(-1)).to(wd)                # [B, 3, C] wd
-    q, k, v = (conv[:, i].reshape(B, 1, H, Dh) for i in range(3))
-    o, final = fused_recurrent_kda(
-        q, k, v, g_raw.view(B, 1, H, Dh), beta_raw.reshape(B, 1, H), A_log=A_log, dt_bias=dt_bias,
-        scale=Dh ** -0.5, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=float(lower_bound),
-        state_v_first=True)
-    o32 = o.view(B, H, Dh).to(wd).to(acc)
-    y = (F.rms_norm(o32, (Dh,), eps=norm_eps) * o_norm_w.to(acc)
-         * torch.sigmoid(z.view(B, H, Dh).to(acc))).to(wd).reshape(B, C)
-    conv_state.copy_(window[..., 1:])
+    new_conv = conv_state.clone()
+    q, k, v = (short_conv_update(x, conv_w[i], new_conv[:, i]) for i, x in enumerate((q_raw, k_raw, v_raw)))
+    tensors = {"q_raw": q_raw, "g_raw": g_raw, "beta_raw": beta_raw, "A_log": A_log, "dt_bias": dt_bias,
+               "state": state}
+    o, final = _recurrence(fused_recurrent_kda, q, k, v, tensors, {"lower_bound": lower_bound})()
+    y = gated_rms_norm(o.view(B, H, C // H).to(q_raw.dtype), o_norm_w, z.view(B, H, C // H), norm_eps)
+    conv_state.copy_(new_conv)
     state.copy_(final)
-    return y
+    return y.reshape(B, C)

@@ -92,7 +92,7 @@ def _setup(args):
                          f"{out / 'certificate.json'}, or give another --out (the quick certification writes one there)")
     if args.time_budget is not None and not args.time_budget > 0:
         raise UsageError(f"--time-budget {args.time_budget:g}: must be a positive number of seconds")
-    return _with_peers(ops, getattr(args, "peer", None) or []), labels, tps, batches, certs, out
+    return _with_peers(ops, args.peer), labels, tps, batches, certs, out
 
 
 def _with_peers(ops: list, specs: list[str]) -> list:

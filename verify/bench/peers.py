@@ -211,8 +211,7 @@ def dequant_cublas_experts(tensors: dict, params: dict):
     w13 = torch.empty(p13.shape[1], p13.shape[2] * 2, dtype=z.dtype, device=z.device)
     w2 = torch.empty(p2.shape[1], p2.shape[2] * 2, dtype=z.dtype, device=z.device)
     route = weights.reshape(-1).float()
-    beta, linear_beta = float(params["situ_beta"]), params["situ_linear_beta"]
-    linear_beta = None if linear_beta is None else float(linear_beta)
+    beta, linear_beta = float(params["situ_beta"]), float(params["situ_linear_beta"])
 
     def launch():
         y = torch.zeros(B, w2.shape[0], dtype=torch.float32, device=z.device)

@@ -195,10 +195,8 @@ def _carried_flips(inputs: OpInputs, wd: torch.dtype) -> torch.Tensor:
                   u_j dk - beta (S'_j . dk) k; the channel c with the largest first-order change of the row.
     A_r: a row's error e becomes (e * alpha_r) (I - beta_r k_r k_r^T) at step r (references.kda.
     gated_delta_step), applied to each flip separately so the sum of magnitudes is taken at the end."""
-    from references.kda import kda_decode, kda_gate, kda_in_proj
-    from references.layers import attn_side
-    from references.layers import kda_kind_of
-    from references.primitives import silu
+    from references.kda import kda_decode, kda_gate, kda_in_proj, short_conv_update
+    from references.layers import attn_side, kda_kind_of
     from verify.ops.kda_spec import FLIP_SCALE, _ulp
 
     t, p = inputs.tensors, inputs.params
@@ -214,10 +212,8 @@ def _carried_flips(inputs: OpInputs, wd: torch.dtype) -> torch.Tensor:
         S = state.recurrent_state
         B, H, V, K = S.shape
 
-        def conv_out(i, x_raw):
-            window = torch.cat([state.conv_state[:, i], x_raw.unsqueeze(-1)], dim=-1)
-            return silu((window * conv_w[i]).sum(-1)).view(B, H, -1)
-        ks, v = conv_out(1, k_raw), conv_out(2, v_raw)
+        ks, v = (short_conv_update(x_raw, conv_w[i], state.conv_state[:, i].clone()).view(B, H, -1)
+                 for i, x_raw in ((1, k_raw), (2, v_raw)))
         norm = torch.sqrt((ks * ks).sum(-1, keepdim=True) + cfg.l2_eps)
         k = ks / norm
         _, alpha = kda_gate(g_raw.view(B, H, K), w["A_log"], w["dt_bias"], cfg.gate_lower_bound)
