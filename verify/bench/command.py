@@ -239,6 +239,9 @@ def bench_versions() -> dict:
             out[key] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             out[key] = None
+    from stock.flashmla import source_commit
+
+    out["flashmla"] = source_commit()          # the FlashMLA commit of stock.flashmla's library, if built
     return out
 
 
