@@ -607,6 +607,48 @@ def test_peer_option_adds_a_peer_to_the_named_op_for_the_run():
     assert got[0].peers[:-1] == ops[0].peers and get_op("moe_experts_mxfp4").peers == ops[0].peers
 
 
+def test_knobs_option_replaces_the_named_ops_bench_knobs_for_the_run():
+    from verify.bench import command
+    from verify.bench.shapes import shapes_for
+
+    ops = [get_op("mla_decode_attn"), get_op("attn_res_rmsnorm")]
+    got = command._with_knobs(ops, ["mla_decode_attn:context=8192,q_per_seq=6", "mla_decode_attn:context=1024,q_per_seq=1"])
+    assert got[0].bench_knobs == ({"context": 8192, "q_per_seq": 6}, {"context": 1024, "q_per_seq": 1})
+    assert got[1] is ops[1] and get_op("mla_decode_attn").bench_knobs == ops[0].bench_knobs
+    shapes, _ = shapes_for(got[0], [1, 8], [1, 64])
+    assert {s.label for s in shapes} >= {"T=8 B=64 context=8192 q_per_seq=6", "T=1 B=1 context=1024 q_per_seq=1"}
+    assert len(shapes) == 2 * 2 * 2
+
+
+@pytest.mark.parametrize("context", [1, 63, 64, 65, 200])
+def test_context_knob_gives_every_sequence_its_own_pages_of_that_length(context):
+    from references.mla import mla_decode_attn, paged_cache_read
+    from verify.bench.shapes import Shape, build_inputs, case_for, take_batch
+
+    op = get_op("mla_decode_attn")
+    shape = Shape("mla_decode_attn", 1, 3, (("context", context), ("q_per_seq", 1)))
+    inputs = build_inputs(op, case_for(op, shape, 3))
+    t = inputs.tensors
+    page = t["cache"].shape[1]
+    assert t["seq_lens"].tolist() == [context] * 3 and t["cache"].dtype == t["q_abs"].dtype
+    pages = t["block_table"].flatten().tolist()
+    assert len(set(pages)) == len(pages) == 3 * -(-context // page)        # no page shared between sequences
+    rows = [paged_cache_read(t["cache"], t["block_table"][b], context) for b in range(3)]
+    assert all(r.shape[0] == context for r in rows) and not torch.equal(rows[0], rows[1])
+    assert 0.5 < float(t["cache"].float().std()) < 2.0
+    one = take_batch(op, inputs, 1)                    # a smaller batch reads the first sequence's pages
+    assert torch.equal(mla_decode_attn(**one.tensors, **one.params)[0],
+                       mla_decode_attn(**inputs.tensors, **inputs.params)[0])
+
+
+def test_context_shorter_than_the_draft_is_refused():
+    from verify.bench.shapes import Shape, build_inputs, case_for
+
+    op = get_op("mla_decode_attn")
+    with pytest.raises(ValueError, match="shorter than the 6 query tokens"):
+        build_inputs(op, case_for(op, Shape("mla_decode_attn", 1, 2, (("context", 4), ("q_per_seq", 6))), 2))
+
+
 def test_peer_check_compares_ids_as_sets_and_weights_in_their_order():
     from verify.bench import peer_check
 
@@ -698,6 +740,11 @@ def test_bench_without_a_gpu_exits_2_with_one_line():
     (["--peer", "moe_experts_mxfp4=verify.bench.peers:x"], "expected OP:NAME=MODULE:ATTR"),
     (["--ops", "router_topk", "--peer", "moe_experts_mxfp4:p=m:f"], "op 'moe_experts_mxfp4' is not among"),
     (["--ops", "router_topk", "--peer", "router_topk:cublas_logits=m:f"], "already has a peer named 'cublas_logits'"),
+    (["--ops", "mla_decode_attn", "--knobs", "mla_decode_attn"], "expected OP:K=V[,K=V]"),
+    (["--ops", "mla_decode_attn", "--knobs", "mla_decode_attn:context"], "expected OP:K=V[,K=V]"),
+    (["--ops", "router_topk", "--knobs", "mla_decode_attn:context=8"], "op 'mla_decode_attn' is not among"),
+    (["--ops", "mla_cache_write", "--knobs", "mla_cache_write:context=8"], "a paged attention op's knob"),
+    (["--ops", "mla_decode_attn", "--knobs", "mla_decode_attn:context=0"], "needs 1 or more slots"),
     (["--out", "property_tests/planted_release"], None),
 ])
 def test_bench_bad_usage_is_one_line(args, words, tmp_path):

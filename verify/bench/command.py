@@ -45,6 +45,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also time a peer the registry does not declare, beside the op's own: MODULE:ATTR is a "
                         "function (tensors, params) -> zero-argument launch (verify/bench/peers.py), checked against "
                         "the reference like the declared ones and counted in the speed rule; repeatable")
+    p.add_argument("--knobs", action="append", default=[], metavar="OP:K=V[,K=V]",
+                   help="time OP at this knob set instead of its declared bench knobs; repeatable, one set each "
+                        "(e.g. mla_decode_attn:q_per_seq=6,context=8192: context=N gives every sequence of a paged "
+                        "attention op N cached slots)")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="stop starting new shapes after S seconds (shapes run in rounds of one batch size of every "
                         "op, so a cut keeps a spread of batches for each); the rest are listed")
@@ -92,7 +96,7 @@ def _setup(args):
                          f"{out / 'certificate.json'}, or give another --out (the quick certification writes one there)")
     if args.time_budget is not None and not args.time_budget > 0:
         raise UsageError(f"--time-budget {args.time_budget:g}: must be a positive number of seconds")
-    return _with_peers(ops, args.peer), labels, tps, batches, certs, out
+    return _with_knobs(_with_peers(ops, args.peer), args.knobs), labels, tps, batches, certs, out
 
 
 def _with_peers(ops: list, specs: list[str]) -> list:
@@ -117,6 +121,37 @@ def _with_peers(ops: list, specs: list[str]) -> list:
         extra.setdefault(op_name, []).append(Peer(name, path))
     return [dataclasses.replace(op, peers=tuple(op.peers) + tuple(extra[op.name])) if op.name in extra else op
             for op in ops]
+
+
+def _knob_value(text: str):
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _with_knobs(ops: list, specs: list[str]) -> list:
+    """ops with their bench knob sets replaced by the --knobs OP:K=V[,K=V] sets given for them (this run only)."""
+    import dataclasses
+
+    from verify.bench.shapes import context_knob_error
+
+    sets: dict[str, list[dict]] = {}
+    by_name = {op.name: op for op in ops}
+    for spec in specs:
+        op_name, colon, body = spec.partition(":")
+        pairs = [kv.partition("=") for kv in body.split(",")]
+        if not (colon and body and all(k.strip() and eq and v.strip() for k, eq, v in pairs)):
+            raise UsageError(f"--knobs {spec!r}: expected OP:K=V[,K=V]")
+        if op_name not in by_name:
+            raise UsageError(f"--knobs {spec!r}: op {op_name!r} is not among the benched ops "
+                             f"({', '.join(sorted(by_name))})")
+        knobs = {k.strip(): _knob_value(v.strip()) for k, _, v in pairs}
+        problem = context_knob_error(by_name[op_name], knobs)
+        if problem:
+            raise UsageError(f"--knobs {spec!r}: {problem}")
+        sets.setdefault(op_name, []).append(knobs)
+    return [dataclasses.replace(op, bench_knobs=tuple(sets[op.name])) if op.name in sets else op for op in ops]
 
 
 def _has_cuda() -> bool:

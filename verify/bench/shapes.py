@@ -7,6 +7,11 @@ knobs) at the largest batch and a smaller batch takes the first B rows along the
 the same shapes and dtypes as the builder's own case at B (the weights, drawn per name, are its
 own; activations differ in value only).
 
+A paged attention op (its inputs hold q_abs, cache, block_table and seq_lens) also takes the bench knob
+context=N (`bench --knobs`): its builder's case without it, then every sequence given N cached slots
+in pages of its own (with_context). The registry's builders cap a case's context at a few pages (the
+float64 oracle's cost); the speed of long-context decode needs the lengths a server sees.
+
 A layer op (kda_layer, mla_layer) at K3 on a CUDA device is built with its weights drawn there
 (stock.weights.make_layer_weights_on: the registry's names, shapes, dtypes and scales, another random
 stream; the registry's CPU builder quantises 896 MXFP4 experts for minutes); its activations and
@@ -89,9 +94,52 @@ def case_for(op, shape: Shape, batch: int | None = None):
 DEVICE_BUILT_FAMILIES = ("layers",)
 
 
+PAGED = ("q_abs", "cache", "block_table", "seq_lens")
+
+
+def context_knob_error(op, knobs: dict) -> str | None:
+    """Why `knobs` cannot be a bench knob set of `op` as far as context=N goes (None: it can)."""
+    if "context" not in knobs or not isinstance(knobs["context"], int):
+        return None            # the registry's own context knob values ('long') are its builder's
+    declared = {line.split("[")[0].split(":")[0].strip() for line in op.signature.splitlines()}
+    if not set(PAGED) <= declared:
+        return f"context=N is a paged attention op's knob; {op.name} has no {', '.join(PAGED)}"
+    if knobs["context"] < 1:
+        return f"context={knobs['context']}: needs 1 or more slots"
+    return None
+
+
+def with_context(inputs, context: int, device: str = "cpu", seed: int = SEED):
+    """inputs with every sequence holding `context` slots: its own ceil(context / page) pages of a new
+    cache (the builder's cache dtype, drawn at its cache's scale on `device`), block_table over them in
+    order, seq_lens = context."""
+    import torch
+
+    from verify.model.opdef import OpInputs
+
+    t = dict(inputs.tensors)
+    base, B = t["cache"], t["seq_lens"].shape[0]
+    if context < t["q_abs"].shape[1]:
+        raise ValueError(f"context={context}: shorter than the {t['q_abs'].shape[1]} query tokens per sequence")
+    page = base.shape[1]
+    pages = -(-context // page)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cache = torch.randn(B * pages, page, base.shape[2], generator=gen, device=device, dtype=torch.float32)
+    t["cache"] = cache.mul_(float(base.float().std())).to(base.dtype)
+    t["block_table"] = torch.arange(B * pages, dtype=t["block_table"].dtype).view(B, pages).to(device)
+    t["seq_lens"] = torch.full((B,), context, dtype=t["seq_lens"].dtype, device=device)
+    return OpInputs(t, dict(inputs.params))
+
+
 def build_inputs(op, case, device: str = "cpu"):
     """The op's inputs for `case`: its registry builder's, except a layer op at K3 on a CUDA device,
-    whose weights are drawn on the device (see the module doc)."""
+    whose weights are drawn on the device, and a numeric context knob (see the module doc)."""
+    import dataclasses
+
+    context = case.knob("context")
+    if isinstance(context, int):
+        base = op.make_inputs(dataclasses.replace(case, extra=tuple(kv for kv in case.extra if kv[0] != "context")))
+        return with_context(base, context, device)
     if op.family not in DEVICE_BUILT_FAMILIES or case.config != "k3" or not str(device).startswith("cuda"):
         return op.make_inputs(case)
     return device_layer_inputs(op, case, device)
