@@ -274,9 +274,10 @@ def bench_versions() -> dict:
             out[key] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             out[key] = None
-    from stock.flashmla import source_commit
+    from stock import flashinfer_mla, flashmla
 
-    out["flashmla"] = source_commit()          # the FlashMLA commit of stock.flashmla's library, if built
+    out["flashmla"] = flashmla.source_commit()           # the FlashMLA commit of stock.flashmla's library
+    out["flashinfer_mla"] = flashinfer_mla.version()     # FlashInfer version and commit of its MLA module
     return out
 
 

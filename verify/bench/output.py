@@ -231,7 +231,8 @@ def markdown(rec: dict) -> str:
              f"(driver {env.get('driver') or '-'}, CUDA {env.get('cuda') or '-'}, torch {env.get('torch', '-')}, "
              f"CuTe DSL {env.get('cutlass_dsl') or '-'}, triton {env.get('triton') or '-'}, "
              f"fla-core {env.get('fla_core') or 'not installed'}"
-             + (f", FlashMLA {env['flashmla'][:12]}" if env.get("flashmla") else "") + "); commit `{(env.get('git_commit') or '-')[:12]}`"
+             + (f", FlashMLA {env['flashmla'][:12]}" if env.get("flashmla") else "")
+             + (f", FlashInfer {env['flashinfer_mla'][:18]}" if env.get("flashinfer_mla") else "") + "); commit `{(env.get('git_commit') or '-')[:12]}`"
              + (" (dirty tree)" if env.get("git_dirty") else "") + ".",
              "", f"Command: `{rec.get('command', '')}`", "",
              "Times: us per call, median of CUDA-graph replays (`*`: not capturable, launched from Python); "

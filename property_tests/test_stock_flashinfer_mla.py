@@ -1,0 +1,128 @@
+"""stock/flashinfer_mla: mla_decode_attn through FlashInfer's Hopper MLA module (fa3), loaded through
+tvm_ffi. On the CPU: FlashInfer's causal tile-bound refusal restated and checked against its rule's
+cases, the module's limits refused in one line, the CPU or a missing module as ImportError. On an
+sm_90a device with the modules built (`@pytest.mark.gpu`): the harness judges the refusing candidate at
+k3, and at a shape FlashInfer refuses the native kernel drops the key its wrapper says it drops."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verify.model.case import Case
+from verify.ops.registry import get_op
+
+OP = get_op("mla_decode_attn")
+
+
+def _inputs(config: str, batch: int = 2, extra=()):
+    return OP.make_inputs(Case("mla_decode_attn", 0, batch, config, "bfloat16", "normal", extra=extra))
+
+
+@pytest.mark.parametrize("q_len,kv_len,heads,refused", [
+    (2, 65, 96, True),        # 192 rows in 128-row tiles: the first ends in token 1, whose last key 64 starts a tile
+    (2, 66, 96, False),
+    (1, 65, 96, False),       # 96 rows: one tile
+    (6, 65, 12, False),       # 72 rows: one 128-row tile (a T = 8 rank never splits a token)
+    (4, 65, 16, False),       # 64 % 16 == 0: tiles end between tokens
+    (8, 135, 96, True),       # tiles end in tokens 1, 2, 5, 6: token 1's last key is 128
+    (8, 136, 96, False),
+])
+def test_tile_bound_rule(q_len, kv_len, heads, refused):
+    from stock.flashinfer_mla import tile_bound_problem
+
+    problem = tile_bound_problem([q_len], [kv_len], heads)
+    assert (problem is not None) == refused, problem
+
+
+def test_tile_bound_rule_against_a_brute_force_statement():
+    """Every (q_len, kv_len, heads) of a grid: refused exactly when some query tile ends mid-token at a
+    token whose last visible key is a multiple of 64."""
+    from stock.flashinfer_mla import tile_bound_problem
+
+    for heads in (6, 12, 16, 96):
+        for q_len in range(1, 9):
+            tile = 64 * (2 if q_len * heads > 64 else 1)
+            for kv_len in range(q_len, 200):
+                ends = range(tile, q_len * heads, tile)
+                bad = any(e % heads and (kv_len - q_len + e // heads) % 64 == 0 for e in ends)
+                assert (tile_bound_problem([q_len], [kv_len], heads) is not None) == bad, (heads, q_len, kv_len)
+
+
+def test_limits_and_places_are_one_line_errors(monkeypatch, tmp_path):
+    import stock.flashinfer_mla as fi
+
+    small = _inputs("small")
+    with pytest.raises(ValueError, match="512 latent") as e:
+        fi.flashinfer_mla_decode_attn(**small.tensors, **small.params)
+    assert "\n" not in str(e.value)
+    k3 = _inputs("k3", batch=1)
+    with pytest.raises(ImportError, match="CUDA only") as e:
+        fi.flashinfer_mla_peer(k3.tensors, k3.params)
+    assert "\n" not in str(e.value)
+    monkeypatch.setenv("VERIFY_FLASHINFER_MLA_DIR", str(tmp_path))
+    fi._module.cache_clear()
+    try:
+        with pytest.raises(ImportError, match="build.py") as e:
+            fi._module("bfloat16")
+        assert "\n" not in str(e.value)
+    finally:
+        fi._module.cache_clear()
+
+
+def _have_modules() -> bool:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    import stock.flashinfer_mla as fi
+
+    return (fi.library_dir() / "batch_mla_sm90_bfloat16.so").is_file()
+
+
+needs_modules = pytest.mark.skipif(not _have_modules(), reason="needs an sm_90a device and FlashInfer's MLA module")
+
+
+@pytest.mark.gpu
+@needs_modules
+@pytest.mark.parametrize("batch,tp,extra", [(1, 1, (("q_per_seq", 1),)), (4, 8, (("q_per_seq", 6),)), (8, 16, ()),
+                                            (2, 1, (("context", "long"),))])
+def test_flashinfer_is_judged_by_the_harness_at_k3(batch, tp, extra):
+    from property_tests.harness_case import judge_case
+
+    for seed in range(2):
+        v = judge_case(Case("mla_decode_attn", seed, batch, "k3", "bfloat16", "normal", tp, extra),
+                       "stock.flashinfer_mla:flashinfer_mla_decode_attn")
+        refused = v.status == "fail" and "FlashInfer refuses" in v.reason      # its own wrapper's refusal
+        assert v.status == "pass" or refused, f"seed {seed}: {v.stage}: {v.reason}"
+
+
+@pytest.mark.gpu
+@needs_modules
+def test_the_harness_rejects_the_native_kernel_at_k3():
+    """The unsplit K3 op (96 heads) with 2..8 draft tokens over the registry's page-boundary lengths: the
+    tile-bound omission FlashInfer's wrapper guards against shows in the harness's own cases."""
+    from property_tests.harness_case import judge_case
+
+    verdicts = [judge_case(Case("mla_decode_attn", seed, 8, "k3", "bfloat16", "normal", 1, (("q_per_seq", q),)),
+                           "stock.flashinfer_mla:flashinfer_mla_native") for seed in range(4) for q in (2, 8)]
+    assert any(v.status == "fail" and v.stage.startswith("compare") for v in verdicts), \
+        [(v.status, v.stage) for v in verdicts]
+
+
+@pytest.mark.gpu
+@needs_modules
+def test_where_flashinfer_refuses_the_native_kernel_drops_that_key():
+    """96 heads (T = 1), 2 draft tokens, 65 slots: the wrapper refuses; the native kernel's token 1, split
+    by the first 128-row tile, misses key 64 (its last) in some heads; token 0's rows are right."""
+    from references.mla import mla_decode_attn
+    from stock.flashinfer_mla import flashinfer_mla_decode_attn, flashinfer_mla_native
+
+    k3 = _inputs("k3", batch=2, extra=(("q_per_seq", 2),))
+    t = {k: v.cuda() for k, v in k3.tensors.items()}
+    t["seq_lens"] = torch.full_like(t["seq_lens"], 65)
+    pages = -(-65 // t["cache"].shape[1])
+    t["block_table"] = torch.arange(2 * pages, dtype=t["block_table"].dtype, device="cuda").view(2, pages)
+    with pytest.raises(ValueError, match="FlashInfer refuses"):
+        flashinfer_mla_decode_attn(**t, **k3.params)
+    ref = mla_decode_attn(**t, **k3.params).float()
+    got = flashinfer_mla_native(**t, **k3.params).float()
+    err = ((got - ref).abs().amax(dim=(0, 3)) / ref.abs().amax()).cpu()        # [token, head]
+    assert float(err[0].max()) < 1e-2 and float(err[1].max()) > 1e-2, err
