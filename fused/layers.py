@@ -206,7 +206,7 @@ def prepare(kind: str, weights: dict, config: str | K3Config, layer_idx: int, wd
     shared_stream=False runs the fused shared experts in line on the caller's stream."""
     if kernels not in ("fused", "reference"):
         raise ValueError(f"kernels: {kernels!r} is not a kernel table; use 'fused' or 'reference'")
-    base = stock.prepare(kind, weights, config, layer_idx, wd, use_fla=False)
+    base = stock.prepare(kind, weights, config, layer_idx, wd, use_fla=False, use_flashmla=False)
     table = KERNELS if kernels == "fused" else REFERENCES
     resolved = {op: _resolve(table[op]) for op in LAYER_OPS[kind]}
     if kernels == "reference":

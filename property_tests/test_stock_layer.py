@@ -225,7 +225,7 @@ def test_k3_stock_step_graph_and_launches(kind):
         prefix = torch.randn(B, K3.hidden, device="cuda").to(torch.bfloat16)
         stock.validate_state(layer, prefix, blocks, state, 3)
         count = count_launches(lambda: layer.step(prefix, blocks, *state.values()), warmup=2)
-        print(f"K3 {kind} stock step B={B} fla={layer.use_fla}: {count.to_json()}")
+        print(f"K3 {kind} stock step B={B} fla={layer.use_fla} flashmla={layer.use_flashmla}: {count.to_json()}")
         assert count.method == GRAPH_METHOD and count.kernels > 0, count
 
 
@@ -263,3 +263,47 @@ def test_mla_steps_past_the_block_table_are_refused_before_any_write():
     with pytest.raises(ValueError, match=r"state.block_table: sequence 1 .*page -1"):
         stock.mla_layer_steps(**t, **inputs.params)
     assert torch.equal(t["cache"], cache)
+
+
+def test_flashmla_is_not_taken_off_its_device_or_shapes():
+    from references.config import get_config
+
+    assert not stock.flashmla_available("cpu", get_config("k3"), torch.bfloat16)
+    assert not stock.flashmla_available("cuda", get_config("small"), torch.bfloat16)    # kv_lora 64, page 16
+    assert not stock.flashmla_available("cuda", get_config("k3"), torch.float32)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_k3_stock_mla_step_through_flashmla_matches_its_torch_attention():
+    """Where FlashMLA runs, the stock MLA step decodes through it: three steps of B = 8 over ragged lengths
+    give the torch attention's cache and lengths bit for bit and its outputs within bf16 rounding (the
+    two attentions round P and sum in other orders)."""
+    from references.config import K3
+    from references.layers import DEFAULT_LAYER, new_layer_state
+    from stock.weights import make_layer_weights_on
+
+    if not stock.flashmla_available("cuda", K3, torch.bfloat16):
+        pytest.skip("FlashMLA's library is not built or the device is not sm_90")
+    w = make_layer_weights_on("mla", K3, 0, device="cuda").tensors
+    layers = [stock.prepare("mla", w, K3, DEFAULT_LAYER["mla"], torch.bfloat16, use_flashmla=f) for f in (True, False)]
+    assert layers[0].use_flashmla and not layers[1].use_flashmla
+    st = new_layer_state("mla", K3, 8, max_tokens=512)
+    base = {n: getattr(st, n).cuda() for n in STATE["mla_layer"]}
+    base["seq_lens"].copy_(torch.tensor([0, 1, 63, 64, 65, 200, 300, 7], dtype=base["seq_lens"].dtype))
+    base["cache"].copy_(torch.randn(base["cache"].shape, device="cuda").mul_(0.5))
+    blocks = torch.randn(8, 8, K3.hidden, device="cuda").to(torch.bfloat16)
+    prefix = torch.randn(8, K3.hidden, device="cuda").to(torch.bfloat16)
+    outs, states = [], []
+    for layer in layers:
+        state = {n: t.clone() for n, t in base.items()}
+        stock.validate_state(layer, prefix, blocks, state, 3)
+        p = prefix
+        for _ in range(3):
+            p = layer.step(p, blocks.clone(), *state.values())
+        outs.append(p.float())
+        states.append(state)
+    assert torch.equal(states[0]["seq_lens"], states[1]["seq_lens"])
+    assert torch.equal(states[0]["cache"], states[1]["cache"])
+    rel = float((outs[0] - outs[1]).abs().max() / outs[1].abs().max())
+    assert rel < 2e-2, rel

@@ -15,13 +15,16 @@ Kernels, as a serving engine without custom fusion composes them:
                dequant), two batched GEMMs, SiTU in fp32, the weighted combine in fp32
   KDA          the short conv, gate and gated norm in torch; the recurrence through fla-core's
                fused_recurrent_kda on CUDA when importable, else in torch (fp32, V-first state)
-  MLA          paged latent attention in torch over every page of block_table, masked on the device
-               by seq_lens (no per-sequence loop), scores and softmax in fp32
+  MLA          paged latent attention through FlashMLA's Hopper kernel (stock.flashmla: its split
+               scheduler reads seq_lens on the device) on sm_90 where its library is built and the
+               shapes are its own (576-wide keys, pages of 64), as vLLM decodes MLA on Hopper; else in
+               torch over every page of block_table, masked on the device by seq_lens (no
+               per-sequence loop), scores and softmax in fp32
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +54,8 @@ class StockLayer:
     w: dict
     dequant_table: torch.Tensor | None     # [256 * 16] wd: value of (scale byte << 4 | code)
     use_fla: bool
+    use_flashmla: bool = False
+    scratch: dict = field(default_factory=dict)     # FlashMLA's buffers per (B, H, dtype, device)
 
     def step(self, prefix: torch.Tensor, blocks: torch.Tensor, *state: torch.Tensor,
              routing: list | None = None) -> torch.Tensor:
@@ -79,8 +84,25 @@ def fla_available(device) -> bool:
     return True
 
 
+def flashmla_available(device, cfg: K3Config, wd: torch.dtype) -> bool:
+    """FlashMLA's dense decode (stock.flashmla) runs here: CUDA sm_90, its library built, bf16 / fp16, and
+    the config's latent, rope and page sizes its own (K3's)."""
+    if torch.device(device).type != "cuda" or wd not in (torch.bfloat16, torch.float16):
+        return False
+    from stock import flashmla
+
+    if (cfg.kv_lora_rank, cfg.kv_lora_rank + cfg.qk_rope_dim, cfg.page_size) != \
+            (flashmla.HEAD_DIM_V, flashmla.HEAD_DIM_K, flashmla.PAGE):
+        return False
+    try:
+        flashmla._lib()
+    except (ImportError, OSError):
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def prepare(kind: str, weights: dict, config: str | K3Config, layer_idx: int, wd: torch.dtype,
-            use_fla: bool | None = None) -> StockLayer:
+            use_fla: bool | None = None, use_flashmla: bool | None = None) -> StockLayer:
     """Make the layer's step-ready form once (outside any captured step)."""
     if kind not in ("kda", "mla", "dense"):
         raise ValueError(f"kind: {kind!r} is not a stock layer kind; use 'kda', 'mla' or 'dense'")
@@ -99,7 +121,9 @@ def prepare(kind: str, weights: dict, config: str | K3Config, layer_idx: int, wd
     device = next(iter(w.values())).device
     if use_fla is None:
         use_fla = fla_available(device) and cfg.l2_eps == 1e-6     # fla's in-kernel L2 norm eps
-    return StockLayer(kind, cfg, layer_idx, wd, w, dequant_table(wd, device), use_fla)
+    if use_flashmla is None:
+        use_flashmla = kind == "mla" and flashmla_available(device, cfg, wd)
+    return StockLayer(kind, cfg, layer_idx, wd, w, dequant_table(wd, device), use_fla, use_flashmla)
 
 
 # ---------------------------------------------------------------------------------------------- small ops
@@ -258,8 +282,8 @@ def _fla_recurrence(layer, conv, g_raw, beta_raw, state) -> torch.Tensor:
 def mla_attention(layer: StockLayer, x: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor) -> torch.Tensor:
     """qkv_a GEMM + latent norms, q_b + W_UK absorb (bmm), the latent written at seq_lens' slot, paged
-    attention over every page of block_table masked to the first seq_lens + 1 tokens, W_UV (bmm), the
-    output gate, o_proj. seq_lens advanced by one (in place)."""
+    attention over the first seq_lens + 1 tokens (FlashMLA where it runs, else torch over every page of
+    block_table), W_UV (bmm), the output gate, o_proj. seq_lens advanced by one (in place)."""
     w, cfg = layer.w, layer.cfg
     B, H, Dh, ql, kv = x.shape[0], cfg.n_heads, cfg.head_dim, cfg.q_lora_rank, cfg.kv_lora_rank
     wd, acc, page = x.dtype, _acc(x), cache.shape[1]
@@ -272,11 +296,34 @@ def mla_attention(layer: StockLayer, x: torch.Tensor, cache: torch.Tensor, block
     pos = seq_lens.long()
     page_ids = block_table.long().gather(1, (pos // page).unsqueeze(1)).squeeze(1)
     cache[page_ids, pos % page] = torch.cat([kv_c, qkv[:, ql + kv:]], dim=-1)
-    o_lat = paged_latent_attention(q_abs, cache, block_table, pos + 1, cfg.mla_scale, kv)   # [B, H, kv]
+    if layer.use_flashmla:             # FlashMLA reads the new lengths on the device
+        seq_lens.add_(1)
+        o_lat = flashmla_attention(layer, q_abs, cache, block_table, seq_lens)
+    else:                              # (pos may alias an int64 seq_lens: read before the advance)
+        o_lat = paged_latent_attention(q_abs, cache, block_table, pos + 1, cfg.mla_scale, kv)   # [B, H, kv]
+        seq_lens.add_(1)
     o = torch.bmm(o_lat.transpose(0, 1), w["w_uv"].transpose(1, 2)).transpose(0, 1).reshape(B, H * Dh)
     gate = torch.sigmoid(F.linear(x, w["w_g"]).to(acc)).to(wd)
-    seq_lens.add_(1)
     return F.linear((o.to(acc) * gate.to(acc)).to(wd), w["w_o"])
+
+
+def flashmla_attention(layer: StockLayer, q_abs: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                       lens: torch.Tensor) -> torch.Tensor:
+    """o_latent[B,H,kv] wd of one query token per sequence over its first lens[b] slots, by FlashMLA (its
+    scheduler, split-KV attention and combine: three launches); its buffers made on the first call."""
+    from stock import flashmla
+
+    B, H, C = q_abs.shape
+    key = (B, H, q_abs.dtype, q_abs.device)
+    if key not in layer.scratch:
+        flashmla._check(q_abs.view(B, 1, H, C), cache, layer.cfg.kv_lora_rank)
+        layer.scratch[key] = flashmla.Plan.make(B, 1, H, q_abs.dtype, q_abs.device)
+    plan = layer.scratch[key]
+    table = block_table if block_table.dtype == torch.int32 and block_table.is_contiguous() \
+        else block_table.to(torch.int32).contiguous()
+    lens = lens if lens.dtype == torch.int32 else lens.to(torch.int32)
+    flashmla.launch(plan, q_abs.contiguous().view(B, 1, H, C), cache, table, lens, layer.cfg.mla_scale, schedule=True)
+    return plan.out.view(B, H, layer.cfg.kv_lora_rank)
 
 
 def paged_latent_attention(q_abs: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,

@@ -102,7 +102,10 @@ def _check(q_abs, cache_, kv_lora_rank: int):
                           f"sm_{capability[0]}{capability[1]}")
 
 
-def _launch(plan: Plan, q_abs, cache_, block_table, seq_lens, scale: float, schedule: bool) -> None:
+def launch(plan: Plan, q_abs, cache_, block_table, seq_lens, scale: float, schedule: bool) -> None:
+    """FlashMLA on the current stream, writing plan.out and plan.lse: q_abs [B, n_q, H, 576] contiguous,
+    block_table and seq_lens int32 contiguous on the device; with `schedule`, its split scheduler first (it
+    reads seq_lens on the device, so the launch stays sync-free and capturable)."""
     B, n_q, H, _ = q_abs.shape
     rc = _lib().fmla_dense_decode(
         int(q_abs.dtype == torch.float16), B, n_q, H, HEAD_DIM_K, HEAD_DIM_V, PAGE, cache_.shape[0],
@@ -129,7 +132,7 @@ def flashmla_decode_attn(q_abs: torch.Tensor, cache: torch.Tensor, block_table: 
     B, n_q, H, _ = q_abs.shape
     q, table, lens = _operands(q_abs, block_table, seq_lens)
     plan = Plan.make(B, n_q, H, q_abs.dtype, q_abs.device)
-    _launch(plan, q, cache, table, lens, scale, schedule=True)
+    launch(plan, q, cache, table, lens, scale, schedule=True)
     return (plan.out, plan.lse) if return_lse else plan.out
 
 
@@ -143,9 +146,9 @@ def flashmla_peer(tensors: dict, params: dict):
     q, table, lens = _operands(q_abs, tensors["block_table"], tensors["seq_lens"])
     plan = Plan.make(B, n_q, H, q_abs.dtype, q_abs.device)
     scale = float(params["scale"])
-    _launch(plan, q, cache_, table, lens, scale, schedule=True)
+    launch(plan, q, cache_, table, lens, scale, schedule=True)
 
     def launch():
-        _launch(plan, q, cache_, table, lens, scale, schedule=False)
+        launch(plan, q, cache_, table, lens, scale, schedule=False)
         return plan.out
     return launch
