@@ -1,0 +1,59 @@
+"""mla_decode_attn_cp: one rank's window of decode context parallelism through fused/mla_decode_attn.py.
+
+references.mla_cp.mla_decode_attn_cp is what a rank computes: the paged latent MQA over the keys at
+positions [kv_start, kv_start + kv_len) of each sequence (its own pages, its own block table from the
+window's start), causal by absolute position, with the natural-log LSE; a query that sees none of the
+window gets o = 0 and lse = -inf, which the split-KV combine across ranks weighs to zero.
+
+Query token j of a length-L sequence sees the window's first
+    V_j = clamp(L - Q + j + 1 - kv_start, 0, kv_len)
+keys, a prefix of the window whatever the rank. So each (sequence, token) is a one-token sequence of
+the fused decode kernel over that prefix: q_abs [B, Q, H, C] read as [B * Q, 1, H, C] (the same bytes),
+the block table repeated per token, lengths V_j. One launch of the kernel (two with its split-KV
+combine) and a few element-wise ops, no host read: capturable in a CUDA graph. A token that sees no key
+is given length 1 over page 0 of the rank's cache (a page that exists: the kernel reads only valid
+pages) and its o and lse are then set to 0 and -inf.
+
+What this costs: a token no longer shares its sequence's key stream with the other draft tokens, so a
+window is read Q times (Q = 1, plain decode, reads it once). `attend` is the per-token kernel, the
+fused one by default; property_tests drive the same composition with the reference attention on the
+CPU.
+"""
+import torch
+
+from references.mla_cp import _check as _check_windows
+
+
+def _fused_attend(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank):
+    from fused.mla_decode_attn import mla_decode_attn
+
+    return mla_decode_attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, return_lse=True)
+
+
+def compose(attend, q_abs, cache, block_table, kv_start, kv_len, seq_lens, scale: float, kv_lora_rank: int):
+    """The window attention through `attend(q[B', 1, H, C], cache, table[B', pages], lens[B'], scale,
+    kv_lora_rank) -> (o wd, lse fp32)`, one one-token sequence per (sequence, token): see the module doc."""
+    B, Q, H, C = q_abs.shape
+    dev = q_abs.device
+    if B == 0:
+        return (torch.empty(0, Q, H, kv_lora_rank, dtype=q_abs.dtype, device=dev),
+                torch.empty(0, Q, H, dtype=torch.float32, device=dev))
+    j = torch.arange(Q, device=dev)
+    sees = (seq_lens.long()[:, None] - Q + 1 + j[None, :] - kv_start.long()[:, None]).clamp(min=0)
+    sees = torch.minimum(sees, kv_len.long()[:, None]).reshape(B * Q)                    # V_j per (b, j)
+    seen = sees > 0
+    table = block_table.repeat_interleave(Q, dim=0)
+    table[:, 0] = torch.where(seen, table[:, 0], torch.zeros_like(table[:, 0]))         # page 0 when unseen
+    o, lse = attend(q_abs.reshape(B * Q, 1, H, C), cache, table, sees.clamp(min=1).to(seq_lens.dtype), scale,
+                    kv_lora_rank)
+    o = torch.where(seen[:, None, None, None], o, torch.zeros_like(o))
+    lse = torch.where(seen[:, None, None], lse.float(), torch.full_like(lse, float("-inf"), dtype=torch.float32))
+    return o.view(B, Q, H, kv_lora_rank), lse.view(B, Q, H)
+
+
+def mla_decode_attn_cp(q_abs, cache, block_table, kv_start, kv_len, seq_lens, scale: float, kv_lora_rank: int):
+    """Fused replacement of references.mla_cp.mla_decode_attn_cp: (o_latent[B,Q,H,kv_lora] wd, lse[B,Q,H] fp32).
+    The window checks (host reads) run unless a CUDA graph is being captured."""
+    if not (q_abs.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _check_windows(q_abs, cache, block_table, kv_start, kv_len, seq_lens)
+    return compose(_fused_attend, q_abs, cache, block_table, kv_start, kv_len, seq_lens, scale, kv_lora_rank)
