@@ -36,7 +36,7 @@ def test_k3_inputs_on_the_cpu_are_refused_as_not_runnable_here():
     from stock.flashmla import flashmla_decode_attn
 
     k3 = _inputs("k3", batch=1)
-    with pytest.raises(ImportError, match="CUDA only") as e:
+    with pytest.raises(ImportError, match="CUDA sm_90a only") as e:
         flashmla_decode_attn(**k3.tensors, **k3.params)
     assert "\n" not in str(e.value)
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from references.mla import _check_decode_inputs
+from stock.sm90 import require_sm90a
 
 HEAD_DIM_CKV, HEAD_DIM_KPE = 512, 64
 TILE_KV = 64                                  # the Hopper kernel's key tile
@@ -87,12 +88,7 @@ def _check(q_abs, cache_, kv_lora_rank: int):
     if q_abs.shape[-1] != HEAD_DIM_CKV + HEAD_DIM_KPE or kv_lora_rank != HEAD_DIM_CKV:
         raise ValueError(f"stock.flashinfer_mla: the built module takes {HEAD_DIM_CKV} latent + {HEAD_DIM_KPE} rope "
                          f"columns, got q_abs width {q_abs.shape[-1]} and kv_lora_rank {kv_lora_rank}")
-    if q_abs.device.type != "cuda":
-        raise ImportError(f"stock.flashinfer_mla runs FlashInfer's sm_90a kernel on CUDA only, not on {q_abs.device.type}")
-    capability = torch.cuda.get_device_capability(q_abs.device)
-    if capability != (9, 0):
-        raise ImportError(f"stock.flashinfer_mla: the fa3 MLA module is built for sm_90a; this device is "
-                          f"sm_{capability[0]}{capability[1]}")
+    require_sm90a(q_abs, "stock.flashinfer_mla: FlashInfer's fa3 MLA module")
 
 
 @dataclass

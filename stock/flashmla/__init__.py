@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from references.mla import _check_decode_inputs
+from stock.sm90 import require_sm90a
 
 HEAD_DIM_K, HEAD_DIM_V, PAGE = 576, 512, 64
 MAX_SM_PARTS = 160                    # FlashMLA's combine kernel instantiates up to 160 splits per row block
@@ -94,12 +95,7 @@ def _check(q_abs, cache_, kv_lora_rank: int):
                          f"page {cache_.shape[1]}")
     if cache_.stride(-1) != 1 or cache_.stride(1) != HEAD_DIM_K:
         raise ValueError("stock.flashmla: cache rows must be contiguous 576-element slots")
-    if q_abs.device.type != "cuda":
-        raise ImportError(f"stock.flashmla runs FlashMLA's sm_90a kernel on CUDA only, not on {q_abs.device.type}")
-    capability = torch.cuda.get_device_capability(q_abs.device)
-    if capability != (9, 0):
-        raise ImportError(f"stock.flashmla: FlashMLA's dense decode is built for sm_90a; this device is "
-                          f"sm_{capability[0]}{capability[1]}")
+    require_sm90a(q_abs, "stock.flashmla: FlashMLA's dense decode")
 
 
 def launch(plan: Plan, q_abs, cache_, block_table, seq_lens, scale: float, schedule: bool) -> None:
