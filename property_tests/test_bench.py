@@ -641,6 +641,17 @@ def test_context_knob_gives_every_sequence_its_own_pages_of_that_length(context)
                        mla_decode_attn(**inputs.tensors, **inputs.params)[0])
 
 
+def test_every_declared_knob_set_names_knobs_its_builder_reads():
+    from verify.bench.shapes import builder_knobs, knob_error
+    from verify.ops.registry import all_ops
+
+    for op in all_ops().values():
+        for knobs in (*op.bench_knobs, *op.knob_sweep):
+            assert knob_error(op, knobs) is None, (op.name, knobs)
+    assert "q_per_seq" in builder_knobs(get_op("mla_decode_attn"))
+    assert "proj" in builder_knobs(get_op("skinny_gemm")) and "q_per_seq" not in builder_knobs(get_op("skinny_gemm"))
+
+
 def test_context_shorter_than_the_draft_is_refused():
     from verify.bench.shapes import Shape, build_inputs, case_for
 
@@ -745,6 +756,7 @@ def test_bench_without_a_gpu_exits_2_with_one_line():
     (["--ops", "router_topk", "--knobs", "mla_decode_attn:context=8"], "op 'mla_decode_attn' is not among"),
     (["--ops", "mla_cache_write", "--knobs", "mla_cache_write:context=8"], "a paged attention op's knob"),
     (["--ops", "mla_decode_attn", "--knobs", "mla_decode_attn:context=0"], "needs 1 or more slots"),
+    (["--ops", "mla_decode_attn", "--knobs", "mla_decode_attn:contxt=8"], "read no knob 'contxt'"),
     (["--out", "property_tests/planted_release"], None),
 ])
 def test_bench_bad_usage_is_one_line(args, words, tmp_path):

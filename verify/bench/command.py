@@ -134,7 +134,7 @@ def _with_knobs(ops: list, specs: list[str]) -> list:
     """ops with their bench knob sets replaced by the --knobs OP:K=V[,K=V] sets given for them (this run only)."""
     import dataclasses
 
-    from verify.bench.shapes import context_knob_error
+    from verify.bench.shapes import knob_error
 
     sets: dict[str, list[dict]] = {}
     by_name = {op.name: op for op in ops}
@@ -147,7 +147,7 @@ def _with_knobs(ops: list, specs: list[str]) -> list:
             raise UsageError(f"--knobs {spec!r}: op {op_name!r} is not among the benched ops "
                              f"({', '.join(sorted(by_name))})")
         knobs = {k.strip(): _knob_value(v.strip()) for k, _, v in pairs}
-        problem = context_knob_error(by_name[op_name], knobs)
+        problem = knob_error(by_name[op_name], knobs)
         if problem:
             raise UsageError(f"--knobs {spec!r}: {problem}")
         sets.setdefault(op_name, []).append(knobs)

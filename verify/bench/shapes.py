@@ -97,12 +97,42 @@ DEVICE_BUILT_FAMILIES = ("layers",)
 PAGED = ("q_abs", "cache", "block_table", "seq_lens")
 
 
+KNOB_READS = (r'knob\(\s*"(\w+)"', r'scalar_param\(\s*case\s*,\s*"(\w+)"')
+
+
+def builder_knobs(op) -> set[str]:
+    """The knob names the op's input builder reads: `case.knob("name")` and `scalar_param(case, "name", ..)`
+    in its registry module and the verify.ops helpers it imports, and the names of its declared knob sets."""
+    import re
+
+    from verify.record.certificate import REGISTRY_PACKAGES, _registry_file, closure_files
+
+    names = {k for sets in (op.knob_sweep, op.bench_knobs) for knobs in sets for k in knobs}
+    for text in closure_files(_registry_file(op), packages=REGISTRY_PACKAGES).values():
+        for pattern in KNOB_READS:
+            names.update(re.findall(pattern, text.decode()))
+    return names
+
+
+def knob_error(op, knobs: dict) -> str | None:
+    """Why `knobs` cannot be a bench knob set of `op` (None: it can): a name its builder does not read
+    (a typo would time the default shape under the knob's label), or context=N off a paged attention op."""
+    known = builder_knobs(op) | ({"context"} if set(PAGED) <= _declared_inputs(op) else set())
+    unknown = sorted(set(knobs) - known)
+    if unknown:
+        return f"{op.name}'s inputs read no knob {', '.join(map(repr, unknown))} (they read: {', '.join(sorted(known))})"
+    return context_knob_error(op, knobs)
+
+
+def _declared_inputs(op) -> set[str]:
+    return {line.split("[")[0].split(":")[0].strip() for line in op.signature.splitlines()}
+
+
 def context_knob_error(op, knobs: dict) -> str | None:
     """Why `knobs` cannot be a bench knob set of `op` as far as context=N goes (None: it can)."""
     if "context" not in knobs or not isinstance(knobs["context"], int):
         return None            # the registry's own context knob values ('long') are its builder's
-    declared = {line.split("[")[0].split(":")[0].strip() for line in op.signature.splitlines()}
-    if not set(PAGED) <= declared:
+    if not set(PAGED) <= _declared_inputs(op):
         return f"context=N is a paged attention op's knob; {op.name} has no {', '.join(PAGED)}"
     if knobs["context"] < 1:
         return f"context={knobs['context']}: needs 1 or more slots"
