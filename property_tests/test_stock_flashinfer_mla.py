@@ -126,3 +126,49 @@ def test_where_flashinfer_refuses_the_native_kernel_drops_that_key():
     got = flashinfer_mla_native(**t, **k3.params).float()
     err = ((got - ref).abs().amax(dim=(0, 3)) / ref.abs().amax()).cpu()        # [token, head]
     assert float(err[0].max()) < 1e-2 and float(err[1].max()) > 1e-2, err
+
+
+class _FakeModule:
+    """FlashInfer's plan and run entry points as a recorder, on any device."""
+
+    def __init__(self):
+        self.plans, self.runs = [], []
+
+    def plan(self, *args):
+        self.plans.append(args)
+        return ("plan-info", 0)
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+def test_the_wrapper_passes_flashinfers_plan_and_run_their_arguments(monkeypatch):
+    """One plan in prepare (CSR offsets of the draft tokens and of each sequence's pages, the page list,
+    the lengths, causal), one run per launch with the q and cache halves as views and 18 arguments."""
+    import types
+
+    import stock.flashinfer_mla as fi
+
+    pytest.importorskip("tvm_ffi")
+    fake = _FakeModule()
+    monkeypatch.setattr(fi, "_module", lambda name: fake)
+    monkeypatch.setattr(fi, "require_sm90a", lambda t, who: None)
+    monkeypatch.setattr(fi.torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+    k3 = _inputs("k3", batch=3, extra=(("q_per_seq", 4),))
+    t = dict(k3.tensors)
+    t["seq_lens"] = torch.tensor([70, 4, 129], dtype=t["seq_lens"].dtype)
+    run = fi.flashinfer_mla_peer(t, k3.params)
+    run()
+    run()
+    (plan,) = fake.plans
+    assert len(fake.runs) == 2 and all(len(r) == 18 for r in fake.runs)
+    qo, kv_ptr, kv_len = plan[3], plan[4], plan[5]
+    assert qo.tolist() == [0, 4, 8, 12] and kv_len.tolist() == [70, 4, 129]
+    assert kv_ptr.tolist() == [0, 2, 3, 6] and plan[6:] == (t["q_abs"].shape[2], 512, True)
+    args = fake.runs[0]
+    table = t["block_table"]
+    assert args[7].tolist() == table[0, :2].tolist() + table[1, :1].tolist() + table[2, :3].tolist()
+    q_nope, q_pe, ckv, kpe = args[3:7]
+    assert q_nope.shape[-1] == 512 and q_pe.shape[-1] == 64 and ckv.shape[-1] == 512 and kpe.shape[-1] == 64
+    assert q_pe.data_ptr() - q_nope.data_ptr() == 512 * q_nope.element_size()      # views of q_abs's rows
+    assert args[10:] == (fi.MASK_CAUSAL, t["q_abs"].shape[2], 64, float(k3.params["scale"]), True, 1.0, 1.0, None)

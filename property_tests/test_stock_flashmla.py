@@ -100,3 +100,50 @@ def test_the_peer_launch_gives_the_candidates_bits():
     first = launch().clone()
     assert torch.equal(launch(), first)
     assert torch.equal(flashmla_decode_attn(**t, **k3.params), first)
+
+
+class _FakeLib:
+    """FlashMLA's C entry points as a recorder: what the wrapper passes, on any device."""
+
+    def __init__(self):
+        self.calls = []
+
+    def fmla_sched_meta_ints(self):
+        return 8
+
+    def fmla_dense_decode(self, *args):
+        self.calls.append(args)
+        return 0
+
+
+def test_the_wrapper_passes_flashmlas_operands_and_schedules_once_per_peer(monkeypatch):
+    """The peer plans (scheduler on) once in prepare and launches without it; the candidate schedules on
+    every call; both pass K3's sizes, the cache's page strides and one stream, with no host read."""
+    import types
+
+    import stock.flashmla as fm
+
+    fake = _FakeLib()
+    monkeypatch.setattr(fm, "_lib", lambda: fake)
+    monkeypatch.setattr(fm, "require_sm90a", lambda t, who: None)
+    monkeypatch.setattr(fm, "num_sm_parts", lambda device, n_q, H: 7)
+    monkeypatch.setattr(fm.torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=1234))
+    k3 = _inputs("k3", batch=3, extra=(("q_per_seq", 6),))
+    run = fm.flashmla_peer(k3.tensors, k3.params)
+    out = run()
+    assert out.shape == (3, 6, k3.tensors["q_abs"].shape[2], 512)
+    (first, second) = fake.calls
+    B, n_q, H = 3, 6, k3.tensors["q_abs"].shape[2]
+    cache = k3.tensors["cache"]
+    from pathlib import Path
+
+    shim = (Path(fm.__file__).parent / "shim.cu").read_text()
+    c_params = shim.split("int fmla_dense_decode(")[1].split(")")[0].count(",") + 1
+    for call in fake.calls:
+        assert len(call) == c_params                           # one Python argument per C parameter
+        assert call[:8] == (0, B, n_q, H, 576, 512, 64, cache.shape[0])
+        assert call[8:10] == (cache.stride(0), cache.stride(1)) and call[-1] == 1234
+        assert call[21] == 7                                   # num_sm_parts: the plan's
+    assert first[-2] == 1 and second[-2] == 0                  # the schedule in prepare only
+    fm.flashmla_decode_attn(**k3.tensors, **k3.params)
+    assert fake.calls[-1][-2] == 1

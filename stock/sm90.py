@@ -12,3 +12,12 @@ def require_sm90a(t: torch.Tensor, who: str) -> None:
     capability = torch.cuda.get_device_capability(t.device)
     if capability != (9, 0):
         raise ImportError(f"{who} is built for sm_90a; this device is sm_{capability[0]}{capability[1]}")
+
+
+def aligned16(t: torch.Tensor) -> torch.Tensor:
+    """t itself when contiguous with a 16-byte aligned base (TMA and 16-byte vector loads need it), else a
+    contiguous copy: a strided or offset view of the same values, as a serving engine's buffers never are."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return out.copy_(t)

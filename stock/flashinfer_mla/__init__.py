@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from references.mla import _check_decode_inputs
-from stock.sm90 import require_sm90a
+from stock.sm90 import aligned16, require_sm90a
 
 HEAD_DIM_CKV, HEAD_DIM_KPE = 512, 64
 TILE_KV = 64                                  # the Hopper kernel's key tile
@@ -142,14 +142,14 @@ def plan(q_abs, cache_, block_table, seq_lens, scale: float, kv_lora_rank: int, 
     kv_indptr = torch.tensor([0] + pages, **i32).cumsum(0, dtype=torch.int32)
     float_ws = torch.empty(FLOAT_WORKSPACE, dtype=torch.uint8, device=dev)
     int_ws = torch.empty(INT_WORKSPACE, dtype=torch.uint8, device=dev)
-    pinned_ws = torch.empty(INT_WORKSPACE, dtype=torch.uint8, pin_memory=True)
+    pinned_ws = torch.empty(INT_WORKSPACE, dtype=torch.uint8, pin_memory=dev.type == "cuda")
     import tvm_ffi
 
     with tvm_ffi.use_raw_stream(tvm_ffi.device(str(dev)), torch.cuda.current_stream(dev).cuda_stream):
         plan_info = module.plan(float_ws, int_ws, pinned_ws, qo_indptr, kv_indptr, torch.tensor(lens, **i32), H,
                                 HEAD_DIM_CKV, True)[0]          # (plan info, staged bytes)
-    q = q_abs.contiguous().view(B * n_q, H, C)
-    kv = cache_.view(cache_.shape[0], page, C)
+    q = aligned16(q_abs).view(B * n_q, H, C)
+    kv = aligned16(cache_)
     return Planned(module, float_ws, int_ws, pinned_ws, plan_info, kv_indices, q[..., :HEAD_DIM_CKV],
                    q[..., HEAD_DIM_CKV:], kv[..., :HEAD_DIM_CKV], kv[..., HEAD_DIM_CKV:],
                    torch.empty(B * n_q, H, HEAD_DIM_CKV, dtype=q_abs.dtype, device=dev),

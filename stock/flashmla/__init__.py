@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from references.mla import _check_decode_inputs
-from stock.sm90 import require_sm90a
+from stock.sm90 import aligned16, require_sm90a
 
 HEAD_DIM_K, HEAD_DIM_V, PAGE = 576, 512, 64
 MAX_SM_PARTS = 160                    # FlashMLA's combine kernel instantiates up to 160 splits per row block
@@ -93,8 +93,6 @@ def _check(q_abs, cache_, kv_lora_rank: int):
         raise ValueError(f"stock.flashmla: FlashMLA takes {HEAD_DIM_K}-wide keys, {HEAD_DIM_V}-wide values and pages "
                          f"of {PAGE} slots, got q_abs width {q_abs.shape[-1]}, kv_lora_rank {kv_lora_rank}, "
                          f"page {cache_.shape[1]}")
-    if cache_.stride(-1) != 1 or cache_.stride(1) != HEAD_DIM_K:
-        raise ValueError("stock.flashmla: cache rows must be contiguous 576-element slots")
     require_sm90a(q_abs, "stock.flashmla: FlashMLA's dense decode")
 
 
@@ -114,8 +112,11 @@ def launch(plan: Plan, q_abs, cache_, block_table, seq_lens, scale: float, sched
         raise RuntimeError(f"stock.flashmla: FlashMLA's launch failed ({'shape limits' if rc < 0 else f'CUDA error {rc}'})")
 
 
-def _operands(q_abs, block_table, seq_lens):
-    return (q_abs.contiguous(), block_table.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous())
+def _operands(q_abs, cache_, block_table, seq_lens):
+    """FlashMLA's operand forms: q and the cache contiguous from 16-byte aligned bases (its TMA loads), the
+    block table and lengths int32 and contiguous."""
+    return (aligned16(q_abs), aligned16(cache_), block_table.to(torch.int32).contiguous(),
+            seq_lens.to(torch.int32).contiguous())
 
 
 def flashmla_decode_attn(q_abs: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -126,9 +127,9 @@ def flashmla_decode_attn(q_abs: torch.Tensor, cache: torch.Tensor, block_table: 
     _check_decode_inputs(q_abs, cache, block_table, seq_lens)
     _check(q_abs, cache, kv_lora_rank)
     B, n_q, H, _ = q_abs.shape
-    q, table, lens = _operands(q_abs, block_table, seq_lens)
+    q, kv, table, lens = _operands(q_abs, cache, block_table, seq_lens)
     plan = Plan.make(B, n_q, H, q_abs.dtype, q_abs.device)
-    launch(plan, q, cache, table, lens, scale, schedule=True)
+    launch(plan, q, kv, table, lens, scale, schedule=True)
     return (plan.out, plan.lse) if return_lse else plan.out
 
 
@@ -139,12 +140,12 @@ def flashmla_peer(tensors: dict, params: dict):
     _check_decode_inputs(q_abs, cache_, tensors["block_table"], tensors["seq_lens"])
     _check(q_abs, cache_, kv_lora_rank)
     B, n_q, H, _ = q_abs.shape
-    q, table, lens = _operands(q_abs, tensors["block_table"], tensors["seq_lens"])
+    q, kv, table, lens = _operands(q_abs, cache_, tensors["block_table"], tensors["seq_lens"])
     plan = Plan.make(B, n_q, H, q_abs.dtype, q_abs.device)
     scale = float(params["scale"])
-    launch(plan, q, cache_, table, lens, scale, schedule=True)
+    launch(plan, q, kv, table, lens, scale, schedule=True)
 
-    def launch():
-        launch(plan, q, cache_, table, lens, scale, schedule=False)
+    def run():
+        launch(plan, q, kv, table, lens, scale, schedule=False)
         return plan.out
-    return launch
+    return run
