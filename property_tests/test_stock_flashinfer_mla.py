@@ -135,8 +135,10 @@ class _FakeModule:
         self.plans, self.runs = [], []
 
     def plan(self, *args):
+        """As the native plan: metadata staged in the pinned buffer (args[2]), its byte count returned."""
         self.plans.append(args)
-        return ("plan-info", 0)
+        args[2][:16] = torch.arange(16, dtype=torch.uint8)
+        return ("plan-info", 16)
 
     def run(self, *args):
         self.runs.append(args)
@@ -166,6 +168,7 @@ def test_the_wrapper_passes_flashinfers_plan_and_run_their_arguments(monkeypatch
     assert qo.tolist() == [0, 4, 8, 12] and kv_len.tolist() == [70, 4, 129]
     assert kv_ptr.tolist() == [0, 2, 3, 6] and plan[6:] == (t["q_abs"].shape[2], 512, True)
     args = fake.runs[0]
+    assert args[1][:16].tolist() == list(range(16))          # the staged metadata copied to the device buffer
     table = t["block_table"]
     assert args[7].tolist() == table[0, :2].tolist() + table[1, :1].tolist() + table[2, :3].tolist()
     q_nope, q_pe, ckv, kpe = args[3:7]

@@ -147,3 +147,17 @@ def test_the_wrapper_passes_flashmlas_operands_and_schedules_once_per_peer(monke
     assert first[-2] == 1 and second[-2] == 0                  # the schedule in prepare only
     fm.flashmla_decode_attn(**k3.tensors, **k3.params)
     assert fake.calls[-1][-2] == 1
+
+
+def test_page_ids_outside_the_cache_are_refused_before_a_hopper_kernel_reads_them():
+    from stock.sm90 import check_pages
+
+    cache = torch.zeros(4, 64, 8)
+    table = torch.tensor([[0, 1, -1], [2, 3, -1]], dtype=torch.int32)
+    check_pages(cache, table, torch.tensor([128, 65]))                       # every needed page exists
+    with pytest.raises(ValueError, match=r"page id -1 at \[0, 2\]"):
+        check_pages(cache, table, torch.tensor([129, 65]))
+    with pytest.raises(ValueError, match="page id 9"):
+        check_pages(cache, torch.tensor([[0, 9, -1], [2, 3, -1]], dtype=torch.int32), torch.tensor([65, 1]))
+    with pytest.raises(ValueError, match="needs 4 pages; its block_table row has 3"):
+        check_pages(cache, table, torch.tensor([1, 200]))

@@ -21,3 +21,20 @@ def aligned16(t: torch.Tensor) -> torch.Tensor:
         return t
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     return out.copy_(t)
+
+
+def check_pages(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Every page a sequence's length needs is in its block-table row and in the cache (one host read):
+    the Hopper kernels read page ids unchecked, where the reference raises."""
+    page, n_pages = cache.shape[1], cache.shape[0]
+    need = (seq_lens.long().clamp(min=0) + page - 1) // page
+    if bool((need > block_table.shape[1]).any()):
+        b = int(torch.argmax(need))
+        raise ValueError(f"seq_lens: sequence {b} has length {int(seq_lens[b])}, which needs {int(need[b])} pages; "
+                         f"its block_table row has {block_table.shape[1]}")
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < need[:, None].to(block_table.device)
+    bad = used & ((block_table < 0) | (block_table >= n_pages))
+    if bool(bad.any()):
+        b, k = (int(v) for v in torch.nonzero(bad)[0])
+        raise ValueError(f"block_table: page id {int(block_table[b, k])} at [{b}, {k}] is outside the cache of "
+                         f"{n_pages} pages")

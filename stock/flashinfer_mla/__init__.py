@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from references.mla import _check_decode_inputs
-from stock.sm90 import aligned16, require_sm90a
+from stock.sm90 import aligned16, check_pages, require_sm90a
 
 HEAD_DIM_CKV, HEAD_DIM_KPE = 512, 64
 TILE_KV = 64                                  # the Hopper kernel's key tile
@@ -122,10 +122,11 @@ class Planned:
 
 
 def plan(q_abs, cache_, block_table, seq_lens, scale: float, kv_lora_rank: int, *, refuse_tile_bound: bool = True):
-    """FlashInfer's plan for these inputs (host reads of seq_lens and the block table, then one copy of the
-    metadata to the device on the current stream)."""
+    """FlashInfer's plan for these inputs (host reads of seq_lens and the block table; the plan's metadata,
+    staged in pinned memory, copied to the device on the current stream)."""
     _check_decode_inputs(q_abs, cache_, block_table, seq_lens)
     _check(q_abs, cache_, kv_lora_rank)
+    check_pages(cache_, block_table, seq_lens)
     B, n_q, H, C = q_abs.shape
     page = cache_.shape[1]
     lens = seq_lens.to("cpu", torch.int64).tolist()
@@ -146,8 +147,11 @@ def plan(q_abs, cache_, block_table, seq_lens, scale: float, kv_lora_rank: int, 
     import tvm_ffi
 
     with tvm_ffi.use_raw_stream(tvm_ffi.device(str(dev)), torch.cuda.current_stream(dev).cuda_stream):
-        plan_info = module.plan(float_ws, int_ws, pinned_ws, qo_indptr, kv_indptr, torch.tensor(lens, **i32), H,
-                                HEAD_DIM_CKV, True)[0]          # (plan info, staged bytes)
+        planned = module.plan(float_ws, int_ws, pinned_ws, qo_indptr, kv_indptr, torch.tensor(lens, **i32), H,
+                              HEAD_DIM_CKV, True)
+    plan_info, staged = planned[0], int(planned[1])
+    # the plan fills the pinned buffer only; FlashInfer's Python side copies those bytes to the device
+    int_ws[:staged].copy_(pinned_ws[:staged], non_blocking=True)
     q = aligned16(q_abs).view(B * n_q, H, C)
     kv = aligned16(cache_)
     return Planned(module, float_ws, int_ws, pinned_ws, plan_info, kv_indices, q[..., :HEAD_DIM_CKV],
@@ -160,12 +164,16 @@ def flashinfer_mla_decode_attn(q_abs, cache, block_table, seq_lens, scale: float
     """references.mla.mla_decode_attn through FlashInfer's fa3 MLA -> o_latent[B,Q,H,512] wd; the shapes
     FlashInfer's wrapper refuses raise ValueError."""
     B, n_q, H, _ = q_abs.shape
+    if B == 0:
+        return torch.empty(0, n_q, H, kv_lora_rank, dtype=q_abs.dtype, device=q_abs.device)
     return plan(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank).run().view(B, n_q, H, HEAD_DIM_CKV)
 
 
 def flashinfer_mla_native(q_abs, cache, block_table, seq_lens, scale: float, kv_lora_rank: int):
     """The same kernel without the wrapper's tile-bound refusal: what it computes on every shape."""
     B, n_q, H, _ = q_abs.shape
+    if B == 0:
+        return torch.empty(0, n_q, H, kv_lora_rank, dtype=q_abs.dtype, device=q_abs.device)
     return plan(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank,
                 refuse_tile_bound=False).run().view(B, n_q, H, HEAD_DIM_CKV)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from references.mla import _check_decode_inputs
-from stock.sm90 import aligned16, require_sm90a
+from stock.sm90 import aligned16, check_pages, require_sm90a
 
 HEAD_DIM_K, HEAD_DIM_V, PAGE = 576, 512, 64
 MAX_SM_PARTS = 160                    # FlashMLA's combine kernel instantiates up to 160 splits per row block
@@ -127,6 +127,10 @@ def flashmla_decode_attn(q_abs: torch.Tensor, cache: torch.Tensor, block_table: 
     _check_decode_inputs(q_abs, cache, block_table, seq_lens)
     _check(q_abs, cache, kv_lora_rank)
     B, n_q, H, _ = q_abs.shape
+    if B == 0:
+        empty = torch.empty(0, n_q, H, HEAD_DIM_V, dtype=q_abs.dtype, device=q_abs.device)
+        return (empty, torch.empty(0, n_q, H, device=q_abs.device)) if return_lse else empty
+    check_pages(cache, block_table, seq_lens)
     q, kv, table, lens = _operands(q_abs, cache, block_table, seq_lens)
     plan = Plan.make(B, n_q, H, q_abs.dtype, q_abs.device)
     launch(plan, q, kv, table, lens, scale, schedule=True)
@@ -139,6 +143,7 @@ def flashmla_peer(tensors: dict, params: dict):
     kv_lora_rank = int(params["kv_lora_rank"])
     _check_decode_inputs(q_abs, cache_, tensors["block_table"], tensors["seq_lens"])
     _check(q_abs, cache_, kv_lora_rank)
+    check_pages(cache_, tensors["block_table"], tensors["seq_lens"])
     B, n_q, H, _ = q_abs.shape
     q, kv, table, lens = _operands(q_abs, cache_, tensors["block_table"], tensors["seq_lens"])
     plan = Plan.make(B, n_q, H, q_abs.dtype, q_abs.device)

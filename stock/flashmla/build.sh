@@ -5,7 +5,8 @@
 #
 #   stock/flashmla/build.sh FLASHMLA_DIR OUT.so
 #
-# FLASHMLA_DIR: a FlashMLA checkout with its csrc/cutlass submodule (commit in OUT.so.source).
+# FLASHMLA_DIR: a FlashMLA checkout with its csrc/cutlass submodule (its commit goes into OUT.so.source;
+# FLASHMLA_COMMIT names it for a tree without .git).
 set -euo pipefail
 src=${1:?usage: build.sh FLASHMLA_DIR OUT.so}
 out=${2:?usage: build.sh FLASHMLA_DIR OUT.so}
@@ -28,7 +29,9 @@ for u in "${units[@]}"; do
     nvcc "${flags[@]}" -c "$u" -o "$o" &
     objs+=("$o") pids+=($!)
 done
-for p in "${pids[@]}"; do wait "$p"; done      # set -e: the first failed unit stops the build
+failed=0
+for p in "${pids[@]}"; do wait "$p" || failed=1; done     # every unit finishes before the temp dir goes
+[ "$failed" = 0 ] || { echo "build.sh: a unit failed to compile (its errors above)" >&2; exit 1; }
 nvcc -shared -cudart static -gencode arch=compute_90a,code=sm_90a "${objs[@]}" -o "$out"
-{ git -C "$src" rev-parse HEAD 2>/dev/null || echo "unknown"; } > "$out.source"
+{ git -C "$src" rev-parse HEAD 2>/dev/null || echo "${FLASHMLA_COMMIT:-unknown}"; } > "$out.source"
 echo "built $out ($(du -h "$out" | cut -f1)), FlashMLA $(cat "$out.source")"
