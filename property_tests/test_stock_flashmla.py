@@ -161,3 +161,20 @@ def test_page_ids_outside_the_cache_are_refused_before_a_hopper_kernel_reads_the
         check_pages(cache, torch.tensor([[0, 9, -1], [2, 3, -1]], dtype=torch.int32), torch.tensor([65, 1]))
     with pytest.raises(ValueError, match="needs 4 pages; its block_table row has 3"):
         check_pages(cache, table, torch.tensor([1, 200]))
+
+
+@pytest.mark.skipif(not __import__("stock.flashmla", fromlist=["x"]).library_path().is_file(),
+                    reason="FlashMLA's library is not built here (stock/flashmla/build.sh)")
+def test_the_built_library_loads_without_a_gpu_and_refuses_off_limit_shapes_in_its_return_code():
+    """Where the library is built (the CPU machine that builds it): it loads with no driver (cudart is
+    static), its schedule record is FlashMLA's 8 ints, and the shim returns -1 for a shape FlashMLA
+    would assert on, before any CUDA call."""
+    import stock.flashmla as fm
+
+    lib = fm._lib()
+    assert lib.fmla_sched_meta_ints() == 8
+    args = [0, 1, 1, 16, 100, 512, 64, 1, 0, 0, 1.0, 1, None, None, None, None, None, 0, None, None, None, 1,
+            None, None, 0, None]
+    assert lib.fmla_dense_decode(*args) == -1                  # 100-wide keys
+    args[4], args[6] = 576, 32
+    assert lib.fmla_dense_decode(*args) == -1                  # pages of 32
