@@ -175,3 +175,19 @@ def test_the_wrapper_passes_flashinfers_plan_and_run_their_arguments(monkeypatch
     assert q_nope.shape[-1] == 512 and q_pe.shape[-1] == 64 and ckv.shape[-1] == 512 and kpe.shape[-1] == 64
     assert q_pe.data_ptr() - q_nope.data_ptr() == 512 * q_nope.element_size()      # views of q_abs's rows
     assert args[10:] == (fi.MASK_CAUSAL, t["q_abs"].shape[2], 64, float(k3.params["scale"]), True, 1.0, 1.0, None)
+
+
+@pytest.mark.skipif(not (__import__("stock.flashinfer_mla", fromlist=["x"]).library_dir()
+                         / "batch_mla_sm90_bfloat16.so").is_file(),
+                    reason="FlashInfer's MLA modules are not built here (stock/flashinfer_mla/build.py)")
+def test_the_built_modules_load_through_tvm_ffi_without_the_flashinfer_package():
+    import stock.flashinfer_mla as fi
+
+    pytest.importorskip("tvm_ffi")
+    fi._module.cache_clear()
+    try:
+        for name in ("bfloat16", "float16"):
+            m = fi._module(name)
+            assert callable(m.plan) and callable(m.run)
+    finally:
+        fi._module.cache_clear()

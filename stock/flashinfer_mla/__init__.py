@@ -58,7 +58,8 @@ def _module(dtype_name: str):
         import tvm_ffi
     except ImportError as e:
         raise ImportError(f"stock.flashinfer_mla: needs apache-tvm-ffi to load FlashInfer's module ({e})") from None
-    torch.cuda.init()                          # the module's libcudart is torch's, loaded first
+    if torch.cuda.is_available():
+        torch.cuda.init()                      # the module's libcudart is torch's, loaded first
     return tvm_ffi.load_module(str(path))
 
 
