@@ -312,20 +312,15 @@ def flashmla_attention(layer: StockLayer, q_abs: torch.Tensor, cache: torch.Tens
     """o_latent[B,H,kv] wd of one query token per sequence over its first lens[b] slots, by FlashMLA (its
     scheduler, split-KV attention and combine: three launches); its buffers made on the first call."""
     from stock import flashmla
-    from stock.sm90 import aligned16
 
     B, H, C = q_abs.shape
     key = (B, H, q_abs.dtype, q_abs.device)
     if key not in layer.scratch:
         flashmla._check(q_abs.view(B, 1, H, C), cache, layer.cfg.kv_lora_rank)
         layer.scratch[key] = flashmla.Plan.make(B, 1, H, q_abs.dtype, q_abs.device)
-    plan = layer.scratch[key]
-    table = block_table if block_table.dtype == torch.int32 and block_table.is_contiguous() \
-        else block_table.to(torch.int32).contiguous()
-    lens = lens if lens.dtype == torch.int32 else lens.to(torch.int32)
-    flashmla.launch(plan, aligned16(q_abs).view(B, 1, H, C), aligned16(cache), table, lens, layer.cfg.mla_scale,
-                    schedule=True)      # TMA: a strided or offset cache view goes as an aligned copy
-    return plan.out.view(B, H, layer.cfg.kv_lora_rank)
+    q, kv, table, lens = flashmla.operands(q_abs.reshape(B, 1, H, C), cache, block_table, lens)
+    flashmla.launch(layer.scratch[key], q, kv, table, lens, layer.cfg.mla_scale, schedule=True)
+    return layer.scratch[key].out.view(B, H, layer.cfg.kv_lora_rank)
 
 
 def paged_latent_attention(q_abs: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,

@@ -14,6 +14,12 @@ def require_sm90a(t: torch.Tensor, who: str) -> None:
         raise ImportError(f"{who} is built for sm_90a; this device is sm_{capability[0]}{capability[1]}")
 
 
+def check_half(q_abs: torch.Tensor, cache: torch.Tensor, who: str) -> None:
+    """q_abs and cache both bf16 or both fp16: the dtypes the Hopper MLA kernels are built for."""
+    if q_abs.dtype not in (torch.bfloat16, torch.float16) or cache.dtype != q_abs.dtype:
+        raise ValueError(f"{who}: q_abs and cache must both be bf16 or fp16, got {q_abs.dtype} and {cache.dtype}")
+
+
 def aligned16(t: torch.Tensor) -> torch.Tensor:
     """t itself when contiguous with a 16-byte aligned base (TMA and 16-byte vector loads need it), else a
     contiguous copy: a strided or offset view of the same values, as a serving engine's buffers never are."""

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from references.mla import _check_decode_inputs
-from stock.sm90 import aligned16, check_pages, require_sm90a
+from stock.sm90 import aligned16, check_half, check_pages, require_sm90a
 
 HEAD_DIM_CKV, HEAD_DIM_KPE = 512, 64
 TILE_KV = 64                                  # the Hopper kernel's key tile
@@ -83,9 +83,7 @@ def tile_bound_problem(q_lens: list[int], kv_lens: list[int], n_heads: int) -> s
 
 def _check(q_abs, cache_, kv_lora_rank: int):
     """What the built modules take, then where they run."""
-    if q_abs.dtype not in (torch.bfloat16, torch.float16) or cache_.dtype != q_abs.dtype:
-        raise ValueError(f"stock.flashinfer_mla: q_abs and cache must both be bf16 or fp16, got {q_abs.dtype} and "
-                         f"{cache_.dtype}")
+    check_half(q_abs, cache_, "stock.flashinfer_mla")
     if q_abs.shape[-1] != HEAD_DIM_CKV + HEAD_DIM_KPE or kv_lora_rank != HEAD_DIM_CKV:
         raise ValueError(f"stock.flashinfer_mla: the built module takes {HEAD_DIM_CKV} latent + {HEAD_DIM_KPE} rope "
                          f"columns, got q_abs width {q_abs.shape[-1]} and kv_lora_rank {kv_lora_rank}")

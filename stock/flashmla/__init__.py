@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from references.mla import _check_decode_inputs
-from stock.sm90 import aligned16, check_pages, require_sm90a
+from stock.sm90 import aligned16, check_half, check_pages, require_sm90a
 
 HEAD_DIM_K, HEAD_DIM_V, PAGE = 576, 512, 64
 MAX_SM_PARTS = 160                    # FlashMLA's combine kernel instantiates up to 160 splits per row block
@@ -87,8 +87,7 @@ class Plan:
 
 def _check(q_abs, cache_, kv_lora_rank: int):
     """What FlashMLA's dense decode takes (its own checks exit the process), then where it runs."""
-    if q_abs.dtype not in (torch.bfloat16, torch.float16) or cache_.dtype != q_abs.dtype:
-        raise ValueError(f"stock.flashmla: q_abs and cache must both be bf16 or fp16, got {q_abs.dtype} and {cache_.dtype}")
+    check_half(q_abs, cache_, "stock.flashmla")
     if q_abs.shape[-1] != HEAD_DIM_K or kv_lora_rank != HEAD_DIM_V or cache_.shape[1] != PAGE:
         raise ValueError(f"stock.flashmla: FlashMLA takes {HEAD_DIM_K}-wide keys, {HEAD_DIM_V}-wide values and pages "
                          f"of {PAGE} slots, got q_abs width {q_abs.shape[-1]}, kv_lora_rank {kv_lora_rank}, "
@@ -112,11 +111,21 @@ def launch(plan: Plan, q_abs, cache_, block_table, seq_lens, scale: float, sched
         raise RuntimeError(f"stock.flashmla: FlashMLA's launch failed ({'shape limits' if rc < 0 else f'CUDA error {rc}'})")
 
 
-def _operands(q_abs, cache_, block_table, seq_lens):
+def operands(q_abs, cache_, block_table, seq_lens):
     """FlashMLA's operand forms: q and the cache contiguous from 16-byte aligned bases (its TMA loads), the
-    block table and lengths int32 and contiguous."""
+    block table and lengths int32 and contiguous (each the tensor itself when it already is)."""
     return (aligned16(q_abs), aligned16(cache_), block_table.to(torch.int32).contiguous(),
             seq_lens.to(torch.int32).contiguous())
+
+
+def _prepared(q_abs, cache_, block_table, seq_lens, kv_lora_rank: int):
+    """(plan, q, cache, block table, lengths) for one FlashMLA call on the op's inputs, after the
+    reference's argument checks, FlashMLA's limits and the page ids (host reads)."""
+    _check_decode_inputs(q_abs, cache_, block_table, seq_lens)
+    _check(q_abs, cache_, kv_lora_rank)
+    check_pages(cache_, block_table, seq_lens)
+    B, n_q, H, _ = q_abs.shape
+    return (Plan.make(B, n_q, H, q_abs.dtype, q_abs.device), *operands(q_abs, cache_, block_table, seq_lens))
 
 
 def flashmla_decode_attn(q_abs: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -124,29 +133,21 @@ def flashmla_decode_attn(q_abs: torch.Tensor, cache: torch.Tensor, block_table: 
     """references.mla.mla_decode_attn through FlashMLA -> o_latent[B,Q,H,512] wd (with return_lse also
     lse[B,Q,H] fp32 as FlashMLA gives it). Causal among the Q query tokens as the reference: token j of a
     length-L sequence sees slots < L - Q + j + 1."""
-    _check_decode_inputs(q_abs, cache, block_table, seq_lens)
-    _check(q_abs, cache, kv_lora_rank)
     B, n_q, H, _ = q_abs.shape
     if B == 0:
+        _check_decode_inputs(q_abs, cache, block_table, seq_lens)
+        _check(q_abs, cache, kv_lora_rank)
         empty = torch.empty(0, n_q, H, HEAD_DIM_V, dtype=q_abs.dtype, device=q_abs.device)
         return (empty, torch.empty(0, n_q, H, device=q_abs.device)) if return_lse else empty
-    check_pages(cache, block_table, seq_lens)
-    q, kv, table, lens = _operands(q_abs, cache, block_table, seq_lens)
-    plan = Plan.make(B, n_q, H, q_abs.dtype, q_abs.device)
+    plan, q, kv, table, lens = _prepared(q_abs, cache, block_table, seq_lens, kv_lora_rank)
     launch(plan, q, kv, table, lens, scale, schedule=True)
     return (plan.out, plan.lse) if return_lse else plan.out
 
 
 def flashmla_peer(tensors: dict, params: dict):
     """Bench peer of mla_decode_attn: FlashMLA's attention + combine per launch, its schedule made here."""
-    q_abs, cache_ = tensors["q_abs"], tensors["cache"]
-    kv_lora_rank = int(params["kv_lora_rank"])
-    _check_decode_inputs(q_abs, cache_, tensors["block_table"], tensors["seq_lens"])
-    _check(q_abs, cache_, kv_lora_rank)
-    check_pages(cache_, tensors["block_table"], tensors["seq_lens"])
-    B, n_q, H, _ = q_abs.shape
-    q, kv, table, lens = _operands(q_abs, cache_, tensors["block_table"], tensors["seq_lens"])
-    plan = Plan.make(B, n_q, H, q_abs.dtype, q_abs.device)
+    plan, q, kv, table, lens = _prepared(tensors["q_abs"], tensors["cache"], tensors["block_table"],
+                                         tensors["seq_lens"], int(params["kv_lora_rank"]))
     scale = float(params["scale"])
     launch(plan, q, kv, table, lens, scale, schedule=True)
 

@@ -99,6 +99,11 @@ def _setup(args):
     return _with_knobs(_with_peers(ops, args.peer), args.knobs), labels, tps, batches, certs, out
 
 
+def _require_benched(flag: str, spec: str, op_name: str, by_name: dict) -> None:
+    if op_name not in by_name:
+        raise UsageError(f"{flag} {spec!r}: op {op_name!r} is not among the benched ops ({', '.join(sorted(by_name))})")
+
+
 def _with_peers(ops: list, specs: list[str]) -> list:
     """ops with each --peer OP:NAME=MODULE:ATTR added to its OP's declared peers (for this run only)."""
     import dataclasses
@@ -112,9 +117,7 @@ def _with_peers(ops: list, specs: list[str]) -> list:
         op_name, colon, name = head.partition(":")
         if not (eq and colon and name and ":" in path):
             raise UsageError(f"--peer {spec!r}: expected OP:NAME=MODULE:ATTR")
-        if op_name not in by_name:
-            raise UsageError(f"--peer {spec!r}: op {op_name!r} is not among the benched ops "
-                             f"({', '.join(sorted(by_name))})")
+        _require_benched("--peer", spec, op_name, by_name)
         taken = [p.name for p in by_name[op_name].peers] + [p.name for p in extra.get(op_name, [])]
         if name in taken:
             raise UsageError(f"--peer {spec!r}: {op_name} already has a peer named {name!r}")
@@ -143,9 +146,7 @@ def _with_knobs(ops: list, specs: list[str]) -> list:
         pairs = [kv.partition("=") for kv in body.split(",")]
         if not (colon and body and all(k.strip() and eq and v.strip() for k, eq, v in pairs)):
             raise UsageError(f"--knobs {spec!r}: expected OP:K=V[,K=V]")
-        if op_name not in by_name:
-            raise UsageError(f"--knobs {spec!r}: op {op_name!r} is not among the benched ops "
-                             f"({', '.join(sorted(by_name))})")
+        _require_benched("--knobs", spec, op_name, by_name)
         knobs = {k.strip(): _knob_value(v.strip()) for k, _, v in pairs}
         problem = knob_error(by_name[op_name], knobs)
         if problem:

@@ -226,13 +226,14 @@ def markdown(rec: dict) -> str:
     entry, each candidate's floor ratio, speedups and verdict), the misses, what was not timed, the
     scores."""
     env = rec.get("environment", {})
+    libs = [f"CuTe DSL {env.get('cutlass_dsl') or '-'}", f"triton {env.get('triton') or '-'}",
+            f"fla-core {env.get('fla_core') or 'not installed'}"]
+    libs += [f"{name} {env[key][:width]}" for key, name, width in
+             (("flashmla", "FlashMLA", 12), ("flashinfer_mla", "FlashInfer", 18)) if env.get(key)]
     lines = [f"## Speed: verify-kernels bench ({(rec.get('created') or '?')[:10]})", "",
              f"Measured {rec.get('created', '?')} on {env.get('gpu') or env.get('device', '?')} "
              f"(driver {env.get('driver') or '-'}, CUDA {env.get('cuda') or '-'}, torch {env.get('torch', '-')}, "
-             f"CuTe DSL {env.get('cutlass_dsl') or '-'}, triton {env.get('triton') or '-'}, "
-             f"fla-core {env.get('fla_core') or 'not installed'}"
-             + (f", FlashMLA {env['flashmla'][:12]}" if env.get("flashmla") else "")
-             + (f", FlashInfer {env['flashinfer_mla'][:18]}" if env.get("flashinfer_mla") else "") + "); commit `{(env.get('git_commit') or '-')[:12]}`"
+             f"{', '.join(libs)}); commit `{(env.get('git_commit') or '-')[:12]}`"
              + (" (dirty tree)" if env.get("git_dirty") else "") + ".",
              "", f"Command: `{rec.get('command', '')}`", "",
              "Times: us per call, median of CUDA-graph replays (`*`: not capturable, launched from Python); "

@@ -115,27 +115,22 @@ def builder_knobs(op) -> set[str]:
 
 
 def knob_error(op, knobs: dict) -> str | None:
-    """Why `knobs` cannot be a bench knob set of `op` (None: it can): a name its builder does not read
-    (a typo would time the default shape under the knob's label), or context=N off a paged attention op."""
-    known = builder_knobs(op) | ({"context"} if set(PAGED) <= _declared_inputs(op) else set())
+    """Why `knobs` cannot be a bench knob set of `op` (None: it can): context=N (the bench's own knob,
+    with_context; the registry's context values such as 'long' are its builder's) off a paged attention
+    op or below one slot, or a name its builder does not read (a typo would time the default shape
+    under the knob's label)."""
+    declared = {line.split("[")[0].split(":")[0].strip() for line in op.signature.splitlines()}
+    paged = set(PAGED) <= declared
+    context = knobs.get("context")
+    if isinstance(context, int):
+        if not paged:
+            return f"context=N is a paged attention op's knob; {op.name} has no {', '.join(PAGED)}"
+        if context < 1:
+            return f"context={context}: needs 1 or more slots"
+    known = builder_knobs(op) | ({"context"} if paged else set())
     unknown = sorted(set(knobs) - known)
     if unknown:
         return f"{op.name}'s inputs read no knob {', '.join(map(repr, unknown))} (they read: {', '.join(sorted(known))})"
-    return context_knob_error(op, knobs)
-
-
-def _declared_inputs(op) -> set[str]:
-    return {line.split("[")[0].split(":")[0].strip() for line in op.signature.splitlines()}
-
-
-def context_knob_error(op, knobs: dict) -> str | None:
-    """Why `knobs` cannot be a bench knob set of `op` as far as context=N goes (None: it can)."""
-    if "context" not in knobs or not isinstance(knobs["context"], int):
-        return None            # the registry's own context knob values ('long') are its builder's
-    if not set(PAGED) <= _declared_inputs(op):
-        return f"context=N is a paged attention op's knob; {op.name} has no {', '.join(PAGED)}"
-    if knobs["context"] < 1:
-        return f"context={knobs['context']}: needs 1 or more slots"
     return None
 
 
