@@ -149,6 +149,28 @@ def test_the_wrapper_passes_flashmlas_operands_and_schedules_once_per_peer(monke
     assert fake.calls[-1][-2] == 1
 
 
+def test_under_graph_capture_the_candidate_reads_nothing_from_the_host(monkeypatch):
+    """Capture forbids host reads (the H200 run's guard:cuda_graph failed on them): while capturing, the
+    length and page checks are left out and the launch schedules on the device; outside, both run."""
+    import types
+
+    import stock.flashmla as fm
+
+    fake, host_reads = _FakeLib(), []
+    monkeypatch.setattr(fm, "_lib", lambda: fake)
+    monkeypatch.setattr(fm, "require_sm90a", lambda t, who: None)
+    monkeypatch.setattr(fm, "num_sm_parts", lambda device, n_q, H: 7)
+    monkeypatch.setattr(fm.torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=1))
+    monkeypatch.setattr(fm, "_check_decode_inputs", lambda *a: host_reads.append("lengths"))
+    monkeypatch.setattr(fm, "check_pages", lambda *a: host_reads.append("pages"))
+    k3 = _inputs("k3", batch=2, extra=(("q_per_seq", 2),))
+    for capture, want in ((True, []), (False, ["lengths", "pages"])):
+        monkeypatch.setattr(fm, "capturing", lambda t, c=capture: c)
+        host_reads.clear()
+        fm.flashmla_decode_attn(**k3.tensors, **k3.params)
+        assert host_reads == want and fake.calls[-1][-2] == 1
+
+
 def test_page_ids_outside_the_cache_are_refused_before_a_hopper_kernel_reads_them():
     from stock.sm90 import check_pages
 

@@ -276,9 +276,10 @@ def test_flashmla_is_not_taken_off_its_device_or_shapes():
 @needs_gpu
 @pytest.mark.gpu
 def test_k3_stock_mla_step_through_flashmla_matches_its_torch_attention():
-    """Where FlashMLA runs, the stock MLA step decodes through it: three steps of B = 8 over ragged lengths
-    give the torch attention's cache and lengths bit for bit and its outputs within bf16 rounding (the
-    two attentions round P and sum in other orders)."""
+    """Where FlashMLA runs, the stock MLA step decodes through it: three steps of B = 8 over ragged lengths,
+    each on the same hidden rows (a chained output would carry the first step's rounding into the next
+    cache write), give the torch attention's cache and lengths bit for bit and its outputs within bf16
+    rounding (the two attentions round P and sum in other orders)."""
     from references.config import K3
     from references.layers import DEFAULT_LAYER, new_layer_state
     from stock.weights import make_layer_weights_on
@@ -298,9 +299,8 @@ def test_k3_stock_mla_step_through_flashmla_matches_its_torch_attention():
     for layer in layers:
         state = {n: t.clone() for n, t in base.items()}
         stock.validate_state(layer, prefix, blocks, state, 3)
-        p = prefix
         for _ in range(3):
-            p = layer.step(p, blocks.clone(), *state.values())
+            p = layer.step(prefix, blocks.clone(), *state.values())
         outs.append(p.float())
         states.append(state)
     assert torch.equal(states[0]["seq_lens"], states[1]["seq_lens"])

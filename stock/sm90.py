@@ -29,6 +29,11 @@ def aligned16(t: torch.Tensor) -> torch.Tensor:
     return out.copy_(t)
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """A CUDA graph is being captured on t's device's current stream: host reads would invalidate it."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def check_pages(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
     """Every page a sequence's length needs is in its block-table row and in the cache (one host read):
     the Hopper kernels read page ids unchecked, where the reference raises."""

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from references.mla import _check_decode_inputs
-from stock.sm90 import aligned16, check_half, check_pages, require_sm90a
+from stock.sm90 import aligned16, capturing, check_half, check_pages, require_sm90a
 
 HEAD_DIM_CKV, HEAD_DIM_KPE = 512, 64
 TILE_KV = 64                                  # the Hopper kernel's key tile
@@ -122,7 +122,11 @@ class Planned:
 
 def plan(q_abs, cache_, block_table, seq_lens, scale: float, kv_lora_rank: int, *, refuse_tile_bound: bool = True):
     """FlashInfer's plan for these inputs (host reads of seq_lens and the block table; the plan's metadata,
-    staged in pinned memory, copied to the device on the current stream)."""
+    staged in pinned memory, copied to the device on the current stream). The plan is host work on the
+    lengths, which CUDA-graph capture forbids: an engine plans before it replays (flashinfer_mla_peer)."""
+    if capturing(q_abs):
+        raise RuntimeError("stock.flashinfer_mla: FlashInfer's MLA plans on the host from seq_lens, which a CUDA "
+                           "graph capture cannot read; plan before capture and capture the run (flashinfer_mla_peer)")
     _check_decode_inputs(q_abs, cache_, block_table, seq_lens)
     _check(q_abs, cache_, kv_lora_rank)
     check_pages(cache_, block_table, seq_lens)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from references.mla import _check_decode_inputs
-from stock.sm90 import aligned16, check_half, check_pages, require_sm90a
+from stock.sm90 import aligned16, capturing, check_half, check_pages, require_sm90a
 
 HEAD_DIM_K, HEAD_DIM_V, PAGE = 576, 512, 64
 MAX_SM_PARTS = 160                    # FlashMLA's combine kernel instantiates up to 160 splits per row block
@@ -119,11 +119,13 @@ def operands(q_abs, cache_, block_table, seq_lens):
 
 
 def _prepared(q_abs, cache_, block_table, seq_lens, kv_lora_rank: int):
-    """(plan, q, cache, block table, lengths) for one FlashMLA call on the op's inputs, after the
-    reference's argument checks, FlashMLA's limits and the page ids (host reads)."""
-    _check_decode_inputs(q_abs, cache_, block_table, seq_lens)
+    """(plan, q, cache, block table, lengths) for one FlashMLA call on the op's inputs, after FlashMLA's
+    limits and, unless a CUDA graph is being captured, the reference's argument checks and the page ids
+    (host reads, which capture forbids; FlashMLA's scheduler reads the lengths on the device)."""
+    if not capturing(q_abs):
+        _check_decode_inputs(q_abs, cache_, block_table, seq_lens)
+        check_pages(cache_, block_table, seq_lens)
     _check(q_abs, cache_, kv_lora_rank)
-    check_pages(cache_, block_table, seq_lens)
     B, n_q, H, _ = q_abs.shape
     return (Plan.make(B, n_q, H, q_abs.dtype, q_abs.device), *operands(q_abs, cache_, block_table, seq_lens))
 
