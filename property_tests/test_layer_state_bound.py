@@ -62,6 +62,38 @@ def test_rounding_flips_of_a_correct_candidate_pass(seed, dist, monkeypatch):
     assert check.ok, check.detail
 
 
+def gate_input_flipped(channel: int, direction: float):
+    """The reference layer with the g_raw of `channel` in every head moved one wd ulp toward `direction` at
+    every step: what another fp32 order of in_proj's f_b sum gives where the value straddles a rounding."""
+    import references.kda as kda
+
+    exact = kda.kda_in_proj
+
+    def in_proj(x, w_in, w_fb, n_heads):
+        q, k, v, g, beta, z = exact(x, w_in, w_fb, n_heads)
+        if g.dtype in (torch.float16, torch.bfloat16):
+            g = g.clone().view(g.shape[0], n_heads, -1)
+            g[:, :, channel] = torch.nextafter(g[:, :, channel], torch.full_like(g[:, :, channel], direction))
+            g = g.view(g.shape[0], -1)
+        return q, k, v, g, beta, z
+
+    def candidate(*args, **kwargs):
+        kda.kda_in_proj = in_proj
+        try:
+            return kda_layer_steps(*args, **kwargs)
+        finally:
+            kda.kda_in_proj = exact
+    return candidate
+
+
+@pytest.mark.parametrize("channel,direction", [(7, 1e4), (7, -1e4), (13, 1e4), (13, -1e4)])
+def test_a_gate_input_one_ulp_away_passes(channel, direction):
+    """tiny fp16 seed 8: one g_raw per head and step one ulp away moves a whole key column of the state by
+    a few % of alpha (the gate's slope); without the spec's gate flip term these failed on 4-5 rows."""
+    check = _state_check(gate_input_flipped(channel, direction), Case("kda_layer", 8, 2, "tiny", "float16", "normal"))
+    assert check.ok, check.detail
+
+
 @pytest.mark.parametrize("steps", [3, 16])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_state_carried_in_bf16_fails_in_fp16(seed, steps):

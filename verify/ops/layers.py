@@ -190,9 +190,13 @@ def kda_layer_state_magnitude(inputs: OpInputs, cand: dict | None = None) -> dic
 def _carried_flips(inputs: OpInputs, wd: torch.dtype) -> torch.Tensor:
     """FLIP_SCALE x sum over steps s of |F_s A_(s+1) ... A_N| (kda_layer_state_magnitude). F_s [B,H,V,K]:
     per state row (b, h, v), the change of token s's new row when
-      v_j flips:  one wd ulp: beta ulp(v_j) k;
-      ks_c flips: k moves by dk = ulp(ks_c) / |ks| (e_c - k_c k) (the L2 norm's projection), the row by
-                  u_j dk - beta (S'_j . dk) k; the channel c with the largest first-order change of the row.
+      v_j flips:       one wd ulp: beta ulp(v_j) k;
+      ks_c flips:      k moves by dk = ulp(ks_c) / |ks| (e_c - k_c k) (the L2 norm's projection), the row
+                       by u_j dk - beta (S'_j . dk) k; the channel c with the largest first-order change;
+      g_raw_c flips:   alpha_c moves by da_c = |d alpha_c / d g_raw_c| ulp(g_raw_c) (the gate's slope,
+                       references.kda.kda_gate), the row by S_jc da_c (e_c - beta k_c k); the channel c
+                       with the largest |S_jc| da_c;
+      beta_raw flips:  beta moves by db = sigmoid'(beta_raw) ulp(beta_raw), the row by (u_j / beta) db k.
     A_r: a row's error e becomes (e * alpha_r) (I - beta_r k_r k_r^T) at step r (references.kda.
     gated_delta_step), applied to each flip separately so the sum of magnitudes is taken at the end."""
     from references.kda import kda_decode, kda_gate, kda_in_proj, short_conv_update
@@ -228,10 +232,19 @@ def _carried_flips(inputs: OpInputs, wd: torch.dtype) -> torch.Tensor:
         e_c = torch.zeros_like(sd).scatter_(-1, c, 1.0)
         dk = dkc * (e_c - kc * k.unsqueeze(-2))                                 # [B, H, V, K]
         f_k = u.unsqueeze(-1) * dk - beta * (sd * dk).sum(-1, keepdim=True) * k.unsqueeze(-2)
+        gate = torch.sigmoid(w["A_log"].exp().view(H, 1) * (g_raw.view(B, H, K) + w["dt_bias"].view(H, K)))
+        da = (alpha * abs(cfg.gate_lower_bound) * w["A_log"].exp().view(H, 1) * gate * (1 - gate)
+              * _ulp(g_raw.view(B, H, K), wd)).unsqueeze(-2).expand(B, H, V, K)           # [B, H, V, K]
+        cg = (S.abs() * da).argmax(-1, keepdim=True)                                      # [B, H, V, 1]
+        e_g = torch.zeros_like(sd).scatter_(-1, cg, 1.0)
+        kg = k.unsqueeze(-2).expand(B, H, V, K).gather(-1, cg)
+        f_g = S.gather(-1, cg) * da.gather(-1, cg) * (e_g - beta * kg * k.unsqueeze(-2))
+        db = beta * (1 - beta) * _ulp(beta_raw.view(B, H, 1, 1), wd)                      # [B, H, 1, 1]
+        f_b = (u / beta[..., 0]).unsqueeze(-1) * db * k.unsqueeze(-2)
         if carried is not None:                                 # the earlier flips through this step's map
             carried = carried * alpha.unsqueeze(-2)
             carried = carried - beta * (carried * k.unsqueeze(-2)).sum(-1, keepdim=True) * k.unsqueeze(-2)
-        born = torch.stack([f_v, f_k])
+        born = torch.stack([f_v, f_k, f_g, f_b])
         carried = born if carried is None else torch.cat([carried, born])
         kda_decode(q_raw, k_raw, v_raw, g_raw, beta_raw, z, conv_w, state.conv_state, w["A_log"], w["dt_bias"],
                    w["o_norm_w"], S, cfg.gate_lower_bound, cfg.l2_eps, cfg.rms_eps)
