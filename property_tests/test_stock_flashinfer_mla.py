@@ -92,6 +92,9 @@ def test_flashinfer_is_judged_by_the_harness_at_k3(batch, tp, extra):
                        "stock.flashinfer_mla:flashinfer_mla_decode_attn")
         if v.status == "fail" and "FlashInfer refuses" in v.reason:           # its own wrapper's refusal
             continue
+        if tp > 1:                     # a rank split's cases judge each rank's call, with no graph capture
+            assert v.status == "pass", f"seed {seed}: {v.stage}: {v.reason}"
+            continue
         # FlashInfer plans on the host, so a call cannot be captured whole: that guard, and it alone, fails
         failing = [(c.name, c.detail) for c in v.failing()]
         assert [n for n, _ in failing] == ["guard:cuda_graph"], f"seed {seed}: {failing}"
