@@ -265,3 +265,20 @@ def test_carry_forward_judges_a_changed_user_kernel_again(user_kernel):
     (user_kernel / "main.py").write_text("from kern import helper\n\n\ndef kernel(x, w):\n    return x @ w.T\n")
     carried, changed = carry_forward(old, {"skinny_gemm": OPS[0]}, [label])
     assert carried == {} and changed == ["skinny_gemm"]
+
+
+def test_the_dsl_version_is_recorded_without_dist_metadata_or_a_loaded_kernel():
+    """On the GPU machine the CuTe DSL travels unpacked (no dist metadata) and the bench writes its
+    environment before any kernel imports it: the version then comes from the module, imported there."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
+    code = ("import sys; from verify.record.certificate import _loaded_cutlass_version as v; "
+            "assert 'cutlass' not in sys.modules; print(v())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "CUTE_DSL_ARCH": "sm_90a"})
+    assert out.returncode == 0, out.stderr[-500:]
+    import cutlass
+
+    assert out.stdout.strip() == cutlass.__version__

@@ -55,9 +55,19 @@ def environment(device: str) -> dict:
 
 
 def _loaded_cutlass_version() -> str | None:
-    """The DSL's version when it was carried unpacked (no dist metadata) and a kernel imported it."""
+    """The DSL's version when it was carried unpacked (no dist metadata): its module's, imported here
+    when no kernel has yet (the bench writes its environment before the first kernel compiles)."""
     mod = sys.modules.get("cutlass")
-    return getattr(mod, "__version__", None) if mod is not None else None
+    if mod is None:
+        import importlib.util
+
+        if importlib.util.find_spec("cutlass") is None:
+            return None
+        try:
+            import cutlass as mod
+        except Exception:                        # a broken install: no version to report
+            return None
+    return getattr(mod, "__version__", None)
 
 
 def _git(*args, cwd: Path | None = None) -> str | None:
