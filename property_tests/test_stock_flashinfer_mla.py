@@ -190,7 +190,7 @@ def test_a_plan_inside_graph_capture_is_one_clear_error(monkeypatch):
     one line before any host read (the harness reports it at guard:cuda_graph)."""
     import stock.flashinfer_mla as fi
 
-    monkeypatch.setattr(fi, "capturing", lambda t: True)
+    monkeypatch.setattr(fi, "capturing", lambda: True)
     monkeypatch.setattr(fi, "_check_decode_inputs", lambda *a: pytest.fail("a host read under capture"))
     k3 = _inputs("k3", batch=2)
     with pytest.raises(RuntimeError, match="plans on the host from seq_lens"):

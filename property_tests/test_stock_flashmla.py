@@ -165,7 +165,7 @@ def test_under_graph_capture_the_candidate_reads_nothing_from_the_host(monkeypat
     monkeypatch.setattr(fm, "check_pages", lambda *a: host_reads.append("pages"))
     k3 = _inputs("k3", batch=2, extra=(("q_per_seq", 2),))
     for capture, want in ((True, []), (False, ["lengths", "pages"])):
-        monkeypatch.setattr(fm, "capturing", lambda t, c=capture: c)
+        monkeypatch.setattr(fm, "capturing", lambda c=capture: c)
         host_reads.clear()
         fm.flashmla_decode_attn(**k3.tensors, **k3.params)
         assert host_reads == want and fake.calls[-1][-2] == 1

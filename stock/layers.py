@@ -34,6 +34,7 @@ from references.layers import attn_res_layout, check_layer_idx, kda_kind_of, lay
 from references.mxfp4 import E2M1_LUT, GROUP, scale_values
 from references.primitives import FLOAT_DTYPES, check_tensor
 from references.weights import FP32_PARAMS, MXFP4_PARAMS
+from stock.sm90 import capturing  # noqa: F401  (fused.layers calls stock.capturing)
 
 RENORM_EPS = 1e-20                # references.moe.RENORM_EPS
 DEQUANT_CHUNK_ELEMS = 1 << 30     # dequantised expert elements per batched chunk (K3: 32 pairs, ~7 GB transient)
@@ -382,13 +383,6 @@ STEPS = {"kda": kda_step, "dense": kda_step, "mla": mla_step}      # dense: _mlp
 
 
 # ---------------------------------------------------------------------------------------------- validation
-def capturing() -> bool:
-    """The current CUDA stream is being captured into a graph: no tensor value can be read on the host
-    (False where torch has no CUDA, whose capture query raises). Value checks are then left to the
-    eager calls, the capture's own warm-up among them."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def validate_state(layer: StockLayer, prefix: torch.Tensor, blocks: torch.Tensor, state: dict, n_steps: int) -> None:
     """Every check the steps leave out, made once before them (host reads allowed here): shapes and
     dtypes as references.layers.check_layer_args, and for MLA a valid cache page for each of the next

@@ -29,9 +29,11 @@ def aligned16(t: torch.Tensor) -> torch.Tensor:
     return out.copy_(t)
 
 
-def capturing(t: torch.Tensor) -> bool:
-    """A CUDA graph is being captured on t's device's current stream: host reads would invalidate it."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+def capturing() -> bool:
+    """The current CUDA stream is being captured into a graph: no tensor value can be read on the host
+    (False where torch has no CUDA, whose capture query raises). Value checks are then left to the
+    eager calls, the capture's own warm-up among them."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def check_pages(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> None:

@@ -124,7 +124,7 @@ def plan(q_abs, cache_, block_table, seq_lens, scale: float, kv_lora_rank: int, 
     """FlashInfer's plan for these inputs (host reads of seq_lens and the block table; the plan's metadata,
     staged in pinned memory, copied to the device on the current stream). The plan is host work on the
     lengths, which CUDA-graph capture forbids: an engine plans before it replays (flashinfer_mla_peer)."""
-    if capturing(q_abs):
+    if capturing():
         raise RuntimeError("stock.flashinfer_mla: FlashInfer's MLA plans on the host from seq_lens, which a CUDA "
                            "graph capture cannot read; plan before capture and capture the run (flashinfer_mla_peer)")
     _check_decode_inputs(q_abs, cache_, block_table, seq_lens)

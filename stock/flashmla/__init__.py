@@ -118,14 +118,18 @@ def operands(q_abs, cache_, block_table, seq_lens):
             seq_lens.to(torch.int32).contiguous())
 
 
-def _prepared(q_abs, cache_, block_table, seq_lens, kv_lora_rank: int):
-    """(plan, q, cache, block table, lengths) for one FlashMLA call on the op's inputs, after FlashMLA's
-    limits and, unless a CUDA graph is being captured, the reference's argument checks and the page ids
-    (host reads, which capture forbids; FlashMLA's scheduler reads the lengths on the device)."""
-    if not capturing(q_abs):
+def _check_call(q_abs, cache_, block_table, seq_lens, kv_lora_rank: int) -> None:
+    """FlashMLA's limits and, unless a CUDA graph is being captured, the reference's argument checks and
+    the page ids (host reads, which capture forbids; FlashMLA's scheduler reads the lengths on the device)."""
+    if not capturing():
         _check_decode_inputs(q_abs, cache_, block_table, seq_lens)
         check_pages(cache_, block_table, seq_lens)
     _check(q_abs, cache_, kv_lora_rank)
+
+
+def _prepared(q_abs, cache_, block_table, seq_lens, kv_lora_rank: int):
+    """(plan, q, cache, block table, lengths) for one FlashMLA call on the op's inputs, after _check_call."""
+    _check_call(q_abs, cache_, block_table, seq_lens, kv_lora_rank)
     B, n_q, H, _ = q_abs.shape
     return (Plan.make(B, n_q, H, q_abs.dtype, q_abs.device), *operands(q_abs, cache_, block_table, seq_lens))
 
@@ -137,8 +141,7 @@ def flashmla_decode_attn(q_abs: torch.Tensor, cache: torch.Tensor, block_table: 
     length-L sequence sees slots < L - Q + j + 1."""
     B, n_q, H, _ = q_abs.shape
     if B == 0:
-        _check_decode_inputs(q_abs, cache, block_table, seq_lens)
-        _check(q_abs, cache, kv_lora_rank)
+        _check_call(q_abs, cache, block_table, seq_lens, kv_lora_rank)
         empty = torch.empty(0, n_q, H, HEAD_DIM_V, dtype=q_abs.dtype, device=q_abs.device)
         return (empty, torch.empty(0, n_q, H, device=q_abs.device)) if return_lse else empty
     plan, q, kv, table, lens = _prepared(q_abs, cache, block_table, seq_lens, kv_lora_rank)

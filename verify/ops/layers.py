@@ -232,8 +232,9 @@ def _carried_flips(inputs: OpInputs, wd: torch.dtype) -> torch.Tensor:
         e_c = torch.zeros_like(sd).scatter_(-1, c, 1.0)
         dk = dkc * (e_c - kc * k.unsqueeze(-2))                                 # [B, H, V, K]
         f_k = u.unsqueeze(-1) * dk - beta * (sd * dk).sum(-1, keepdim=True) * k.unsqueeze(-2)
-        gate = torch.sigmoid(w["A_log"].exp().view(H, 1) * (g_raw.view(B, H, K) + w["dt_bias"].view(H, K)))
-        da = (alpha * abs(cfg.gate_lower_bound) * w["A_log"].exp().view(H, 1) * gate * (1 - gate)
+        A = w["A_log"].exp().view(H, 1)
+        gate = torch.sigmoid(A * (g_raw.view(B, H, K) + w["dt_bias"].view(H, K)))      # kda_gate's sigmoid
+        da = (alpha * abs(cfg.gate_lower_bound) * A * gate * (1 - gate)
               * _ulp(g_raw.view(B, H, K), wd)).unsqueeze(-2).expand(B, H, V, K)           # [B, H, V, K]
         cg = (S.abs() * da).argmax(-1, keepdim=True)                                      # [B, H, V, 1]
         e_g = torch.zeros_like(sd).scatter_(-1, cg, 1.0)
