@@ -312,43 +312,56 @@ def mla_step(layer: FusedLayer, prefix, blocks, cache, block_table, seq_lens, ro
 
 
 # ---------------------------------------------------------------------------------------------- registry form
+def _prepare_for(tp: int, prepare_fn=None):
+    """The prepare of a registry call: `prepare_fn` (this module's prepare by default) unsplit; at tp > 1
+    one rank's step (fused.layers_tp.prepare_peers_rank: the rank's shards, its peers' partials given)."""
+    if tp == 1:
+        return prepare_fn or prepare
+    from fused.layers_tp import peers_rank_prepare
+
+    return peers_rank_prepare(tp, shared_stream=prepare_fn is not prepare_shared_inline)
+
+
 def kda_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, conv_state: torch.Tensor,
-                    recurrent_state: torch.Tensor, layer_idx: int, config: str,
+                    recurrent_state: torch.Tensor, layer_idx: int, config: str, tp: int = 1,
                     **weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """references.layers.kda_layer_steps through the fused step: (prefix_steps, router_ids); conv_state and
-    recurrent_state updated in place."""
+    recurrent_state updated in place. tp > 1: one rank's step (the reference's tp form)."""
     return stock.registry_steps(x_steps, blocks, layer_idx, config,
-                                dict(weights, conv_state=conv_state, recurrent_state=recurrent_state), prepare)
+                                dict(weights, conv_state=conv_state, recurrent_state=recurrent_state),
+                                _prepare_for(tp), tp)
 
 
 def mla_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, layer_idx: int, config: str,
+                    seq_lens: torch.Tensor, layer_idx: int, config: str, tp: int = 1,
                     **weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """references.layers.mla_layer_steps through the fused step: (prefix_steps, router_ids); cache written and
-    seq_lens advanced by N in place."""
+    seq_lens advanced by N in place. tp > 1: one rank's step."""
     return stock.registry_steps(x_steps, blocks, layer_idx, config,
-                                dict(weights, cache=cache, block_table=block_table, seq_lens=seq_lens), prepare)
+                                dict(weights, cache=cache, block_table=block_table, seq_lens=seq_lens),
+                                _prepare_for(tp), tp)
 
 
-def layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, layer_idx: int, config: str,
+def layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, layer_idx: int, config: str, tp: int = 1,
                 **tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Both registry forms under one name, told apart by their state (`cache` = MLA), so one
     `--candidate fused.layers:layer_steps` certifies kda_layer and mla_layer in one run."""
-    return stock.registry_steps(x_steps, blocks, layer_idx, config, tensors, prepare)
+    return stock.registry_steps(x_steps, blocks, layer_idx, config, tensors, _prepare_for(tp), tp)
 
 
-def layer_steps_shared_inline(x_steps: torch.Tensor, blocks: torch.Tensor, layer_idx: int, config: str,
+def layer_steps_shared_inline(x_steps: torch.Tensor, blocks: torch.Tensor, layer_idx: int, config: str, tp: int = 1,
                               **tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """layer_steps with the shared experts in line on the caller's stream (no side stream)."""
-    return stock.registry_steps(x_steps, blocks, layer_idx, config, tensors, prepare_shared_inline)
+    return stock.registry_steps(x_steps, blocks, layer_idx, config, tensors,
+                                _prepare_for(tp, prepare_shared_inline), tp)
 
 
 # ---------------------------------------------------------------------------------------------- one-step launch
 def step_launch(kind: str, tensors: dict, params: dict, graph: bool | None = None):
     """stock.layers.step_launch with the fused step: prepared, validated and (on CUDA) captured in a
     CUDA graph untimed; the launch returns the new prefix. The prepared layer is the launch's `layer`
-    (its `unfused` names the ops that did not run fused)."""
-    return stock.step_launch(kind, tensors, params, graph, prepare_fn=prepare)
+    (its `unfused` names the ops that did not run fused). params["tp"] > 1: one rank's step."""
+    return stock.step_launch(kind, tensors, params, graph, prepare_fn=_prepare_for(params.get("tp", 1)))
 
 
 def kda_layer_step_peer(tensors: dict, params: dict):

@@ -17,9 +17,11 @@ replica of the MLA cache. One step:
                place), latent_norm_up, prefix + mlp
 
 The gather is a `Collective`: `ProcessGroupGather` (torch.distributed: NCCL between GPUs, gloo on
-CPUs; one process per rank) or `CopiesGather` (one process: the rank's own partial in all T slots;
-the shapes and the compute of one rank at per-rank K3 shapes, for timing on one GPU; no layer). The
-folds are the declared order on every rank, so every rank computes the same replicated bits.
+CPUs; one process per rank), `PeersGather` (one process as rank 0, the other ranks' partials given:
+the registry's tp > 1 form, references.layers_tp.layer_step_rank, which the harness and the bench
+run at per-rank K3 shapes on one GPU) or `CopiesGather` (one process: the rank's own partial in all T
+slots; shapes and compute only). The folds are the declared order on every rank, so every rank
+computes the same replicated bits.
 """
 from __future__ import annotations
 
@@ -29,17 +31,13 @@ import torch
 
 from fused import layers as FL
 from references.config import K3Config, get_config
-from references.kda_tp import shard_decode_tensors, shard_in_proj_weights
-from references.layers_tp import check_tp, shard_gated_mlp, shard_routed_experts
-from references.mla import shard_heads
-from references.weights import LayerWeights
+from references.layers_tp import join_state, rank_config, shard_state, shard_weights  # noqa: F401 (the rank's shards)
 
 TP_OPS = ("allreduce_attn_res_rmsnorm", "allreduce_fold", "l2_prefetch")
 # prefetched into L2 on a side stream while the attention partials are gathered (prepare_rank's
 # `prefetch`): the weights the MoE reads first, the router's and the rank's shared-experts gate_up
 # (K3, T = 8: 12.8 + 22 MB, inside l2_prefetch's default budget of 3/4 of the H200's 50 MB L2)
 PREFETCH = ("w_router", "w_shared_gate_up")
-KDA_SHARDED_STATE = ("conv_state", "recurrent_state")
 
 
 # ---------------------------------------------------------------------------------------------- gathers
@@ -65,6 +63,25 @@ class ProcessGroupGather:
 
 
 @dataclass
+class PeersGather:
+    """One process as rank 0 of T, the other ranks' partials given: each call returns [own, peers]
+    (rank order) with the next of the step's peers, loaded by RankLayer.step: peer_attn[T-1,B,D] for
+    the attention all-reduce, then peer_mlp[T-1,B,L+D] (the dense MLP's: [T-1,B,D])."""
+    T: int
+    rank: int = 0
+    queue: list = None
+
+    def load(self, peers: tuple) -> None:
+        self.queue = list(peers)
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.queue:
+            raise RuntimeError("PeersGather: no peer partials loaded for this all-reduce (RankLayer.step loads "
+                               "them from its peers argument)")
+        return torch.cat([t.unsqueeze(0), self.queue.pop(0)])
+
+
+@dataclass
 class CopiesGather:
     """One process standing in for rank `rank` of T: the gather returns T copies of the rank's own
     tensor. Right shapes and the rank's own compute, not the layer's values (timing only)."""
@@ -76,59 +93,6 @@ class CopiesGather:
 
 
 # ---------------------------------------------------------------------------------------------- shards
-def _kda_head_shard(given: dict, cfg: K3Config, T: int, rank: int) -> dict:
-    """Rank `rank`'s head slice of the KDA per-head tensors in `given` (weights or state), by
-    references.kda_tp.shard_decode_tensors; the ones it needs and `given` lacks stand in on the meta
-    device (shapes only) and are left out of the result."""
-    H, Dh, W = cfg.n_heads, cfg.head_dim, cfg.conv_kernel
-    meta = {"state": (1, H, Dh, Dh), "conv_state": (1, 3, H * Dh, W - 1), "conv_w": (3, H * Dh, W), "A_log": (H,),
-            "o_norm_w": (Dh,)}
-    full = {**{n: torch.empty(shape, device="meta") for n, shape in meta.items()}, **given}
-    rank_part = shard_decode_tensors(full, T)[rank]
-    return {n: rank_part[n] for n in given}
-
-
-def shard_weights(kind: str, weights: dict, cfg: K3Config, wd: torch.dtype, T: int, rank: int) -> dict:
-    """Rank `rank`'s weights under the names of the unsplit layer (replicated ones as they are)."""
-    check_tp(T, cfg)
-    w = dict(weights)
-    H = cfg.n_heads
-    if kind in ("kda", "dense"):
-        w.update(shard_in_proj_weights(weights["w_in"], weights["w_fb"], H, T)[rank])
-        per_head = _kda_head_shard({n: weights[n] for n in ("conv_w", "A_log", "dt_bias")}, cfg, T, rank)
-        w.update({n: per_head[n] for n in ("conv_w", "A_log", "dt_bias")})
-        w["w_o"] = torch.chunk(weights["w_o"], T, dim=1)[rank].contiguous()
-    else:
-        for name in ("w_q_b", "w_uk", "w_uv", "w_g"):
-            w[name] = shard_heads(weights[name], H, T, 0, name)[rank].contiguous()
-        w["w_o"] = shard_heads(weights["w_o"], H, T, 1, "w_o")[rank].contiguous()
-    if kind == "dense":
-        w["w_dense_gate_up"], w["w_dense_down"] = shard_gated_mlp(weights["w_dense_gate_up"], weights["w_dense_down"],
-                                                                  T, "dense MLP")[rank]
-        return w
-    w.update(shard_routed_experts(LayerWeights(kind, cfg, wd, weights), T)[rank])
-    w["w_shared_gate_up"], w["w_shared_down"] = shard_gated_mlp(weights["w_shared_gate_up"],
-                                                                weights["w_shared_down"], T, "shared expert")[rank]
-    return w
-
-
-def shard_state(kind: str, state: dict, cfg: K3Config, T: int, rank: int) -> dict:
-    """Rank `rank`'s state: the KDA (and dense) conv and recurrent state by head (copies); the MLA cache replicated
-    (a copy per rank), block_table and seq_lens as they are (copies)."""
-    if kind == "mla":
-        return {n: t.clone() for n, t in state.items()}
-    per_head = _kda_head_shard({"state": state["recurrent_state"], "conv_state": state["conv_state"]}, cfg, T, rank)
-    return {"conv_state": per_head["conv_state"], "recurrent_state": per_head["state"]}
-
-
-def join_state(kind: str, per_rank: list[dict]) -> dict:
-    """The unsplit state from the ranks' (rank order): KDA by head; MLA rank 0's replica."""
-    if kind == "mla":
-        return dict(per_rank[0])
-    return {"conv_state": torch.cat([s["conv_state"] for s in per_rank], 2),
-            "recurrent_state": torch.cat([s["recurrent_state"] for s in per_rank], 1)}
-
-
 # ---------------------------------------------------------------------------------------------- prepare
 @dataclass
 class RankLayer(FL.FusedLayer):
@@ -144,10 +108,14 @@ class RankLayer(FL.FusedLayer):
             self.kept["stream"] = torch.cuda.Stream()
         return self.kept["stream"]
 
-    def step(self, prefix: torch.Tensor, blocks: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
+    def step(self, prefix: torch.Tensor, blocks: torch.Tensor, *state: torch.Tensor, routing: list | None = None,
+             peers: tuple | None = None) -> torch.Tensor:
+        """FusedLayer.step of this rank; `peers` (peer_attn, peer_mlp) go to a PeersGather."""
+        if peers is not None:
+            self.gather.load(peers)
         work = self.buffer("prefix", prefix)
         work.copy_(prefix)
-        return (mla_step_tp if self.kind == "mla" else kda_step_tp)(self, work, blocks, *state)
+        return (mla_step_tp if self.kind == "mla" else kda_step_tp)(self, work, blocks, *state, routing=routing)
 
 
 def prepare_rank(kind: str, weights: dict, config: str | K3Config, layer_idx: int, wd: torch.dtype, gather,
@@ -156,7 +124,22 @@ def prepare_rank(kind: str, weights: dict, config: str | K3Config, layer_idx: in
     `prefetch`, the MoE's first weights (PREFETCH) prefetched into L2 during the attention gather."""
     cfg = get_config(config) if isinstance(config, str) else config
     shards = shard_weights(kind, weights, cfg, wd, gather.T, gather.rank)
-    base = FL.prepare(kind, shards, cfg, layer_idx, wd, kernels)
+    return prepare_shards(kind, shards, rank_config(cfg, gather.T), layer_idx, wd, gather, kernels, prefetch)
+
+
+def peers_rank_prepare(T: int, shared_stream: bool = True):
+    """prepare(kind, shards, rank config, layer_idx, wd) of rank 0 of T with a PeersGather: the prepare of
+    the registry's tp > 1 form (stock.layers.run_steps / step_launch hand it the rank's shards and
+    references.layers_tp.rank_config)."""
+    def prepare(kind, shards, config, layer_idx, wd):
+        return prepare_shards(kind, shards, config, layer_idx, wd, PeersGather(T), shared_stream=shared_stream)
+    return prepare
+
+
+def prepare_shards(kind: str, shards: dict, config: K3Config, layer_idx: int, wd: torch.dtype, gather,
+                   kernels: str = "fused", prefetch: bool = False, shared_stream: bool = True) -> RankLayer:
+    """The RankLayer of shards already cut (config: references.layers_tp.rank_config, the rank's shapes)."""
+    base = FL.prepare(kind, shards, config, layer_idx, wd, kernels, shared_stream)
     table = FL.KERNELS if kernels == "fused" else FL.REFERENCES
     for op in TP_OPS:
         base.kernels[op] = FL._resolve(table[op])
@@ -186,7 +169,8 @@ def _start_prefetch(layer: RankLayer):
 
 
 # ---------------------------------------------------------------------------------------------- one step
-def _mlp_side_tp(layer: RankLayer, prefix, partial: torch.Tensor, blocks, n_blocks: int) -> torch.Tensor:
+def _mlp_side_tp(layer: RankLayer, prefix, partial: torch.Tensor, blocks, n_blocks: int,
+                 routing: list | None = None) -> torch.Tensor:
     w, eps = layer.w, layer.cfg.rms_eps
     prefetched = _start_prefetch(layer)
     deltas = layer.gather(partial)
@@ -196,7 +180,7 @@ def _mlp_side_tp(layer: RankLayer, prefix, partial: torch.Tensor, blocks, n_bloc
                    w["mlp_res_proj_w"], w["post_norm_w"], n_blocks, -1, eps, eps)
     if layer.kind == "dense":                                              # the dense MLP's partial, folded
         return prefix + layer.call("allreduce_fold", layer.gather(FL._dense_mlp(layer, h)))
-    shared, y = FL.moe_experts(layer, h)
+    shared, y = FL.moe_experts(layer, h, routing)
     parts = layer.gather(torch.cat([y, shared.wait()], dim=-1))              # [T, B, L + D]
     L = y.shape[-1]
     mlp = layer.call("latent_norm_up", layer.call("allreduce_fold", parts[..., :L]), w["latent_norm_w"],
@@ -204,18 +188,18 @@ def _mlp_side_tp(layer: RankLayer, prefix, partial: torch.Tensor, blocks, n_bloc
     return prefix + mlp
 
 
-def kda_step_tp(layer: RankLayer, prefix, blocks, conv_state, recurrent_state) -> torch.Tensor:
+def kda_step_tp(layer: RankLayer, prefix, blocks, conv_state, recurrent_state, routing: list | None = None) -> torch.Tensor:
     """One KDA layer step of this rank (layer 0: the dense MLP's slice): conv_state / recurrent_state
-    are its head slices."""
+    are its head slices (layer.cfg: the rank's head count)."""
     x, n = FL._attn_side(layer, prefix, blocks)
-    partial = FL.kda_attention(layer, x, conv_state, recurrent_state, layer.cfg.n_heads // layer.T)
-    return _mlp_side_tp(layer, prefix, partial, blocks, n)
+    partial = FL.kda_attention(layer, x, conv_state, recurrent_state, layer.cfg.n_heads)
+    return _mlp_side_tp(layer, prefix, partial, blocks, n, routing)
 
 
-def mla_step_tp(layer: RankLayer, prefix, blocks, cache, block_table, seq_lens) -> torch.Tensor:
+def mla_step_tp(layer: RankLayer, prefix, blocks, cache, block_table, seq_lens, routing: list | None = None) -> torch.Tensor:
     """One MLA layer step of this rank: the cache is its replica (every rank writes the same latent)."""
     x, n = FL._attn_side(layer, prefix, blocks)
-    return _mlp_side_tp(layer, prefix, FL.mla_attention(layer, x, cache, block_table, seq_lens), blocks, n)
+    return _mlp_side_tp(layer, prefix, FL.mla_attention(layer, x, cache, block_table, seq_lens), blocks, n, routing)
 
 
 def rank_steps(kind: str, x_steps: torch.Tensor, blocks: torch.Tensor, state: dict, layer_idx: int, config: str,
@@ -225,7 +209,8 @@ def rank_steps(kind: str, x_steps: torch.Tensor, blocks: torch.Tensor, state: di
     from stock.layers import validate_state
 
     layer = prepare_rank(kind, weights, config, layer_idx, x_steps.dtype, gather, kernels, prefetch)
-    mine = shard_state(kind, state, layer.cfg, gather.T, gather.rank)
+    cfg = get_config(config) if isinstance(config, str) else config
+    mine = shard_state(kind, state, cfg, gather.T, gather.rank)
     blocks = blocks.contiguous().clone()
     if kind == "mla":
         validate_state(layer, x_steps[0], blocks, mine, x_steps.shape[0])

@@ -12,6 +12,7 @@ import torch
 import fused.layers as FL
 import references.layers as R
 import stock.layers as stock
+from references.config import get_config
 from verify.judge.candidates import Candidate
 from verify.judge.placement import place
 from verify.model.case import Case
@@ -447,7 +448,7 @@ def test_a_rank_step_runs_one_launch_per_op_and_only_the_glue_it_lists(kind, T):
     state = {n: t.pop(n) for n in STATE[op_name]}
     x, blocks = t.pop("x_steps")[0], t.pop("blocks")
     layer = TP.prepare_rank(kind, t, inputs.params["config"], layer_idx, x.dtype, TP.CopiesGather(T), "reference")
-    mine = TP.shard_state(kind, state, layer.cfg, T, 0)
+    mine = TP.shard_state(kind, state, get_config(inputs.params["config"]), T, 0)
     count = _step_launches(layer, x, blocks, mine)
     assert count.calls.count("allreduce_attn_res_rmsnorm") == 1
     assert count.calls.count("allreduce_fold") == (1 if kind == "dense" else 2)

@@ -162,8 +162,6 @@ def test_k3_rank_step_on_one_gpu(kind):
     the same shards (stock.layers with the rank's head count: its partials used as they are, no
     all-reduce): each captured in a CUDA graph, launches counted, timed over replays (printed for the
     layer table). Neither time holds the all-gathers / all-reduces (one GPU)."""
-    import dataclasses
-
     import fused.layers_tp as TP
     import stock.layers as stock
     from property_tests.gpu_timing import graph_us
@@ -177,7 +175,7 @@ def test_k3_rank_step_on_one_gpu(kind):
     for T in (8, 16):
         layer = TP.prepare_rank(kind, w, K3, LAYER[kind], torch.bfloat16, TP.CopiesGather(T))
         prefetching = TP.prepare_rank(kind, w, K3, LAYER[kind], torch.bfloat16, TP.CopiesGather(T), prefetch=True)
-        rank_cfg = dataclasses.replace(K3, n_heads=K3.n_heads // T)
+        rank_cfg = TP.rank_config(K3, T)
         stock_layer = stock.prepare(kind, TP.shard_weights(kind, w, K3, torch.bfloat16, T, 0), rank_cfg, LAYER[kind],
                                     torch.bfloat16)
         for B in (1, 8, 64):

@@ -313,14 +313,19 @@ def _flat_state(x_steps, blocks, **state_tensors) -> LayerState:
 
 
 def kda_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, conv_state: torch.Tensor,
-                    recurrent_state: torch.Tensor, layer_idx: int, config: str,
+                    recurrent_state: torch.Tensor, layer_idx: int, config: str, tp: int = 1,
                     **weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Registry form of decode_steps for a KDA-attention layer: flat tensors in, (prefix_steps[N,B,D],
     router_ids[N,B,k] int64: each step's experts) out; conv_state and recurrent_state updated in place.
     weights: the names of references.weights. Layer 0 is the dense one (its weights: the dense MLP's in
-    place of the LatentMoE's; router_ids [N,B,0])."""
+    place of the LatentMoE's; router_ids [N,B,0]). tp > 1: one rank of a T-rank step, its shards and the
+    other ranks' partials (references.layers_tp.rank_layer_steps)."""
     from references.config import get_config
     kind = kda_kind_of(layer_idx)
+    if tp != 1:
+        from references.layers_tp import rank_layer_steps
+        return rank_layer_steps(kind, x_steps, blocks, {"conv_state": conv_state, "recurrent_state": recurrent_state},
+                                layer_idx, config, tp, weights)
     w = LayerWeights(kind, get_config(config), x_steps.dtype, weights)
     state = _flat_state(x_steps, blocks, conv_state=conv_state, recurrent_state=recurrent_state)
     routing: list = []
@@ -334,12 +339,16 @@ def kda_kind_of(layer_idx) -> str:
 
 
 def mla_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, layer_idx: int, config: str,
+                    seq_lens: torch.Tensor, layer_idx: int, config: str, tp: int = 1,
                     **weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Registry form of decode_steps for a gated MLA layer: (prefix_steps[N,B,D], router_ids[N,B,k])
     out; each step's latents are written to cache at the next slot of block_table, seq_lens advanced
-    by N (both in place)."""
+    by N (both in place). tp > 1: one rank of a T-rank step (kda_layer_steps)."""
     from references.config import get_config
+    if tp != 1:
+        from references.layers_tp import rank_layer_steps
+        return rank_layer_steps("mla", x_steps, blocks, {"cache": cache, "block_table": block_table,
+                                                         "seq_lens": seq_lens}, layer_idx, config, tp, weights)
     w = LayerWeights("mla", get_config(config), x_steps.dtype, weights)
     state = _flat_state(x_steps, blocks, cache=cache, block_table=block_table, seq_lens=seq_lens)
     routing: list = []

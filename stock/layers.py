@@ -59,10 +59,11 @@ class StockLayer:
     scratch: dict = field(default_factory=dict)     # FlashMLA's buffers per (B, H, dtype, device)
 
     def step(self, prefix: torch.Tensor, blocks: torch.Tensor, *state: torch.Tensor,
-             routing: list | None = None) -> torch.Tensor:
+             routing: list | None = None, peers: tuple | None = None) -> torch.Tensor:
         """One decode step; state tensors updated in place. Returns the new prefix (the next layer's h);
-        appends the step's expert ids [B,k] to `routing` when given (MoE layers)."""
-        return STEPS[self.kind](self, prefix, blocks, *state, routing=routing)
+        appends the step's expert ids [B,k] to `routing` when given (MoE layers). peers: (peer_attn,
+        peer_mlp), the other ranks' partials when this layer is one rank's shards (allreduce)."""
+        return STEPS[self.kind](self, prefix, blocks, *state, routing=routing, peers=peers)
 
 
 @functools.cache
@@ -209,7 +210,18 @@ def routed_experts(layer: StockLayer, z: torch.Tensor, ids: torch.Tensor, route_
     return (route_w.to(acc).unsqueeze(-1) * expert_outputs(layer, z, ids).to(acc)).sum(1).to(z.dtype)
 
 
-def latent_moe(layer: StockLayer, x: torch.Tensor, routing: list | None = None) -> torch.Tensor:
+def allreduce(own: torch.Tensor, peers: torch.Tensor | None) -> torch.Tensor:
+    """A rank's all-reduce in one process: its partial and the other ranks' (peers[T-1,...]) summed in
+    acc, rounded once (NCCL's sum, the peers' contributions given); own itself when unsplit."""
+    if peers is None:
+        return own
+    return torch.cat([own.unsqueeze(0), peers]).to(_acc(own)).sum(0).to(own.dtype)
+
+
+def latent_moe(layer: StockLayer, x: torch.Tensor, routing: list | None = None,
+               peers: torch.Tensor | None = None) -> torch.Tensor:
+    """The LatentMoE; peers[T-1,B,L+D]: the other ranks' latent and shared-experts partials, reduced
+    with this rank's in one all-reduce (as K3 sends them)."""
     w, cfg = layer.w, layer.cfg
     ids, route_w = router(layer, x)
     if routing is not None:
@@ -217,6 +229,9 @@ def latent_moe(layer: StockLayer, x: torch.Tensor, routing: list | None = None) 
     y = routed_experts(layer, F.linear(x, w["w_latent_down"]), ids, route_w)
     shared = F.linear(situ_and_mul(F.linear(x, w["w_shared_gate_up"]), cfg.situ_beta, cfg.situ_linear_beta),
                       w["w_shared_down"])
+    if peers is not None:
+        both = allreduce(torch.cat([y, shared], -1), peers)
+        y, shared = both[:, :cfg.latent], both[:, cfg.latent:]
     return F.linear(rms_norm(y, w["latent_norm_w"], cfg.rms_eps), w["w_latent_up"]) + shared
 
 
@@ -359,24 +374,29 @@ def dense_mlp(layer: StockLayer, x: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp_side(layer: StockLayer, prefix: torch.Tensor, attn: torch.Tensor, blocks: torch.Tensor,
-              n_blocks: int, routing: list | None = None) -> torch.Tensor:
+              n_blocks: int, routing: list | None = None, peers: tuple | None = None) -> torch.Tensor:
     w, eps = layer.w, layer.cfg.rms_eps
-    p = prefix + attn                                                             # one wd rounding
+    peer_attn, peer_mlp = peers or (None, None)
+    p = prefix + allreduce(attn, peer_attn)                                       # one wd rounding
     h = attn_res_mix_norm(torch.cat([blocks[:, :n_blocks], p.unsqueeze(1)], dim=1), w["mlp_res_norm_w"],
                           w["mlp_res_proj_w"], w["post_norm_w"], eps)
-    return p + (dense_mlp(layer, h) if layer.kind == "dense" else latent_moe(layer, h, routing))
+    if layer.kind == "dense":
+        return p + allreduce(dense_mlp(layer, h), peer_mlp)
+    return p + latent_moe(layer, h, routing, peer_mlp)
 
 
-def kda_step(layer: StockLayer, prefix, blocks, conv_state, recurrent_state, routing: list | None = None) -> torch.Tensor:
+def kda_step(layer: StockLayer, prefix, blocks, conv_state, recurrent_state, routing: list | None = None,
+             peers: tuple | None = None) -> torch.Tensor:
     """One KDA layer step: prefix[B,D] is the layer input h; returns the new prefix."""
     x, p, n = _attn_side(layer, prefix, blocks)
-    return _mlp_side(layer, p, kda_attention(layer, x, conv_state, recurrent_state), blocks, n, routing)
+    return _mlp_side(layer, p, kda_attention(layer, x, conv_state, recurrent_state), blocks, n, routing, peers)
 
 
-def mla_step(layer: StockLayer, prefix, blocks, cache, block_table, seq_lens, routing: list | None = None) -> torch.Tensor:
+def mla_step(layer: StockLayer, prefix, blocks, cache, block_table, seq_lens, routing: list | None = None,
+             peers: tuple | None = None) -> torch.Tensor:
     """One gated-MLA layer step; the token's latent goes to the slot of seq_lens in block_table."""
     x, p, n = _attn_side(layer, prefix, blocks)
-    return _mlp_side(layer, p, mla_attention(layer, x, cache, block_table, seq_lens), blocks, n, routing)
+    return _mlp_side(layer, p, mla_attention(layer, x, cache, block_table, seq_lens), blocks, n, routing, peers)
 
 
 STEPS = {"kda": kda_step, "dense": kda_step, "mla": mla_step}      # dense: _mlp_side takes the dense MLP
@@ -415,22 +435,46 @@ def validate_state(layer: StockLayer, prefix: torch.Tensor, blocks: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------- registry form
+def rank_form(config, tp: int, tensors: dict) -> tuple:
+    """(config, weights, peers) of a registry call: at tp > 1 one rank's layer (references.layers_tp):
+    the rank config, the tensors less the peer partials, and those (peer_attn, peer_mlp) [N,T-1,B,*]."""
+    cfg = get_config(config) if isinstance(config, str) else config
+    if tp == 1:
+        return cfg, tensors, None
+    from references.layers_tp import PEER_TENSORS, rank_config
+
+    missing = [n for n in PEER_TENSORS if n not in tensors]
+    if missing:
+        raise TypeError(f"tp={tp}: one rank's layer step needs {', '.join(missing)} (the other ranks' partials)")
+    for n in PEER_TENSORS:
+        check_tensor(n, tensors[n], ndim=4)
+        if tensors[n].shape[1] != tp - 1:
+            raise ValueError(f"{n}: dim 1 holds the other {tp - 1} ranks' partials at tp={tp}, got "
+                             f"{tensors[n].shape[1]}")
+    return (rank_config(cfg, tp), {n: t for n, t in tensors.items() if n not in PEER_TENSORS},
+            tuple(tensors[n] for n in PEER_TENSORS))
+
+
 def run_steps(kind: str, x_steps, blocks, state: dict, layer_idx, config, weights: dict,
-              prepare_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
+              prepare_fn=None, tp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The registry form of any prepared layer (`prepare_fn(kind, weights, config, layer_idx, wd)`,
     this module's by default): validate once, then one step per x_steps[t]; (prefix_steps[N,B,D],
     router_ids[N,B,k] int64: each step's experts, [N,B,0] for the dense layer). The steps update dense
     working copies of state tensors given as strided or offset views, written back at the end, so the
     kernels a layer runs (and so its bits) do not depend on the caller's layout: a fused kernel that
-    refuses a strided state would otherwise hand its op to a torch stand-in for that call only."""
+    refuses a strided state would otherwise hand its op to a torch stand-in for that call only.
+    tp > 1: one rank's layer (rank_form), each step given its peers' partials."""
     check_tensor("x_steps", x_steps, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("blocks", blocks, ndim=3, dtypes=(x_steps.dtype,))
+    config, weights, peers = rank_form(config, tp, weights)
     layer = (prepare_fn or prepare)(kind, weights, config, layer_idx, x_steps.dtype)
     blocks = blocks.contiguous().clone()          # the working copy: the registry's blocks is a plain input
     work = {n: t.contiguous() for n, t in state.items()}
     validate_state(layer, x_steps[0], blocks, work, x_steps.shape[0])
     routing: list = []
-    out = torch.stack([layer.step(x, blocks, *work.values(), routing=routing) for x in x_steps])
+    out = torch.stack([layer.step(x, blocks, *work.values(), routing=routing,
+                                  **({} if peers is None else {"peers": (peers[0][t], peers[1][t])}))
+                       for t, x in enumerate(x_steps)])
     for n, t in state.items():
         if work[n] is not t:
             t.copy_(work[n])
@@ -438,34 +482,35 @@ def run_steps(kind: str, x_steps, blocks, state: dict, layer_idx, config, weight
 
 
 def kda_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, conv_state: torch.Tensor,
-                    recurrent_state: torch.Tensor, layer_idx: int, config: str,
+                    recurrent_state: torch.Tensor, layer_idx: int, config: str, tp: int = 1,
                     **weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """references.layers.kda_layer_steps through the stock step: (prefix_steps, router_ids); conv_state and
     recurrent_state updated in place."""
     return run_steps(kda_kind_of(layer_idx), x_steps, blocks,
-                     {"conv_state": conv_state, "recurrent_state": recurrent_state}, layer_idx, config, weights)
+                     {"conv_state": conv_state, "recurrent_state": recurrent_state}, layer_idx, config, weights,
+                     tp=tp)
 
 
 def mla_layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, layer_idx: int, config: str,
+                    seq_lens: torch.Tensor, layer_idx: int, config: str, tp: int = 1,
                     **weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """references.layers.mla_layer_steps through the stock step: (prefix_steps, router_ids); cache written and
     seq_lens advanced by N in place."""
     return run_steps("mla", x_steps, blocks, {"cache": cache, "block_table": block_table, "seq_lens": seq_lens},
-                  layer_idx, config, weights)
+                     layer_idx, config, weights, tp=tp)
 
 
-def layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, layer_idx: int, config: str,
+def layer_steps(x_steps: torch.Tensor, blocks: torch.Tensor, layer_idx: int, config: str, tp: int = 1,
                 **tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Both registry forms under one name, told apart by their state (`cache` = MLA), so one
     `--candidate stock.layers:layer_steps` certifies kda_layer and mla_layer in one run."""
-    return registry_steps(x_steps, blocks, layer_idx, config, tensors)
+    return registry_steps(x_steps, blocks, layer_idx, config, tensors, tp=tp)
 
 
 REGISTRY_STATE = {"mla": ("cache", "block_table", "seq_lens"), "kda": ("conv_state", "recurrent_state")}
 
 
-def registry_steps(x_steps, blocks, layer_idx: int, config: str, tensors: dict, prepare_fn=None):
+def registry_steps(x_steps, blocks, layer_idx: int, config: str, tensors: dict, prepare_fn=None, tp: int = 1):
     """run_steps over the layer whose registry tensors these are (`cache` = MLA, else KDA), prepared by
     prepare_fn (this module's by default); a missing state tensor is named in one line."""
     family = "mla" if "cache" in tensors else "kda"
@@ -475,7 +520,7 @@ def registry_steps(x_steps, blocks, layer_idx: int, config: str, tensors: dict, 
     state = {n: tensors[n] for n in REGISTRY_STATE[family]}
     weights = {n: t for n, t in tensors.items() if n not in state}
     kind = "mla" if family == "mla" else kda_kind_of(layer_idx)
-    return run_steps(kind, x_steps, blocks, state, layer_idx, config, weights, prepare_fn)
+    return run_steps(kind, x_steps, blocks, state, layer_idx, config, weights, prepare_fn, tp)
 
 
 # ---------------------------------------------------------------------------------------------- one-step launch
@@ -485,22 +530,25 @@ def step_launch(kind: str, tensors: dict, params: dict, graph: bool | None = Non
     CUDA graph (the launch replays it; graph=False keeps it eager). The launch returns the new prefix
     [B,D]. MLA: seq_lens is put back to its starting value before each step (a device copy inside the
     graph), so repeated launches write the same cache slot instead of running out of pages. The
-    prepared layer is the launch's `layer`."""
+    prepared layer is the launch's `layer`. params["tp"] > 1: one rank's step (rank_form), given step
+    0's peer partials."""
     if kind == "kda":
         kind = kda_kind_of(params["layer_idx"])
     names = ("cache", "block_table", "seq_lens") if kind == "mla" else ("conv_state", "recurrent_state")
     x = tensors["x_steps"][0].contiguous().clone()
     blocks = tensors["blocks"].contiguous().clone()
     state = {n: tensors[n].clone(memory_format=torch.contiguous_format) for n in names}
-    weights = {n: t for n, t in tensors.items() if n not in (*names, "x_steps", "blocks")}
-    layer = (prepare_fn or prepare)(kind, weights, params["config"], params["layer_idx"], x.dtype)
+    config, weights, peers = rank_form(params["config"], params.get("tp", 1),
+                                       {n: t for n, t in tensors.items() if n not in (*names, "x_steps", "blocks")})
+    peers = None if peers is None else tuple(p[0].contiguous() for p in peers)
+    layer = (prepare_fn or prepare)(kind, weights, config, params["layer_idx"], x.dtype)
     validate_state(layer, x, blocks, state, 1)
     start = state["seq_lens"].clone() if kind == "mla" else None
 
     def step():
         if start is not None:
             state["seq_lens"].copy_(start)
-        return layer.step(x, blocks, *state.values())
+        return layer.step(x, blocks, *state.values(), **({} if peers is None else {"peers": peers}))
     step.layer = layer
     if x.device.type != "cuda" or graph is False:
         return step

@@ -122,19 +122,23 @@ def _step_choices(inputs: OpInputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
     from references.layers import attn_side, kda_attention, mla_attention, next_slots, router_choice
     from references.moe import router_topk
 
+    from references.attn_res import fold_partials
+
     t, p = inputs.tensors, inputs.params
     kind = _kind(t)
-    cfg, x_steps = get_config(p["config"]), t["x_steps"]
+    cfg, x_steps = layer_config(inputs), t["x_steps"]
     if "w_router" not in t:                      # layer 0: the dense MLP, no router
         none = torch.empty(x_steps.shape[1], 0, device=x_steps.device)
         return [(none.to(torch.int64), none.to(torch.float64)) for _ in range(x_steps.shape[0])]
     w, state = _weights(inputs, kind), _state_copy(inputs, kind)
     out = []
-    for x in x_steps:
+    for step, x in enumerate(x_steps):
         state.prefix.copy_(x)
         slots = next_slots(state) if kind == "mla" else None
         x_in, mlp_blocks = attn_side(w, state, p["layer_idx"])
         attn = kda_attention(x_in, w, state) if kind == "kda" else mla_attention(x_in, w, state, slots)
+        if "peer_attn" in t:                   # one rank's step: its partial folded with its peers'
+            attn = fold_partials(torch.cat([attn.unsqueeze(0), t["peer_attn"][step]]))
         h = attn_res_rmsnorm(state.prefix, attn, state.blocks, w["mlp_res_norm_w"], w["mlp_res_proj_w"],
                              w["post_norm_w"], mlp_blocks, -1, cfg.rms_eps, cfg.rms_eps)
         out.append((router_topk(h, w["w_router"], w["router_bias"], cfg.top_k, cfg.routed_scale)[0],
@@ -204,7 +208,7 @@ def _carried_flips(inputs: OpInputs, wd: torch.dtype) -> torch.Tensor:
     from verify.ops.kda_spec import FLIP_SCALE, _ulp
 
     t, p = inputs.tensors, inputs.params
-    cfg, layer_idx = get_config(p["config"]), p["layer_idx"]
+    cfg, layer_idx = layer_config(inputs), p["layer_idx"]
     w = _weights(inputs, kda_kind_of(layer_idx))
     state = _state_copy(inputs, "kda")
     conv_w = t["conv_w"]
@@ -261,10 +265,47 @@ def _weights(inputs: OpInputs, kind: str):
     """The case's weights as the reference layer's LayerWeights (kind "dense" at layer 0)."""
     from references.weights import LayerWeights
 
+    from references.layers_tp import PEER_TENSORS
+
     t = inputs.tensors
     state = STATE_TENSORS[_kind(t)]
-    return LayerWeights(kind, get_config(inputs.params["config"]), t["x_steps"].dtype,
-                        {n: v for n, v in t.items() if n not in (*state, "x_steps", "blocks")})
+    return LayerWeights(kind, layer_config(inputs), t["x_steps"].dtype,
+                        {n: v for n, v in t.items() if n not in (*state, *PEER_TENSORS, "x_steps", "blocks")})
+
+
+def layer_config(inputs: OpInputs):
+    """The config of the layer the inputs hold: the case's, or at params["tp"] > 1 one rank's
+    (references.layers_tp.rank_config)."""
+    from references.layers_tp import rank_config
+
+    cfg, tp = get_config(inputs.params["config"]), inputs.params.get("tp", 1)
+    return cfg if tp == 1 else rank_config(cfg, tp)
+
+
+def rank_inputs(inputs: OpInputs, T: int, seed: int = 0) -> OpInputs:
+    """Rank 0's inputs of a T-rank layer step (the references' tp form, references.layers_tp.
+    layer_step_rank): its shards of the weights and state, params["tp"] = T, and peer_attn
+    [N,T-1,B,D] / peer_mlp [N,T-1,B,M] standing in for the other ranks' partials: normal draws at the
+    spread of x_steps (a partial is an o_proj / expert output of the same stream), seeded, on the inputs'
+    device. Every candidate of the row gets the same peers, so they are judged and timed on one input."""
+    from references.layers import kda_kind_of
+    from references.layers_tp import shard_state, shard_weights
+
+    t, p = inputs.tensors, inputs.params
+    kind = _kind(t)
+    layer = "mla" if kind == "mla" else kda_kind_of(p["layer_idx"])
+    cfg = get_config(p["config"])
+    state = {n: t[n] for n in STATE_TENSORS[kind]}
+    weights = {n: v for n, v in t.items() if n not in (*state, "x_steps", "blocks")}
+    x = t["x_steps"]
+    N, B, D = x.shape
+    M = D if layer == "dense" else cfg.latent + D
+    gen = torch.Generator(device=x.device).manual_seed(seed)
+    spread = float(x.float().std())
+    peers = {name: (torch.randn(N, T - 1, B, width, generator=gen, device=x.device) * spread).to(x.dtype)
+             for name, width in (("peer_attn", D), ("peer_mlp", M))}
+    return OpInputs({"x_steps": x, "blocks": t["blocks"], **shard_weights(layer, weights, cfg, x.dtype, T, 0),
+                     **shard_state(kind, state, cfg, T, 0), **peers}, {**p, "tp": T})
 
 
 def _state_copy(inputs: OpInputs, kind: str):
@@ -314,7 +355,7 @@ def layer_steps_bytes(inputs: OpInputs) -> int:
     row = B * D * t["x_steps"].element_size()
     weights = sum(v for n, v in nb.items() if n not in (*STATE_TENSORS[kind], *EXPERT_TENSORS, "x_steps", "blocks"))
     per_expert = sum(nb[n] // t[n].shape[0] for n in EXPERT_TENSORS if n in t)
-    n_blocks, _ = attn_res_layout(p["layer_idx"], get_config(p["config"]).attn_res_block)
+    n_blocks, _ = attn_res_layout(p["layer_idx"], layer_config(inputs).attn_res_block)
     total = 0
     for step, (ids, _) in enumerate(_step_choices(inputs)):     # not memoised: K3 inputs are not kept
         total += weights + per_expert * int(torch.unique(ids).numel()) + 2 * row + n_blocks * row

@@ -1,0 +1,136 @@
+"""One rank of a T-rank layer step (references.layers_tp.layer_step_rank and the registry forms' tp > 1):
+given the true partials of the other ranks it is the simulated T-rank step bit for bit, and its state is
+its shard of theirs; the peers it is given are what it folds (a wrong peer changes the output)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from references.config import SMALL, TINY
+from references.layers import decode_steps, kda_layer_steps, mla_layer_steps, new_layer_state
+from references.layers_tp import rank_config, shard_state, shard_weights
+from references.weights import make_layer_weights
+
+STATE = {"mla": ("cache", "block_table", "seq_lens"), "kda": ("conv_state", "recurrent_state"),
+         "dense": ("conv_state", "recurrent_state")}
+LAYER = {"kda": 12, "mla": 15, "dense": 0}       # 12: a push layer
+
+
+def _inputs(cfg, batch: int, steps: int, seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randn(batch, 8, cfg.hidden, generator=g).to(torch.bfloat16)
+    x = torch.randn(steps, batch, cfg.hidden, generator=g).to(torch.bfloat16)
+    return blocks, x
+
+
+def _tp_run(kind, cfg, T, steps=3, batch=3):
+    """The simulated T-rank steps: outputs, final state, the partials of each all-reduce per step."""
+    w = make_layer_weights(kind, cfg, 8).to(torch.bfloat16)
+    blocks, x = _inputs(cfg, batch, steps)
+    start = new_layer_state(kind, cfg, batch, steps + 4, torch.bfloat16, blocks)
+    if kind == "mla":
+        start.seq_lens.copy_(torch.tensor([0, 3, 1])[:batch].int())
+    state = start.clone()
+    partials: list = []
+    from references.layers_tp import layer_step_tp
+    outs = []
+    for t in range(steps):
+        state.prefix.copy_(x[t])
+        outs.append(layer_step_tp(kind, w, state, LAYER[kind], T, partials=partials))
+    return w, start, blocks, x, torch.stack(outs), state, partials
+
+
+def _rank_call(kind, w, start, blocks, x, partials, T, cfg_name):
+    attn, mlp = torch.stack(partials[0::2]), torch.stack(partials[1::2])     # [N, T, B, *]
+    tensors = shard_weights(kind, w.tensors, w.config, w.dtype, T, 0)
+    state = shard_state(kind, {n: getattr(start, n) for n in STATE[kind]}, w.config, T, 0)
+    fn = mla_layer_steps if kind == "mla" else kda_layer_steps
+    out, ids = fn(x, blocks, **state, layer_idx=LAYER[kind], config=cfg_name, tp=T,
+                  peer_attn=attn[:, 1:].contiguous(), peer_mlp=mlp[:, 1:].contiguous(), **tensors)
+    return out, ids, state
+
+
+@pytest.mark.parametrize("kind", ["kda", "mla", "dense"])
+@pytest.mark.parametrize("cfg,name,T", [(TINY, "tiny", 2), (TINY, "tiny", 4), (SMALL, "small", 16)])
+def test_rank_zero_with_true_peers_is_the_tp_step_bitwise(kind, cfg, name, T):
+    w, start, blocks, x, want, tp_state, partials = _tp_run(kind, cfg, T)
+    out, ids, state = _rank_call(kind, w, start, blocks, x, partials, T, name)
+    assert torch.equal(out, want), f"{kind} T={T}: rank 0's prefix differs from the T-rank step"
+    mine = shard_state(kind, {n: getattr(tp_state, n) for n in STATE[kind]}, w.config, T, 0)
+    for n, t in state.items():
+        assert torch.equal(t, mine[n]), f"{kind} T={T}: rank 0's {n} is not its shard of the T-rank state"
+    assert ids.shape[-1] == (0 if kind == "dense" else cfg.top_k)
+
+
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+def test_each_peer_tensor_is_folded(kind):
+    """A peer rank's partial off by one ulp-scale bump in either all-reduce changes the output."""
+    T = 2
+    w, start, blocks, x, want, _, partials = _tp_run(kind, TINY, T, steps=1)
+    for which in (0, 1):
+        bumped = [p.clone() for p in partials]
+        bumped[which][1] += 0.25
+        out, _, _ = _rank_call(kind, w, start, blocks, x, bumped, T, "tiny")
+        assert not torch.equal(out, want), f"{kind}: peer partial {which} is not folded"
+
+
+def test_rank_config_has_one_ranks_shapes():
+    from references.config import K3
+    r = rank_config(K3, 8)
+    assert (r.n_heads, r.moe_inter, r.shared_inter, r.dense_inter) == (12, 384, 768, 4224)
+    assert rank_config(K3, 16).moe_inter == 256           # 3072 / 16 = 192, padded to 256 as vLLM
+
+
+def test_missing_peers_and_bad_t_are_named():
+    w = make_layer_weights("kda", TINY, 8)
+    blocks, x = _inputs(TINY, 2, 1)
+    s = new_layer_state("kda", TINY, 2, 2, torch.bfloat16, blocks)
+    tensors = shard_weights("kda", w.tensors, TINY, torch.bfloat16, 2, 0)
+    state = shard_state("kda", {"conv_state": s.conv_state, "recurrent_state": s.recurrent_state}, TINY, 2, 0)
+    with pytest.raises(TypeError, match="peer_attn, peer_mlp"):
+        kda_layer_steps(x, blocks, **state, layer_idx=13, config="tiny", tp=2, **tensors)
+    with pytest.raises(ValueError, match="T: 3"):
+        kda_layer_steps(x, blocks, **state, layer_idx=13, config="tiny", tp=3, **tensors)
+
+
+def _rank_inputs(kind, T=2, steps=2):
+    w, start, blocks, x, want, _, partials = _tp_run(kind, TINY, T, steps=steps)
+    attn, mlp = torch.stack(partials[0::2]), torch.stack(partials[1::2])
+    tensors = shard_weights(kind, w.tensors, TINY, w.dtype, T, 0)
+    tensors.update(peer_attn=attn[:, 1:].contiguous(), peer_mlp=mlp[:, 1:].contiguous())
+    state = shard_state(kind, {n: getattr(start, n) for n in STATE[kind]}, TINY, T, 0)
+    return tensors, state, blocks, x, want
+
+
+@pytest.mark.parametrize("kind", ["kda", "mla", "dense"])
+def test_fused_rank_step_with_reference_kernels_is_the_reference_rank_step_bitwise(kind):
+    """fused.layers_tp's rank step (PeersGather) with the op references as its kernels: the composition the
+    registry's tp form runs, checked without a GPU."""
+    import fused.layers_tp as TP
+    import stock.layers as stock
+
+    T = 2
+    tensors, state, blocks, x, want = _rank_inputs(kind, T)
+
+    def prep(kind_, shards, config, layer_idx, wd):
+        return TP.prepare_shards(kind_, shards, config, layer_idx, wd, TP.PeersGather(T), kernels="reference")
+    out, _ = stock.run_steps(kind, x, blocks, state, LAYER[kind], "tiny", tensors, prep, tp=T)
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("kind", ["kda", "mla", "dense"])
+def test_stock_rank_step_matches_the_reference_rank_step(kind):
+    """The stock layer's tp form (its all-reduce a torch sum with the peers given) against the T-rank
+    reference: bf16 kernels in another order, so close (relative distance < 1 %) but its own bits; a
+    peer partial left out of its all-reduce is far."""
+    import stock.layers as stock
+
+    T = 2
+    tensors, state, blocks, x, want = _rank_inputs(kind, T)
+    out, _ = stock.run_steps(kind, x, blocks, state, LAYER[kind], "tiny", tensors, tp=T)
+    dist = lambda a: ((a.double() - want.double()).norm() / want.double().norm()).item()  # noqa: E731
+    assert dist(out) < 1e-2, dist(out)
+    tensors, state, blocks, x, _ = _rank_inputs(kind, T)
+    tensors["peer_attn"] = torch.zeros_like(tensors["peer_attn"])
+    out, _ = stock.run_steps(kind, x, blocks, state, LAYER[kind], "tiny", tensors, tp=T)
+    assert dist(out) > 5e-2, dist(out)
