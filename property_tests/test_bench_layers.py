@@ -31,9 +31,9 @@ def test_the_stock_layer_step_is_a_whole_op_peer_and_one_step_is_benched(name):
     assert peer.name == "stock_layer" and not peer.part
     assert import_callable(peer.prepare) is getattr(stock.layers, f"{kind}_layer_step_peer")
     assert op.bench_knobs == ({"steps": 1},) and op.moved_bytes is not None
-    got, notes = shapes.shapes_for(op, [1, 8, 16], [1, 8, 64])
-    assert [s.label for s in got] == ["T=1 B=1 steps=1", "T=1 B=64 steps=1", "T=1 B=8 steps=1"]
-    assert any("T=8" in n for n in notes) and any("T=16" in n for n in notes)
+    got, notes = shapes.shapes_for(op, [1, 3, 8, 16], [1, 8, 64])
+    assert [s.label for s in got][:3] == ["T=1 B=1 steps=1", "T=8 B=1 steps=1", "T=16 B=1 steps=1"]
+    assert len(got) == 9 and any("T=3" in n for n in notes)
 
 
 @pytest.mark.parametrize("name", LAYERS)
@@ -47,10 +47,10 @@ def test_a_one_step_case_holds_one_step_and_its_bytes_grow_with_the_steps(name):
 
 
 # ------------------------------------------------------------------------------------ a layer row on the CPU
-def _row(name, counter, checks=None):
+def _row(name, counter, checks=None, tp=1):
     op = get_op(name)
-    inputs = _inputs(name)
-    shape = shapes.Shape(name, 1, 2, (("steps", 1),))
+    inputs = shapes.rank_inputs(op, _inputs(name), tp)
+    shape = shapes.Shape(name, tp, 2, (("steps", 1),))
     makers = {"eager": run._op_launch(reference_fn(op), op),
               "peer:stock_layer": run._peer_launch(import_callable(op.peers[0].prepare))}
     return run.bench_shape(op, shape, inputs, makers, {"compiled": "RuntimeError: not here"}, ["reference"],
@@ -90,6 +90,37 @@ def test_the_stock_peer_computes_the_reference_step():
     row = _row("kda_layer", None, checks={"peer:stock_layer": import_callable(op.peers[0].prepare)})
     assert row["peer_checks"]["peer:stock_layer"].startswith("ok"), row["peer_checks"]
     assert "launches" not in row
+
+
+@pytest.mark.parametrize("name", LAYERS)
+@pytest.mark.parametrize("candidate", ["peer:stock_layer", "fused"])
+def test_a_rank_row_times_one_ranks_step_and_checks_it_against_the_reference(name, candidate):
+    """T = 4: every entry runs one rank's step (its shards, the peers' partials given: verify.ops.layers.
+    rank_inputs); the stock peer and the fused step launch (on the CPU through its stand-ins) are
+    checked against the reference's tp form on the same inputs, and the floor's bytes are the rank's."""
+    import fused.layers as FL
+
+    op = get_op(name)
+    step = getattr(FL, f"{name}_step_peer") if candidate == "fused" else import_callable(op.peers[0].prepare)
+    row = _row(name, None, checks={candidate: step}, tp=4)
+    assert row["tp"] == 4 and row["peer_checks"][candidate].startswith("ok"), row["peer_checks"]
+    rank = shapes.rank_inputs(op, _inputs(name), 4)
+    assert rank.params["tp"] == 4 and rank.tensors["peer_attn"].shape[1] == 3
+    assert 0 < row["bytes"] == op.moved_bytes(rank) < op.moved_bytes(_inputs(name))
+
+
+def test_a_rank_row_whose_peers_are_dropped_fails_its_check():
+    """A step launch that leaves the peers' partials out of its all-reduces (an unsplit layer of the
+    rank's shapes) is told apart from the reference's tp form."""
+    import stock.layers as S
+
+    def no_peers(tensors, params):
+        kept = {n: t for n, t in tensors.items() if not n.startswith("peer_")}
+        launch = S.step_launch("kda", {**kept, "peer_attn": torch.zeros_like(tensors["peer_attn"]),
+                                       "peer_mlp": torch.zeros_like(tensors["peer_mlp"])}, params, graph=False)
+        return launch
+    row = _row("kda_layer", None, checks={"peer:stock_layer": no_peers}, tp=4)
+    assert not row["peer_checks"]["peer:stock_layer"].startswith("ok"), row["peer_checks"]
 
 
 def test_repeated_calls_of_an_mla_layer_step_write_the_same_slot():
@@ -248,8 +279,8 @@ def test_a_layer_row_at_the_tiny_config_on_the_device(name, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", LAYERS)
 def test_the_layer_table_at_k3_one_rank(name, monkeypatch, tmp_path):
-    """bench_all at K3, B = 1, asked for T = 1 and 16: the T = 1 row timed per step with its launches
-    (weights drawn on the device), T = 16 listed as outside the layer's split."""
+    """bench_all at K3, B = 1, T = 1 and 16: each row timed per step with its launches (weights drawn on
+    the device), the T = 16 row one rank's step (its shards, its peers' partials given)."""
     from verify.bench.timing import GraphClock
 
     _without_compiled(monkeypatch)
@@ -257,15 +288,14 @@ def test_the_layer_table_at_k3_one_rank(name, monkeypatch, tmp_path):
     plan = run.Plan(ops=[op], candidates={name: [STOCK]}, allowed={name: {STOCK: import_callable(STOCK)}},
                     tps=[1, 16], batches=[1], device="cuda")
     res = run.bench_all(plan, GraphClock(), lambda row, st: None)
-    (row,) = res["rows"]
-    assert (row["tp"], row["batch"], row["knobs"]) == (1, 1, {"steps": 1})
-    _check_layer_row(row, STOCK)
-    assert any("T=16" in n for n in res["notes"][name])
+    assert [(r["tp"], r["batch"], r["knobs"]) for r in res["rows"]] == [(1, 1, {"steps": 1}), (16, 1, {"steps": 1})]
     rec = _rec(res["rows"])
     head, body = output.op_table(rec, name)
-    assert int(dict(zip(head, body[0]))["stock_layer launches"]) == row["launches"]["peer:stock_layer"]["kernels"]
-    print(f"\n{name} K3 T=1 B=1: " + ", ".join(f"{k} {v['median_us']:.1f} us" for k, v in row["timings"].items())
-          + "; launches " + ", ".join(f"{k} {v.get('kernels')}" for k, v in row["launches"].items()))
+    for row, line in zip(res["rows"], body):
+        _check_layer_row(row, STOCK)
+        assert int(dict(zip(head, line))["stock_layer launches"]) == row["launches"]["peer:stock_layer"]["kernels"]
+        print(f"\n{name} K3 T={row['tp']} B=1: " + ", ".join(f"{k} {v['median_us']:.1f} us" for k, v in row["timings"].items())
+              + "; launches " + ", ".join(f"{k} {v.get('kernels')}" for k, v in row["launches"].items()))
 
 
 def test_certificate_records_launches_per_step_of_layer_candidates():

@@ -41,10 +41,17 @@ class Shape:
         return {"op": self.op, "tp": self.tp, "batch": self.batch, "knobs": dict(self.knobs)}
 
 
+# Ops with no harness split whose registry form has a tp form of its own (params["tp"], one rank's
+# inputs): family -> "module:function" (inputs, T) -> rank 0's inputs. A whole layer all-reduces
+# mid-step, so a rank's row is one rank's step with its peers' partials given (verify.ops.layers.rank_inputs).
+RANK_FORMS = {"layers": "verify.ops.layers:rank_inputs"}
+RANK_TPS = (2, 4, 8, 16)
+
+
 def op_tps(op, tps: list[int]) -> tuple[list[int], list[str]]:
     """The T values of `tps` the op's split allows (T = 1 always; one T for a replicated op, whose
     rank holds the whole op at every T), and a note per one left out."""
-    allowed = {1} | set(op.split.tp_values if op.split is not None else ())
+    allowed = {1} | set(op.split.tp_values if op.split is not None else RANK_TPS if op.family in RANK_FORMS else ())
     keep = [t for t in tps if t in allowed]
     notes = [f"T={t}: not in {op.name}'s split ({sorted(allowed)})" for t in tps if t not in allowed]
     if op.split is not None and op.split.kind == "replicated" and len(keep) > 1:
@@ -197,11 +204,15 @@ def take_batch(op, inputs, batch: int):
 
 
 def rank_inputs(op, unsplit, tp: int):
-    """Rank 0's shard of the unsplit inputs under the op's split rule (the inputs themselves at T = 1)."""
+    """Rank 0's shard of the unsplit inputs under the op's split rule, or its family's tp form
+    (RANK_FORMS); the inputs themselves at T = 1."""
     from verify.model.opdef import OpInputs
+    from verify.ops.registry import import_callable
 
     if tp == 1:
         return unsplit
+    if op.split is None and op.family in RANK_FORMS:
+        return import_callable(RANK_FORMS[op.family])(unsplit, tp)
     shard = op.split.shard(unsplit, tp)[0]
     return OpInputs(dict(shard.tensors), dict(shard.params))
 

@@ -367,6 +367,8 @@ def layer_steps_bytes(inputs: OpInputs) -> int:
     return total
 
 
+PEER_BATCH_DIMS = {"peer_attn": 2, "peer_mlp": 2}     # the tp form's peer partials (rank_inputs)
+
 # bench: one decode step per timed call (the stock layer's step, graph-capturable) beside the reference
 KDA_LAYER_PEERS = (Peer("stock_layer", "stock.layers:kda_layer_step_peer"),)
 MLA_LAYER_PEERS = (Peer("stock_layer", "stock.layers:mla_layer_step_peer"),)
@@ -379,7 +381,9 @@ _SIG_COMMON = ("x_steps[N,B,D] wd (layer input h per step); blocks[B,8,D] wd (bl
 _NOTES = ("k3 is not run on CPU: the 896 MXFP4 experts are ~9.9 GB per layer and the Python (token, expert) "
           "loop is slow; tiny/small have the same structure. No harness split rule: a whole layer all-reduces "
           "mid-layer, which per-rank candidate calls cannot express; the TP form (references.layers_tp) is checked "
-          "against the unsplit layer in property_tests/test_layers.py for T in 1, 2, 4. kda_layer at layer_idx 0 "
+          "against the unsplit layer in property_tests/test_layers.py for T in 1, 2, 4. The registry forms' "
+          "tp=T form is one rank's step, its peers' partials given (peer_attn, peer_mlp: rank_inputs); the "
+          "bench's T > 1 layer rows run it. kda_layer at layer_idx 0 "
           "(the knob sweep) is the dense layer: KDA attention and the dense MLP. router_ids[N,B,k] are "
           "each step's experts, judged tie-aware against the router scores of the oracle's own trajectory "
           "(step_choices); prefix_steps are judged against the reference routed to the candidate's ids "
@@ -394,7 +398,7 @@ OPS: list[OpDef] = [
                    "-> prefix_steps[N,B,D] wd (the layer's output prefix = next layer's h, per step), "
                    "router_ids[N,B,k] int (each step's experts; k = 0 at the dense layer 0)"),
         batch_dims={"x_steps": 1, "blocks": 0, "conv_state": 0, "recurrent_state": 0, "prefix_steps": 1,
-                    "router_ids": 1},
+                    "router_ids": 1, **PEER_BATCH_DIMS},
         tie_scores=layer_tie_scores, reweigh=layer_reweigh, magnitudes=kda_layer_state_magnitude,
         # a conv_state row of W-1 = 3 time steps has no scale of its own (projections cancel): judge
         # all channels of one conv of one sequence together, [C, W-1]
@@ -409,7 +413,7 @@ OPS: list[OpDef] = [
         signature=(_SIG_COMMON + "cache[P,page,kv_lora+rope] wd (state); block_table[B,pages] int32 (-1 padded); "
                    "seq_lens[B] int32 (state: tokens cached, advanced by N)\n-> prefix_steps[N,B,D] wd, router_ids[N,B,k] int"),
         batch_dims={"x_steps": 1, "blocks": 0, "block_table": 0, "seq_lens": 0, "prefix_steps": 1,
-                    "router_ids": 1},
+                    "router_ids": 1, **PEER_BATCH_DIMS},
         tie_scores=layer_tie_scores, reweigh=layer_reweigh,
         configs=("tiny", "small"), dists=DISTS, max_batch=MAX_BATCH, compile_heavy=True, cpu_ok=False, notes=_NOTES,
         knob_sweep=LONG_RUNS,
