@@ -345,3 +345,14 @@ def test_report_shows_the_launches_per_layer_step():
     assert "Kernel launches per layer step" in page
     assert "<td>17</td>" in page and "not counted: RuntimeError: capture failed" in page
     assert "Kernel launches per layer step" not in render({**cert, "ops": {"kda_layer": {"verdicts": {}}}})
+
+
+def test_a_rank_rows_peers_are_narrowed_with_its_batch():
+    """Inputs built once at the run's largest batch: a smaller row takes the first B sequences of the
+    peers' partials as of every other batched tensor (the step would refuse mismatched peers)."""
+    op = get_op("kda_layer")
+    cache = shapes.InputCache("cpu")
+    shape = shapes.Shape("kda_layer", 4, 2, (("steps", 1),))
+    small = cache.inputs(op, shape, largest=3)
+    assert small.tensors["x_steps"].shape[1] == 2
+    assert small.tensors["peer_attn"].shape[2] == small.tensors["peer_mlp"].shape[2] == 2

@@ -42,9 +42,10 @@ class Shape:
 
 
 # Ops with no harness split whose registry form has a tp form of its own (params["tp"], one rank's
-# inputs): family -> "module:function" (inputs, T) -> rank 0's inputs. A whole layer all-reduces
-# mid-step, so a rank's row is one rank's step with its peers' partials given (verify.ops.layers.rank_inputs).
-RANK_FORMS = {"layers": "verify.ops.layers:rank_inputs"}
+# inputs): family -> the registry module whose rank_inputs(inputs, T) gives rank 0's inputs (and
+# RANK_BATCH_DIMS the batch dims of the tensors it adds). A whole layer all-reduces mid-step, so a
+# rank's row is one rank's step with its peers' partials given (verify.ops.layers.rank_inputs).
+RANK_FORMS = {"layers": "verify.ops.layers"}
 RANK_TPS = (2, 4, 8, 16)
 
 
@@ -193,12 +194,18 @@ def device_layer_inputs(op, case, device: str = "cuda"):
 
 
 def take_batch(op, inputs, batch: int):
-    """The first `batch` rows of every tensor the op declares a batch dim for (contiguous copies)."""
+    """The first `batch` rows of every tensor the op declares a batch dim for, and of its rank form's
+    (RANK_FORMS), as contiguous copies."""
     from verify.model.opdef import OpInputs
 
+    import importlib
+
+    dims = dict(op.batch_dims)
+    if op.family in RANK_FORMS:
+        dims.update(importlib.import_module(RANK_FORMS[op.family]).RANK_BATCH_DIMS)
     t = {}
     for name, x in inputs.tensors.items():
-        dim = op.batch_dims.get(name)
+        dim = dims.get(name)
         t[name] = x.narrow(dim, 0, batch).contiguous() if dim is not None and x.shape[dim] > batch else x
     return OpInputs(t, dict(inputs.params))
 
@@ -212,7 +219,7 @@ def rank_inputs(op, unsplit, tp: int):
     if tp == 1:
         return unsplit
     if op.split is None and op.family in RANK_FORMS:
-        return import_callable(RANK_FORMS[op.family])(unsplit, tp)
+        return import_callable(f"{RANK_FORMS[op.family]}:rank_inputs")(unsplit, tp)
     shard = op.split.shard(unsplit, tp)[0]
     return OpInputs(dict(shard.tensors), dict(shard.params))
 

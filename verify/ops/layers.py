@@ -367,7 +367,7 @@ def layer_steps_bytes(inputs: OpInputs) -> int:
     return total
 
 
-PEER_BATCH_DIMS = {"peer_attn": 2, "peer_mlp": 2}     # the tp form's peer partials (rank_inputs)
+RANK_BATCH_DIMS = {"peer_attn": 2, "peer_mlp": 2}     # the batch dims of rank_inputs' peer partials
 
 # bench: one decode step per timed call (the stock layer's step, graph-capturable) beside the reference
 KDA_LAYER_PEERS = (Peer("stock_layer", "stock.layers:kda_layer_step_peer"),)
@@ -398,7 +398,7 @@ OPS: list[OpDef] = [
                    "-> prefix_steps[N,B,D] wd (the layer's output prefix = next layer's h, per step), "
                    "router_ids[N,B,k] int (each step's experts; k = 0 at the dense layer 0)"),
         batch_dims={"x_steps": 1, "blocks": 0, "conv_state": 0, "recurrent_state": 0, "prefix_steps": 1,
-                    "router_ids": 1, **PEER_BATCH_DIMS},
+                    "router_ids": 1},
         tie_scores=layer_tie_scores, reweigh=layer_reweigh, magnitudes=kda_layer_state_magnitude,
         # a conv_state row of W-1 = 3 time steps has no scale of its own (projections cancel): judge
         # all channels of one conv of one sequence together, [C, W-1]
@@ -413,7 +413,7 @@ OPS: list[OpDef] = [
         signature=(_SIG_COMMON + "cache[P,page,kv_lora+rope] wd (state); block_table[B,pages] int32 (-1 padded); "
                    "seq_lens[B] int32 (state: tokens cached, advanced by N)\n-> prefix_steps[N,B,D] wd, router_ids[N,B,k] int"),
         batch_dims={"x_steps": 1, "blocks": 0, "block_table": 0, "seq_lens": 0, "prefix_steps": 1,
-                    "router_ids": 1, **PEER_BATCH_DIMS},
+                    "router_ids": 1},
         tie_scores=layer_tie_scores, reweigh=layer_reweigh,
         configs=("tiny", "small"), dists=DISTS, max_batch=MAX_BATCH, compile_heavy=True, cpu_ok=False, notes=_NOTES,
         knob_sweep=LONG_RUNS,
