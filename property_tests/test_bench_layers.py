@@ -351,8 +351,6 @@ def test_a_rank_rows_peers_are_narrowed_with_its_batch():
     """Inputs built once at the run's largest batch: a smaller row takes the first B sequences of the
     peers' partials as of every other batched tensor (the step would refuse mismatched peers)."""
     op = get_op("kda_layer")
-    cache = shapes.InputCache("cpu")
-    shape = shapes.Shape("kda_layer", 4, 2, (("steps", 1),))
-    small = cache.inputs(op, shape, largest=3)
+    small = shapes.take_batch(op, shapes.rank_inputs(op, _inputs("kda_layer", batch=3), 4), 2)
     assert small.tensors["x_steps"].shape[1] == 2
     assert small.tensors["peer_attn"].shape[2] == small.tensors["peer_mlp"].shape[2] == 2
