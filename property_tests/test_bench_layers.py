@@ -354,3 +354,28 @@ def test_a_rank_rows_peers_are_narrowed_with_its_batch():
     small = shapes.take_batch(op, shapes.rank_inputs(op, _inputs("kda_layer", batch=3), 4), 2)
     assert small.tensors["x_steps"].shape[1] == 2
     assert small.tensors["peer_attn"].shape[2] == small.tensors["peer_mlp"].shape[2] == 2
+
+
+def test_one_device_built_ops_inputs_are_kept_at_a_time(monkeypatch):
+    """Two K3 layers' inputs (16 GB each) with their rank forms filled an 80 GB card: building a layer
+    op's inputs drops another layer op's; other ops' inputs stay for the run."""
+    built = []
+
+    def fake_build(op, case, device="cpu"):
+        built.append(op.name)
+        return _inputs(op.name) if op.family == "layers" else get_op(op.name).make_inputs(
+            Case(op.name, 0, 2, "tiny", "bfloat16", "normal", 1, ()))
+    monkeypatch.setattr(shapes, "build_inputs", fake_build)
+    cache = shapes.InputCache("cpu")
+    kda, mla, rms = get_op("kda_layer"), get_op("mla_layer"), get_op("attn_res_rmsnorm")
+    knobs = (("steps", 1),)
+    cache.inputs(rms, shapes.Shape("attn_res_rmsnorm", 1, 2, ()), 2)
+    cache.inputs(kda, shapes.Shape("kda_layer", 4, 2, knobs), 2)
+    assert {k[0] for k in cache.held()} == {"attn_res_rmsnorm", "kda_layer"}
+    cache.inputs(mla, shapes.Shape("mla_layer", 1, 2, knobs), 2)
+    assert {k[0] for k in cache.held()} == {"attn_res_rmsnorm", "mla_layer"}
+    cache.inputs(kda, shapes.Shape("kda_layer", 1, 2, knobs), 2)          # a later round: rebuilt
+    assert built == ["attn_res_rmsnorm", "kda_layer", "mla_layer", "kda_layer"]
+    assert {k[0] for k in cache.held()} == {"attn_res_rmsnorm", "kda_layer"}
+    cache.inputs(kda, shapes.Shape("kda_layer", 4, 2, knobs), 2)          # same op: kept, not rebuilt
+    assert built[-1] == "kda_layer" and len(built) == 4

@@ -227,20 +227,44 @@ def rank_inputs(op, unsplit, tp: int):
 class InputCache:
     """Unsplit inputs per (op, knobs), built once at the largest batch a run asks of them (on the CPU,
     a K3 layer's on the device: build_inputs), and rank 0's shard of them per T, both kept for the
-    run (its rounds come back to every op; the K3 inputs of the six fused ops hold about 1 GB, a K3
-    layer's about 16 GB)."""
+    run (its rounds come back to every op; the K3 inputs of the six fused ops hold about 1 GB). A K3
+    layer's are about 16 GB, with its rank forms and the entries' own memory more than half an 80 GB
+    card: the inputs of one device-built op (DEVICE_BUILT_FAMILIES) are kept at a time, dropped when
+    another's are built (rebuilt on the device in seconds when a later round comes back to it)."""
 
     def __init__(self, device: str = "cpu"):
         self.device = device
         self._built: dict[tuple, tuple[int, object]] = {}
         self._ranked: dict[tuple, object] = {}
+        self._families: dict[tuple, str] = {}
 
     def inputs(self, op, shape: Shape, largest: int):
         key = (op.name, shape.knobs)
         if key not in self._built or self._built[key][0] < shape.batch:
+            self._drop(key if op.family in DEVICE_BUILT_FAMILIES else None)
             self._built[key] = (largest, build_inputs(op, case_for(op, shape, largest), self.device))
+            self._families[key] = op.family
             self._ranked = {k: v for k, v in self._ranked.items() if k[:2] != key}
         rkey = (*key, shape.tp)
         if rkey not in self._ranked:
             self._ranked[rkey] = rank_inputs(op, self._built[key][1], shape.tp)
         return take_batch(op, self._ranked[rkey], shape.batch)
+
+    def _drop(self, key) -> None:
+        """Before `key`'s inputs are built (None: not a device-built op's): those of every other
+        device-built op, its old build and their rank forms, with the allocator's cache on CUDA."""
+        gone = [k for k, fam in self._families.items() if fam in DEVICE_BUILT_FAMILIES and key is not None]
+        if not gone and key not in self._built:
+            return
+        for k in set(gone) | ({key} if key in self._built else set()):
+            self._built.pop(k, None)
+            self._families.pop(k, None)
+        self._ranked = {k: v for k, v in self._ranked.items() if k[:2] in self._built}
+        if str(self.device).startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
+
+    def held(self) -> list[tuple]:
+        """The (op, knobs) keys whose unsplit inputs are kept now."""
+        return list(self._built)
