@@ -251,14 +251,14 @@ class InputCache:
         return take_batch(op, self._ranked[rkey], shape.batch)
 
     def _drop(self, key) -> None:
-        """Before `key`'s inputs are built (None: not a device-built op's): those of every other
-        device-built op, its old build and their rank forms, with the allocator's cache on CUDA."""
-        gone = [k for k, fam in self._families.items() if fam in DEVICE_BUILT_FAMILIES and key is not None]
-        if not gone and key not in self._built:
+        """Before a device-built op's inputs (`key`) are built (None: another op's, nothing dropped):
+        those of every device-built op, `key`'s old build among them, and their rank forms, with the
+        allocator's cache on CUDA."""
+        gone = [k for k, fam in self._families.items() if key is not None and fam in DEVICE_BUILT_FAMILIES]
+        if not gone:
             return
-        for k in set(gone) | ({key} if key in self._built else set()):
-            self._built.pop(k, None)
-            self._families.pop(k, None)
+        for k in gone:
+            del self._built[k], self._families[k]
         self._ranked = {k: v for k, v in self._ranked.items() if k[:2] in self._built}
         if str(self.device).startswith("cuda"):
             import torch
