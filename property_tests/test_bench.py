@@ -94,13 +94,27 @@ def test_plan_samples_deals_the_replays_by_the_graphs_length():
 
 def test_time_launches_without_counts_times_a_probe_and_deals_the_rest():
     clock = FakeClock()
-    calls = [lambda: 2.0]                              # 2 ms a call: a long eager graph
-    st = timing.time_launches(calls, clock, min_calls=5, measure_ms=60)
-    assert (st.samples, st.replays, st.calls) == (timing.MIN_SAMPLES, 1, 5)   # 10 ms replays: 10 of 1
-    assert st.median_us == pytest.approx(2000.0)
-    assert clock.now == pytest.approx(10.0 * (1 + 1 + timing.MIN_SAMPLES))   # warm, probe, samples
+    calls = [lambda: 1.0]                              # 1 ms a call, 10 ms a replay of 10 calls
+    st = timing.time_launches(calls, clock, min_calls=10, measure_ms=60)
+    assert (st.samples, st.replays, st.calls) == (timing.MIN_SAMPLES, 1, 10)   # 10 ms replays: 10 of 1
+    assert st.median_us == pytest.approx(1000.0)
+    # the one-call probe, then the warm replay, the probe replay and the samples
+    assert clock.now == pytest.approx(1.0 + 10.0 * (1 + 1 + timing.MIN_SAMPLES))
     short = timing.time_launches([lambda: 0.001], FakeClock(), min_calls=20, measure_ms=60)
-    assert (short.samples, short.replays) == (timing.SAMPLES, timing.REPLAYS)
+    assert (short.samples, short.replays, short.calls) == (timing.SAMPLES, timing.REPLAYS, 20)
+
+
+def test_a_long_call_is_timed_in_one_pass_over_its_sets():
+    """A call of LONG_CALL_MS or more (an eager reference layer) is not repeated to min_calls: its graph
+    holds each set once; one just under it still is."""
+    long_ms = timing.LONG_CALL_MS
+    clock = FakeClock(method="stream")
+    st = timing.time_launches([lambda: 50.0, lambda: 50.0], clock, min_calls=20, measure_ms=60)
+    assert (st.calls, st.sets, st.samples, st.replays) == (2, 2, timing.MIN_SAMPLES, 1)
+    assert st.median_us == pytest.approx(50000.0)
+    assert clock.now == pytest.approx(50.0 + 100.0 * (1 + 1 + timing.MIN_SAMPLES))
+    assert timing.time_launches([lambda: long_ms], FakeClock(), min_calls=20).calls == 1
+    assert timing.time_launches([lambda: 0.99 * long_ms], FakeClock(), min_calls=20).calls == 20
 
 
 # ------------------------------------------------------------------------------------ byte counts

@@ -7,6 +7,10 @@ own launch gap is then not charged to the 1-2 calls of a graph of large sets). E
 time of a few graph replays between two CUDA events, divided by the calls replayed; the result is
 the median and the 10th / 90th percentiles of the samples.
 
+A call of LONG_CALL_MS or more (a reference layer launched from Python, tens of milliseconds) is
+timed in a graph of one pass over its sets: a replay's launch gap is then under 0.5 % of a call, and
+repeating it 20 times would spend a minute of the bench's budget on one baseline.
+
 How many: a timed probe replay gives the graph's length, and the replays are dealt so that the
 timed ones add up to about MEASURE_MS: SAMPLES samples of REPLAYS replays for a short graph, down
 to MIN_SAMPLES samples of one replay for a long one (a reference composition's eager graph of 64
@@ -27,6 +31,7 @@ MIN_CALLS = 20
 SAMPLES = 25
 REPLAYS = 3
 MIN_SAMPLES = 10
+LONG_CALL_MS = 2.0         # a call at least this long is not repeated to MIN_CALLS in its graph
 MEASURE_MS = 60.0          # timed replays per entry add up to about this (at least MIN_SAMPLES replays)
 
 Launch = Callable[[], object]
@@ -92,10 +97,15 @@ def plan_samples(replay_ms: float, measure_ms: float = MEASURE_MS, samples: int 
 def time_launches(per_set: Sequence[Launch], clock: Clock, *, min_calls: int = MIN_CALLS,
                   samples: int | None = None, replays: int | None = None,
                   measure_ms: float = MEASURE_MS) -> Stats:
-    """Per-call time of the launches in `per_set` (one per input set), rotated as `rotation` says.
+    """Per-call time of the launches in `per_set` (one per input set), rotated as `rotation` says, or in
+    one pass over the sets when a probe of the first set's call takes LONG_CALL_MS or more.
     samples and replays fixed, or None: dealt by `plan_samples` from a timed probe replay."""
     if (samples is not None and samples < 1) or (replays is not None and replays < 1):
         raise ValueError(f"samples {samples} and replays {replays} must be 1 or more")
+    if min_calls > len(per_set):
+        probe, _ = clock.capture(per_set[:1])
+        if clock.elapsed_ms(probe, 1) >= LONG_CALL_MS:
+            min_calls = len(per_set)
     order = rotation(len(per_set), min_calls)
     replay, method = clock.capture([per_set[i] for i in order])
     clock.elapsed_ms(replay, 1)                        # one untimed replay: first-touch costs
