@@ -113,3 +113,15 @@ def test_the_fused_candidate_is_judged_by_the_harness(config, T):
         v = judge_case(Case("mla_decode_attn_cp", seed, 4, config, "bfloat16", "normal", T),
                        "fused.mla_decode_attn_cp:mla_decode_attn_cp")
         assert v.status == "pass", f"seed {seed}: {v.stage}: {v.reason}"
+
+
+def test_the_fused_composition_is_drawn_in_its_kernels_dtypes_only():
+    """The composition runs fused/mla_decode_attn.py, which takes bf16 and fp16: its module declares
+    that scope, so the harness draws no fp32 case for it and names the scope in the verdict."""
+    import fused.mla_decode_attn_cp as cp
+    from verify.model.profile import get_profile
+    from verify.plan.scope import candidate_scope
+
+    scope = candidate_scope(get_op("mla_decode_attn_cp"), cp.mla_decode_attn_cp, get_profile("release"))
+    assert set(scope.profile.dtypes) == {"bfloat16", "float16"}
+    assert any("float32 not drawn" in n for n in scope.notes), scope.notes
