@@ -122,8 +122,57 @@ def mla_decode_attn(t: dict, p: dict) -> dict[str, dict[str, torch.Tensor]]:
     return res
 
 
+# -------------------------------------------------------------------------------- mla_decode_attn_cp
+
+
+def _round_toward_zero_fp32(x: torch.Tensor) -> torch.Tensor:
+    """float64 -> the fp32 value next toward zero (round toward zero, as a tensor core's accumulator)."""
+    r = x.float()
+    return torch.where(r.double().abs() > x.abs(), torch.nextafter(r, torch.zeros_like(r)), r)
+
+
+def tensor_core_scores(q: torch.Tensor, kv: torch.Tensor, k_step: int = 16) -> torch.Tensor:
+    """q[Q,H,C] . kv[L,C] (16-bit) as a Hopper MMA chain accumulates it: each k_step-wide slice's products
+    summed exactly, added to the fp32 accumulator and the sum rounded toward zero (-> [Q,H,L] fp32)."""
+    acc = torch.zeros(*q.shape[:2], kv.shape[0], dtype=torch.float32)
+    for c in range(0, q.shape[-1], k_step):
+        part = torch.einsum("qhc,tc->qht", q[..., c:c + k_step].double(), kv[:, c:c + k_step].double())
+        acc = _round_toward_zero_fp32(acc.double() + part)
+    return acc
+
+
+def mla_decode_attn_cp(t: dict, p: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """The rank's window attention, the rest as the reference, with its scores summed over C reversed
+    (fp32, round to nearest) and, for 16-bit inputs, accumulated as tensor cores do (an fp32 kernel has
+    no such MMA): the spec's lse bound must take both."""
+    from references.mla import causal_visible, paged_cache_read
+    q_abs, cache, table = t["q_abs"], t["cache"], t["block_table"]
+    lora, scale = p["kv_lora_rank"], p["scale"]
+    (n_seq, n_q, H, _), acc = q_abs.shape, acc_dtype(q_abs)
+    scores = {"reversed_c": lambda q, kv: torch.einsum("qhc,tc->qht", q.flip(-1).to(acc), kv.flip(-1).to(acc))}
+    if q_abs.dtype != torch.float32:
+        scores["tensor_core"] = tensor_core_scores
+    res = {}
+    for name, score in scores.items():
+        out = torch.zeros(n_seq, n_q, H, lora, dtype=acc)
+        lse = torch.full((n_seq, n_q, H), float("-inf"), dtype=acc)
+        for b in range(n_seq):
+            start, n, length = int(t["kv_start"][b]), int(t["kv_len"][b]), int(t["seq_lens"][b])
+            vis = causal_visible(length, n_q, start, start + n)
+            seen = vis.any(-1)
+            if not bool(seen.any()):
+                continue
+            kv = paged_cache_read(cache, table[b], n)
+            s = (score(q_abs[b], kv) * scale).masked_fill(~vis[:, None, :], float("-inf"))
+            lse[b, seen] = torch.logsumexp(s[seen], dim=-1)
+            out[b, seen] = torch.einsum("qht,tc->qhc", torch.softmax(s[seen], dim=-1), kv[:, :lora].to(acc))
+        res[name] = {"o_latent": out.to(q_abs.dtype), "lse": lse}
+    return res
+
+
 LEGIT = {"skinny_gemm": skinny_gemm, "attn_res_rmsnorm": attn_res_rmsnorm,
-         "allreduce_attn_res_rmsnorm": attn_res_rmsnorm, "mla_decode_attn": mla_decode_attn}
+         "allreduce_attn_res_rmsnorm": attn_res_rmsnorm, "mla_decode_attn": mla_decode_attn,
+         "mla_decode_attn_cp": mla_decode_attn_cp}
 
 
 SPEC = "spec"
