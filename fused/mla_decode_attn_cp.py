@@ -21,14 +21,11 @@ CPU.
 """
 import torch
 
+from fused.mla_decode_attn import DTYPES, mla_decode_attn    # noqa: F401  (DTYPES: the kernel's scope is ours)
 from references.mla_cp import _check as _check_windows
-
-DTYPES = ("bfloat16", "float16")     # fused/mla_decode_attn.py's working dtypes: the harness draws these only
 
 
 def _fused_attend(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank):
-    from fused.mla_decode_attn import mla_decode_attn
-
     return mla_decode_attn(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, return_lse=True)
 
 

@@ -74,6 +74,35 @@ def attn_res_rmsnorm(t: dict, p: dict) -> dict[str, dict[str, torch.Tensor]]:
 # ------------------------------------------------------------------------------------- mla_decode_attn
 
 
+def _round_toward_zero_fp32(x: torch.Tensor) -> torch.Tensor:
+    """float64 -> the fp32 value next toward zero (round toward zero, as a tensor core's accumulator)."""
+    r = x.float()
+    return torch.where(r.double().abs() > x.abs(), torch.nextafter(r, torch.zeros_like(r)), r)
+
+
+def tensor_core_scores(q: torch.Tensor, kv: torch.Tensor, k_step: int = 16) -> torch.Tensor:
+    """q[Q,H,C] . kv[L,C] (16-bit) as a Hopper MMA chain accumulates it: each k_step-wide slice's products
+    summed exactly, added to the fp32 accumulator and the sum rounded toward zero (-> [Q,H,L] fp32)."""
+    acc = torch.zeros(*q.shape[:2], kv.shape[0], dtype=torch.float32)
+    for c in range(0, q.shape[-1], k_step):
+        part = torch.einsum("qhc,tc->qht", q[..., c:c + k_step].double(), kv[:, c:c + k_step].double())
+        acc = _round_toward_zero_fp32(acc.double() + part)
+    return acc
+
+
+def _scores(q, kv, scale: float, order: str) -> torch.Tensor:
+    """scale * q[Q,H,C] . kv[L,C] -> [Q,H,L] in another summation order: C reversed, 64-wide k-blocks
+    folded in order, as a tensor-core MMA chain rounds (16-bit q, kv: tensor_core_scores), or the scale
+    folded into q; fp32 (q, kv are fp32 but for tensor_core)."""
+    if order == "reversed_c":
+        return torch.einsum("qhc,tc->qht", q.flip(-1), kv.flip(-1)) * scale
+    if order == "blocked_c":     # 64-wide k-blocks folded in order (a tensor-core MMA's accumulation)
+        return sum(torch.einsum("qhc,tc->qht", q[..., i:i + 64], kv[:, i:i + 64]) for i in range(0, q.shape[-1], 64)) * scale
+    if order == "tensor_core":
+        return tensor_core_scores(q, kv) * scale
+    return torch.einsum("qhc,tc->qht", q * scale, kv)                              # scale folded into q
+
+
 def _attn_one(q, kv, lora: int, scale: float, visible, order: str, wd) -> torch.Tensor:
     """One sequence's attention in fp32 with the scores summed in another order or the softmax in
     another form: q[Q,H,C], kv[L,C] (fp32), visible[Q,L] -> o[Q,H,lora] (fp32)."""
@@ -82,13 +111,7 @@ def _attn_one(q, kv, lora: int, scale: float, visible, order: str, wd) -> torch.
         qh = q.permute(1, 0, 2)                                                     # [H, Q, C]
         k, v = kv.expand(qh.shape[0], -1, -1), kv[:, :lora].expand(qh.shape[0], -1, -1)
         return F.scaled_dot_product_attention(qh, k, v, attn_mask=visible, scale=scale).permute(1, 0, 2)
-    if order == "reversed_c":
-        s = torch.einsum("qhc,tc->qht", q.flip(-1), kv.flip(-1)) * scale
-    elif order == "blocked_c":   # 64-wide k-blocks folded in order (a tensor-core MMA's accumulation)
-        s = sum(torch.einsum("qhc,tc->qht", q[..., i:i + 64], kv[:, i:i + 64]) for i in range(0, q.shape[-1], 64)) * scale
-    else:
-        s = torch.einsum("qhc,tc->qht", q * scale, kv)                              # scale folded into q
-    s = s.masked_fill(~visible[:, None, :], float("-inf"))
+    s = _scores(q, kv, scale, order).masked_fill(~visible[:, None, :], float("-inf"))
     if order == "exp2":          # exp2 with log2(e) folded in, the max subtracted first (FlashAttention's form)
         s2 = s * 1.4426950408889634
         e = torch.exp2(s2 - s2.amax(-1, keepdim=True))
@@ -125,22 +148,6 @@ def mla_decode_attn(t: dict, p: dict) -> dict[str, dict[str, torch.Tensor]]:
 # -------------------------------------------------------------------------------- mla_decode_attn_cp
 
 
-def _round_toward_zero_fp32(x: torch.Tensor) -> torch.Tensor:
-    """float64 -> the fp32 value next toward zero (round toward zero, as a tensor core's accumulator)."""
-    r = x.float()
-    return torch.where(r.double().abs() > x.abs(), torch.nextafter(r, torch.zeros_like(r)), r)
-
-
-def tensor_core_scores(q: torch.Tensor, kv: torch.Tensor, k_step: int = 16) -> torch.Tensor:
-    """q[Q,H,C] . kv[L,C] (16-bit) as a Hopper MMA chain accumulates it: each k_step-wide slice's products
-    summed exactly, added to the fp32 accumulator and the sum rounded toward zero (-> [Q,H,L] fp32)."""
-    acc = torch.zeros(*q.shape[:2], kv.shape[0], dtype=torch.float32)
-    for c in range(0, q.shape[-1], k_step):
-        part = torch.einsum("qhc,tc->qht", q[..., c:c + k_step].double(), kv[:, c:c + k_step].double())
-        acc = _round_toward_zero_fp32(acc.double() + part)
-    return acc
-
-
 def mla_decode_attn_cp(t: dict, p: dict) -> dict[str, dict[str, torch.Tensor]]:
     """The rank's window attention, the rest as the reference, with its scores summed over C reversed
     (fp32, round to nearest) and, for 16-bit inputs, accumulated as tensor cores do (an fp32 kernel has
@@ -149,11 +156,9 @@ def mla_decode_attn_cp(t: dict, p: dict) -> dict[str, dict[str, torch.Tensor]]:
     q_abs, cache, table = t["q_abs"], t["cache"], t["block_table"]
     lora, scale = p["kv_lora_rank"], p["scale"]
     (n_seq, n_q, H, _), acc = q_abs.shape, acc_dtype(q_abs)
-    scores = {"reversed_c": lambda q, kv: torch.einsum("qhc,tc->qht", q.flip(-1).to(acc), kv.flip(-1).to(acc))}
-    if q_abs.dtype != torch.float32:
-        scores["tensor_core"] = tensor_core_scores
     res = {}
-    for name, score in scores.items():
+    for order in ("reversed_c",) + (("tensor_core",) if q_abs.dtype != torch.float32 else ()):
+        wd = q_abs.dtype if order == "tensor_core" else acc          # the MMA takes the 16-bit operands
         out = torch.zeros(n_seq, n_q, H, lora, dtype=acc)
         lse = torch.full((n_seq, n_q, H), float("-inf"), dtype=acc)
         for b in range(n_seq):
@@ -163,10 +168,10 @@ def mla_decode_attn_cp(t: dict, p: dict) -> dict[str, dict[str, torch.Tensor]]:
             if not bool(seen.any()):
                 continue
             kv = paged_cache_read(cache, table[b], n)
-            s = (score(q_abs[b], kv) * scale).masked_fill(~vis[:, None, :], float("-inf"))
+            s = _scores(q_abs[b].to(wd), kv.to(wd), scale, order).masked_fill(~vis[:, None, :], float("-inf"))
             lse[b, seen] = torch.logsumexp(s[seen], dim=-1)
             out[b, seen] = torch.einsum("qht,tc->qhc", torch.softmax(s[seen], dim=-1), kv[:, :lora].to(acc))
-        res[name] = {"o_latent": out.to(q_abs.dtype), "lse": lse}
+        res[order] = {"o_latent": out.to(q_abs.dtype), "lse": lse}
     return res
 
 
