@@ -277,6 +277,16 @@ class MoeExperts:
         return host
 
 
+def _rows64(dtype: str, rows: int, cols: int, words: int):
+    """A weight operand [rows, cols] whose row stride is a 64-bit dynamic value (`words` elements divide
+    it: 16-byte rows for the packed weights): element offsets are computed in 64 bits, so the unsplit
+    K3 experts (w13: 2.47e9 words) index past 2^31."""
+    _, cute = runtime.cutlass_modules()
+    return cute.runtime.make_fake_tensor(runtime.cutlass_dtype(dtype), (rows, cols),
+                                         stride=(cute.sym_int64(divisibility=words), 1),
+                                         assumed_align=4 * words if dtype == "int32" else 1)
+
+
 @runtime.compile_cache("moe_experts_mxfp4")
 def _compile(wd: str, ids_dtype: str, E: int, L: int, inter: int, k: int, cfg: MoeExpertsConfig):
     """One function for the four launches; B is dynamic (a new batch size reuses it)."""
@@ -288,10 +298,10 @@ def _compile(wd: str, ids_dtype: str, E: int, L: int, inter: int, k: int, cfg: M
         runtime.fake_tensor(wd, (b, L)),
         runtime.fake_tensor(ids_dtype, (p,), align=8 if ids_dtype == "int64" else 4),
         runtime.fake_tensor("float32", (p,), align=4),
-        runtime.fake_tensor("int32", (E * 2 * inter, L // 8)),
-        runtime.fake_tensor("uint8", (E * 2 * inter, L // 32), align=1),
-        runtime.fake_tensor("int32", (E * L, inter // 8)),
-        runtime.fake_tensor("uint8", (E * L, inter // 32), align=1),
+        _rows64("int32", E * 2 * inter, L // 8, 4),
+        _rows64("uint8", E * 2 * inter, L // 32, 1),
+        _rows64("int32", E * L, inter // 8, 4),
+        _rows64("uint8", E * L, inter // 32, 1),
         Float32(4.0), Float32(25.0),
         runtime.fake_tensor("int32", (rw,), align=4),
         runtime.fake_tensor(wd, (pa, inter)),
@@ -299,7 +309,7 @@ def _compile(wd: str, ids_dtype: str, E: int, L: int, inter: int, k: int, cfg: M
         runtime.fake_tensor(wd, (b, L)))
 
 
-INDEX_LIMIT = 2**31        # words an operand may hold: the kernels compute offsets in 32 bits
+INDEX_LIMIT = 2**31        # weight rows (expert x row) an operand may hold: row ids are 32-bit, offsets 64-bit
 
 
 def _check(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale):
@@ -320,12 +330,10 @@ def _check(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale):
     check_tensor("w13_scale", w13_scale, shape=(E, two_i, L // 32), dtypes=(torch.uint8,))
     check_tensor("w2_packed", w2_packed, shape=(E, L, inter // 2), dtypes=(torch.uint8,))
     check_tensor("w2_scale", w2_scale, shape=(E, L, inter // 32), dtypes=(torch.uint8,))
-    for name, t, word in (("w13_packed", w13_packed, 4), ("w2_packed", w2_packed, 4),
-                          ("w13_scale", w13_scale, 1), ("w2_scale", w2_scale, 1)):
-        if t.numel() // word >= INDEX_LIMIT:
-            raise ValueError(f"{name}: {t.numel()} bytes ({t.numel() // word} {word}-byte words); the kernel indexes "
-                             f"its operands with 32 bits (< 2^31 words): split the experts over ranks (EP) or the "
-                             "intermediate dimension (T >= 2)")
+    for name, rows in (("w13_packed", E * two_i), ("w2_packed", E * L)):
+        if rows >= INDEX_LIMIT:
+            raise ValueError(f"{name}: {rows} weight rows (experts x rows); the kernel's row ids are 32-bit "
+                             "(< 2^31 rows): split the experts over ranks (EP) or the intermediate dimension")
     runtime.require_cuda("z", z)
 
 

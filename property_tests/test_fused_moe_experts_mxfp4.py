@@ -77,7 +77,10 @@ def test_batch_is_dynamic_so_a_new_batch_size_does_not_recompile(ir_of):
     assert list(inspect.signature(fm._compile.__wrapped__).parameters) == ["wd", "ids_dtype", "E", "L", "inter", "k", "cfg"]
     ir = ir_of("from fused import moe_experts_mxfp4 as fm; fm._compile('bfloat16', 'int64', 20, 64, 64, 4, fm.DEFAULT)")
     assert '"(?,64):(64,1)"' in ir and '"(?):(1)"' in ir
-    assert '"(2560,8):(8,1)"' in ir            # w13 as int32 words: E * 2I rows, static
+    # w13 as int32 words (E * 2I rows, static) and w2 (E * L rows), each row stride a 64-bit runtime value
+    # (16-byte rows), so element offsets are 64-bit; the scales' too
+    assert '"(2560,8):(?{i64 div=4},1)"' in ir and '"(1280,8):(?{i64 div=4},1)"' in ir
+    assert '"(2560,2):(?{i64},1)"' in ir and '"(1280,2):(?{i64},1)"' in ir
 
 
 def test_ptx_streams_16_byte_weight_loads_into_mma_without_spills(ptx_of, ptxas_regs):
@@ -117,23 +120,24 @@ def test_fused_refuses_fp32_and_cpu_tensors_with_the_argument_name():
     assert fm.DTYPES == ("bfloat16", "float16")
 
 
-def test_operands_past_32_bit_offsets_are_refused_before_launch():
-    """896 experts x the whole intermediate dim (K3 at T = 1): w2 holds 2.5e9 words, past the kernels'
-    32-bit offsets; refused with the fix named, before any launch (meta tensors: nothing allocated)."""
-    from fused import moe_experts_mxfp4 as fm
-    E, L, inter, B, k = 896, 7168, 3072, 1, 16
+def _meta_operands(E: int, L: int, inter: int, B: int = 1, k: int = 16) -> dict:
     meta = dict(device="meta")
-    t = dict(z=torch.empty(B, L, dtype=torch.bfloat16, **meta), ids=torch.empty(B, k, dtype=torch.int64, **meta),
-             weights=torch.empty(B, k, dtype=torch.float32, **meta),
-             w13_packed=torch.empty(E, 2 * inter, L // 2, dtype=torch.uint8, **meta),
-             w13_scale=torch.empty(E, 2 * inter, L // 32, dtype=torch.uint8, **meta),
-             w2_packed=torch.empty(E, L, inter // 2, dtype=torch.uint8, **meta),
-             w2_scale=torch.empty(E, L, inter // 32, dtype=torch.uint8, **meta))
-    with pytest.raises(ValueError, match="32 bits .* split the experts over ranks"):
-        fm.moe_experts_mxfp4(**t)
-    at_t8 = dict(t, w13_packed=torch.empty(E, 2 * 384, L // 2, dtype=torch.uint8, **meta),
-                 w13_scale=torch.empty(E, 2 * 384, L // 32, dtype=torch.uint8, **meta),
-                 w2_packed=torch.empty(E, L, 384 // 2, dtype=torch.uint8, **meta),
-                 w2_scale=torch.empty(E, L, 384 // 32, dtype=torch.uint8, **meta))
-    with pytest.raises(ValueError, match="CUDA tensor"):          # T = 8 fits: only the device is wrong
-        fm.moe_experts_mxfp4(**at_t8)
+    return dict(z=torch.empty(B, L, dtype=torch.bfloat16, **meta), ids=torch.empty(B, k, dtype=torch.int64, **meta),
+                weights=torch.empty(B, k, dtype=torch.float32, **meta),
+                w13_packed=torch.empty(E, 2 * inter, L // 2, dtype=torch.uint8, **meta),
+                w13_scale=torch.empty(E, 2 * inter, L // 32, dtype=torch.uint8, **meta),
+                w2_packed=torch.empty(E, L, inter // 2, dtype=torch.uint8, **meta),
+                w2_scale=torch.empty(E, L, inter // 32, dtype=torch.uint8, **meta))
+
+
+def test_unsplit_k3_experts_past_2_31_words_are_taken_and_2_31_rows_refused():
+    """896 experts x the whole intermediate dim (K3 at T = 1): w13 holds 2.47e9 words, past 32-bit
+    offsets; the kernels' 64-bit row strides take it (only the device is wrong here: meta tensors,
+    nothing allocated). 2^31 weight rows would overflow the 32-bit row ids: refused before launch."""
+    from fused import moe_experts_mxfp4 as fm
+    k3 = _meta_operands(896, 3584, 3072)
+    assert k3["w13_packed"].numel() // 4 > 2**31
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        fm.moe_experts_mxfp4(**k3)
+    with pytest.raises(ValueError, match="w13_packed: 2147483648 weight rows .* row ids are 32-bit"):
+        fm.moe_experts_mxfp4(**_meta_operands(2**20, 64, 1024))

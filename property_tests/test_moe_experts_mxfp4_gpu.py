@@ -117,6 +117,25 @@ def test_matches_reference_every_variant(shape, B, kind):
         assert torch.equal(one.view(torch.int16), y[1:2].view(torch.int16))
 
 
+@pytest.mark.parametrize("B", [1, 3])
+def test_unsplit_k3_experts_index_past_2_31_words(B):
+    """All 896 K3 experts at the whole intermediate dim (T = 1): w13 is 2.47e9 words, and expert e's rows
+    start past word 2^31 from e = 781 on. Token 0 takes the last 16 experts (880..895), the others random:
+    every variant within the spec's rule against the float64 reference, so no offset wrapped."""
+    from fused import moe_experts_mxfp4 as fm
+    w13_p, w13_s, w2_p, w2_s = expert_weights(K3_E, K3_L, K3_I, seed=11)
+    assert w13_p.numel() // 4 > 2**31 and 2 * K3_I * 781 * (K3_L // 8) >= 2**31
+    ids, w = routing("random", B, K3_E, K3_K, seed=11)
+    ids[0] = torch.arange(K3_E - K3_K, K3_E, device="cuda")
+    z = torch.randn(B, K3_L, device="cuda", generator=torch.Generator("cuda").manual_seed(11)).to(torch.bfloat16)
+    t = dict(z=z, ids=ids, weights=w, w13_packed=w13_p, w13_scale=w13_s, w2_packed=w2_p, w2_scale=w2_s)
+    params = dict(situ_beta=4.0, situ_linear_beta=25.0)
+    check = judge(t, params)
+    for cfg in fm.variants(t, params):
+        verdict = check(fm.moe_experts_mxfp4(**t, **params, variant=cfg))
+        assert verdict.ok, f"{cfg.name}: {verdict.detail}"
+
+
 @pytest.mark.parametrize("shape", ["tiny", "k3_tp8"])
 def test_each_launch_against_torch(shape):
     """Stage by stage, to say which launch is wrong when the end-to-end check fails: the route's active
