@@ -15,8 +15,8 @@ rounding points, each op called through the kernel table the layer was prepared 
 `KERNELS` names the fused kernel of every op. `prepare(..., kernels="fused")` resolves them;
 `kernels="reference"` puts the op references in their place (on the CPU this is the reference layer
 itself, bit for bit: the composition is checked there without a GPU). A fused kernel that refuses
-the layer's shapes (its argument checks raise before any launch or write: the unsplit K3 routed
-experts exceed the 32-bit indexing of fused/moe_experts_mxfp4) is replaced, from that call on, by a
+the layer's shapes (its argument checks raise before any launch or write, as the MLA kernels do for
+a cache past their 32-bit slot offsets) is replaced, from that call on, by a
 sync-free torch form of its op, and `FusedLayer.unfused` names it with the refusal: the step's launch
 count stays honest. `GLUE` lists the torch ops the step runs between kernels, one launch each (a CPU
 trace of the step counts them: property_tests/test_fused_layers.py).
