@@ -167,6 +167,22 @@ def layer_step_tp(kind: str, weights: LayerWeights, state: LayerState, layer_idx
 PEER_TENSORS = ("peer_attn", "peer_mlp")
 
 
+def split_rank_tensors(tensors: dict[str, torch.Tensor], tp: int, steps: int | None = None,
+                       batch: int | None = None) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """A one-rank registry call's tensors -> (the rank's weights, (peer_attn, peer_mlp)): each peer tensor
+    [N, T-1, B, *] (N steps and B rows checked where given); a missing one is a TypeError naming it."""
+    missing = [n for n in PEER_TENSORS if n not in tensors]
+    if missing:
+        raise TypeError(f"tp={tp}: one rank's layer step needs {', '.join(missing)} (the other ranks' partials)")
+    for n in PEER_TENSORS:
+        check_tensor(n, tensors[n], ndim=4, shape=(steps, None, batch, None))
+        if tensors[n].shape[1] != tp - 1:
+            raise ValueError(f"{n}: dim 1 holds the other {tp - 1} ranks' partials at tp={tp}, got "
+                             f"{tensors[n].shape[1]}")
+    return ({n: t for n, t in tensors.items() if n not in PEER_TENSORS},
+            (tensors["peer_attn"], tensors["peer_mlp"]))
+
+
 def rank_config(cfg: K3Config, T: int) -> K3Config:
     """The config whose unsplit layer has one rank's shapes: n_heads / T heads, the routed experts'
     zero-padded shard width, the shared and dense intermediate sizes over T."""
@@ -282,18 +298,13 @@ def rank_layer_steps(kind: str, x_steps: torch.Tensor, blocks: torch.Tensor, sta
     from references.layers import _flat_state, stacked_ids
 
     cfg = rank_config(get_config(config), tp)
-    missing = [n for n in PEER_TENSORS if n not in tensors]
-    if missing:
-        raise TypeError(f"tp={tp}: one rank's layer step needs {', '.join(missing)} (the other ranks' partials)")
-    peers = {n: tensors[n] for n in PEER_TENSORS}
-    for n, t in peers.items():
-        check_tensor(n, t, ndim=4, shape=(x_steps.shape[0], tp - 1, x_steps.shape[1], None))
-    w = LayerWeights(kind, cfg, x_steps.dtype, {n: t for n, t in tensors.items() if n not in PEER_TENSORS})
+    weights, (peer_attn, peer_mlp) = split_rank_tensors(tensors, tp, x_steps.shape[0], x_steps.shape[1])
+    w = LayerWeights(kind, cfg, x_steps.dtype, weights)
     st = _flat_state(x_steps, blocks, **state)
     check_tensor("x_steps", x_steps, ndim=3, shape=(None,) + tuple(st.prefix.shape))
     routing: list = []
     outs = []
     for t, x in enumerate(x_steps):
         st.prefix.copy_(x)
-        outs.append(layer_step_rank(kind, w, st, layer_idx, peers["peer_attn"][t], peers["peer_mlp"][t], routing))
+        outs.append(layer_step_rank(kind, w, st, layer_idx, peer_attn[t], peer_mlp[t], routing))
     return torch.stack(outs), stacked_ids([ids for ids, _ in routing], x_steps)

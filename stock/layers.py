@@ -441,18 +441,10 @@ def rank_form(config, tp: int, tensors: dict) -> tuple:
     cfg = get_config(config) if isinstance(config, str) else config
     if tp == 1:
         return cfg, tensors, None
-    from references.layers_tp import PEER_TENSORS, rank_config
+    from references.layers_tp import rank_config, split_rank_tensors
 
-    missing = [n for n in PEER_TENSORS if n not in tensors]
-    if missing:
-        raise TypeError(f"tp={tp}: one rank's layer step needs {', '.join(missing)} (the other ranks' partials)")
-    for n in PEER_TENSORS:
-        check_tensor(n, tensors[n], ndim=4)
-        if tensors[n].shape[1] != tp - 1:
-            raise ValueError(f"{n}: dim 1 holds the other {tp - 1} ranks' partials at tp={tp}, got "
-                             f"{tensors[n].shape[1]}")
-    return (rank_config(cfg, tp), {n: t for n, t in tensors.items() if n not in PEER_TENSORS},
-            tuple(tensors[n] for n in PEER_TENSORS))
+    weights, peers = split_rank_tensors(tensors, tp)
+    return rank_config(cfg, tp), weights, peers
 
 
 def run_steps(kind: str, x_steps, blocks, state: dict, layer_idx, config, weights: dict,
