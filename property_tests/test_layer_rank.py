@@ -93,6 +93,25 @@ def test_missing_peers_and_bad_t_are_named():
         kda_layer_steps(x, blocks, **state, layer_idx=13, config="tiny", tp=3, **tensors)
 
 
+def test_peer_partials_are_checked_once_for_the_reference_and_the_stock_forms():
+    """split_rank_tensors checks a rank call's peers: each [N, T-1, B, *]; the stock layer's rank form
+    raises the same errors (one check, not two)."""
+    from references.layers_tp import split_rank_tensors
+    from stock.layers import rank_form
+    ok = {"w": torch.zeros(2), "peer_attn": torch.zeros(3, 1, 2, 8), "peer_mlp": torch.zeros(3, 1, 2, 12)}
+    weights, (pa, pm) = split_rank_tensors(ok, 2, steps=3, batch=2)
+    assert list(weights) == ["w"] and pa is ok["peer_attn"] and pm is ok["peer_mlp"]
+    for bad, err, msg in (({"w": ok["w"], "peer_attn": ok["peer_attn"]}, TypeError, "needs peer_mlp"),
+                          (dict(ok, peer_mlp=torch.zeros(3, 2, 2, 12)), ValueError, "peer_mlp: dim 1 holds the other 1"),
+                          (dict(ok, peer_attn=torch.zeros(3, 1, 8)), ValueError, "peer_attn")):
+        with pytest.raises(err, match=msg):
+            split_rank_tensors(bad, 2, steps=3, batch=2)
+        with pytest.raises(err, match=msg):
+            rank_form("tiny", 2, bad)
+    with pytest.raises(ValueError, match="peer_attn"):
+        split_rank_tensors(ok, 2, steps=4, batch=2)
+
+
 def _rank_inputs(kind, T=2, steps=2):
     w, start, blocks, x, want, _, partials = _tp_run(kind, TINY, T, steps=steps)
     attn, mlp = torch.stack(partials[0::2]), torch.stack(partials[1::2])
