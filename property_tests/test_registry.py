@@ -83,7 +83,13 @@ def test_entry_contract(name):
 
 
 def _input_names(op) -> set[str]:
-    return set(op.make_inputs(Case(op.name, 0, 2, op.configs[0], op.dtypes[0], op.dists[0])).tensors)
+    """The tensors of a default case and of each knob-sweep case (a knob may add inputs: a layer's tp
+    form takes its peers' partials)."""
+    names = set()
+    for knobs in ({},) + tuple(op.knob_sweep or ()):
+        case = Case(op.name, 0, 2, op.configs[0], op.dtypes[0], op.dists[0], extra=tuple(sorted(knobs.items())))
+        names |= set(op.make_inputs(case).tensors)
+    return names
 
 
 @pytest.mark.parametrize("name", OPS)

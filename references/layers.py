@@ -175,18 +175,24 @@ def router_choice(x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
     return router_choice_scores(x, w["w_router"], w["router_bias"])[1]
 
 
+def route(x: torch.Tensor, w: LayerWeights, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids[B,k] int64, routing weights[B,k] fp32): the router's top-k of the normed x[B,D], or the given
+    ids weighted as the router weighs them (renormalise)."""
+    cfg = w.config
+    if ids is None:
+        return router_topk(x, w["w_router"], w["router_bias"], cfg.top_k, cfg.routed_scale)
+    s, _ = router_choice_scores(x, w["w_router"], w["router_bias"])
+    ids = ids.to(device=x.device, dtype=torch.int64)
+    return ids, renormalise(s, ids, cfg.routed_scale)
+
+
 def latent_moe(x: torch.Tensor, w: LayerWeights, routing: list | None = None,
                ids: torch.Tensor | None = None) -> torch.Tensor:
     """K3 LatentMoE on the normed x[B,D]; appends (ids, choice scores) to `routing` when given. `ids`
     [B,k]: experts to route to in place of the router's top-k, weighted as the router weighs them
     (renormalise): the reference at a candidate's own choice inside a near-tie."""
     cfg = w.config
-    if ids is None:
-        ids, route_w = router_topk(x, w["w_router"], w["router_bias"], cfg.top_k, cfg.routed_scale)
-    else:
-        s, _ = router_choice_scores(x, w["w_router"], w["router_bias"])
-        ids = ids.to(device=x.device, dtype=torch.int64)
-        route_w = renormalise(s, ids, cfg.routed_scale)
+    ids, route_w = route(x, w, ids)
     if routing is not None:
         routing.append((ids, router_choice(x, w)))
     z = linear(x, w["w_latent_down"])

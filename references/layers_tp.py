@@ -24,7 +24,7 @@ from references.kda import kda_attention_step
 from references.kda_tp import (combine_kda_attention_step, shard_decode_tensors, shard_in_proj_weights,
                                 shard_kda_attention_step)
 from references.layers import (LayerState, attn_side, check_layer_args, check_layer_idx, kda_attention,
-                               mla_attention, next_slots, router_choice)
+                               mla_attention, next_slots, route, router_choice)
 from references.mla import mla_attention_step_tp, shard_heads
 from references.moe import (dense_mlp, latent_norm_up, moe_experts_mxfp4, moe_tp_shard_width, router_topk,
                             shared_experts)
@@ -252,11 +252,12 @@ def _fold_with_peers(own: torch.Tensor, peers: torch.Tensor) -> torch.Tensor:
 
 
 def layer_step_rank(kind: str, weights: LayerWeights, state: LayerState, layer_idx: int, peer_attn: torch.Tensor,
-                    peer_mlp: torch.Tensor, routing: list | None = None) -> torch.Tensor:
+                    peer_mlp: torch.Tensor, routing: list | None = None, ids: torch.Tensor | None = None) -> torch.Tensor:
     """Rank 0's decode step: weights and state its shards (weights.config = rank_config), peer_attn
     [T-1,B,D] and peer_mlp [T-1,B,M] the partials ranks 1..T-1 contribute to the two all-reduces
     (M = L + D: latent and shared-experts partials side by side; D for the dense MLP). State in place;
-    returns the new prefix (every rank's)."""
+    returns the new prefix (every rank's). ids[B,k]: the experts in place of the router's choice
+    (references.layers.route)."""
     _, cfg = check_layer_args(weights, state, kind)
     check_layer_idx(layer_idx)
     B, D = state.prefix.shape
@@ -273,7 +274,7 @@ def layer_step_rank(kind: str, weights: LayerWeights, state: LayerState, layer_i
         own_m = dense_mlp(h, weights["w_dense_gate_up"], weights["w_dense_down"], cfg.situ_beta, cfg.situ_linear_beta)
         m = fold_partials(_fold_with_peers(own_m, peer_mlp))
     else:
-        ids, route_w = router_topk(h, weights["w_router"], weights["router_bias"], cfg.top_k, cfg.routed_scale)
+        ids, route_w = route(h, weights, ids)
         if routing is not None:
             routing.append((ids, router_choice(h, weights)))
         z = linear(h, weights["w_latent_down"])

@@ -23,6 +23,9 @@ STEP_RANGE = (2, 5)      # decode steps per case, drawn
 # grow with the steps: the specs' derivations bound it at every step)
 LONG_RUNS = ({"steps": 64},)
 DENSE_LAYER = ({"layer_idx": 0},)        # kda_layer's knob sweep: layer 0, the dense MLP's layer
+# one rank of a T-rank layer (the registry forms' tp form: rank_inputs): heads, expert width and the
+# shared / dense intermediate split T ways, the other ranks' partials given
+RANK_FORMS = ({"tp": 2}, {"tp": 4})
 MAX_BATCH = 4            # the reference loops over (token, expert) pairs in Python: keep a case ~1 s
 MAX_CONTEXT_PAGES = 4    # MLA context already cached before the first step, per sequence
 # layer indices worth drawing: first layer of a block (push), 1..8 blocks before the layer, the last layers
@@ -51,6 +54,15 @@ def _steps(case: Case) -> int:
     return n
 
 
+def _rank_form(case: Case, inputs: OpInputs) -> OpInputs:
+    """The `tp` knob (T > 1): rank 0's step of a T-rank layer, the other ranks' partials given as
+    inputs (rank_inputs, seeded by the case)."""
+    T = int(case.knob("tp", 1))
+    if T < 1:
+        raise ValueError(f"tp={T}: a layer case runs on 1 or more ranks")
+    return inputs if T == 1 else rank_inputs(inputs, T, seed=case.seed)
+
+
 def _common(case: Case, kind: str, weights=None) -> tuple[dict, dict]:
     cfg, wd, B = get_config(case.config), working_dtype(case), case.batch
     layer_idx = _layer_idx(case, kind)
@@ -71,7 +83,7 @@ def make_kda_layer_inputs(case: Case, weights=None) -> OpInputs:
     C = cfg.n_heads * cfg.head_dim
     tensors["conv_state"] = activation(case, "conv_state", (B, 3, C, cfg.conv_kernel - 1), wd, dist="normal")
     tensors["recurrent_state"] = starting_state(case, B, cfg.n_heads, cfg.head_dim)
-    return OpInputs(tensors, params)
+    return _rank_form(case, OpInputs(tensors, params))
 
 
 def mla_paged_state(case: Case, n_steps: int) -> dict[str, torch.Tensor]:
@@ -100,7 +112,7 @@ def make_mla_layer_inputs(case: Case, weights=None) -> OpInputs:
     """As make_kda_layer_inputs, with the paged cache state."""
     tensors, params = _common(case, "mla", weights)
     tensors.update(mla_paged_state(case, tensors["x_steps"].shape[0]))
-    return OpInputs(tensors, params)
+    return _rank_form(case, OpInputs(tensors, params))
 
 
 EXPERT_TENSORS = ("w13_packed", "w13_scale", "w2_packed", "w2_scale")
@@ -168,8 +180,17 @@ def layer_reweigh(inputs: OpInputs, ids: torch.Tensor) -> dict[str, torch.Tensor
     kind = _kind(t)
 
     def run():
-        return {"prefix_steps": decode_steps(kind, _weights(inputs, kind), _state_copy(inputs, kind), t["x_steps"],
-                                             inputs.params["layer_idx"], route_ids=ids)}
+        layer_idx = inputs.params["layer_idx"]
+        if "peer_attn" not in t:
+            return {"prefix_steps": decode_steps(kind, _weights(inputs, kind), _state_copy(inputs, kind),
+                                                 t["x_steps"], layer_idx, route_ids=ids)}
+        from references.layers_tp import layer_step_rank       # one rank's steps, its peers' partials given
+        w, state, out = _weights(inputs, kind), _state_copy(inputs, kind), []
+        for step, x in enumerate(t["x_steps"]):
+            state.prefix.copy_(x)
+            out.append(layer_step_rank(kind, w, state, layer_idx, t["peer_attn"][step], t["peer_mlp"][step],
+                                       ids=ids[step]))
+        return {"prefix_steps": torch.stack(out)}
     key = ("reweigh", ids.dtype, tuple(ids.shape), ids.detach().cpu().to(torch.int64).numpy().tobytes())
     return _memo(key, inputs, run)
 
@@ -381,14 +402,15 @@ _SIG_COMMON = ("x_steps[N,B,D] wd (layer input h per step); blocks[B,8,D] wd (bl
 _NOTES = ("k3 is not run on CPU: the 896 MXFP4 experts are ~9.9 GB per layer and the Python (token, expert) "
           "loop is slow; tiny/small have the same structure. No harness split rule: a whole layer all-reduces "
           "mid-layer, which per-rank candidate calls cannot express; the TP form (references.layers_tp) is checked "
-          "against the unsplit layer in property_tests/test_layers.py for T in 1, 2, 4. The registry forms' "
-          "tp=T form is one rank's step, its peers' partials given (peer_attn, peer_mlp: rank_inputs); the "
-          "bench's T > 1 layer rows run it. kda_layer at layer_idx 0 "
+          "against the unsplit layer in property_tests/test_layers.py for T in 1, 2, 4. The knob tp=T (the knob "
+          "sweep: 2 and 4) judges one rank's step, its peers' partials given (peer_attn, peer_mlp: rank_inputs), "
+          "against the reference's tp form on the same inputs; the bench's T > 1 layer rows run it. "
+          "kda_layer at layer_idx 0 "
           "(the knob sweep) is the dense layer: KDA attention and the dense MLP. router_ids[N,B,k] are "
           "each step's experts, judged tie-aware against the router scores of the oracle's own trajectory "
           "(step_choices); prefix_steps are judged against the reference routed to the candidate's ids "
           "(layer_reweigh), so a token whose top-k is inside the tie band may choose either set (measured ~3% of "
-          "bf16 rows at small) but must then give that set's output. Knobs: steps, layer_idx.")
+          "bf16 rows at small) but must then give that set's output. Knobs: steps, layer_idx, tp.")
 
 OPS: list[OpDef] = [
     OpDef(
@@ -398,13 +420,13 @@ OPS: list[OpDef] = [
                    "-> prefix_steps[N,B,D] wd (the layer's output prefix = next layer's h, per step), "
                    "router_ids[N,B,k] int (each step's experts; k = 0 at the dense layer 0)"),
         batch_dims={"x_steps": 1, "blocks": 0, "conv_state": 0, "recurrent_state": 0, "prefix_steps": 1,
-                    "router_ids": 1},
+                    "router_ids": 1, "peer_attn": 2, "peer_mlp": 2},
         tie_scores=layer_tie_scores, reweigh=layer_reweigh, magnitudes=kda_layer_state_magnitude,
         # a conv_state row of W-1 = 3 time steps has no scale of its own (projections cancel): judge
         # all channels of one conv of one sequence together, [C, W-1]
         row_ndims={"conv_state": 2},
         configs=("tiny", "small"), dists=DISTS, max_batch=MAX_BATCH, compile_heavy=True, cpu_ok=False, notes=_NOTES,
-        knob_sweep=LONG_RUNS + DENSE_LAYER,
+        knob_sweep=LONG_RUNS + DENSE_LAYER + RANK_FORMS,
         moved_bytes=layer_steps_bytes, peers=KDA_LAYER_PEERS, bench_knobs=BENCH_KNOBS,
     ),
     OpDef(
@@ -413,10 +435,10 @@ OPS: list[OpDef] = [
         signature=(_SIG_COMMON + "cache[P,page,kv_lora+rope] wd (state); block_table[B,pages] int32 (-1 padded); "
                    "seq_lens[B] int32 (state: tokens cached, advanced by N)\n-> prefix_steps[N,B,D] wd, router_ids[N,B,k] int"),
         batch_dims={"x_steps": 1, "blocks": 0, "block_table": 0, "seq_lens": 0, "prefix_steps": 1,
-                    "router_ids": 1},
+                    "router_ids": 1, "peer_attn": 2, "peer_mlp": 2},
         tie_scores=layer_tie_scores, reweigh=layer_reweigh,
         configs=("tiny", "small"), dists=DISTS, max_batch=MAX_BATCH, compile_heavy=True, cpu_ok=False, notes=_NOTES,
-        knob_sweep=LONG_RUNS,
+        knob_sweep=LONG_RUNS + RANK_FORMS,
         moved_bytes=layer_steps_bytes, peers=MLA_LAYER_PEERS, bench_knobs=BENCH_KNOBS,
     ),
 ]
