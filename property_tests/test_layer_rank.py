@@ -207,5 +207,6 @@ def test_the_layers_knob_sweep_holds_the_rank_forms():
     from verify.ops.registry import get_op
     for op_name in ("kda_layer", "mla_layer"):
         assert {"tp": 2} in get_op(op_name).knob_sweep and {"tp": 4} in get_op(op_name).knob_sweep
+    assert {"layer_idx": 0, "tp": 2} in get_op("kda_layer").knob_sweep
     with pytest.raises(ValueError, match="tp=0"):
         get_op("kda_layer").make_inputs(_tp_case("kda_layer", 0))

@@ -26,6 +26,7 @@ DENSE_LAYER = ({"layer_idx": 0},)        # kda_layer's knob sweep: layer 0, the 
 # one rank of a T-rank layer (the registry forms' tp form: rank_inputs): heads, expert width and the
 # shared / dense intermediate split T ways, the other ranks' partials given
 RANK_FORMS = ({"tp": 2}, {"tp": 4})
+DENSE_RANK = ({"layer_idx": 0, "tp": 2},)   # the dense layer's rank step: its MLP split T ways too
 MAX_BATCH = 4            # the reference loops over (token, expert) pairs in Python: keep a case ~1 s
 MAX_CONTEXT_PAGES = 4    # MLA context already cached before the first step, per sequence
 # layer indices worth drawing: first layer of a block (push), 1..8 blocks before the layer, the last layers
@@ -426,7 +427,7 @@ OPS: list[OpDef] = [
         # all channels of one conv of one sequence together, [C, W-1]
         row_ndims={"conv_state": 2},
         configs=("tiny", "small"), dists=DISTS, max_batch=MAX_BATCH, compile_heavy=True, cpu_ok=False, notes=_NOTES,
-        knob_sweep=LONG_RUNS + DENSE_LAYER + RANK_FORMS,
+        knob_sweep=LONG_RUNS + DENSE_LAYER + RANK_FORMS + DENSE_RANK,
         moved_bytes=layer_steps_bytes, peers=KDA_LAYER_PEERS, bench_knobs=BENCH_KNOBS,
     ),
     OpDef(
