@@ -402,7 +402,8 @@ def test_bench_shape_times_every_entry_and_reports_a_failing_one():
     assert row["peer_checks"]["peer:torch_linear"].startswith("ok")
     assert row["peer_checks"]["peer:wrong"].startswith("DIFFERS")
     assert set(row["timings"]) == {"eager", "peer:torch_linear", "fused", "floor"}
-    assert row["errors"] == {"compiled": "RuntimeError: no kernel for this shape"}
+    assert set(row["errors"]) == {"compiled"}
+    assert row["errors"]["compiled"].startswith("RuntimeError: no kernel for this shape (at test_bench.py:")
     assert row["bytes"] == op.moved_bytes(inputs) and row["sets"] >= 1
     j = row["judged"]["fused"]
     assert "compiled" in j["unjudged"] and set(j["speedup"]) == {"eager", "peer:torch_linear"}
@@ -479,7 +480,8 @@ def test_an_entry_failing_the_same_way_twice_is_not_tried_again(monkeypatch):
     monkeypatch.setattr(run, "entries_for", entries)
     res = run.bench_all(plan, CountingClock(), lambda row, st: None, timing_kw=FAST)
     errs = [r["errors"]["compiled"] for r in sorted(res["rows"], key=lambda r: seen.index(("router_topk", r["batch"])))]
-    assert calls["n"] == run.GIVE_UP_AFTER and errs[:2] == ["RuntimeError: inductor: the compile failed"] * 2
+    assert calls["n"] == run.GIVE_UP_AFTER and errs[0] == errs[1]
+    assert errs[0].startswith("RuntimeError: inductor: the compile failed (at test_bench.py:")
     assert all(e.startswith("not tried: the same error at the 2 shapes before: RuntimeError") for e in errs[2:])
     assert all("fused" in r["timings"] for r in res["rows"])
 

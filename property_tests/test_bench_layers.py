@@ -75,7 +75,8 @@ def test_a_count_that_fails_is_the_entrys_count_error_not_the_rows():
     def counter(launch):
         raise RuntimeError("cuGraphGetNodes failed with CUresult 1\nsecond line")
     row = _row("kda_layer", counter)
-    assert row["launches"]["eager"] == {"error": "RuntimeError: cuGraphGetNodes failed with CUresult 1"}
+    assert row["launches"]["eager"] == {"error": "RuntimeError: cuGraphGetNodes failed with CUresult 1 "
+                                                 f"(at test_bench_layers.py:{counter.__code__.co_firstlineno + 1})"}
     assert {"eager", "peer:stock_layer", "floor"} <= set(row["timings"])
 
 
@@ -136,6 +137,33 @@ def test_repeated_calls_of_an_mla_layer_step_write_the_same_slot():
     with pytest.raises(ValueError, match="block_table"):
         for _ in range(CALLS):
             bare()
+
+
+def test_each_entry_starts_from_the_sets_integer_state():
+    """The eager entry's last call leaves seq_lens one token on; the stock step launch prepared after it
+    must start from the set's seq_lens, or a sequence one token short of a page boundary (seed 5: lengths
+    31 and 7 at pages of 8, room for one step) writes past its last page (the K3 mla_layer rows at B = 8)."""
+    op = get_op("mla_layer")
+    inputs = _inputs("mla_layer", batch=4, seed=5)
+    assert any((int(n) + 1) % 8 == 0 for n in inputs.tensors["seq_lens"])
+    makers = {"eager": run._op_launch(reference_fn(op), op),
+              "peer:stock_layer": run._peer_launch(import_callable(op.peers[0].prepare))}
+    row = run.bench_shape(op, shapes.Shape("mla_layer", 1, 4, (("steps", 1),)), inputs, makers, {}, ["reference"],
+                          CountingClock(), "cpu", timing_kw=FAST)
+    assert set(row["timings"]) == {"eager", "peer:stock_layer", "floor"}, row["errors"]
+
+
+def test_an_entrys_error_names_where_it_was_raised():
+    op = get_op("kda_layer")
+
+    def broken(s):
+        def launch():
+            raise TypeError("sequence item 1: expected str instance, int found")
+        return launch
+    row = run.bench_shape(op, shapes.Shape("kda_layer", 1, 2, (("steps", 1),)), _inputs("kda_layer"),
+                          {"compiled": broken}, {}, ["reference"], CountingClock(), "cpu", timing_kw=FAST)
+    assert row["errors"]["compiled"] == ("TypeError: sequence item 1: expected str instance, int found "
+                                         "(at test_bench_layers.py:%d)" % (broken.__code__.co_firstlineno + 2))
 
 
 CALLS = 20          # > the tiny config's page of 8 tokens: a sequence whose length grew would run out of pages

@@ -11,7 +11,8 @@ Each entry of a layer op (LAUNCH_FAMILIES) also gets its kernel launches per cal
 (verify.bench.launches) after its timing, on the same launch: a count that fails is that entry's
 count error, never the run's. An op's integer state (an MLA layer's seq_lens) is put back before
 each call of an op-form entry, as the stock layer's step does inside its graph, so that repeated
-calls of one step write the same cache slot instead of running out of pages.
+calls of one step write the same cache slot instead of running out of pages; after each entry it is
+put back to the set's start, and the entry's launches are collected before the next is prepared.
 
 A candidate whose module declares a step launch for the op (`<op>_step_peer`, the peer protocol:
 prepare(tensors, params) -> launch, e.g. stock.layers:kda_layer_step_peer beside its registry form
@@ -189,8 +190,15 @@ def _device_sets(inputs, n: int, device: str) -> list:
 
 
 def _error_line(e: Exception) -> str:
-    """An entry's error for its row: the type and the message's first line, at most 300 characters."""
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    """An entry's error for its row: the type, the message's first line (300 characters at most) and
+    the file and line that raised it (verify.judge.calls.one_line); the whole traceback goes to stderr."""
+    import sys
+    import traceback
+
+    from verify.judge.calls import one_line
+
+    traceback.print_exception(e, file=sys.stderr)
+    return one_line(e)
 
 
 GIVE_UP_AFTER = 2       # an entry that failed with the same error at this many shapes in a row is not tried again
@@ -229,6 +237,7 @@ def bench_shape(op, shape, inputs, makers: dict, errors: dict, candidates: list[
     row = {"op": op.name, "shape": shape.label, **shape.to_dict(), "bytes": nbytes, "sets": n_sets,
            "candidates": list(candidates), "timings": {}, "errors": dict(errors), "judged": {}}
     sets = _device_sets(inputs, n_sets, device)
+    ints = _integer_state(op, sets)
     if checks:
         from verify.judge.candidates import reference_fn
 
@@ -262,12 +271,16 @@ def bench_shape(op, shape, inputs, makers: dict, errors: dict, candidates: list[
                     count = {"error": _error_line(e)}
                 row.setdefault("launches", {})[name] = count
             _note_failure(failures, name, err)
+            launches = None
+            _put_back(ints)
+            _release(device)
         for name, make in (variants or {}).items():
             try:
                 row.setdefault("variant_timings", {})[name] = timing.time_launches(
                     [make(s) for s in sets], clock, **(timing_kw or {})).to_dict()
             except Exception as e:  # noqa: BLE001  (a variant that cannot run at this shape: its error)
                 row["errors"][name] = _error_line(e)
+            _put_back(ints)
         if variants:
             fastest_variants(row)
         if nbytes:
@@ -291,6 +304,30 @@ def bench_shape(op, shape, inputs, makers: dict, errors: dict, candidates: list[
         del sets
     judge_row(row, [p.name for p in op.peers])
     return row
+
+
+def _integer_state(op, sets) -> list[tuple]:
+    """(tensor, its starting copy) for each integer state tensor of each set (an MLA layer's seq_lens)."""
+    return [(t, t.clone()) for s in sets for n, t in s.tensors.items()
+            if n in op.state and not t.is_floating_point()]
+
+
+def _put_back(ints: list[tuple]) -> None:
+    """Each set's integer state back to its start after an entry: an op-form launch puts it back before
+    each call, so its last call leaves it advanced, and the next entry's step launch (prepared from the
+    set) would start one token on, past a sequence's last allocated page."""
+    for t, start in ints:
+        t.copy_(start)
+
+
+def _release(device: str) -> None:
+    """After each entry: its launches (prepared weights, captured graphs and their pools) collected and
+    the allocator's cache returned, so that the next entry of a K3 layer row is prepared in the memory
+    they held, not beside it."""
+    import gc
+
+    gc.collect()
+    _free(device)
 
 
 def judge_row(row: dict, peer_names: list[str]) -> None:
