@@ -303,6 +303,39 @@ def test_input_cache_gives_the_shard_of_the_batch_as_built_directly():
         assert all(torch.equal(got.tensors[k], want.tensors[k]) for k in want.tensors)
 
 
+def test_routed_experts_at_k3s_expert_count_are_drawn_on_the_device_with_spread_routing():
+    """knob n_experts above the registry's 32 at K3 on CUDA: the experts are drawn on the device and each
+    token picks k distinct of all of them (B = 64 over 32 experts put 32 tokens on every expert; K3's
+    896 give about one). device_expert_inputs is run here on the CPU at the small config."""
+    from dataclasses import replace
+
+    from verify.ops.moe import K3_CPU_EXPERTS
+
+    op = get_op("moe_experts_mxfp4")
+    k3 = Case("moe_experts_mxfp4", 0, 64, "k3", "bfloat16", "normal", 8, (("n_experts", 896),))
+    assert shapes.device_built(op, k3, "cuda") and not shapes.device_built(op, k3, "cpu")
+    assert shapes.whole_k3(op, k3) and not shapes.whole_k3(op, replace(k3, extra=(("n_experts", K3_CPU_EXPERTS),)))
+    assert not shapes.whole_k3(op, replace(k3, extra=())) and not shapes.whole_k3(get_op("router_topk"), k3)
+    assert shapes.knob_error(op, {"n_experts": 896}) is None
+
+    case = Case("moe_experts_mxfp4", 3, 16, "small", "bfloat16", "normal", 1, (("n_experts", 40),))
+    got = shapes.device_expert_inputs(op, case, "cpu")
+    reg = op.make_inputs(case)                                          # the registry's 40 experts
+    t, k = got.tensors, reg.tensors["ids"].shape[1]
+    assert t["w13_packed"].shape[0] == t["w2_scale"].shape[0] == 40 and got.params == reg.params
+    for n in ("w13_packed", "w13_scale", "w2_packed", "w2_scale"):
+        assert t[n].shape == reg.tensors[n].shape and t[n].dtype == reg.tensors[n].dtype
+    at_k = op.make_inputs(replace(case, extra=(("n_experts", k),))).tensors  # z, weights, padding: its case at k
+    assert torch.equal(t["z"], at_k["z"]) and torch.equal(t["weights"], at_k["weights"])
+    assert torch.equal(t["ids"] < 0, at_k["ids"] < 0) and t["ids"].max() < 40
+    for row in t["ids"]:
+        real = row[row >= 0]
+        assert real.unique().numel() == real.numel()
+    assert len(t["ids"][t["ids"] >= 0].unique()) > k                 # spread over the 40, not one token's k
+    with pytest.raises(ValueError, match="n_experts=4: fewer experts than the top-"):
+        shapes.device_expert_inputs(op, replace(case, extra=(("n_experts", 4),)), "cpu")
+
+
 def test_shapes_for_follows_the_op_declarations():
     gemm, deq, kda = get_op("skinny_gemm"), get_op("mxfp4_dequant"), get_op("kda_decode")
     s, notes = shapes.shapes_for(gemm, [1, 8, 3], [1, 64])

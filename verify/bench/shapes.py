@@ -16,6 +16,12 @@ A layer op (kda_layer, mla_layer) at K3 on a CUDA device is built with its weigh
 (stock.weights.make_layer_weights_on: the registry's names, shapes, dtypes and scales, another random
 stream; the registry's CPU builder quantises 896 MXFP4 experts for minutes); its activations and
 state are the registry builder's own, moved to the device. Its inputs stay on the device.
+
+moe_experts_mxfp4 at K3 holds K3_CPU_EXPERTS experts in the registry's draw (the certification's
+oracle cost), so a batch's tokens crowd onto few experts (B = 64: 1,024 pairs over 32 experts). With
+the knob n_experts above that (`bench --knobs moe_experts_mxfp4:n_experts=896`, K3's count) on a CUDA
+device, its experts are drawn there (stock.weights) and each token's top-k ids are k distinct of all
+of them, as the registry draws them: the routing a K3 rank sees (device_expert_inputs).
 """
 from __future__ import annotations
 
@@ -173,9 +179,63 @@ def build_inputs(op, case, device: str = "cpu"):
     if isinstance(context, int):
         base = op.make_inputs(dataclasses.replace(case, extra=tuple(kv for kv in case.extra if kv[0] != "context")))
         return with_context(base, context, device)
-    if op.family not in DEVICE_BUILT_FAMILIES or case.config != "k3" or not str(device).startswith("cuda"):
+    if not device_built(op, case, device):
         return op.make_inputs(case)
-    return device_layer_inputs(op, case, device)
+    if op.family in DEVICE_BUILT_FAMILIES:
+        return device_layer_inputs(op, case, device)
+    return device_expert_inputs(op, case, device)
+
+
+DEVICE_EXPERT_OPS = ("moe_experts_mxfp4",)
+
+
+def whole_k3(op, case) -> bool:
+    """A case whose weights are K3's whole per-layer set (GBs): a layer op at K3, and the routed
+    experts at K3 with more experts than the registry's CPU draw holds (knob n_experts)."""
+    if case.config != "k3":
+        return False
+    if op.family in DEVICE_BUILT_FAMILIES:
+        return True
+    from verify.ops.moe import K3_CPU_EXPERTS
+
+    n = case.knob("n_experts")
+    return op.name in DEVICE_EXPERT_OPS and isinstance(n, int) and n > K3_CPU_EXPERTS
+
+
+def device_built(op, case, device) -> bool:
+    """Whether build_inputs draws the case's weights on the device: a whole_k3 case on CUDA."""
+    return str(device).startswith("cuda") and whole_k3(op, case)
+
+
+def device_expert_inputs(op, case, device: str = "cuda"):
+    """The routed experts' inputs with knob n_experts = E experts drawn on `device` (stock.weights:
+    normal rows quantised to MXFP4 there). z, the routing weights, the padding slots and the params are
+    the registry builder's, from its case at k experts; each token's ids are k distinct of the E
+    (uniform, as the registry draws them), -1 where that case pads."""
+    import dataclasses
+
+    import torch
+
+    from stock.weights import _Draw, _gen
+    from verify.model.opdef import OpInputs
+    from verify.ops.moe import expert_dims
+
+    E = int(case.knob("n_experts"))
+    _, L, I, k = expert_dims(case)
+    if E < k:
+        raise ValueError(f"n_experts={E}: fewer experts than the top-{k} each token chooses")
+    small = dataclasses.replace(case, extra=tuple((n, k if n == "n_experts" else v) for n, v in case.extra))
+    built = op.make_inputs(small)
+    base = built.tensors
+    B = base["ids"].shape[0]
+    ids = torch.argsort(torch.rand((B, E), generator=_gen(case.seed, "ids", "cpu")), dim=1)[:, :k].contiguous()
+    ids[base["ids"] < 0] = -1
+    d = _Draw(case.seed, device)
+    w13_p, w13_s = d.experts("w13", E, 2 * I, L)
+    w2_p, w2_s = d.experts("w2", E, L, I)
+    tensors = {"z": base["z"], "ids": ids.to(base["ids"].dtype), "weights": base["weights"],
+               "w13_packed": w13_p, "w13_scale": w13_s, "w2_packed": w2_p, "w2_scale": w2_s}
+    return OpInputs({n: t.to(device) for n, t in tensors.items()}, dict(built.params))
 
 
 def device_layer_inputs(op, case, device: str = "cuda"):
@@ -229,21 +289,24 @@ class InputCache:
     a K3 layer's on the device: build_inputs), and rank 0's shard of them per T, both kept for the
     run (its rounds come back to every op; the K3 inputs of the six fused ops hold about 1 GB). A K3
     layer's are about 16 GB, with its rank forms and the entries' own memory more than half an 80 GB
-    card: the inputs of one device-built op (DEVICE_BUILT_FAMILIES) are kept at a time, dropped when
-    another's are built (rebuilt on the device in seconds when a later round comes back to it)."""
+    card: the inputs of one whole_k3 op (a K3 layer, the routed experts at K3's 896 experts, 14.8 GB)
+    are kept at a time, dropped when another's are built (rebuilt on the device in
+    seconds when a later round comes back to it)."""
 
     def __init__(self, device: str = "cpu"):
         self.device = device
         self._built: dict[tuple, tuple[int, object]] = {}
         self._ranked: dict[tuple, object] = {}
-        self._families: dict[tuple, str] = {}
+        self._whole: dict[tuple, bool] = {}
 
     def inputs(self, op, shape: Shape, largest: int):
         key = (op.name, shape.knobs)
         if key not in self._built or self._built[key][0] < shape.batch:
-            self._drop(key if op.family in DEVICE_BUILT_FAMILIES else None)
-            self._built[key] = (largest, build_inputs(op, case_for(op, shape, largest), self.device))
-            self._families[key] = op.family
+            case = case_for(op, shape, largest)
+            whole = whole_k3(op, case)
+            self._drop(key if whole else None)
+            self._built[key] = (largest, build_inputs(op, case, self.device))
+            self._whole[key] = whole
             self._ranked = {k: v for k, v in self._ranked.items() if k[:2] != key}
         rkey = (*key, shape.tp)
         if rkey not in self._ranked:
@@ -251,14 +314,14 @@ class InputCache:
         return take_batch(op, self._ranked[rkey], shape.batch)
 
     def _drop(self, key) -> None:
-        """Before a device-built op's inputs (`key`) are built (None: another op's, nothing dropped):
-        those of every device-built op, `key`'s old build among them, and their rank forms, with the
+        """Before a whole_k3 op's inputs (`key`) are built (None: another op's, nothing dropped):
+        those of every whole_k3 op, `key`'s old build among them, and their rank forms, with the
         allocator's cache on CUDA."""
-        gone = [k for k, fam in self._families.items() if key is not None and fam in DEVICE_BUILT_FAMILIES]
+        gone = [k for k, whole in self._whole.items() if key is not None and whole]
         if not gone:
             return
         for k in gone:
-            del self._built[k], self._families[k]
+            del self._built[k], self._whole[k]
         self._ranked = {k: v for k, v in self._ranked.items() if k[:2] in self._built}
         if str(self.device).startswith("cuda"):
             import torch
