@@ -442,6 +442,35 @@ def test_bench_shape_times_every_entry_and_reports_a_failing_one():
     assert "compiled" in j["unjudged"] and set(j["speedup"]) == {"eager", "peer:torch_linear"}
 
 
+def test_on_cuda_each_entry_records_its_memory(monkeypatch):
+    """Each entry's allocator peak (reset before it), what stays allocated and reserved after its launches
+    are collected, and the card's free memory, in GB; nothing of the kind on the CPU."""
+    import torch
+
+    calls = []
+    peaks = iter([3e9, 5e9])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(peaks))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 1e9)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 2e9)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (70e9, 80e9))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
+    monkeypatch.setattr(run, "_device_sets", lambda inputs, n, device: [inputs])
+    op = get_op("skinny_gemm")
+    shape = shapes.Shape("skinny_gemm", 1, 2, (("proj", "o_proj"),))
+    inputs = op.make_inputs(shapes.case_for(op, shape))
+    makers = {"eager": lambda s: (lambda: None), "fused": lambda s: (lambda: None)}
+    row = run.bench_shape(op, shape, inputs, makers, {}, ["fused"], FakeClock(), "cuda",
+                          timing_kw={"min_calls": 2, "samples": 2, "replays": 1})
+    assert row["memory_gb"] == {"eager": {"peak": 3.0, "after": 1.0, "reserved": 2.0, "free": 70.0},
+                                "fused": {"peak": 5.0, "after": 1.0, "reserved": 2.0, "free": 70.0}}
+    assert calls[:4] == ["reset", "empty", "reset", "empty"]
+    cpu = run.bench_shape(op, shape, inputs, makers, {}, ["fused"], FakeClock(), "cpu",
+                          timing_kw={"min_calls": 2, "samples": 2, "replays": 1})
+    assert "memory_gb" not in cpu
+
+
 # ------------------------------------------------------------------------------------ a whole run, cut or not
 class CountingClock:
     """Captures the calls; a replay runs them and counts 1 us per call: numbers that say the plumbing ran."""

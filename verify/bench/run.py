@@ -257,6 +257,7 @@ def bench_shape(op, shape, inputs, makers: dict, errors: dict, candidates: list[
                 row["errors"][name] = skip
                 continue
             err = None
+            _reset_peak(device)
             try:
                 launches = [make(s) for s in sets]
                 row["timings"][name] = timing.time_launches(launches, clock, **(timing_kw or {})).to_dict()
@@ -274,6 +275,9 @@ def bench_shape(op, shape, inputs, makers: dict, errors: dict, candidates: list[
             launches = None
             _put_back(ints)
             _release(device)
+            mem = _memory(device)
+            if mem is not None:
+                row.setdefault("memory_gb", {})[name] = mem
         for name, make in (variants or {}).items():
             try:
                 row.setdefault("variant_timings", {})[name] = timing.time_launches(
@@ -304,6 +308,28 @@ def bench_shape(op, shape, inputs, makers: dict, errors: dict, candidates: list[
         del sets
     judge_row(row, [p.name for p in op.peers])
     return row
+
+
+def _reset_peak(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _memory(device: str) -> dict | None:
+    """On CUDA, after an entry: the allocator's peak during it and what stays allocated and reserved
+    once its launches are collected (GB), and the card's free memory: a row cut by an out-of-memory
+    error says which entry held what."""
+    if device != "cuda":
+        return None
+    import torch
+
+    free, _ = torch.cuda.mem_get_info()
+    gb = 1e-9
+    return {"peak": round(torch.cuda.max_memory_allocated() * gb, 2),
+            "after": round(torch.cuda.memory_allocated() * gb, 2),
+            "reserved": round(torch.cuda.memory_reserved() * gb, 2), "free": round(free * gb, 2)}
 
 
 def _integer_state(op, sets) -> list[tuple]:
