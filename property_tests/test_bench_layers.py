@@ -47,10 +47,10 @@ def test_a_one_step_case_holds_one_step_and_its_bytes_grow_with_the_steps(name):
 
 
 # ------------------------------------------------------------------------------------ a layer row on the CPU
-def _row(name, counter, checks=None, tp=1):
+def _row(name, counter, checks=None, tp=1, inputs=None):
     op = get_op(name)
-    inputs = shapes.rank_inputs(op, _inputs(name), tp)
-    shape = shapes.Shape(name, tp, 2, (("steps", 1),))
+    inputs = shapes.rank_inputs(op, inputs or _inputs(name), tp)
+    shape = shapes.Shape(name, tp, inputs.tensors["x_steps"].shape[1], (("steps", 1),))
     makers = {"eager": run._op_launch(reference_fn(op), op),
               "peer:stock_layer": run._peer_launch(import_callable(op.peers[0].prepare))}
     return run.bench_shape(op, shape, inputs, makers, {"compiled": "RuntimeError: not here"}, ["reference"],
@@ -143,13 +143,9 @@ def test_each_entry_starts_from_the_sets_integer_state():
     """The eager entry's last call leaves seq_lens one token on; the stock step launch prepared after it
     must start from the set's seq_lens, or a sequence one token short of a page boundary (seed 5: lengths
     31 and 7 at pages of 8, room for one step) writes past its last page (the K3 mla_layer rows at B = 8)."""
-    op = get_op("mla_layer")
     inputs = _inputs("mla_layer", batch=4, seed=5)
     assert any((int(n) + 1) % 8 == 0 for n in inputs.tensors["seq_lens"])
-    makers = {"eager": run._op_launch(reference_fn(op), op),
-              "peer:stock_layer": run._peer_launch(import_callable(op.peers[0].prepare))}
-    row = run.bench_shape(op, shapes.Shape("mla_layer", 1, 4, (("steps", 1),)), inputs, makers, {}, ["reference"],
-                          CountingClock(), "cpu", timing_kw=FAST)
+    row = _row("mla_layer", None, inputs=inputs)
     assert set(row["timings"]) == {"eager", "peer:stock_layer", "floor"}, row["errors"]
 
 

@@ -50,7 +50,7 @@ def _op_launch(fn, op=None):
     """input set -> a launch of fn on it; the op's integer state tensors are put back to the set's
     starting values before each call (a copy on the device, inside the timed launch)."""
     def make(s):
-        ints = [] if op is None else [n for n in op.state if n in s.tensors and not s.tensors[n].is_floating_point()]
+        ints = [] if op is None else _integer_state_names(op, s)
         if not ints:
             return lambda: fn(**s.tensors, **s.params)
         start = {n: s.tensors[n].clone() for n in ints}
@@ -332,10 +332,14 @@ def _memory(device: str) -> dict | None:
             "reserved": round(torch.cuda.memory_reserved() * gb, 2), "free": round(free * gb, 2)}
 
 
+def _integer_state_names(op, s) -> list[str]:
+    """The op's integer state tensors in input set `s` (an MLA layer's seq_lens)."""
+    return [n for n in op.state if n in s.tensors and not s.tensors[n].is_floating_point()]
+
+
 def _integer_state(op, sets) -> list[tuple]:
-    """(tensor, its starting copy) for each integer state tensor of each set (an MLA layer's seq_lens)."""
-    return [(t, t.clone()) for s in sets for n, t in s.tensors.items()
-            if n in op.state and not t.is_floating_point()]
+    """(tensor, its starting copy) for each integer state tensor of each set."""
+    return [(s.tensors[n], s.tensors[n].clone()) for s in sets for n in _integer_state_names(op, s)]
 
 
 def _put_back(ints: list[tuple]) -> None:

@@ -304,7 +304,8 @@ class InputCache:
         if key not in self._built or self._built[key][0] < shape.batch:
             case = case_for(op, shape, largest)
             whole = whole_k3(op, case)
-            self._drop(key if whole else None)
+            if whole:
+                self._drop_whole()
             self._built[key] = (largest, build_inputs(op, case, self.device))
             self._whole[key] = whole
             self._ranked = {k: v for k, v in self._ranked.items() if k[:2] != key}
@@ -313,11 +314,10 @@ class InputCache:
             self._ranked[rkey] = rank_inputs(op, self._built[key][1], shape.tp)
         return take_batch(op, self._ranked[rkey], shape.batch)
 
-    def _drop(self, key) -> None:
-        """Before a whole_k3 op's inputs (`key`) are built (None: another op's, nothing dropped):
-        those of every whole_k3 op, `key`'s old build among them, and their rank forms, with the
-        allocator's cache on CUDA."""
-        gone = [k for k, whole in self._whole.items() if key is not None and whole]
+    def _drop_whole(self) -> None:
+        """Before a whole_k3 op's inputs are built: those of every whole_k3 op (its own old build among
+        them) and their rank forms, with the allocator's cache on CUDA."""
+        gone = [k for k, whole in self._whole.items() if whole]
         if not gone:
             return
         for k in gone:
