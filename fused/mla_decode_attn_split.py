@@ -42,6 +42,10 @@ are in flight at once (a warp per row that walked the columns 32 at a time made 
 round trips: 133 us at S = 132 against 14 us this way, the same bits, H200). Every split at -inf ->
 o = NaN, lse = -inf (references.mla.mla_decode_attn_split_kv's answer, and softmax's for a row whose
 scores are all -inf).
+
+Infinite scores, as torch: a running max of +-inf is shifted by 0 (logsumexp's rule), so a +inf score
+gives lse = +inf and o = NaN (softmax's inf / inf), where shifting by the max would give lse = NaN; a
+NaN lse of one split stays NaN in the combine (fmax skips it, its exp does not).
 """
 from __future__ import annotations
 
@@ -305,7 +309,9 @@ class SplitPartial:
             m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1))
             m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=2))
             m_use = m
-            if m == -math.inf:                       # nothing visible yet: exp2(-inf - 0) = 0
+            # an infinite max shifts by 0, as torch's logsumexp: -inf (nothing visible yet) gives
+            # exp2(-inf - 0) = 0; +inf gives l = inf, so lse = +inf where inf - inf would give NaN
+            if m == -math.inf or m == math.inf:
                 m_use = Float32(0.0)
             alpha = cute.math.exp2(ml[h] - m_use, fastmath=True)
             ml[h] = m
@@ -374,6 +380,8 @@ class SplitPartial:
             lrow = lrow + cute.arch.shuffle_sync_bfly(lrow, offset=1)
             lrow = lrow + cute.arch.shuffle_sync_bfly(lrow, offset=2)
             inv = Float32(1.0) / lrow
+            if ml[h] == math.inf:                   # a +inf score: o = NaN (softmax's inf / inf), lse = +inf
+                inv = Float32(math.nan)
             lse = lse_log2(ml[h], cute.math.log2(lrow, fastmath=False), self.p_shift) * LN2
             if const_expr(not self.direct):
                 if lrow == 0.0:
@@ -414,15 +422,14 @@ class Combine:
             m = cute.arch.fmax(m, mPL[b, s, row])
         m = cute.arch.warp_reduction(m, cute.arch.fmax)
         m_use = m
-        if m == -math.inf:
+        if m == -math.inf or m == math.inf:     # shifted by 0, as torch.logsumexp: +inf stays +inf
             m_use = Float32(0.0)
         tot = Float32(0.0)
         for s in cutlass.range(lane, S, 32):
             tot = tot + cute.math.exp(mPL[b, s, row] - m_use)
         tot = cute.arch.warp_reduction(tot, operator.add)
-        lse = Float32(-math.inf)
-        if tot > 0.0:
-            lse = m_use + cute.math.log(tot)
+        # tot = 0 (every split -inf): log 0 = -inf; a NaN split's lse (fmax skips it) keeps tot NaN
+        lse = m_use + cute.math.log(tot)
         # columns tid, tid + T, ..: each column's sum over the splits in order
         acc = cute.make_rmem_tensor(self.COLS, Float32)
         for k in cutlass.range_constexpr(self.COLS):

@@ -163,12 +163,14 @@ FP16_WIDE_RANGE = ('{"batch":27,"config":"tiny","dist":"wide_range","dtype":"flo
                    '"op":"mla_decode_attn","seed":691,"tp":1}')
 
 
-def _emulate(inputs, splits: int, exponent, n_tile: int = 32):
+def _emulate(inputs, splits: int, exponent, n_tile: int = 32, shift_infinite_max: bool = True):
     """The kernel's precision plan in torch (fused/mla_decode_attn_split.py): scores q . k in fp32 times
     scale * log2 e; per page-aligned split an online softmax over tiles of n_tile slots with the running
     max m (0 while nothing is visible), P = exp2(exponent(x, m)) rounded to the working dtype, l and
     acc = sum P V in fp32; S = 1: o = acc / l rounded once; else fp32 partials acc / l and their lse
-    (lse_log2), combined in fp32 as Combine does and rounded once. Returns (o, lse, the largest P)."""
+    (lse_log2), combined in fp32 as Combine does and rounded once. An infinite max is shifted by 0 (a
+    +inf score: l = inf, lse = +inf, o = NaN); shift_infinite_max=False is the plan that shifted by a
+    +inf max (lse = NaN) and turned a NaN split into -inf. Returns (o, lse, the largest P)."""
     from fused import mla_decode_attn_split as ks
     t, p = inputs.tensors, inputs.params
     q, cache, table, lens = t["q_abs"], t["cache"], t["block_table"], t["seq_lens"]
@@ -194,7 +196,8 @@ def _emulate(inputs, splits: int, exponent, n_tile: int = 32):
                 t1 = min(stop, t0 + n_tile)
                 x = x_all[:, t0:t1].masked_fill(torch.arange(t0, t1)[None, :] >= limit[:, None], -math.inf)
                 m_new = torch.maximum(m, x.amax(1))
-                m_use = torch.where(m_new == -math.inf, 0.0, m_new)
+                inf = m_new.isinf() if shift_infinite_max else m_new == -math.inf
+                m_use = torch.where(inf, 0.0, m_new)                        # +-inf shifted by 0
                 alpha = torch.exp2(m - m_use)
                 pf = torch.exp2(exponent(x, m_use[:, None], shift))
                 pw = pf.to(wd)
@@ -203,6 +206,8 @@ def _emulate(inputs, splits: int, exponent, n_tile: int = 32):
                 acc = acc * alpha[:, None] + pw.float() @ kv[t0:t1, :D]
                 m = m_new
             inv = 1.0 / l if splits == 1 else torch.where(l == 0, 0.0, 1.0 / l)   # direct: 0 / 0 = NaN
+            if shift_infinite_max:
+                inv = torch.where(m == math.inf, math.nan, inv)                     # a +inf score: o = NaN
             po.append(acc * inv[:, None])
             lse_s = ks.lse_log2(m, torch.log2(l), shift) * ks.LN2
             pl.append(lse_s if splits == 1 else torch.where(l == 0, -math.inf, lse_s))
@@ -211,9 +216,14 @@ def _emulate(inputs, splits: int, exponent, n_tile: int = 32):
             continue
         pl_s = torch.stack(pl)
         mx = pl_s.amax(0)
-        mx = torch.where(mx == -math.inf, 0.0, mx)
-        tot = torch.exp(pl_s - mx).sum(0)
-        lse[b] = torch.where(tot > 0, mx + torch.log(tot), -math.inf)
+        if shift_infinite_max:
+            mx = torch.where(mx.isinf(), 0.0, mx)
+            tot = torch.exp(pl_s - mx).sum(0)
+            lse[b] = mx + torch.log(tot)                            # log 0 = -inf; NaN stays NaN
+        else:
+            mx = torch.where(mx == -math.inf, 0.0, mx)
+            tot = torch.exp(pl_s - mx).sum(0)
+            lse[b] = torch.where(tot > 0, mx + torch.log(tot), -math.inf)
         o[b] = (torch.exp(pl_s - lse[b])[..., None] * torch.stack(po)).sum(0).to(wd)
     return o.view(n_seq, n_q, H, D), lse.view(n_seq, n_q, H), float(p_max)
 
@@ -243,13 +253,13 @@ def test_fp16_wide_range_scores_keep_p_in_range(splits):
     assert p_max_old == math.inf
 
 
-def _emulated_candidate(splits: int, exponent):
+def _emulated_candidate(splits: int, exponent, shift_infinite_max: bool = True):
     from verify.model.opdef import OpInputs
 
     def candidate(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, *, return_lse=False):
         inp = OpInputs(tensors={"q_abs": q_abs, "cache": cache, "block_table": block_table, "seq_lens": seq_lens},
                        params={"scale": scale, "kv_lora_rank": kv_lora_rank})
-        o, lse, _ = _emulate(inp, splits, exponent)
+        o, lse, _ = _emulate(inp, splits, exponent, shift_infinite_max=shift_infinite_max)
         return (o, lse) if return_lse else o
     return candidate
 
@@ -268,6 +278,41 @@ def test_emulated_plan_passes_the_harness_where_the_old_order_failed(splits):
     assert v.status == "pass", f"{v.stage}: {v.reason}"
     old = evaluate_case(op, case, _emulated_candidate(splits, lambda x, m, shift: x - (m - shift)), "emulated", "cpu")
     assert (old.status, old.stage) == ("fail", "guard:outputs_written"), (old.stage, old.reason)
+
+
+# nonfinite draws of the context-parallel op whose q holds a +inf that meets a positive key: a score of
+# +inf, so logsumexp (the reference's lse) is +inf and softmax's o NaN
+CP_NONFINITE = ['{"batch":3,"config":"tiny","dist":"nonfinite","dtype":"bfloat16","extra":[],'
+                '"op":"mla_decode_attn_cp","seed":%d,"tp":%d}' % (seed, tp) for seed, tp in ((3, 1), (4, 1), (7, 2))]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("case_json", CP_NONFINITE)
+def test_an_infinite_score_gives_logsumexps_inf(case_json, splits):
+    """The context-parallel op through the emulated kernel (fused.mla_decode_attn_cp.compose, as on the
+    GPU) passes the harness on draws with a +inf score, direct and through the combine; the plan that
+    shifted by the +inf max fails them at compare:lse (lse = NaN where logsumexp is +inf), the H100
+    release run's verdict on 13 such cases."""
+    _needs_dsl()
+    from fused import mla_decode_attn_split as ks
+    from fused.mla_decode_attn_cp import compose
+    from verify.judge.pipeline import evaluate_case
+    from verify.ops.registry import get_op
+    op, case = get_op("mla_decode_attn_cp"), Case.from_json(case_json)
+
+    def cp(shift_infinite_max):
+        attend = _emulated_candidate(splits, ks.p_exponent, shift_infinite_max)
+        return lambda q_abs, cache, block_table, kv_start, kv_len, seq_lens, scale, kv_lora_rank: compose(
+            lambda *a: attend(*a, return_lse=True), q_abs, cache, block_table, kv_start, kv_len, seq_lens, scale,
+            kv_lora_rank)
+    inp = op.make_inputs(case)
+    _, lse = reference(**{k: v for k, v in inp.tensors.items() if k not in ("kv_start", "kv_len")}, **inp.params,
+                       return_lse=True)
+    assert (lse == math.inf).any()
+    v = evaluate_case(op, case, cp(True), "emulated", "cpu")
+    assert v.status == "pass", f"{v.stage}: {v.reason}"
+    old = evaluate_case(op, case, cp(False), "emulated", "cpu")
+    assert (old.status, old.stage) == ("fail", "compare:lse"), (old.stage, old.reason)
 
 
 def test_bf16_plan_is_unshifted():
