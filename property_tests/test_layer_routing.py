@@ -89,3 +89,22 @@ def test_a_near_tie_taken_the_other_way_certifies():
 def test_the_same_swap_far_from_a_tie_fails():
     v = judge_case(_case(0), f"{__file__}:kda_layer_swaps_the_widest_gap", device="cpu")
     assert v.status != PASS and v.stage == "compare:router_ids" and "missing certain winners" in v.reason, v.reason
+
+
+def test_a_rank_step_reweighed_at_its_own_ids_is_the_reference():
+    """layer_reweigh's rank form (tp > 1: rank 0's steps with its peers' partials): at the reference's own
+    ids it gives the reference's prefix_steps bitwise; at ids with one row's k-th expert swapped for
+    another it differs at that step and later, not before."""
+    from references.layers import kda_layer_steps
+    from verify.ops.layers import layer_reweigh
+
+    case = Case(op="kda_layer", seed=3, batch=2, config="small", extra=(("layer_idx", 13), ("steps", 4), ("tp", 2)))
+    inputs = make_kda_layer_inputs(case)
+    ref = kda_layer_steps(**{n: t.clone() for n, t in inputs.tensors.items()}, **inputs.params)
+    prefix, ids = ref
+    assert torch.equal(layer_reweigh(inputs, ids)["prefix_steps"], prefix)
+    other = ids.clone()
+    spare = next(e for e in range(64) if e not in ids[2, 1].tolist())
+    other[2, 1, -1] = spare
+    moved = layer_reweigh(inputs, other)["prefix_steps"]
+    assert torch.equal(moved[:2], prefix[:2]) and not torch.equal(moved[2], prefix[2])

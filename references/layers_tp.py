@@ -304,8 +304,19 @@ def rank_layer_steps(kind: str, x_steps: torch.Tensor, blocks: torch.Tensor, sta
     st = _flat_state(x_steps, blocks, **state)
     check_tensor("x_steps", x_steps, ndim=3, shape=(None,) + tuple(st.prefix.shape))
     routing: list = []
+    out = rank_steps(kind, w, st, x_steps, layer_idx, peer_attn, peer_mlp, routing)
+    return out, stacked_ids([ids for ids, _ in routing], x_steps)
+
+
+def rank_steps(kind: str, weights: LayerWeights, state: LayerState, x_steps: torch.Tensor, layer_idx: int,
+               peer_attn: torch.Tensor, peer_mlp: torch.Tensor, routing: list | None = None,
+               route_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """layer_step_rank over N steps (state.prefix set to x_steps[t] before step t, state in place):
+    peer_attn [N,T-1,B,D], peer_mlp [N,T-1,B,M]; route_ids[N,B,k] each step's experts in place of the
+    router's choice. -> prefix_steps[N,B,D]."""
     outs = []
     for t, x in enumerate(x_steps):
-        st.prefix.copy_(x)
-        outs.append(layer_step_rank(kind, w, st, layer_idx, peer_attn[t], peer_mlp[t], routing))
-    return torch.stack(outs), stacked_ids([ids for ids, _ in routing], x_steps)
+        state.prefix.copy_(x)
+        outs.append(layer_step_rank(kind, weights, state, layer_idx, peer_attn[t], peer_mlp[t], routing,
+                                    None if route_ids is None else route_ids[t]))
+    return torch.stack(outs)

@@ -185,13 +185,9 @@ def layer_reweigh(inputs: OpInputs, ids: torch.Tensor) -> dict[str, torch.Tensor
         if "peer_attn" not in t:
             return {"prefix_steps": decode_steps(kind, _weights(inputs, kind), _state_copy(inputs, kind),
                                                  t["x_steps"], layer_idx, route_ids=ids)}
-        from references.layers_tp import layer_step_rank       # one rank's steps, its peers' partials given
-        w, state, out = _weights(inputs, kind), _state_copy(inputs, kind), []
-        for step, x in enumerate(t["x_steps"]):
-            state.prefix.copy_(x)
-            out.append(layer_step_rank(kind, w, state, layer_idx, t["peer_attn"][step], t["peer_mlp"][step],
-                                       ids=ids[step]))
-        return {"prefix_steps": torch.stack(out)}
+        from references.layers_tp import rank_steps            # one rank's steps, its peers' partials given
+        return {"prefix_steps": rank_steps(kind, _weights(inputs, kind), _state_copy(inputs, kind), t["x_steps"],
+                                           layer_idx, t["peer_attn"], t["peer_mlp"], route_ids=ids)}
     key = ("reweigh", ids.dtype, tuple(ids.shape), ids.detach().cpu().to(torch.int64).numpy().tobytes())
     return _memo(key, inputs, run)
 
