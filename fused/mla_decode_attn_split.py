@@ -44,7 +44,8 @@ o = NaN, lse = -inf (references.mla.mla_decode_attn_split_kv's answer, and softm
 scores are all -inf).
 
 Infinite scores, as torch: a running max of +-inf is shifted by 0 (logsumexp's rule), so a +inf score
-gives lse = +inf and o = NaN (softmax's inf / inf), where shifting by the max would give lse = NaN; a
+gives lse = +inf and o = NaN (softmax's inf / inf), where shifting by the max would give lse = NaN;
+under a +inf max l is not rescaled (alpha = 1: a lane's l = 0 times exp2(m_old) = inf would be NaN); a
 NaN lse of one split stays NaN in the combine (fmax skips it, its exp does not).
 """
 from __future__ import annotations
@@ -314,6 +315,10 @@ class SplitPartial:
             if m == -math.inf or m == math.inf:
                 m_use = Float32(0.0)
             alpha = cute.math.exp2(ml[h] - m_use, fastmath=True)
+            if m == math.inf:
+                # l and acc stay unscaled: exp2(m_old - 0) overflows for a large finite m_old, and a lane
+                # whose slots gave p = 0 so far would hold l = 0 * inf = NaN (the row's lse NaN, not +inf)
+                alpha = Float32(1.0)
             ml[h] = m
             lsum = Float32(0.0)
             for j in cutlass.range_constexpr(nj):

@@ -163,14 +163,18 @@ FP16_WIDE_RANGE = ('{"batch":27,"config":"tiny","dist":"wide_range","dtype":"flo
                    '"op":"mla_decode_attn","seed":691,"tp":1}')
 
 
-def _emulate(inputs, splits: int, exponent, n_tile: int = 32, shift_infinite_max: bool = True):
+def _emulate(inputs, splits: int, exponent, n_tile: int = 32, inf_plan: str = "shift0"):
     """The kernel's precision plan in torch (fused/mla_decode_attn_split.py): scores q . k in fp32 times
     scale * log2 e; per page-aligned split an online softmax over tiles of n_tile slots with the running
     max m (0 while nothing is visible), P = exp2(exponent(x, m)) rounded to the working dtype, l and
     acc = sum P V in fp32; S = 1: o = acc / l rounded once; else fp32 partials acc / l and their lse
-    (lse_log2), combined in fp32 as Combine does and rounded once. An infinite max is shifted by 0 (a
-    +inf score: l = inf, lse = +inf, o = NaN); shift_infinite_max=False is the plan that shifted by a
-    +inf max (lse = NaN) and turned a NaN split into -inf. Returns (o, lse, the largest P)."""
+    (lse_log2), combined in fp32 as Combine does and rounded once. l is held per lane as the kernel holds
+    it (lane q of a quad sums the slots t with t % 8 in {2q, 2q + 1}; the quad's sums are added at the
+    end), so a lane whose slots had p = 0 so far keeps l = 0. inf_plan: "shift0", the kernel's: an
+    infinite max is shifted by 0 and a +inf max leaves l unscaled (alpha = 1), so a +inf score gives l =
+    inf, lse = +inf, o = NaN; "alpha_unguarded": shifted by 0 but alpha = exp2(m_old) (inf for a large
+    m_old: a lane's l = 0 becomes 0 * inf = NaN); "shift_max": shifted by a +inf max too (lse = NaN), a
+    NaN split turned into -inf by the combine. Returns (o, lse, the largest P)."""
     from fused import mla_decode_attn_split as ks
     t, p = inputs.tensors, inputs.params
     q, cache, table, lens = t["q_abs"], t["cache"], t["block_table"], t["seq_lens"]
@@ -191,22 +195,26 @@ def _emulate(inputs, splits: int, exponent, n_tile: int = 32, shift_infinite_max
         for start in range(0, splits * pps * page, pps * page):
             stop = min(L, start + pps * page)
             m = torch.full((n_q * H,), -math.inf)
-            l, acc = torch.zeros(n_q * H), torch.zeros(n_q * H, D)
+            lanes, acc = torch.zeros(n_q * H, 4), torch.zeros(n_q * H, D)
             for t0 in range(start, stop, n_tile):
                 t1 = min(stop, t0 + n_tile)
                 x = x_all[:, t0:t1].masked_fill(torch.arange(t0, t1)[None, :] >= limit[:, None], -math.inf)
                 m_new = torch.maximum(m, x.amax(1))
-                inf = m_new.isinf() if shift_infinite_max else m_new == -math.inf
+                inf = m_new == -math.inf if inf_plan == "shift_max" else m_new.isinf()
                 m_use = torch.where(inf, 0.0, m_new)                        # +-inf shifted by 0
                 alpha = torch.exp2(m - m_use)
+                if inf_plan == "shift0":
+                    alpha = torch.where(m_new == math.inf, 1.0, alpha)
                 pf = torch.exp2(exponent(x, m_use[:, None], shift))
                 pw = pf.to(wd)
                 p_max = torch.maximum(p_max, pw.float().max())
-                l = l * alpha + pf.sum(1)
+                lane = torch.arange(t0, t1) % 8 // 2
+                lanes = lanes * alpha[:, None] + torch.stack([pf[:, lane == q].sum(1) for q in range(4)], 1)
                 acc = acc * alpha[:, None] + pw.float() @ kv[t0:t1, :D]
                 m = m_new
+            l = (lanes[:, 0] + lanes[:, 1]) + (lanes[:, 2] + lanes[:, 3])       # the quad's shuffle sums
             inv = 1.0 / l if splits == 1 else torch.where(l == 0, 0.0, 1.0 / l)   # direct: 0 / 0 = NaN
-            if shift_infinite_max:
+            if inf_plan != "shift_max":
                 inv = torch.where(m == math.inf, math.nan, inv)                     # a +inf score: o = NaN
             po.append(acc * inv[:, None])
             lse_s = ks.lse_log2(m, torch.log2(l), shift) * ks.LN2
@@ -216,7 +224,7 @@ def _emulate(inputs, splits: int, exponent, n_tile: int = 32, shift_infinite_max
             continue
         pl_s = torch.stack(pl)
         mx = pl_s.amax(0)
-        if shift_infinite_max:
+        if inf_plan != "shift_max":
             mx = torch.where(mx.isinf(), 0.0, mx)
             tot = torch.exp(pl_s - mx).sum(0)
             lse[b] = mx + torch.log(tot)                            # log 0 = -inf; NaN stays NaN
@@ -253,13 +261,21 @@ def test_fp16_wide_range_scores_keep_p_in_range(splits):
     assert p_max_old == math.inf
 
 
-def _emulated_candidate(splits: int, exponent, shift_infinite_max: bool = True):
+def _emulated_candidate(splits: int, exponent, inf_plan: str = "shift0"):
+    """_emulate as a harness candidate, on one intra-op thread: MKL's CPU GEMM splits its reduction by
+    thread count on some machines (AMD EPYC, AVX2), which the thread_count guard rightly rejects; the
+    kernel's own scores do not depend on a CPU thread count."""
     from verify.model.opdef import OpInputs
 
     def candidate(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, *, return_lse=False):
         inp = OpInputs(tensors={"q_abs": q_abs, "cache": cache, "block_table": block_table, "seq_lens": seq_lens},
                        params={"scale": scale, "kv_lora_rank": kv_lora_rank})
-        o, lse, _ = _emulate(inp, splits, exponent, shift_infinite_max=shift_infinite_max)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            o, lse, _ = _emulate(inp, splits, exponent, inf_plan=inf_plan)
+        finally:
+            torch.set_num_threads(threads)
         return (o, lse) if return_lse else o
     return candidate
 
@@ -281,38 +297,57 @@ def test_emulated_plan_passes_the_harness_where_the_old_order_failed(splits):
 
 
 # nonfinite draws of the context-parallel op whose q holds a +inf that meets a positive key: a score of
-# +inf, so logsumexp (the reference's lse) is +inf and softmax's o NaN
+# +inf, so logsumexp (the reference's lse) is +inf and softmax's o NaN. Seed 107 (B = 8) also has a lane
+# whose slots gave p = 0 before the +inf arrived, after a large finite max: the case the H100 release
+# run rejected at compare:lse with the infinite max shifted by 0 but alpha = exp2(m_old) = inf there
 CP_NONFINITE = ['{"batch":3,"config":"tiny","dist":"nonfinite","dtype":"bfloat16","extra":[],'
                 '"op":"mla_decode_attn_cp","seed":%d,"tp":%d}' % (seed, tp) for seed, tp in ((3, 1), (4, 1), (7, 2))]
+CP_LANE_ZERO = ('{"batch":8,"config":"tiny","dist":"nonfinite","dtype":"float16","extra":[],'
+                '"op":"mla_decode_attn_cp","seed":107,"tp":1}')
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("case_json", CP_NONFINITE)
-def test_an_infinite_score_gives_logsumexps_inf(case_json, splits):
+def _judge_cp(case_json: str, splits: int, inf_plan: str):
     """The context-parallel op through the emulated kernel (fused.mla_decode_attn_cp.compose, as on the
-    GPU) passes the harness on draws with a +inf score, direct and through the combine; the plan that
-    shifted by the +inf max fails them at compare:lse (lse = NaN where logsumexp is +inf), the H100
-    release run's verdict on 13 such cases."""
-    _needs_dsl()
+    GPU), judged by the harness on the CPU."""
     from fused import mla_decode_attn_split as ks
     from fused.mla_decode_attn_cp import compose
     from verify.judge.pipeline import evaluate_case
     from verify.ops.registry import get_op
-    op, case = get_op("mla_decode_attn_cp"), Case.from_json(case_json)
+    attend = _emulated_candidate(splits, ks.p_exponent, inf_plan)
 
-    def cp(shift_infinite_max):
-        attend = _emulated_candidate(splits, ks.p_exponent, shift_infinite_max)
-        return lambda q_abs, cache, block_table, kv_start, kv_len, seq_lens, scale, kv_lora_rank: compose(
-            lambda *a: attend(*a, return_lse=True), q_abs, cache, block_table, kv_start, kv_len, seq_lens, scale,
-            kv_lora_rank)
-    inp = op.make_inputs(case)
+    def cp(q_abs, cache, block_table, kv_start, kv_len, seq_lens, scale, kv_lora_rank):
+        return compose(lambda *a: attend(*a, return_lse=True), q_abs, cache, block_table, kv_start, kv_len,
+                       seq_lens, scale, kv_lora_rank)
+    return evaluate_case(get_op("mla_decode_attn_cp"), Case.from_json(case_json), cp, "emulated", "cpu")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("case_json", CP_NONFINITE + [CP_LANE_ZERO])
+def test_an_infinite_score_gives_logsumexps_inf(case_json, splits):
+    """The kernel's plan passes the harness on draws with a +inf score, direct and through the combine;
+    the plan that shifted by the +inf max fails them at compare:lse (lse = NaN where logsumexp is +inf),
+    the H100 release run's verdict on 13 such cases."""
+    _needs_dsl()
+    from verify.ops.registry import get_op
+    inp = get_op("mla_decode_attn_cp").make_inputs(Case.from_json(case_json))
     _, lse = reference(**{k: v for k, v in inp.tensors.items() if k not in ("kv_start", "kv_len")}, **inp.params,
                        return_lse=True)
     assert (lse == math.inf).any()
-    v = evaluate_case(op, case, cp(True), "emulated", "cpu")
+    v = _judge_cp(case_json, splits, "shift0")
     assert v.status == "pass", f"{v.stage}: {v.reason}"
-    old = evaluate_case(op, case, cp(False), "emulated", "cpu")
+    old = _judge_cp(case_json, splits, "shift_max")
     assert (old.status, old.stage) == ("fail", "compare:lse"), (old.stage, old.reason)
+
+
+def test_a_lane_with_no_mass_keeps_its_l_finite_under_a_plus_inf_max():
+    """A lane's l is 0 while its slots were all masked or underflowed; when a +inf score then arrives,
+    alpha = exp2(m_old - 0) overflows for a large finite m_old and 0 * inf = NaN: the lse of that row is
+    NaN, not +inf. The kernel takes alpha = 1 under a +inf max; without that the GPU's failing case
+    fails here at compare:lse too."""
+    _needs_dsl()
+    v = _judge_cp(CP_LANE_ZERO, 1, "alpha_unguarded")
+    assert (v.status, v.stage) == ("fail", "compare:lse"), (v.stage, v.reason)
+    assert "NaN or infinite" in v.reason
 
 
 def test_bf16_plan_is_unshifted():
