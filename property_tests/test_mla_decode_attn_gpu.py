@@ -157,6 +157,26 @@ def test_release_cases(case_json):
     assert v.status == "pass", f"{v.stage}: {v.reason}"
 
 
+def _cp_inf_cases():
+    from property_tests.test_mla_decode_attn import CP_LANE_ZERO, CP_NONFINITE
+    return CP_NONFINITE + [CP_LANE_ZERO]
+
+
+@pytest.mark.parametrize("case_json", _cp_inf_cases(), ids=lambda c: c.split('"seed":')[1].split(",")[0])
+def test_an_infinite_score_gives_logsumexps_inf(case_json):
+    """The context-parallel op's draws with a +inf score (lse = +inf, o = NaN in torch) through the fused
+    composition and the harness's whole pipeline: the cases the H100 release runs rejected at
+    compare:lse before the kernel shifted an infinite max by 0 and left l unscaled under it."""
+    from verify.judge.candidates import Candidate
+    from verify.judge.pipeline import evaluate_case
+    from verify.model.case import Case
+    from verify.ops.registry import get_op
+    op = get_op("mla_decode_attn_cp")
+    cand = Candidate("fused.mla_decode_attn_cp:mla_decode_attn_cp").resolve(op, "cuda")
+    v = evaluate_case(op, Case.from_json(case_json), cand, "fused", "cuda")
+    assert v.status == "pass", f"{v.stage}: {v.reason}"
+
+
 def test_draft_longer_than_a_length_is_an_error_before_launch():
     from fused.mla_decode_attn import mla_decode_attn
     q, cache, table, lens = build([40, 5], 6, 12)
