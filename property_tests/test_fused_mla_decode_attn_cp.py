@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from property_tests.harness_case import on_one_thread
 from references.mla import mla_decode_attn
 from references.mla_cp import context_shards, mla_decode_attn_cp
 from verify.model.case import Case
@@ -17,16 +18,9 @@ from verify.ops.registry import get_op
 OP = get_op("mla_decode_attn_cp")
 
 
+@on_one_thread            # these tests judge the composition, not torch's GEMM
 def _reference_attend(q, cache, table, lens, scale, kv_lora_rank):
-    """The reference attention on one intra-op thread: MKL's CPU GEMM splits its reduction by thread count
-    on some machines (AMD EPYC, AVX2: the scores' bits move), which the harness's thread_count guard
-    rightly rejects; these tests judge the composition, not torch's GEMM."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return mla_decode_attn(q, cache, table, lens, scale, kv_lora_rank, return_lse=True)
-    finally:
-        torch.set_num_threads(threads)
+    return mla_decode_attn(q, cache, table, lens, scale, kv_lora_rank, return_lse=True)
 
 
 def reference_composed(q_abs, cache, block_table, kv_start, kv_len, seq_lens, scale, kv_lora_rank):

@@ -224,14 +224,11 @@ def _emulate(inputs, splits: int, exponent, n_tile: int = 32, inf_plan: str = "s
             continue
         pl_s = torch.stack(pl)
         mx = pl_s.amax(0)
-        if inf_plan != "shift_max":
-            mx = torch.where(mx.isinf(), 0.0, mx)
-            tot = torch.exp(pl_s - mx).sum(0)
-            lse[b] = mx + torch.log(tot)                            # log 0 = -inf; NaN stays NaN
-        else:
-            mx = torch.where(mx == -math.inf, 0.0, mx)
-            tot = torch.exp(pl_s - mx).sum(0)
-            lse[b] = torch.where(tot > 0, mx + torch.log(tot), -math.inf)
+        mx = torch.where(mx == -math.inf if inf_plan == "shift_max" else mx.isinf(), 0.0, mx)
+        tot = torch.exp(pl_s - mx).sum(0)
+        lse[b] = mx + torch.log(tot)                                # log 0 = -inf; NaN stays NaN
+        if inf_plan == "shift_max":
+            lse[b] = torch.where(tot > 0, lse[b], -math.inf)        # and a NaN split's tot gave -inf
         o[b] = (torch.exp(pl_s - lse[b])[..., None] * torch.stack(po)).sum(0).to(wd)
     return o.view(n_seq, n_q, H, D), lse.view(n_seq, n_q, H), float(p_max)
 
@@ -262,20 +259,15 @@ def test_fp16_wide_range_scores_keep_p_in_range(splits):
 
 
 def _emulated_candidate(splits: int, exponent, inf_plan: str = "shift0"):
-    """_emulate as a harness candidate, on one intra-op thread: MKL's CPU GEMM splits its reduction by
-    thread count on some machines (AMD EPYC, AVX2), which the thread_count guard rightly rejects; the
-    kernel's own scores do not depend on a CPU thread count."""
+    """_emulate as a harness candidate, on one intra-op thread (property_tests.harness_case.on_one_thread)."""
+    from property_tests.harness_case import on_one_thread
     from verify.model.opdef import OpInputs
 
+    @on_one_thread
     def candidate(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank, *, return_lse=False):
         inp = OpInputs(tensors={"q_abs": q_abs, "cache": cache, "block_table": block_table, "seq_lens": seq_lens},
                        params={"scale": scale, "kv_lora_rank": kv_lora_rank})
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            o, lse, _ = _emulate(inp, splits, exponent, inf_plan=inf_plan)
-        finally:
-            torch.set_num_threads(threads)
+        o, lse, _ = _emulate(inp, splits, exponent, inf_plan=inf_plan)
         return (o, lse) if return_lse else o
     return candidate
 

@@ -167,13 +167,9 @@ def test_an_infinite_score_gives_logsumexps_inf(case_json):
     """The context-parallel op's draws with a +inf score (lse = +inf, o = NaN in torch) through the fused
     composition and the harness's whole pipeline: the cases the H100 release runs rejected at
     compare:lse before the kernel shifted an infinite max by 0 and left l unscaled under it."""
-    from verify.judge.candidates import Candidate
-    from verify.judge.pipeline import evaluate_case
+    from property_tests.harness_case import judge_case
     from verify.model.case import Case
-    from verify.ops.registry import get_op
-    op = get_op("mla_decode_attn_cp")
-    cand = Candidate("fused.mla_decode_attn_cp:mla_decode_attn_cp").resolve(op, "cuda")
-    v = evaluate_case(op, Case.from_json(case_json), cand, "fused", "cuda")
+    v = judge_case(Case.from_json(case_json), "fused.mla_decode_attn_cp:mla_decode_attn_cp")
     assert v.status == "pass", f"{v.stage}: {v.reason}"
 
 
