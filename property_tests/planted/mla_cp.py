@@ -10,7 +10,10 @@ from references.mla import causal_visible, paged_cache_read
 from references.mla_cp import _check
 from references.primitives import acc_dtype
 
+from property_tests.harness_case import on_one_thread
 
+
+@on_one_thread          # stands for a kernel, whose bits do not move with a CPU thread count
 def _window_attn(q_abs, cache, block_table, kv_start, kv_len, seq_lens, scale, kv_lora_rank, *,
                  mask_at=None, lse_base2=False, empty_nan=False, whole_pages=False):
     _check(q_abs, cache, block_table, kv_start, kv_len, seq_lens)
