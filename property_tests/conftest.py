@@ -6,6 +6,14 @@ import pytest
 import torch
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per CPU core on a machine without a CUDA device (each worker runs one
+    intra-op thread, below); in-process where a GPU is visible, whose tests time kernels and share the card."""
+    import os
+
+    return 0 if torch.cuda.is_available() else len(os.sched_getaffinity(0))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def single_cpu_thread():
     """The suite's tensors are small: one intra-op thread is faster than two on a 2-core machine and
