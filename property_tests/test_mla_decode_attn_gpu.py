@@ -148,12 +148,9 @@ RELEASE_CASES = [_CASE.format(27, "tiny", "wide_range", "float16", 691),
 @pytest.mark.parametrize("case_json", RELEASE_CASES, ids=lambda c: c.split('"seed":')[1].split(",")[0] + "-"
                          + "-".join(c.split(f'"{k}":"')[1].split('"')[0] for k in ("config", "dist", "dtype")))
 def test_release_cases(case_json):
-    from verify.judge.candidates import Candidate
-    from verify.judge.pipeline import evaluate_case
+    from property_tests.harness_case import judge_case
     from verify.model.case import Case
-    from verify.ops.registry import get_op
-    op = get_op("mla_decode_attn")
-    v = evaluate_case(op, Case.from_json(case_json), Candidate("fused").resolve(op, "cuda"), "fused", "cuda")
+    v = judge_case(Case.from_json(case_json))
     assert v.status == "pass", f"{v.stage}: {v.reason}"
 
 
