@@ -101,6 +101,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
      "MXFP4 nibble order swapped"),
     ("mxfp4_dequant", f"{P}.mxfp4:mxfp4_dequant_bias_126", "compare:w|differ from the reference bits",
      "E8M0 scale bias 126"),
+    ("mxfp4_dequant", f"{P}.mxfp4:mxfp4_dequant_returns_one_tuple", "guard:output_type",
+     "the right w returned as a tuple of one"),
     # ---- mla
     ("mla_qkv_a", f"{P}.mla:mla_qkv_a_norm_without_eps", "compare:q_c|exceed",
      "eps missing in RMSNorm (zero rows give NaN; range_edges' 2^-30 rows, where eps is the norm, reject it first)"),
@@ -205,6 +207,8 @@ CATALOGUE: list[tuple[str, str, str, str]] = [
     ("kda_in_proj", f"{P}.kda:kda_in_proj_beta_from_next_head", "compare:beta_raw|exceed",
      "beta_raw of head h copied from head h + 1's column (the tail's head index off by one)"),
     # ---- attn_res
+    ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_returns_list", "guard:output_type",
+     "the right out returned inside a list of one"),
     ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_swapped_eps", "compare:out|exceed",
      "key-norm eps and output RMSNorm eps swapped (equal in every config; drawn per case)"),
     ("attn_res_rmsnorm", f"{P}.attn_res:attn_res_rmsnorm_softmax_without_max", "guard:outputs_written|NaN",
@@ -393,6 +397,11 @@ FULL_BATCH: set[str] = {"skinny_gemm_m32_tile_row_offset", "skinny_gemm_m64_drop
 # Harness gaps found by this catalogue: candidate -> (why the expected rejection does not happen,
 # the stage that rejects it instead, or None if nothing rejects it). See the test for how they run.
 GAPS: dict[str, tuple[str, str | None]] = {
+    # verify/judge/placement.py check_outputs unpacks a tuple or list of one for a one-output op, so a
+    # candidate that returns its tensor wrapped in one certifies. Requiring exactly a tensor there changes
+    # the harness, which stales every release record (verify/record/certificate.py harness_hash).
+    "mxfp4_dequant_returns_one_tuple": ("a one-output op's tensor inside a tuple of one is accepted", None),
+    "attn_res_rmsnorm_returns_list": ("a one-output op's tensor inside a list of one is accepted", None),
     # Fixed gaps: elements far below their row's maximum zeroed, negated or stored as fixed point
     # (the element rule of compare_derived); a NaN-blind E8M0 decode in the experts (the
     # scales='extreme' case and NaN oracle elements judged, not vacuous); unwritten

@@ -148,3 +148,10 @@ def attn_res_rmsnorm_row_fixed_point_out(prefix, delta, blocks, res_norm_w, res_
     y = out.float()
     step = (y.abs().amax(-1, keepdim=True) / levels).clamp_min(1e-30)
     return (torch.round(y / step) * step).to(out.dtype)
+
+
+def attn_res_rmsnorm_returns_list(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w,
+                                  n_blocks: int, block_write: int, eps: float, norm_eps: float):
+    """The right out and state, out returned inside a list of one."""
+    return [attn_res_rmsnorm_control(prefix, delta, blocks, res_norm_w, res_proj_w, norm_w, n_blocks, block_write,
+                                     eps, norm_eps)]

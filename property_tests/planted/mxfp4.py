@@ -69,3 +69,9 @@ def mxfp4_dequant_fp16_saturates(packed, scale, out_dtype: str = "bfloat16"):
     if w.dtype == torch.float16:
         w = torch.where(torch.isinf(w), torch.sign(w) * 65504.0, w).to(torch.float16)
     return w
+
+
+def mxfp4_dequant_returns_one_tuple(packed, scale, out_dtype: str = "bfloat16"):
+    """The right w, returned as a tuple of one (a wrapper written for a multi-output op): a caller that
+    uses the result as the op's tensor (`w.t()`, `x @ w`) fails."""
+    return (_dequant(packed, scale, out_dtype),)
