@@ -6,6 +6,7 @@ import pytest
 import torch
 
 
+@pytest.hookimpl(optionalhook=True)      # pytest-xdist's hook; the GPU image runs pytest without it
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker per CPU core on a machine without a CUDA device (each worker runs one
     intra-op thread, below); in-process where a GPU is visible, whose tests time kernels and share the card."""
