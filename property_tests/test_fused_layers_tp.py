@@ -6,11 +6,10 @@ the attention gather (the same bits); on one GPU the rank's own step is timed at
 (T = 8, 16) with its gathers standing in, with and without the prefetch, beside the stock step."""
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
+
+from property_tests.ranks import init_rank, put_result, spawn_ranks
 
 KINDS = {"kda": ("conv_state", "recurrent_state"), "mla": ("cache", "block_table", "seq_lens"),
          "dense": ("conv_state", "recurrent_state")}
@@ -29,25 +28,13 @@ def _inputs(kind: str, config: str = "tiny", batch: int = 3, steps: int = 3, see
     return t.pop("x_steps"), t.pop("blocks"), state, t, inputs.params
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_worker(rank: int, T: int, kind: str, port: int, backend: str, kernels: str, fold: str, queue,
+def _rank_worker(rank: int, T: int, port: int, queue, kind: str, backend: str, kernels: str, fold: str,
                  prefetch: bool = False):
     import torch.distributed as dist
 
     import fused.layers_tp as TP
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    device = "cpu"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device = f"cuda:{rank}"
-    dist.init_process_group(backend, rank=rank, world_size=T)
+    device = init_rank(rank, T, port, backend)
     try:
         x_steps, blocks, state, weights, params = _inputs(kind)
         move = lambda d: {k: v.to(device) for k, v in d.items()}
@@ -56,7 +43,7 @@ def _rank_worker(rank: int, T: int, kind: str, port: int, backend: str, kernels:
             gather = _WdAllReduce(gather)
         out, mine = TP.rank_steps(kind, x_steps.to(device), blocks.to(device), move(state), params["layer_idx"],
                                   params["config"], move(weights), gather, kernels, prefetch)
-        queue.put((rank, out.cpu(), {n: t.cpu() for n, t in mine.items()}))
+        put_result(queue, rank, (out.cpu(), {n: t.cpu() for n, t in mine.items()}))
     finally:
         dist.destroy_process_group()
 
@@ -80,20 +67,9 @@ class _WdAllReduce:
 
 def _run_ranks(kind: str, T: int, backend: str = "gloo", kernels: str = "reference", fold: str = "declared",
                prefetch: bool = False):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_worker, args=(r, T, kind, port, backend, kernels, fold, queue, prefetch))
-             for r in range(T)]
-    for p in procs:
-        p.start()
-    results = sorted((queue.get(timeout=600) for _ in range(T)), key=lambda r: r[0])
-    for p in procs:
-        p.join(timeout=60)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return results
+    """[(rank, output steps, rank state)] in rank order."""
+    return [(r, *payload) for r, payload in enumerate(spawn_ranks(_rank_worker, T, kind, backend, kernels, fold,
+                                                                   prefetch))]
 
 
 def _reference(kind: str, T: int):

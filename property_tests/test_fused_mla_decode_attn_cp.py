@@ -2,16 +2,20 @@
 fused decode kernel. On the CPU the composition is driven with the reference attention as its per-token
 kernel: it must equal references.mla_cp.mla_decode_attn_cp on the unsplit op and on every rank of the
 declared context split (windows that end inside the draft, ranks past a short sequence's end), and the
-harness must pass it and reject an off-by-one twin. On the GPU (`@pytest.mark.gpu`) the fused candidate
-is judged by the harness, T = 1 and the simulated T = 2, 4 splits."""
+harness must pass it and reject an off-by-one twin. Over real ranks (fused.mla_decode_attn_cp.
+attention_over_ranks, one process per rank: gloo on CPUs with the reference attention, NCCL on two GPUs
+with the fused kernel) every rank's combined attention is the simulated split's bits, and a gather in
+another rank order is caught. On the GPU (`@pytest.mark.gpu`) the fused candidate is judged by the
+harness, T = 1 and the simulated T = 2, 4 splits."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from property_tests.harness_case import on_one_thread
+from property_tests.ranks import init_rank, put_result, spawn_ranks
 from references.mla import mla_decode_attn
-from references.mla_cp import context_shards, mla_decode_attn_cp
+from references.mla_cp import combine_context, context_shards, mla_decode_attn_cp
 from verify.model.case import Case
 from verify.ops.registry import get_op
 
@@ -100,6 +104,88 @@ def test_the_harness_passes_the_composition_and_rejects_its_off_by_one_twin(T):
     bad = [judge_case(Case("mla_decode_attn_cp", s, 4, "small", "bfloat16", "normal", T, (("q_per_seq", 6),)),
                       f"{here}:off_by_one_composed", device="cpu") for s in range(2)]
     assert all(v.status == "fail" for v in bad), [(v.status, v.stage) for v in bad]
+
+
+# ---------------------------------------------------------------------------------------- real ranks
+RANK_SEEDS = (11, 12, 13)
+
+
+def _rank_case(seed: int, device: str):
+    inputs = OP.make_inputs(Case("mla_decode_attn_cp", seed, 4, "small", "bfloat16", "normal",
+                                 extra=(("q_per_seq", 6),)))
+    return {n: v.to(device) for n, v in inputs.tensors.items()}, inputs.params
+
+
+def _window_args(t, p, shard):
+    return (t["q_abs"], shard["cache"], shard["block_table"], shard["kv_start"], shard["kv_len"], t["seq_lens"],
+            p["scale"], p["kv_lora_rank"])
+
+
+class _ReversedRanks:
+    """A gather that stacks the ranks' tensors last rank first (a combine folded in another order)."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def __call__(self, t):
+        return self.real(t).flip(0)
+
+
+def _cp_rank_worker(rank: int, T: int, port: int, queue, backend: str, order: str):
+    import torch.distributed as dist
+
+    from fused.layers_tp import ProcessGroupGather
+    from fused.mla_decode_attn_cp import _fused_attend, attention_over_ranks, compose
+
+    device = init_rank(rank, T, port, backend)
+    try:
+        attend = _reference_attend if backend == "gloo" else _fused_attend
+        gather = ProcessGroupGather() if order == "declared" else _ReversedRanks(ProcessGroupGather())
+        got = []
+        for seed in RANK_SEEDS:
+            t, p = _rank_case(seed, device)
+            shards = context_shards(t["cache"], t["block_table"], t["seq_lens"], T)
+            o, lse = attention_over_ranks(gather, *_window_args(t, p, shards[rank]), attend=attend)
+            # the split the harness simulates in one process: every rank's window here, combined in rank order
+            sim = combine_context([compose(attend, *_window_args(t, p, shard)) for shard in shards]) \
+                if rank == 0 else None
+            got.append(((o.cpu(), lse.cpu()), sim and tuple(x.cpu() for x in sim)))
+        put_result(queue, rank, got)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_ranks_are_the_simulated_split(ranks: list) -> None:
+    for i, seed in enumerate(RANK_SEEDS):
+        o, lse = ranks[0][i][0]
+        for r in range(1, len(ranks)):
+            assert torch.equal(ranks[r][i][0][0], o) and torch.equal(ranks[r][i][0][1], lse), \
+                f"seed {seed}: rank {r}'s combined attention differs from rank 0's"
+        sim_o, sim_lse = ranks[0][i][1]
+        assert torch.equal(o, sim_o) and torch.equal(lse, sim_lse), \
+            f"seed {seed}: the ranks' attention differs from the simulated split's bits"
+
+
+@pytest.mark.parametrize("T", [2, 3])
+def test_ranks_over_gloo_are_the_simulated_split_bit_for_bit(T):
+    ranks = spawn_ranks(_cp_rank_worker, T, "gloo", "declared")
+    _check_ranks_are_the_simulated_split(ranks)
+    t, p = _rank_case(RANK_SEEDS[0], "cpu")         # and it is the whole attention: the unsplit op's
+    want_o, want_lse = mla_decode_attn_cp(*_window_args(t, p, dict(cache=t["cache"], block_table=t["block_table"],
+                                                                    kv_start=t["kv_start"], kv_len=t["kv_len"])))
+    o, lse = ranks[0][0][0]
+    assert _close(o, want_o, wd_ulps=4.0) and _close(lse, want_lse.float())
+
+
+def test_a_gather_in_another_rank_order_is_caught():
+    ranks = spawn_ranks(_cp_rank_worker, 3, "gloo", "reversed")
+    with pytest.raises(AssertionError, match="differs from the simulated split"):
+        _check_ranks_are_the_simulated_split(ranks)
+
+
+@pytest.mark.multi_gpu(2)
+def test_fused_ranks_over_nccl_on_two_gpus_are_the_simulated_split_bit_for_bit():
+    _check_ranks_are_the_simulated_split(spawn_ranks(_cp_rank_worker, 2, "nccl", "declared"))
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
