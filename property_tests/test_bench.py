@@ -945,3 +945,49 @@ def test_variants_of_a_module_that_declares_none_add_nothing():
     from property_tests.user_kernels import gemm_ok
 
     assert run.variant_makers({"mine": gemm_ok.skinny_gemm, "eager": gemm_ok.skinny_gemm}, inputs) == {}
+
+
+# ---------------------------------------------------------------------------------------------- overlap
+def test_overlap_counts_the_time_another_stream_covers():
+    from verify.bench.overlap import Interval, summarize
+
+    s = summarize([Interval("routed", 7, 0, 10), Interval("shared", 13, 2, 6), Interval("shared", 13, 8, 14),
+                   Interval("norm", 7, 14, 16)])
+    assert s["span_us"] == 16 and s["streams"] == {7: 12, 13: 10}
+    assert s["concurrent_us"] == 6                     # [2, 6) and [8, 10); touching at 14 is not overlap
+    k = {(r["name"], r["stream"]): r for r in s["kernels"]}
+    assert k[("routed", 7)]["overlapped_us"] == 6 and k[("shared", 13)] == {
+        "name": "shared", "stream": 13, "calls": 2, "us": 10, "overlapped_us": 6}
+    assert k[("norm", 7)]["overlapped_us"] == 0        # the same stream's work never counts
+
+
+def test_overlap_of_three_streams_counts_each_instant_once():
+    from verify.bench.overlap import Interval, summarize
+
+    s = summarize([Interval("a", 1, 0, 10), Interval("b", 2, 0, 10), Interval("c", 3, 5, 20)])
+    assert s["concurrent_us"] == 10 and s["span_us"] == 20
+    assert {r["name"]: r["overlapped_us"] for r in s["kernels"]} == {"a": 10, "b": 10, "c": 5}
+
+
+def test_overlap_reads_the_device_events_of_a_chrome_trace():
+    from verify.bench.overlap import Interval, device_intervals
+
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 10.5, "dur": 4, "args": {"stream": 7}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 12, "dur": 1, "args": {"stream": 20}},
+        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 3},
+        {"ph": "X", "cat": "gpu_memset", "name": "Memset", "ts": 2, "dur": 0.5, "args": {"stream": 7}}]}
+    assert device_intervals(trace) == [Interval("Memset", 7, 2, 2.5), Interval("gemm", 7, 10.5, 14.5),
+                                       Interval("Memcpy DtoD", 20, 12, 13)]
+
+
+def test_stream_overlap_reads_a_torch_profile():
+    """torch.profiler's trace through the summary: on a CPU the profiled pass has no device work."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from verify.bench.profile import stream_overlap
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(8) @ torch.ones(8)
+    assert stream_overlap(prof).startswith("span 0.0 us; two or more streams busy 0.0 us")

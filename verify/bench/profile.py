@@ -1,7 +1,9 @@
 """--profile-kernels: where one run's time goes, kernel by kernel.
 
 torch: after an entry is timed, one more pass over its launches runs under torch.profiler and the
-kernels' device times go to OUT/profile/<op>/<shape>/<entry>.txt.
+kernels' device times go to OUT/profile/<op>/<shape>/<entry>.txt; beside it, <entry>.overlap.txt says
+which stream each kernel ran on and how much of it another stream's work covered (verify/bench/overlap.py:
+a side stream's shared experts under the routed experts, an L2 prefetch under a gather).
 ncu: the bench command runs again under Nsight Compute (`ncu`), which profiles every kernel launched
 inside the NVTX range each entry's first timed pass opens (VERIFY_BENCH_NVTX=1 in the child); the
 report is OUT/profile/bench.ncu-rep and its text OUT/profile/bench.txt. Times under ncu are
@@ -39,7 +41,22 @@ def torch_profiler(out_dir: str | Path):
         p = Path(out_dir) / "profile" / _safe(op) / _safe(shape) / f"{_safe(name)}.txt"
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
+        p.with_suffix(".overlap.txt").write_text(stream_overlap(prof))
     return profile
+
+
+def stream_overlap(prof) -> str:
+    """The overlap summary (verify/bench/overlap.py) of a finished torch.profiler run's device work."""
+    import json
+    import tempfile
+
+    from verify.bench.overlap import device_intervals, format_summary, summarize
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    return format_summary(summarize(device_intervals(trace)))
 
 
 def nvtx_marker():
