@@ -19,8 +19,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_rank(rank: int, T: int, port: int, backend: str) -> str:
-    """Joins the default process group as `rank` of T on one intra-op thread; returns the rank's device."""
+def init_rank(rank: int, T: int, port: int, backend: str, timeout_s: float = 300) -> str:
+    """Joins the default process group as `rank` of T on one intra-op thread; returns the rank's device.
+    A collective that waits past timeout_s raises (a rank that died or took another path) instead of hanging."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -29,7 +32,7 @@ def init_rank(rank: int, T: int, port: int, backend: str) -> str:
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
-    dist.init_process_group(backend, rank=rank, world_size=T)
+    dist.init_process_group(backend, rank=rank, world_size=T, timeout=timedelta(seconds=timeout_s))
     return device
 
 

@@ -978,8 +978,8 @@ def test_overlap_reads_the_device_events_of_a_chrome_trace():
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 12, "dur": 1, "args": {"stream": 20}},
         {"ph": "i", "cat": "kernel", "name": "marker", "ts": 3},
         {"ph": "X", "cat": "gpu_memset", "name": "Memset", "ts": 2, "dur": 0.5, "args": {"stream": 7}}]}
-    assert device_intervals(trace) == [Interval("Memset", 7, 2, 2.5), Interval("gemm", 7, 10.5, 14.5),
-                                       Interval("Memcpy DtoD", 20, 12, 13)]
+    assert device_intervals(trace) == [Interval("Memset", 7, 2, 2.5, "gpu_memset"), Interval("gemm", 7, 10.5, 14.5),
+                                       Interval("Memcpy DtoD", 20, 12, 13, "gpu_memcpy")]
 
 
 def test_stream_overlap_reads_a_torch_profile():

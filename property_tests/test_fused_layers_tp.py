@@ -130,6 +130,87 @@ def test_fused_ranks_over_nccl_on_two_gpus(kind):
     assert torch.isfinite(results[0][1]).all()
 
 
+def _k3_timed_rank_worker(rank: int, T: int, port: int, queue, kind: str, out_dir: str):
+    """Rank `rank` of T over NCCL at K3: the fused step, with and without the L2 prefetch, at B = 1 and 8;
+    each step timed eagerly and, where NCCL's collectives capture, as a CUDA-graph replay; one step
+    profiled: its kernels counted and its stream overlap written to out_dir (verify/bench/overlap.py)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    import fused.layers_tp as TP
+    from property_tests.gpu_timing import graph_us
+    from references.config import K3
+    from references.layers import new_layer_state
+    from stock.weights import make_layer_weights_on
+    from verify.bench.overlap import format_summary, summarize
+    from verify.bench.profile import profiled_intervals
+
+    device = init_rank(rank, T, port, "nccl")
+    rows = []
+    try:
+        w = make_layer_weights_on(kind, K3, 0, device=device).tensors          # the same draw on every rank
+        for prefetch in (False, True):
+            layer = TP.prepare_rank(kind, w, K3, LAYER[kind], torch.bfloat16, TP.ProcessGroupGather(),
+                                    prefetch=prefetch)
+            for B in (1, 8):
+                st = new_layer_state(kind, K3, B, max_tokens=512)
+                g = torch.Generator(device=device).manual_seed(B)
+                blocks = torch.randn(B, 8, K3.hidden, device=device, generator=g).to(torch.bfloat16)
+                prefix = torch.randn(B, K3.hidden, device=device, generator=g).to(torch.bfloat16)
+                state = TP.shard_state(kind, {n: getattr(st, n).to(device) for n in KINDS[kind]}, K3, T, rank)
+                step = lambda: layer.step(prefix, blocks, *state.values())
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+                dist.barrier()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(20):
+                    step()
+                end.record()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    step()
+                    torch.cuda.synchronize()
+                work = profiled_intervals(prof)
+                row = {"prefetch": prefetch, "B": B, "eager_us": start.elapsed_time(end) / 20 * 1e3,
+                       "launches": sum(iv.category == "kernel" for iv in work)}
+                if out_dir:
+                    name = f"k3_{kind}_T{T}_B{B}{'_prefetch' if prefetch else ''}_rank{rank}.overlap.txt"
+                    with open(os.path.join(out_dir, name), "w") as f:
+                        f.write(format_summary(summarize(work)))
+                dist.barrier()
+                try:
+                    row["graph"] = f"{graph_us(step):.1f} us"
+                except Exception as e:            # NCCL collectives that do not capture: say so, keep eager
+                    row["graph"] = f"not captured: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                torch.cuda.synchronize()
+                dist.barrier()
+                rows.append(row)
+        put_result(queue, rank, rows)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multi_gpu(2)
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+def test_k3_steps_over_nccl_on_two_gpus_timed(kind):
+    """T = 2 at K3 with the real all-gathers: us per step (eager and CUDA-graph replays), launches, and
+    each rank's stream overlap (shared experts beside the routed experts, the L2 prefetch beside the
+    gather) under $OUT when set; printed for the layer table."""
+    import os
+
+    out_dir = os.environ.get("OUT", "")
+    ranks = spawn_ranks(_k3_timed_rank_worker, 2, kind, out_dir)
+    for rank, rows in enumerate(ranks):
+        for row in rows:
+            print(f"\nK3 {kind} T=2 rank {rank} B={row['B']} prefetch={row['prefetch']}: {row['launches']} launches, "
+                  f"eager {row['eager_us']:.1f} us, graph {row['graph']}")
+    assert all(len(rows) == 4 for rows in ranks)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["kda", "mla"])

@@ -20,6 +20,7 @@ class Interval:
     stream: int
     start: float       # us
     end: float
+    category: str = "kernel"       # or gpu_memcpy, gpu_memset
 
 
 def device_intervals(trace: dict) -> list[Interval]:
@@ -30,7 +31,7 @@ def device_intervals(trace: dict) -> list[Interval]:
             continue
         start = float(ev["ts"])
         out.append(Interval(ev.get("name", "?"), int(ev.get("args", {}).get("stream", -1)), start,
-                            start + float(ev.get("dur", 0.0))))
+                            start + float(ev.get("dur", 0.0)), ev["cat"]))
     return sorted(out, key=lambda i: (i.start, i.end))
 
 
