@@ -134,21 +134,22 @@ class _ReversedRanks:
 def _cp_rank_worker(rank: int, T: int, port: int, queue, backend: str, order: str):
     import torch.distributed as dist
 
+    import fused.mla_decode_attn_cp as cp
     from fused.layers_tp import ProcessGroupGather
-    from fused.mla_decode_attn_cp import _fused_attend, attention_over_ranks, compose
 
     device = init_rank(rank, T, port, backend)
     try:
-        attend = _reference_attend if backend == "gloo" else _fused_attend
+        # gloo: the composition over the reference attention; NCCL: the fused kernel (the default attend)
+        attend, per_rank = (({"attend": _reference_attend}, reference_composed) if backend == "gloo"
+                            else ({}, cp.mla_decode_attn_cp))
         gather = ProcessGroupGather() if order == "declared" else _ReversedRanks(ProcessGroupGather())
         got = []
         for seed in RANK_SEEDS:
             t, p = _rank_case(seed, device)
             shards = context_shards(t["cache"], t["block_table"], t["seq_lens"], T)
-            o, lse = attention_over_ranks(gather, *_window_args(t, p, shards[rank]), attend=attend)
-            # the split the harness simulates in one process: every rank's window here, combined in rank order
-            sim = combine_context([compose(attend, *_window_args(t, p, shard)) for shard in shards]) \
-                if rank == 0 else None
+            o, lse = cp.attention_over_ranks(gather, *_window_args(t, p, shards[rank]), **attend)
+            # the split the harness simulates: the candidate on every rank's window here, combined in rank order
+            sim = combine_context([per_rank(*_window_args(t, p, shard)) for shard in shards]) if rank == 0 else None
             got.append(((o.cpu(), lse.cpu()), sim and tuple(x.cpu() for x in sim)))
         put_result(queue, rank, got)
     finally:
