@@ -63,3 +63,54 @@ def profiled_intervals(prof) -> list:
         path = Path(d) / "trace.json"
         prof.export_chrome_trace(str(path))
         return device_intervals(json.loads(path.read_text()))
+
+
+def nvtx_marker():
+    """A profile hook marking one pass of each entry with an NVTX range (for the ncu child)."""
+    def profile(op: str, shape: str, name: str, launches: list) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push(RANGE)
+        torch.cuda.nvtx.range_push(f"{op} {shape} {name}")
+        for launch in launches[:1]:
+            launch()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+        torch.cuda.nvtx.range_pop()
+    return profile
+
+
+def run_under_ncu(argv: list[str], out_dir: str | Path) -> int:
+    """Run the same `verify-kernels bench` under ncu (NVTX_ENV set: the child marks, it does not re-run
+    itself), its record under OUT/profile; 2 when ncu is missing."""
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        print("verify-kernels bench: --profile-kernels ncu needs Nsight Compute's `ncu` on PATH", file=sys.stderr)
+        return 2
+    prof = Path(out_dir) / "profile"
+    prof.mkdir(parents=True, exist_ok=True)
+    child = _with_out(argv, str(prof))        # keeps --profile-kernels ncu: the child marks its NVTX ranges
+    cmd = [ncu, "--nvtx", "--nvtx-include", f"{RANGE}/", *sum((["--section", s] for s in SECTIONS), []),
+           "-f", "-o", str(prof / "bench"), sys.executable, "-m", "verify.cli", *child]
+    rc = subprocess.run(cmd, env={**os.environ, NVTX_ENV: "1"}).returncode
+    rep = prof / "bench.ncu-rep"
+    if rep.exists():
+        with open(prof / "bench.txt", "w") as f:
+            subprocess.run([ncu, "--import", str(rep), "--page", "details"], stdout=f)
+    return rc
+
+
+def _with_out(argv: list[str], out: str) -> list[str]:
+    res, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--out":
+            skip = True
+            continue
+        if a.startswith("--out="):
+            continue
+        res.append(a)
+    return res + ["--out", out]
