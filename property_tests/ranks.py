@@ -1,9 +1,10 @@
 """One process per rank for the tests that run a split over real torch.distributed ranks: gloo on CPUs,
-NCCL on GPUs (rank r on cuda:r). `spawn_ranks(worker, T, *args)` starts T spawned processes running
-`worker(rank, T, port, queue, *args)`, each sending its result with `put_result(queue, rank, payload)`,
-and returns the payloads in rank order; `init_rank` is the worker's first line. Payloads travel as
+NCCL on GPUs (rank r on cuda:r). `spawn_ranks(worker, T, backend, *args)` starts T spawned processes;
+each joins the default process group on one intra-op thread, runs `worker(rank, T, device, *args)`,
+sends what it returns and leaves the group; the results come back in rank order. They travel as
 torch.save bytes: a tensor sent through the queue itself is a shared-memory handle that fails once its
-process has exited."""
+process has exited. A collective that waits past `timeout_s` raises (a rank that died or took another
+path) instead of hanging."""
 from __future__ import annotations
 
 import io
@@ -19,9 +20,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_rank(rank: int, T: int, port: int, backend: str, timeout_s: float = 300) -> str:
-    """Joins the default process group as `rank` of T on one intra-op thread; returns the rank's device.
-    A collective that waits past timeout_s raises (a rank that died or took another path) instead of hanging."""
+def _rank_main(rank: int, T: int, port: int, queue, backend: str, timeout_s: float, worker, args: tuple) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -33,22 +32,22 @@ def init_rank(rank: int, T: int, port: int, backend: str, timeout_s: float = 300
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
     dist.init_process_group(backend, rank=rank, world_size=T, timeout=timedelta(seconds=timeout_s))
-    return device
+    try:
+        buf = io.BytesIO()
+        torch.save(worker(rank, T, device, *args), buf)
+        queue.put((rank, buf.getvalue()))
+    finally:
+        dist.destroy_process_group()
 
 
-def put_result(queue, rank: int, payload) -> None:
-    buf = io.BytesIO()
-    torch.save(payload, buf)
-    queue.put((rank, buf.getvalue()))
-
-
-def spawn_ranks(worker, T: int, *args, timeout: float = 600) -> list:
+def spawn_ranks(worker, T: int, backend: str, *args, timeout: float = 600, timeout_s: float = 300) -> list:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, T, port, queue, *args)) for r in range(T)]
+    procs = [ctx.Process(target=_rank_main, args=(r, T, port, queue, backend, timeout_s, worker, args))
+             for r in range(T)]
     for p in procs:
         p.start()
     results = sorted((queue.get(timeout=timeout) for _ in range(T)), key=lambda r: r[0])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from property_tests.ranks import init_rank, put_result, spawn_ranks
+from property_tests.ranks import spawn_ranks
 
 KINDS = {"kda": ("conv_state", "recurrent_state"), "mla": ("cache", "block_table", "seq_lens"),
          "dense": ("conv_state", "recurrent_state")}
@@ -28,24 +28,17 @@ def _inputs(kind: str, config: str = "tiny", batch: int = 3, steps: int = 3, see
     return t.pop("x_steps"), t.pop("blocks"), state, t, inputs.params
 
 
-def _rank_worker(rank: int, T: int, port: int, queue, kind: str, backend: str, kernels: str, fold: str,
-                 prefetch: bool = False):
-    import torch.distributed as dist
-
+def _rank_worker(rank: int, T: int, device: str, kind: str, kernels: str, fold: str, prefetch: bool = False):
     import fused.layers_tp as TP
 
-    device = init_rank(rank, T, port, backend)
-    try:
-        x_steps, blocks, state, weights, params = _inputs(kind)
-        move = lambda d: {k: v.to(device) for k, v in d.items()}
-        gather = TP.ProcessGroupGather()
-        if fold == "wd_allreduce":       # the planted bug: a working-dtype all-reduce (NCCL's bf16 sum)
-            gather = _WdAllReduce(gather)
-        out, mine = TP.rank_steps(kind, x_steps.to(device), blocks.to(device), move(state), params["layer_idx"],
-                                  params["config"], move(weights), gather, kernels, prefetch)
-        put_result(queue, rank, (out.cpu(), {n: t.cpu() for n, t in mine.items()}))
-    finally:
-        dist.destroy_process_group()
+    x_steps, blocks, state, weights, params = _inputs(kind)
+    move = lambda d: {k: v.to(device) for k, v in d.items()}
+    gather = TP.ProcessGroupGather()
+    if fold == "wd_allreduce":       # the planted bug: a working-dtype all-reduce (NCCL's bf16 sum)
+        gather = _WdAllReduce(gather)
+    out, mine = TP.rank_steps(kind, x_steps.to(device), blocks.to(device), move(state), params["layer_idx"],
+                              params["config"], move(weights), gather, kernels, prefetch)
+    return out.cpu(), {n: t.cpu() for n, t in mine.items()}
 
 
 class _WdAllReduce:
@@ -68,7 +61,7 @@ class _WdAllReduce:
 def _run_ranks(kind: str, T: int, backend: str = "gloo", kernels: str = "reference", fold: str = "declared",
                prefetch: bool = False):
     """[(rank, output steps, rank state)] in rank order."""
-    return [(r, *payload) for r, payload in enumerate(spawn_ranks(_rank_worker, T, kind, backend, kernels, fold,
+    return [(r, *payload) for r, payload in enumerate(spawn_ranks(_rank_worker, T, backend, kind, kernels, fold,
                                                                    prefetch))]
 
 
@@ -130,7 +123,7 @@ def test_fused_ranks_over_nccl_on_two_gpus(kind):
     assert torch.isfinite(results[0][1]).all()
 
 
-def _k3_timed_rank_worker(rank: int, T: int, port: int, queue, kind: str, out_dir: str):
+def _k3_timed_rank_worker(rank: int, T: int, device: str, kind: str, out_dir: str):
     """Rank `rank` of T over NCCL at K3: the fused step, with and without the L2 prefetch, at B = 1 and 8;
     each step timed eagerly and, where NCCL's collectives capture, as a CUDA-graph replay; one step
     profiled: its kernels counted and its stream overlap written to out_dir (verify/bench/overlap.py)."""
@@ -147,51 +140,47 @@ def _k3_timed_rank_worker(rank: int, T: int, port: int, queue, kind: str, out_di
     from verify.bench.overlap import format_summary, summarize
     from verify.bench.profile import profiled_intervals
 
-    device = init_rank(rank, T, port, "nccl")
     rows = []
-    try:
-        w = make_layer_weights_on(kind, K3, 0, device=device).tensors          # the same draw on every rank
-        for prefetch in (False, True):
-            layer = TP.prepare_rank(kind, w, K3, LAYER[kind], torch.bfloat16, TP.ProcessGroupGather(),
-                                    prefetch=prefetch)
-            for B in (1, 8):
-                st = new_layer_state(kind, K3, B, max_tokens=512)
-                g = torch.Generator(device=device).manual_seed(B)
-                blocks = torch.randn(B, 8, K3.hidden, device=device, generator=g).to(torch.bfloat16)
-                prefix = torch.randn(B, K3.hidden, device=device, generator=g).to(torch.bfloat16)
-                state = TP.shard_state(kind, {n: getattr(st, n).to(device) for n in KINDS[kind]}, K3, T, rank)
-                step = lambda: layer.step(prefix, blocks, *state.values())
-                for _ in range(3):
-                    step()
+    w = make_layer_weights_on(kind, K3, 0, device=device).tensors          # the same draw on every rank
+    for prefetch in (False, True):
+        layer = TP.prepare_rank(kind, w, K3, LAYER[kind], torch.bfloat16, TP.ProcessGroupGather(),
+                                prefetch=prefetch)
+        for B in (1, 8):
+            st = new_layer_state(kind, K3, B, max_tokens=512)
+            g = torch.Generator(device=device).manual_seed(B)
+            blocks = torch.randn(B, 8, K3.hidden, device=device, generator=g).to(torch.bfloat16)
+            prefix = torch.randn(B, K3.hidden, device=device, generator=g).to(torch.bfloat16)
+            state = TP.shard_state(kind, {n: getattr(st, n).to(device) for n in KINDS[kind]}, K3, T, rank)
+            step = lambda: layer.step(prefix, blocks, *state.values())
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            dist.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                step()
+            end.record()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                step()
                 torch.cuda.synchronize()
-                dist.barrier()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(20):
-                    step()
-                end.record()
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    step()
-                    torch.cuda.synchronize()
-                work = profiled_intervals(prof)
-                row = {"prefetch": prefetch, "B": B, "eager_us": start.elapsed_time(end) / 20 * 1e3,
-                       "launches": sum(iv.category == "kernel" for iv in work)}
-                if out_dir:
-                    name = f"k3_{kind}_T{T}_B{B}{'_prefetch' if prefetch else ''}_rank{rank}.overlap.txt"
-                    with open(os.path.join(out_dir, name), "w") as f:
-                        f.write(format_summary(summarize(work)))
-                dist.barrier()
-                try:
-                    row["graph"] = f"{graph_us(step):.1f} us"
-                except Exception as e:            # NCCL collectives that do not capture: say so, keep eager
-                    row["graph"] = f"not captured: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-                torch.cuda.synchronize()
-                dist.barrier()
-                rows.append(row)
-        put_result(queue, rank, rows)
-    finally:
-        dist.destroy_process_group()
+            work = profiled_intervals(prof)
+            row = {"prefetch": prefetch, "B": B, "eager_us": start.elapsed_time(end) / 20 * 1e3,
+                   "launches": sum(iv.category == "kernel" for iv in work)}
+            if out_dir:
+                name = f"k3_{kind}_T{T}_B{B}{'_prefetch' if prefetch else ''}_rank{rank}.overlap.txt"
+                with open(os.path.join(out_dir, name), "w") as f:
+                    f.write(format_summary(summarize(work)))
+            dist.barrier()
+            try:
+                row["graph"] = f"{graph_us(step):.1f} us"
+            except Exception as e:            # NCCL collectives that do not capture: say so, keep eager
+                row["graph"] = f"not captured: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            torch.cuda.synchronize()
+            dist.barrier()
+            rows.append(row)
+    return rows
 
 
 @pytest.mark.multi_gpu(2)
@@ -203,7 +192,7 @@ def test_k3_steps_over_nccl_on_two_gpus_timed(kind):
     import os
 
     out_dir = os.environ.get("OUT", "")
-    ranks = spawn_ranks(_k3_timed_rank_worker, 2, kind, out_dir)
+    ranks = spawn_ranks(_k3_timed_rank_worker, 2, "nccl", kind, out_dir)
     for rank, rows in enumerate(ranks):
         for row in rows:
             print(f"\nK3 {kind} T=2 rank {rank} B={row['B']} prefetch={row['prefetch']}: {row['launches']} launches, "

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from property_tests.harness_case import on_one_thread
-from property_tests.ranks import init_rank, put_result, spawn_ranks
+from property_tests.ranks import spawn_ranks
 from references.mla import mla_decode_attn
 from references.mla_cp import combine_context, context_shards, mla_decode_attn_cp
 from verify.model.case import Case
@@ -131,29 +131,23 @@ class _ReversedRanks:
         return self.real(t).flip(0)
 
 
-def _cp_rank_worker(rank: int, T: int, port: int, queue, backend: str, order: str):
-    import torch.distributed as dist
-
+def _cp_rank_worker(rank: int, T: int, device: str, order: str):
     import fused.mla_decode_attn_cp as cp
     from fused.layers_tp import ProcessGroupGather
 
-    device = init_rank(rank, T, port, backend)
-    try:
-        # gloo: the composition over the reference attention; NCCL: the fused kernel (the default attend)
-        attend, per_rank = (({"attend": _reference_attend}, reference_composed) if backend == "gloo"
-                            else ({}, cp.mla_decode_attn_cp))
-        gather = ProcessGroupGather() if order == "declared" else _ReversedRanks(ProcessGroupGather())
-        got = []
-        for seed in RANK_SEEDS:
-            t, p = _rank_case(seed, device)
-            shards = context_shards(t["cache"], t["block_table"], t["seq_lens"], T)
-            o, lse = cp.attention_over_ranks(gather, *_window_args(t, p, shards[rank]), **attend)
-            # the split the harness simulates: the candidate on every rank's window here, combined in rank order
-            sim = combine_context([per_rank(*_window_args(t, p, shard)) for shard in shards]) if rank == 0 else None
-            got.append(((o.cpu(), lse.cpu()), sim and tuple(x.cpu() for x in sim)))
-        put_result(queue, rank, got)
-    finally:
-        dist.destroy_process_group()
+    # gloo: the composition over the reference attention; NCCL: the fused kernel (the default attend)
+    attend, per_rank = ({"attend": _reference_attend}, reference_composed) if device == "cpu" else \
+        ({}, cp.mla_decode_attn_cp)
+    gather = ProcessGroupGather() if order == "declared" else _ReversedRanks(ProcessGroupGather())
+    got = []
+    for seed in RANK_SEEDS:
+        t, p = _rank_case(seed, device)
+        shards = context_shards(t["cache"], t["block_table"], t["seq_lens"], T)
+        o, lse = cp.attention_over_ranks(gather, *_window_args(t, p, shards[rank]), **attend)
+        # the split the harness simulates: the candidate on every rank's window here, combined in rank order
+        sim = combine_context([per_rank(*_window_args(t, p, shard)) for shard in shards]) if rank == 0 else None
+        got.append(((o.cpu(), lse.cpu()), sim and tuple(x.cpu() for x in sim)))
+    return got
 
 
 def _check_ranks_are_the_simulated_split(ranks: list) -> None:

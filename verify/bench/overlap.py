@@ -76,8 +76,8 @@ def summarize(intervals: list[Interval]) -> dict:
 
 def _concurrent(busy: dict[int, list[tuple[float, float]]]) -> float:
     """Time two or more streams were busy (a sweep over every stream's busy spans)."""
-    edges = sorted([(a, 1) for spans in busy.values() for a, _ in spans] +
-                   [(b, -1) for spans in busy.values() for _, b in spans], key=lambda e: (e[0], e[1]))
+    edges = sorted([(a, 1) for spans in busy.values() for a, _ in spans] +       # an end sorts before a
+                   [(b, -1) for spans in busy.values() for _, b in spans])          # start at the same instant
     total, depth, last = 0.0, 0, None
     for t, d in edges:
         if depth >= 2 and last is not None:
