@@ -591,6 +591,8 @@ def cmd_merge(args) -> int:
 
 def cmd_bench(args) -> int:
     if getattr(args, "spec_decode", None):
+        if getattr(args, "isolate", False):
+            raise UsageError("--isolate: applies to op rows, not to --spec-decode designs")
         from verify.spec_decode.bench import cmd_bench_spec_decode
         return cmd_bench_spec_decode(args)
     from verify.bench.command import cmd_bench as bench

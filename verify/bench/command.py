@@ -49,6 +49,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="time OP at this knob set instead of its declared bench knobs; repeatable, one set each "
                         "(e.g. mla_decode_attn:q_per_seq=6,context=8192: context=N gives every sequence of a paged "
                         "attention op N cached slots)")
+    p.add_argument("--isolate", action="store_true",
+                   help="bench each (op, T, B) in a process of its own (records under OUT/rows/, merged into OUT): "
+                        "no row runs in memory an earlier row left held, and a row that crashes its process is "
+                        "listed with the exit while the next row runs (K3 layer and 896-expert rows)")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="stop starting new shapes after S seconds (shapes run in rounds of one batch size of every "
                         "op, so a cut keeps a spread of batches for each); the rest are listed")
@@ -190,6 +194,10 @@ def cmd_bench(args) -> int:
     argv = list(getattr(args, "argv", None) or sys.argv[1:])
     if args.profile_kernels == "ncu" and not os.environ.get(prof.NVTX_ENV):
         return prof.run_under_ncu(argv, out)
+    if getattr(args, "isolate", False):
+        from verify.bench import isolate
+
+        return isolate.bench_isolated(args, ops, labels, tps, batches, certs, out, argv)
     return _bench(args, ops, labels, tps, batches, certs, out, argv)
 
 
@@ -200,12 +208,11 @@ def _bench(args, ops, labels, tps, batches, certs, out, argv, device: str = "cud
     after every row with the shapes not yet timed listed as pending; bench.txt (the terminal report)
     every few rows and after every round; SIGTERM (what `timeout` sends) stops the run between two
     steps and writes them and bench.html with the rest listed."""
-    import json
     import signal
 
     from rich.console import Console
 
-    from verify.bench import certified, run
+    from verify.bench import run
     from verify.bench import profile as prof
     from verify.bench.timing import GraphClock
     from verify.record.certificate import environment
@@ -215,17 +222,9 @@ def _bench(args, ops, labels, tps, batches, certs, out, argv, device: str = "cud
     torch_settings()
     previous = _on_sigterm(_interrupt)
     try:
-        try:
-            gate = (certified.from_certificates(ops, labels, certs, device) if certs
-                    else certified.by_quick_certification(ops, labels, device, out, log=console.print))
-        except ValueError as e:
-            console.print(f"verify-kernels bench: --certificate: {e}")
-            return EXIT_USAGE
-        except run.Interrupted as e:
-            console.print(f"verify-kernels bench: {e} before any shape was timed (while gating the candidates)")
-            return EXIT_FAIL
-        for x in gate.refused:
-            console.print(f"[bold red]refused[/] {x['op']} / {x['candidate']}: {x['state']}: {x['reason']}")
+        gate = gate_candidates(ops, labels, certs, device, out, console)
+        if isinstance(gate, int):
+            return gate
         plan = run.Plan(ops=[o for o in ops if o.name in gate.applies], candidates=gate.applies,
                         allowed=gate.allowed, tps=tps, batches=batches, device=device, budget_s=args.time_budget,
                         variants=getattr(args, "variants", False))
@@ -254,6 +253,32 @@ def _bench(args, ops, labels, tps, batches, certs, out, argv, device: str = "cud
         rec = saver.save(result, html=True)
     finally:
         _on_sigterm(previous)
+    return finish(console, rec, out, args, gate)
+
+
+def gate_candidates(ops, labels, certs, device, out, console):
+    """The gate (certified.Gate) of the asked candidates: the verdicts of --certificate, else a quick
+    certification written to OUT; each refusal printed. An exit status instead where there is none."""
+    from verify.bench import certified, run
+
+    try:
+        gate = (certified.from_certificates(ops, labels, certs, device) if certs
+                else certified.by_quick_certification(ops, labels, device, out, log=console.print))
+    except ValueError as e:
+        console.print(f"verify-kernels bench: --certificate: {e}")
+        return EXIT_USAGE
+    except run.Interrupted as e:
+        console.print(f"verify-kernels bench: {e} before any shape was timed (while gating the candidates)")
+        return EXIT_FAIL
+    for x in gate.refused:
+        console.print(f"[bold red]refused[/] {x['op']} / {x['candidate']}: {x['state']}: {x['reason']}")
+    return gate
+
+
+def finish(console, rec: dict, out, args, gate) -> int:
+    """The report of a written record, the JSON where asked, and the exit status (module docstring)."""
+    import json
+
     from verify.bench import output
 
     output.print_report(console, rec, out / output.FILE)

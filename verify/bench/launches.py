@@ -105,10 +105,9 @@ def _count_in_graph(fn, warmup: int) -> LaunchCount:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(g):
-        fn()
-    return count_graph(g)
+    from verify.bench.timing import capture_graph
+
+    return count_graph(capture_graph([fn], keep_graph=True))     # a failed capture gives its pool back
 
 
 # ---------------------------------------------------------------------------------------------- profiler

@@ -17,6 +17,12 @@ to MIN_SAMPLES samples of one replay for a long one (a reference composition's e
 calls runs for milliseconds; each of its samples already averages over those calls).
 
 The clock is an argument: `GraphClock` on a CUDA device, a fake one in the CPU tests.
+
+A capture that fails (a launch that reads a value on the host, a CPU fallback) gives its memory pool
+back (`capture_graph`): torch's CUDAGraph releases its private pool only after a capture that ended,
+so without that, everything a failed capture allocated stays reserved for the rest of the process
+(measured: a K3 reference layer's failed captures left tens of GB reserved, and the next rows of the
+run ran out of memory).
 """
 from __future__ import annotations
 
@@ -117,6 +123,47 @@ def time_launches(per_set: Sequence[Launch], clock: Clock, *, min_calls: int = M
                  len(per_set), len(order), method, replays)
 
 
+def capture_graph(calls: Sequence[Launch], keep_graph: bool = False):
+    """The calls captured in a new torch.cuda.CUDAGraph on a memory pool of its own, on the current
+    stream. Where the capture fails, its error propagates after the current stream is put back (a
+    failed capture_end leaves the capture stream current) and, where the capture did not end, after its
+    pool is ended and released: torch releases the pool of a graph only once its capture ended."""
+    import torch
+
+    pool = torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
+    stream = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            for call in calls:
+                call()
+    except BaseException:
+        torch.cuda.set_stream(stream)
+        try:
+            graph.pool()            # raises where the capture did not end: its pool is still ours to give back
+            ended = True
+        except RuntimeError:
+            ended = False
+        del graph
+        if not ended:
+            give_back_pool(pool)
+        raise
+    return graph
+
+
+def give_back_pool(pool) -> None:
+    """End allocation to a failed capture's pool (its capture_end raised before doing so) and release
+    it, so that the allocator frees its blocks once they are unused (the next empty_cache)."""
+    import torch
+
+    device = torch.cuda.current_device()
+    for step in (torch._C._cuda_endAllocateToPool, torch._C._cuda_releasePool):
+        try:
+            step(device, pool)
+        except Exception:  # noqa: BLE001  (a step the failure already did, or a torch without it)
+            pass
+
+
 class GraphClock:
     """CUDA events around CUDA-graph replays. Launches warm up (compile, autotune) on a side stream
     before capture; a sequence that cannot be captured (a host sync, a CPU fallback) is timed as
@@ -125,28 +172,21 @@ class GraphClock:
     def capture(self, calls: Sequence[Launch]) -> tuple[Callable[[], None], str]:
         import torch
 
+        def launch_all():
+            for call in calls:
+                call()
+
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):          # the first call compiles or autotunes; the second runs warm
-                for call in calls:
-                    call()
+                launch_all()
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.current_stream()
         try:
-            with torch.cuda.graph(graph):
-                for call in calls:
-                    call()
+            graph = capture_graph(calls)
         except Exception:  # noqa: BLE001  (not capturable: time it launched from Python)
-            torch.cuda.set_stream(stream)     # a failed capture_end leaves the capture stream current
             torch.cuda.synchronize()
-            del graph
-
-            def launch_all():
-                for call in calls:
-                    call()
             return launch_all, "stream"
         return graph.replay, "graph"
 

@@ -1,0 +1,147 @@
+"""verify-kernels bench --isolate on the CPU: one child per (op, T, B) in round order, the children's
+records merged into one, and a child that dies, a time budget or a SIGTERM losing only what they
+must. Each child here is the bench itself, run in-process on the CPU under a counting clock."""
+from __future__ import annotations
+
+import argparse
+import signal
+
+import pytest
+
+from property_tests.test_bench import ROUNDS, CountingClock, _bench_args, _cli, _dry_gate, _dry_plan
+from verify.bench import command, isolate, output, run, timing
+from verify.ops.registry import get_op
+
+OPS = ("router_topk", "mla_cache_write")
+
+
+def _parse(argv: list[str]):
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="command")
+    command.add_args(sub.add_parser("bench"))
+    return p.parse_args(argv)
+
+
+def _in_process(calls: list, crash: dict | None = None):
+    """A runner: the child's bench on the CPU, in this process; crash[(op, B)] = exit status returned
+    instead of running it (a child that died before writing)."""
+    def runner(argv: list[str]) -> int:
+        args = _parse(argv)
+        calls.append((args.ops, int(args.batch), argv))
+        if crash and (args.ops, int(args.batch)) in crash:
+            return crash[(args.ops, int(args.batch))]
+        ops, labels, tps, batches, certs, out = command._setup(args)
+        return command._bench(args, ops, labels, tps, batches, certs, out, argv,
+                              device="cpu", clock=CountingClock())
+    return runner
+
+
+def _isolated(monkeypatch, tmp_path, runner, **kw):
+    _dry_plan(monkeypatch, OPS)
+    _dry_gate(monkeypatch, OPS)
+    monkeypatch.setattr(timing, "plan_samples", lambda *a, **k: (2, 1))
+    cert = tmp_path / "c.json"
+    cert.write_text("{}")
+    args = _bench_args(candidate="fused", variants=False, peer=[], knobs=[], **kw)
+    return isolate.bench_isolated(args, [get_op(o) for o in OPS], ["fused"], [1], [1, 2, 4], [str(cert)],
+                                  tmp_path / "out", ["bench", "--isolate"], device="cpu", runner=runner)
+
+
+def test_each_op_t_and_b_runs_in_its_own_child_in_round_order_and_the_records_merge(monkeypatch, tmp_path):
+    calls = []
+    rc = _isolated(monkeypatch, tmp_path, _in_process(calls))
+    assert rc == 0
+    assert [(op, b) for op, b, _ in calls] == ROUNDS
+    for op, b, argv in calls:
+        assert argv[:7] == ["bench", "--ops", op, "--tp", "1", "--batch", str(b)]
+        assert argv[argv.index("--certificate") + 1] == str(tmp_path / "c.json")
+    rec = output.load(tmp_path / "out" / output.FILE)
+    assert sorted((r["op"], r["batch"]) for r in rec["rows"]) == sorted(ROUNDS)
+    assert rec["not_reached"] == [] and rec["options"]["isolate"] is True
+    assert all(r["timings"]["fused"]["median_us"] > 0 for r in rec["rows"])
+    assert len(list((tmp_path / "out" / isolate.ROWS_DIR).iterdir())) == len(ROUNDS)
+    assert "### router_topk" in (tmp_path / "out" / "bench.md").read_text()
+
+
+def test_a_child_that_dies_loses_only_its_row(monkeypatch, tmp_path):
+    calls = []
+    rc = _isolated(monkeypatch, tmp_path, _in_process(calls, crash={("mla_cache_write", 4): -signal.SIGSEGV}))
+    assert rc == 1 and len(calls) == len(ROUNDS)
+    rec = output.load(tmp_path / "out" / output.FILE)
+    assert sorted((r["op"], r["batch"]) for r in rec["rows"]) == sorted(x for x in ROUNDS if x != ("mla_cache_write", 4))
+    assert [(d["op"], d["batch"], d["reason"]) for d in rec["not_reached"]] == [
+        ("mla_cache_write", 4, "its process ended (killed by SIGSEGV) before timing it")]
+    assert any("mla_cache_write T=1 B=4: its process ended (killed by SIGSEGV)" in n for n in rec["notes"]["run"])
+
+
+def test_a_time_budget_starts_no_child_past_it(monkeypatch, tmp_path):
+    calls = []
+    rc = _isolated(monkeypatch, tmp_path, _in_process(calls), time_budget=1e-9)
+    assert rc == 1 and calls == []
+    rec = output.load(tmp_path / "out" / output.FILE)
+    assert rec["rows"] == [] and [(d["op"], d["batch"], d["reason"]) for d in rec["not_reached"]] == [
+        (op, b, "time budget") for op, b in ROUNDS]
+
+
+def test_a_sigterm_in_a_child_keeps_the_rows_before_and_lists_the_rest(monkeypatch, tmp_path):
+    calls = []
+    inner = _in_process(calls)
+
+    def runner(argv):
+        if len(calls) == 3:
+            raise run.Interrupted("SIGTERM")
+        return inner(argv)
+    before = signal.getsignal(signal.SIGTERM)
+    rc = _isolated(monkeypatch, tmp_path, runner)
+    assert rc == 1 and signal.getsignal(signal.SIGTERM) == before
+    rec = output.load(tmp_path / "out" / output.FILE)
+    assert sorted((r["op"], r["batch"]) for r in rec["rows"]) == sorted(ROUNDS[:3])
+    assert [(d["op"], d["batch"], d["reason"]) for d in rec["not_reached"]] == [
+        (op, b, "interrupted (Interrupted: SIGTERM)") for op, b in ROUNDS[3:]]
+
+
+def test_a_child_gets_only_its_own_ops_peers_and_knobs():
+    args = argparse.Namespace(candidate="fused", variants=True, profile_kernels="torch",
+                              peer=["router_topk:p=m:f", "moe_experts_mxfp4:q=m:g"],
+                              knobs=["mla_decode_attn:context=8", "router_topk:n_experts=64"])
+    argv = isolate.child_argv(args, "router_topk", 8, 64, ["a.json", "b.json"], "o")
+    assert argv == ["bench", "--ops", "router_topk", "--tp", "8", "--batch", "64", "--candidate", "fused",
+                    "--certificate", "a.json,b.json", "--out", "o", "--peer", "router_topk:p=m:f",
+                    "--knobs", "router_topk:n_experts=64", "--variants", "--profile-kernels", "torch"]
+    assert _parse(argv).ops == "router_topk"
+
+
+def test_groups_follow_the_rounds_and_keep_an_ops_knob_sets_together():
+    op = get_op("mla_decode_attn")
+    gs = isolate.groups([op, get_op("router_topk")], [1, 8], [1, 64])
+    assert [(o.name, t, b) for o, t, b, _ in gs][:2] == [("mla_decode_attn", 1, 1), ("mla_decode_attn", 8, 1)]
+    assert all(len(ss) == max(1, len(op.bench_knobs)) for o, t, b, ss in gs if o is op)
+    assert all(s.batch == b and s.tp == t for o, t, b, ss in gs for s in ss)
+
+
+def test_isolate_with_spec_decode_is_one_line():
+    r = _cli("bench", "--isolate", "--spec-decode", "checkpoints")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "verify-kernels: error: --isolate: applies to op rows, not to --spec-decode designs"]
+
+
+@pytest.mark.parametrize("rc, text", [(-9, "killed by SIGKILL"), (3, "exit status 3"), (-200, "killed by signal 200")])
+def test_exit_text(rc, text):
+    assert isolate.exit_text(rc) == text
+
+
+def test_a_real_child_process_that_exits_is_listed_with_its_status(monkeypatch, tmp_path, capfd):
+    """The spawn itself: without a GPU the child bench exits 2 with its one line, and the parent lists
+    the row's shape with that exit."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    _dry_gate(monkeypatch, OPS)
+    cert = tmp_path / "c.json"
+    cert.write_text("{}")
+    args = _bench_args(candidate="fused", variants=False, peer=[], knobs=[])
+    rc = isolate.bench_isolated(args, [get_op("router_topk")], ["fused"], [1], [1], [str(cert)], tmp_path / "out",
+                                ["bench", "--isolate"], device="cpu")
+    assert rc == 1
+    assert "verify-kernels bench: needs a CUDA device" in capfd.readouterr().err
+    rec = output.load(tmp_path / "out" / output.FILE)
+    assert rec["rows"] == [] and [(d["op"], d["reason"]) for d in rec["not_reached"]] == [
+        ("router_topk", "its process ended (exit status 2) before timing it")]

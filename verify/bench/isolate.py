@@ -1,0 +1,210 @@
+"""`verify-kernels bench --isolate`: each (op, T, B) of the plan benched in a process of its own
+(`verify-kernels bench` asked for that op, T and B, under OUT/rows/), the children's rows merged into
+one record in OUT.
+
+Why: within one process, memory that a row's entries leave behind (captured graphs' private pools,
+segments of the allocator's cache pinned by one live block) is not given back by gc and
+empty_cache, and a K3 layer or 896-expert row needs most of an 80 GB card; measured, the reserved
+memory grew from row to row until later rows ran out of memory. A fresh process per row starts from
+an empty card. A row whose process dies (a segfault, the kernel's OOM killer, a sticky device error)
+loses only that row: its shapes are listed as not timed with the exit, and the next row runs.
+
+The children run in round order (run.rounds: one batch size of every op per round), so a time
+budget, checked before each child, cuts the last rounds of every op alike. A SIGTERM stops the child
+(it writes what it timed), keeps its rows and lists the rest.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+ROWS_DIR = "rows"
+OWN_SIGNAL_S = 2.0        # a child's time to stop on a signal its process group got, before it is sent one
+STOP_WAIT_S = 30.0        # a stopped child's time to write its record before it is killed
+
+
+def groups(ops: list, tps: list[int], batches: list[int]) -> list[tuple[object, int, int, list]]:
+    """(op, T, B, shapes) per child, in round order (run.rounds), each group's shapes those of one
+    op at one T and B (its knob sets)."""
+    from verify.bench import run, shapes
+
+    per_op = [(op, shapes.shapes_for(op, tps, batches)[0]) for op in ops]
+    out: dict[tuple, tuple] = {}
+    for rnd in run.rounds(per_op):
+        for op, s in rnd:
+            key = (op.name, s.tp, s.batch)
+            if key not in out:
+                out[key] = (op, s.tp, s.batch, [])
+            out[key][3].append(s)
+    return list(out.values())
+
+
+def _for_op(specs: list[str], op_name: str) -> list[str]:
+    return [s for s in specs if s.partition(":")[0] == op_name]
+
+
+def child_argv(args, op_name: str, tp: int, batch: int, certs: list[str], out_dir: Path) -> list[str]:
+    """The `verify-kernels bench` arguments of one child: the parent's, narrowed to one op, T and B,
+    with the op's own --peer and --knobs, and no time budget (the parent keeps it)."""
+    argv = ["bench", "--ops", op_name, "--tp", str(tp), "--batch", str(batch), "--candidate", args.candidate,
+            "--certificate", ",".join(certs), "--out", str(out_dir)]
+    for spec in _for_op(list(getattr(args, "peer", None) or []), op_name):
+        argv += ["--peer", spec]
+    for spec in _for_op(list(getattr(args, "knobs", None) or []), op_name):
+        argv += ["--knobs", spec]
+    if getattr(args, "variants", False):
+        argv.append("--variants")
+    if getattr(args, "profile_kernels", None):
+        argv += ["--profile-kernels", args.profile_kernels]
+    return argv
+
+
+def run_child(argv: list[str]) -> int:
+    """`python -m verify.cli ARGV` in a new process, its output on this one's; its exit status (minus
+    the signal that ended it). An Interrupted (SIGTERM to this process) stops it first: OWN_SIGNAL_S
+    for a signal sent to the whole group, then SIGTERM, STOP_WAIT_S to write its record, then SIGKILL."""
+    from verify.bench.run import Interrupted
+
+    child = subprocess.Popen([sys.executable, "-m", "verify.cli", *argv])
+    try:
+        return child.wait()
+    except (Interrupted, KeyboardInterrupt):
+        try:                    # a signal to the process group (`timeout`) reached the child too: let it write
+            child.wait(OWN_SIGNAL_S)
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        raise
+
+
+def _key(d: dict) -> tuple:
+    """A shape's identity in a record (a row or a not_reached entry)."""
+    return d["op"], d["tp"], d["batch"], tuple(sorted(d.get("knobs", {}).items()))
+
+
+def exit_text(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit status {rc}"
+
+
+def bench_isolated(args, ops, labels, tps, batches, certs, out: Path, argv, device: str = "cuda",
+                   runner: Callable[[list[str]], int] = run_child) -> int:
+    """The bench of cmd_bench with one child process per (op, T, B) (`groups`); the same record,
+    report and exit status. runner (argv -> exit status) is a parameter for a CPU run of the plumbing."""
+    from rich.console import Console
+
+    from verify.bench import command
+    from verify.record.certificate import environment
+
+    console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 200)
+    out.mkdir(parents=True, exist_ok=True)
+    previous = command._on_sigterm(command._interrupt)
+    try:
+        gate = command.gate_candidates(ops, labels, certs, device, out, console)
+        if isinstance(gate, int):
+            return gate
+        certs = certs or [str(out / "certificate.json")]
+        options = {"ops": [o.name for o in ops if o.name in gate.applies], "candidates": labels, "tp": tps,
+                   "batch": batches, "certificate": certs, "profile_kernels": args.profile_kernels,
+                   "time_budget": args.time_budget, "variants": getattr(args, "variants", False), "isolate": True}
+        saver = command._Saver(out, environment(device) | command.bench_versions(), argv, options, gate, labels)
+        state = _run_groups(args, ops, gate, tps, batches, certs, out, runner, console,
+                            on_change=lambda st: saver.save(st))
+        command._on_sigterm(signal.SIG_IGN)
+        rec = saver.save(state, text=True, html=True)
+    finally:
+        command._on_sigterm(previous)
+    return command.finish(console, rec, out, args, gate)
+
+
+def _run_groups(args, ops, gate, tps, batches, certs, out, runner, console, on_change) -> dict:
+    """Each group in its child, round by round; the merged state {"rows", "not_reached", "notes"}."""
+    from verify.bench import output, run, shapes as bench_shapes
+
+    rows, not_reached, notes = [], [], {}
+    timed_ops = [o for o in ops if gate.allowed.get(o.name)]
+    for op in ops:
+        if op.name in gate.applies and not gate.allowed.get(op.name):
+            why = "no asked candidate holds a passing verdict for this op (see refused)"
+            rows += [run.untimed_row(op, s, gate.applies.get(op.name, []), why)
+                     for s in bench_shapes.shapes_for(op, tps, batches)[0]]
+    todo = groups(timed_ops, tps, batches)
+    pending = [s.to_dict() | {"reason": "pending"} for g in todo for s in g[3]]
+
+    def state() -> dict:
+        return {"rows": rows, "not_reached": not_reached + pending, "notes": {k: v for k, v in notes.items() if v}}
+
+    def take(child_out: Path, where: str, shapes: list, rc: int | None) -> None:
+        """The child's rows and notes into the state; the group's shapes it did not time listed with
+        its reason, or with the child's exit where it ended abnormally or wrote no reason."""
+        rec = None
+        if (child_out / output.FILE).is_file():
+            try:
+                rec = output.load(child_out / output.FILE)
+            except Exception:  # noqa: BLE001  (a record cut mid-write: the child's exit says what happened)
+                rec = None
+        rec = rec or {}
+        got = {_key(r) for r in rec.get("rows", [])}
+        rows.extend(rec.get("rows", []))
+        for k, v in rec.get("notes", {}).items():
+            mine = notes.setdefault(k, [])
+            mine.extend(n for n in v if n not in mine)
+        theirs = {_key(d): d.get("reason") for d in rec.get("not_reached", [])}
+        abnormal = rc not in (0, 1, None)
+        died = f"its process ended ({exit_text(rc)}) before timing it" if rc is not None else None
+        for s in shapes:
+            d = s.to_dict()
+            if _key(d) in got:
+                continue
+            reason = theirs.get(_key(d))
+            if rc is None:                  # the run stops here: the caller gives the pending its reason
+                reason = reason or "pending"
+            elif abnormal or reason in (None, "pending"):
+                reason = died
+            not_reached.append(d | {"reason": reason})
+        if abnormal:
+            notes.setdefault("run", []).append(f"{where}: its process ended ({exit_text(rc)}); its record: {child_out}")
+
+    start = time.monotonic()
+    try:
+        for i, (op, tp, batch, shapes) in enumerate(todo):
+            del pending[:len(shapes)]
+            if args.time_budget is not None and time.monotonic() - start > args.time_budget:
+                if not any(d["reason"] == "time budget" for d in not_reached):
+                    left = len(shapes) + len(pending)
+                    notes.setdefault("run", []).append(
+                        f"time budget of {args.time_budget:g} s reached after {time.monotonic() - start:.0f} s: "
+                        f"{left} shapes not started")
+                not_reached.extend(s.to_dict() | {"reason": "time budget"} for s in shapes)
+                continue
+            child_out = out / ROWS_DIR / f"{i:03d}-{op.name}-T{tp}-B{batch}"
+            console.print(f"bench --isolate: {op.name} T={tp} B={batch} in its own process ({child_out})")
+            where = f"{op.name} T={tp} B={batch}"
+            try:
+                rc = runner(child_argv(args, op.name, tp, batch, certs, child_out))
+            except BaseException:
+                take(child_out, where, shapes, None)
+                raise
+            take(child_out, where, shapes, rc)
+            on_change(state())
+    except (run.Interrupted, KeyboardInterrupt) as e:
+        why = f"interrupted ({type(e).__name__}{': ' + str(e) if str(e) else ''})"
+        not_reached[:] = [d | {"reason": why} if d["reason"] == "pending" else d for d in not_reached]
+        not_reached.extend(d | {"reason": why} for d in pending)
+        pending.clear()
+        notes.setdefault("run", []).append(f"{why} after {time.monotonic() - start:.0f} s")
+    order = {op.name: i for i, op in enumerate(ops)}
+    rows.sort(key=lambda r: (order.get(r["op"], len(order)), sorted(r["knobs"].items()), r["tp"], r["batch"]))
+    return state()
