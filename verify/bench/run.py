@@ -94,6 +94,34 @@ def count_entry(launch) -> dict:
     return count_launches(launch).to_json()
 
 
+def compiled_launch(op):
+    """torch.compile of the reference as the harness builds it (verify.judge.candidates.compiled_fn:
+    dynamic shapes); where a call of it raises, torch.compile of the reference with static shapes for
+    the rest of the run (one compile per shape), its cause kept in `fn.static_because` for the row's
+    notes. torch 2.11's inductor fails K3 layer steps at B >= 8 under dynamic shapes (a NameError in
+    its generated code), and the speed rule needs a compiled time at every shape. A call that failed
+    may have written part of the op's state before the static call runs: the entry is timed, not judged."""
+    import torch
+
+    from verify.judge.candidates import compiled_fn, reference_fn
+
+    dynamic, static = compiled_fn(op.name), None
+
+    def fn(**kwargs):
+        nonlocal static
+        if static is None:
+            try:
+                return dynamic(**kwargs)
+            except Exception as e:  # noqa: BLE001  (any failure of the dynamic compile: the static one is tried)
+                from verify.judge.calls import one_line
+
+                fn.static_because = one_line(e)
+                static = torch.compile(reference_fn(op), dynamic=False, fullgraph=False)
+        return static(**kwargs)
+    fn.static_because = None
+    return fn
+
+
 def _peer_launch(prepare):
     return lambda s: prepare(s.tensors, s.params)
 
@@ -103,13 +131,15 @@ def entries_for(op, allowed: dict[str, Callable], device: str = "cuda"
     """name -> (input set -> launch) for the baselines, the peers and the allowed candidates; name ->
     error for those that cannot even be resolved here; and name -> prepare of each whole-op peer and
     each candidate's step launch (step_launch_of), the ones checked against the reference (peer_check)."""
-    from verify.judge.candidates import compiled_fn, reference_fn
+    from verify.judge.candidates import reference_fn
     from verify.ops.registry import import_callable
 
     makers, errors, whole = {}, {}, {}
-    for name, resolve in ((EAGER, lambda: reference_fn(op)), (COMPILED, lambda: compiled_fn(op.name))):
+    for name, resolve in ((EAGER, lambda: reference_fn(op)), (COMPILED, lambda: compiled_launch(op))):
         try:
-            makers[name] = _op_launch(resolve(), op)
+            fn = resolve()
+            makers[name] = _op_launch(fn, op)
+            makers[name].fn = fn
         except Exception as e:  # noqa: BLE001
             errors[name] = f"{type(e).__name__}: {e}"[:300]
     for peer in op.peers:
@@ -272,6 +302,9 @@ def bench_shape(op, shape, inputs, makers: dict, errors: dict, candidates: list[
                     count = {"error": _error_line(e)}
                 row.setdefault("launches", {})[name] = count
             _note_failure(failures, name, err)
+            why = getattr(getattr(make, "fn", None), "static_because", None)
+            if why and err is None:
+                row.setdefault("static_compile", {})[name] = why
             launches = None
             _put_back(ints)
             _release(device)
@@ -461,6 +494,9 @@ def bench_all(plan: Plan, clock, on_row: Callable[[dict, dict], None], profile: 
                 pending.insert(0, shape.to_dict() | {"reason": "pending"})
                 raise
             row["seconds"] = round(time.monotonic() - t0, 2)
+            for name, why in row.get("static_compile", {}).items():
+                notes.setdefault(op.name, []).append(
+                    f"{name} at {shape.label}: timed with static shapes (torch.compile with dynamic shapes raised {why})")
             rows.append(row)
             on_row(row, state())
             try:
