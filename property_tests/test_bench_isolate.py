@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from property_tests.test_bench import ROUNDS, CountingClock, _bench_args, _cli, _dry_gate, _dry_plan
-from verify.bench import command, isolate, output, run, timing
+from verify.bench import command, isolate, output, run, shapes, timing
 from verify.ops.registry import get_op
 
 OPS = ("router_topk", "mla_cache_write")
@@ -113,7 +113,7 @@ def test_a_child_gets_only_its_own_ops_peers_and_knobs():
 
 def test_groups_follow_the_rounds_and_keep_an_ops_knob_sets_together():
     op = get_op("mla_decode_attn")
-    gs = isolate.groups([op, get_op("router_topk")], [1, 8], [1, 64])
+    gs = isolate.groups([(o, shapes.shapes_for(o, [1, 8], [1, 64])[0]) for o in (op, get_op("router_topk"))])
     assert [(o.name, t, b) for o, t, b, _ in gs][:2] == [("mla_decode_attn", 1, 1), ("mla_decode_attn", 8, 1)]
     assert all(len(ss) == max(1, len(op.bench_knobs)) for o, t, b, ss in gs if o is op)
     assert all(s.batch == b and s.tp == t for o, t, b, ss in gs for s in ss)

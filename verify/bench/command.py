@@ -225,13 +225,8 @@ def _bench(args, ops, labels, tps, batches, certs, out, argv, device: str = "cud
         gate = gate_candidates(ops, labels, certs, device, out, console)
         if isinstance(gate, int):
             return gate
-        plan = run.Plan(ops=[o for o in ops if o.name in gate.applies], candidates=gate.applies,
-                        allowed=gate.allowed, tps=tps, batches=batches, device=device, budget_s=args.time_budget,
-                        variants=getattr(args, "variants", False))
+        plan, options = plan_and_options(args, ops, gate, labels, tps, batches, certs, device)
         hook = {"torch": prof.torch_profiler(out), "ncu": prof.nvtx_marker()}.get(args.profile_kernels)
-        options = {"ops": [o.name for o in plan.ops], "candidates": labels, "tp": tps, "batch": batches,
-                   "certificate": certs or None, "profile_kernels": args.profile_kernels,
-                   "time_budget": args.time_budget, "variants": getattr(args, "variants", False)}
         saver = _Saver(out, environment(device) | bench_versions(), argv, options, gate, labels)
         from verify.bench import shapes
 
@@ -254,6 +249,19 @@ def _bench(args, ops, labels, tps, batches, certs, out, argv, device: str = "cud
     finally:
         _on_sigterm(previous)
     return finish(console, rec, out, args, gate)
+
+
+def plan_and_options(args, ops, gate, labels, tps, batches, certs, device: str):
+    """The run's plan (the ops the gate applies to, its allowed candidates) and the record's options."""
+    from verify.bench import run
+
+    plan = run.Plan(ops=[o for o in ops if o.name in gate.applies], candidates=gate.applies,
+                    allowed=gate.allowed, tps=tps, batches=batches, device=device, budget_s=args.time_budget,
+                    variants=getattr(args, "variants", False))
+    options = {"ops": [o.name for o in plan.ops], "candidates": labels, "tp": tps, "batch": batches,
+               "certificate": certs or None, "profile_kernels": args.profile_kernels,
+               "time_budget": args.time_budget, "variants": getattr(args, "variants", False)}
+    return plan, options
 
 
 def gate_candidates(ops, labels, certs, device, out, console):

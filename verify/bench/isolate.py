@@ -27,19 +27,15 @@ OWN_SIGNAL_S = 2.0        # a child's time to stop on a signal its process group
 STOP_WAIT_S = 30.0        # a stopped child's time to write its record before it is killed
 
 
-def groups(ops: list, tps: list[int], batches: list[int]) -> list[tuple[object, int, int, list]]:
-    """(op, T, B, shapes) per child, in round order (run.rounds), each group's shapes those of one
-    op at one T and B (its knob sets)."""
-    from verify.bench import run, shapes
+def groups(per_op: list[tuple[object, list]]) -> list[tuple[object, int, int, list]]:
+    """(op, T, B, shapes) per child, in round order (run.rounds over (op, its shapes)), each group's
+    shapes those of one op at one T and B (its knob sets)."""
+    from verify.bench import run
 
-    per_op = [(op, shapes.shapes_for(op, tps, batches)[0]) for op in ops]
     out: dict[tuple, tuple] = {}
     for rnd in run.rounds(per_op):
         for op, s in rnd:
-            key = (op.name, s.tp, s.batch)
-            if key not in out:
-                out[key] = (op, s.tp, s.batch, [])
-            out[key][3].append(s)
+            out.setdefault((op.name, s.tp, s.batch), (op, s.tp, s.batch, []))[3].append(s)
     return list(out.values())
 
 
@@ -115,13 +111,11 @@ def bench_isolated(args, ops, labels, tps, batches, certs, out: Path, argv, devi
         gate = command.gate_candidates(ops, labels, certs, device, out, console)
         if isinstance(gate, int):
             return gate
-        certs = certs or [str(out / "certificate.json")]
-        options = {"ops": [o.name for o in ops if o.name in gate.applies], "candidates": labels, "tp": tps,
-                   "batch": batches, "certificate": certs, "profile_kernels": args.profile_kernels,
-                   "time_budget": args.time_budget, "variants": getattr(args, "variants", False), "isolate": True}
-        saver = command._Saver(out, environment(device) | command.bench_versions(), argv, options, gate, labels)
-        state = _run_groups(args, ops, gate, tps, batches, certs, out, runner, console,
-                            on_change=lambda st: saver.save(st))
+        certs = certs or [str(out / "certificate.json")]      # the quick certification's, for the children
+        plan, options = command.plan_and_options(args, ops, gate, labels, tps, batches, certs, device)
+        saver = command._Saver(out, environment(device) | command.bench_versions(), argv,
+                               options | {"isolate": True}, gate, labels)
+        state = _run_groups(args, plan, certs, out, runner, console, on_change=saver.save)
         command._on_sigterm(signal.SIG_IGN)
         rec = saver.save(state, text=True, html=True)
     finally:
@@ -129,18 +123,23 @@ def bench_isolated(args, ops, labels, tps, batches, certs, out: Path, argv, devi
     return command.finish(console, rec, out, args, gate)
 
 
-def _run_groups(args, ops, gate, tps, batches, certs, out, runner, console, on_change) -> dict:
-    """Each group in its child, round by round; the merged state {"rows", "not_reached", "notes"}."""
-    from verify.bench import output, run, shapes as bench_shapes
+def _child_record(child_out: Path) -> dict:
+    """The child's bench record, or {} where it wrote none or one cut mid-write (its exit says why)."""
+    from verify.bench import output
 
-    rows, not_reached, notes = [], [], {}
-    timed_ops = [o for o in ops if gate.allowed.get(o.name)]
-    for op in ops:
-        if op.name in gate.applies and not gate.allowed.get(op.name):
-            why = "no asked candidate holds a passing verdict for this op (see refused)"
-            rows += [run.untimed_row(op, s, gate.applies.get(op.name, []), why)
-                     for s in bench_shapes.shapes_for(op, tps, batches)[0]]
-    todo = groups(timed_ops, tps, batches)
+    try:
+        return output.load(child_out / output.FILE)
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+def _run_groups(args, plan, certs, out, runner, console, on_change) -> dict:
+    """Each group in its child, round by round; the merged state {"rows", "not_reached", "notes"}."""
+    from verify.bench import run
+
+    per_op, rows, notes = run.plan_shapes(plan)
+    not_reached = []
+    todo = groups(per_op)
     pending = [s.to_dict() | {"reason": "pending"} for g in todo for s in g[3]]
 
     def state() -> dict:
@@ -148,14 +147,9 @@ def _run_groups(args, ops, gate, tps, batches, certs, out, runner, console, on_c
 
     def take(child_out: Path, where: str, shapes: list, rc: int | None) -> None:
         """The child's rows and notes into the state; the group's shapes it did not time listed with
-        its reason, or with the child's exit where it ended abnormally or wrote no reason."""
-        rec = None
-        if (child_out / output.FILE).is_file():
-            try:
-                rec = output.load(child_out / output.FILE)
-            except Exception:  # noqa: BLE001  (a record cut mid-write: the child's exit says what happened)
-                rec = None
-        rec = rec or {}
+        its reason, or with the child's exit where it ended abnormally or wrote no reason (rc None:
+        the run stops here, and the caller gives them its reason)."""
+        rec = _child_record(child_out)
         got = {_key(r) for r in rec.get("rows", [])}
         rows.extend(rec.get("rows", []))
         for k, v in rec.get("notes", {}).items():
@@ -163,16 +157,15 @@ def _run_groups(args, ops, gate, tps, batches, certs, out, runner, console, on_c
             mine.extend(n for n in v if n not in mine)
         theirs = {_key(d): d.get("reason") for d in rec.get("not_reached", [])}
         abnormal = rc not in (0, 1, None)
-        died = f"its process ended ({exit_text(rc)}) before timing it" if rc is not None else None
         for s in shapes:
             d = s.to_dict()
             if _key(d) in got:
                 continue
             reason = theirs.get(_key(d))
-            if rc is None:                  # the run stops here: the caller gives the pending its reason
+            if rc is None:
                 reason = reason or "pending"
             elif abnormal or reason in (None, "pending"):
-                reason = died
+                reason = f"its process ended ({exit_text(rc)}) before timing it"
             not_reached.append(d | {"reason": reason})
         if abnormal:
             notes.setdefault("run", []).append(f"{where}: its process ended ({exit_text(rc)}); its record: {child_out}")
@@ -181,17 +174,11 @@ def _run_groups(args, ops, gate, tps, batches, certs, out, runner, console, on_c
     try:
         for i, (op, tp, batch, shapes) in enumerate(todo):
             del pending[:len(shapes)]
-            if args.time_budget is not None and time.monotonic() - start > args.time_budget:
-                if not any(d["reason"] == "time budget" for d in not_reached):
-                    left = len(shapes) + len(pending)
-                    notes.setdefault("run", []).append(
-                        f"time budget of {args.time_budget:g} s reached after {time.monotonic() - start:.0f} s: "
-                        f"{left} shapes not started")
-                not_reached.extend(s.to_dict() | {"reason": "time budget"} for s in shapes)
+            if run.past_budget(args.time_budget, start, shapes, len(pending), not_reached, notes):
                 continue
             child_out = out / ROWS_DIR / f"{i:03d}-{op.name}-T{tp}-B{batch}"
-            console.print(f"bench --isolate: {op.name} T={tp} B={batch} in its own process ({child_out})")
             where = f"{op.name} T={tp} B={batch}"
+            console.print(f"bench --isolate: {where} in its own process ({child_out})")
             try:
                 rc = runner(child_argv(args, op.name, tp, batch, certs, child_out))
             except BaseException:
@@ -200,11 +187,9 @@ def _run_groups(args, ops, gate, tps, batches, certs, out, runner, console, on_c
             take(child_out, where, shapes, rc)
             on_change(state())
     except (run.Interrupted, KeyboardInterrupt) as e:
-        why = f"interrupted ({type(e).__name__}{': ' + str(e) if str(e) else ''})"
+        why = run.interrupted(e, start, notes)
         not_reached[:] = [d | {"reason": why} if d["reason"] == "pending" else d for d in not_reached]
         not_reached.extend(d | {"reason": why} for d in pending)
         pending.clear()
-        notes.setdefault("run", []).append(f"{why} after {time.monotonic() - start:.0f} s")
-    order = {op.name: i for i, op in enumerate(ops)}
-    rows.sort(key=lambda r: (order.get(r["op"], len(order)), sorted(r["knobs"].items()), r["tp"], r["batch"]))
+    run.sort_rows(rows, plan.ops)
     return state()

@@ -48,7 +48,7 @@ class Plan:
 
 def _op_launch(fn, op=None):
     """input set -> a launch of fn on it; the op's integer state tensors are put back to the set's
-    starting values before each call (a copy on the device, inside the timed launch)."""
+    starting values before each call (a copy on the device, inside the timed launch). `make.fn` is fn."""
     def make(s):
         ints = [] if op is None else _integer_state_names(op, s)
         if not ints:
@@ -60,6 +60,7 @@ def _op_launch(fn, op=None):
                 s.tensors[n].copy_(v)
             return fn(**s.tensors, **s.params)
         return launch
+    make.fn = fn
     return make
 
 
@@ -103,6 +104,7 @@ def compiled_launch(op):
     may have written part of the op's state before the static call runs: the entry is timed, not judged."""
     import torch
 
+    from verify.judge.calls import one_line
     from verify.judge.candidates import compiled_fn, reference_fn
 
     dynamic, static = compiled_fn(op.name), None
@@ -113,8 +115,6 @@ def compiled_launch(op):
             try:
                 return dynamic(**kwargs)
             except Exception as e:  # noqa: BLE001  (any failure of the dynamic compile: the static one is tried)
-                from verify.judge.calls import one_line
-
                 fn.static_because = one_line(e)
                 static = torch.compile(reference_fn(op), dynamic=False, fullgraph=False)
         return static(**kwargs)
@@ -137,9 +137,7 @@ def entries_for(op, allowed: dict[str, Callable], device: str = "cuda"
     makers, errors, whole = {}, {}, {}
     for name, resolve in ((EAGER, lambda: reference_fn(op)), (COMPILED, lambda: compiled_launch(op))):
         try:
-            fn = resolve()
-            makers[name] = _op_launch(fn, op)
-            makers[name].fn = fn
+            makers[name] = _op_launch(resolve(), op)
         except Exception as e:  # noqa: BLE001
             errors[name] = f"{type(e).__name__}: {e}"[:300]
     for peer in op.peers:
@@ -445,16 +443,8 @@ def bench_all(plan: Plan, clock, on_row: Callable[[dict, dict], None], profile: 
     KeyboardInterrupt) ends the run between two steps ("interrupted"); either way the state so far
     is returned."""
     start = time.monotonic()
-    notes = {k: list(v) for k, v in plan.notes.items()}
-    rows, not_reached, per_op = [], [], []
-    for op in plan.ops:
-        op_shapes, op_notes = shapes.shapes_for(op, plan.tps, plan.batches)
-        notes.setdefault(op.name, []).extend(op_notes)
-        if plan.allowed.get(op.name):
-            per_op.append((op, op_shapes))
-        else:
-            why = "no asked candidate holds a passing verdict for this op (see refused)"
-            rows += [untimed_row(op, s, plan.candidates.get(op.name, []), why) for s in op_shapes]
+    per_op, rows, notes = plan_shapes(plan)
+    not_reached = []
     plan_rounds = rounds(per_op)
     todo = [x for r in plan_rounds for x in r]
     pending = [s.to_dict() | {"reason": "pending"} for _, s in todo]
@@ -469,12 +459,7 @@ def bench_all(plan: Plan, clock, on_row: Callable[[dict, dict], None], profile: 
     try:
         for op, shape in todo:
             pending.pop(0)
-            if plan.budget_s is not None and time.monotonic() - start > plan.budget_s:
-                if not any(d["reason"] == "time budget" for d in not_reached):
-                    notes.setdefault("run", []).append(
-                        f"time budget of {plan.budget_s:g} s reached after {time.monotonic() - start:.0f} s: "
-                        f"{len(pending) + 1} shapes not started")
-                not_reached.append(shape.to_dict() | {"reason": "time budget"})
+            if past_budget(plan.budget_s, start, [shape], len(pending), not_reached, notes):
                 continue
             t0 = time.monotonic()
             cands = plan.candidates.get(op.name, [])
@@ -507,13 +492,53 @@ def bench_all(plan: Plan, clock, on_row: Callable[[dict, dict], None], profile: 
             if on_round is not None and id(shape) in round_end:
                 on_round(state())
     except (Interrupted, KeyboardInterrupt) as e:
-        why = f"interrupted ({type(e).__name__}{': ' + str(e) if str(e) else ''})"
+        why = interrupted(e, start, notes)
         not_reached.extend(d | {"reason": why} for d in pending)
         pending.clear()
-        notes.setdefault("run", []).append(f"{why} after {time.monotonic() - start:.0f} s")
-    order = {op.name: i for i, op in enumerate(plan.ops)}
-    rows.sort(key=lambda r: (order[r["op"]], sorted(r["knobs"].items()), r["tp"], r["batch"]))
+    sort_rows(rows, plan.ops)
     return state()
+
+
+def plan_shapes(plan: Plan) -> tuple[list[tuple[object, list]], list[dict], dict[str, list[str]]]:
+    """(op, its shapes) of each op with an allowed candidate; an untimed row per shape of each op
+    without one (no baseline is timed for nothing); the plan's notes with each op's shape notes."""
+    notes = {k: list(v) for k, v in plan.notes.items()}
+    per_op, rows = [], []
+    for op in plan.ops:
+        op_shapes, op_notes = shapes.shapes_for(op, plan.tps, plan.batches)
+        notes.setdefault(op.name, []).extend(op_notes)
+        if plan.allowed.get(op.name):
+            per_op.append((op, op_shapes))
+        else:
+            why = "no asked candidate holds a passing verdict for this op (see refused)"
+            rows += [untimed_row(op, s, plan.candidates.get(op.name, []), why) for s in op_shapes]
+    return per_op, rows, notes
+
+
+def past_budget(budget_s: float | None, start: float, group: list, left: int, not_reached: list,
+                notes: dict) -> bool:
+    """Past the time budget: the group's shapes listed ("time budget") and, the first time, a run note
+    counting them and the `left` shapes after them. False within it."""
+    if budget_s is None or time.monotonic() - start <= budget_s:
+        return False
+    if not any(d["reason"] == "time budget" for d in not_reached):
+        notes.setdefault("run", []).append(f"time budget of {budget_s:g} s reached after "
+                                           f"{time.monotonic() - start:.0f} s: {len(group) + left} shapes not started")
+    not_reached.extend(s.to_dict() | {"reason": "time budget"} for s in group)
+    return True
+
+
+def interrupted(e: BaseException, start: float, notes: dict) -> str:
+    """The reason of the shapes a stop left untimed; the run note saying when."""
+    why = f"interrupted ({type(e).__name__}{': ' + str(e) if str(e) else ''})"
+    notes.setdefault("run", []).append(f"{why} after {time.monotonic() - start:.0f} s")
+    return why
+
+
+def sort_rows(rows: list[dict], ops: list) -> None:
+    """Rows in the plan's op order, then knobs, T and B (in place)."""
+    order = {op.name: i for i, op in enumerate(ops)}
+    rows.sort(key=lambda r: (order.get(r["op"], len(order)), sorted(r["knobs"].items()), r["tp"], r["batch"]))
 
 
 def _free(device: str) -> None:
