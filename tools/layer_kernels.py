@@ -5,9 +5,11 @@ with its device time, beside the step's CUDA-graph replay time and the sum of it
 
 One rank's step at T > 1 gathers with CopiesGather (the rank's own partials in every slot: its
 compute and its folds, no transfer), as test_fused_layers_tp's K3 rank step. Kernel times are
-torch.profiler's (CUPTI) over `--steps` eager steps after a warm-up, the median per launch position;
-the replay time is CUDA events over graph replays. replay - sum(kernels) is what the launches cost
-beyond their kernels (ramp, tail, dependency waits): the room a fewer-launch step could win.
+torch.profiler's (CUPTI) over `--steps` replays of the step captured in a CUDA graph, the median
+start and duration per position, with the stream each ran on; the replay time is CUDA events over
+graph replays. Each side stream (the shared experts', l2_prefetch's with --prefetch) is summed up as
+its busy time and the part of it that ran beside the main stream: the overlap the side streams buy.
+Weights are not rotated past L2 here (the bench's times are the record; these show the split).
 """
 import argparse
 import json
@@ -23,7 +25,7 @@ STATE = {"kda": ("conv_state", "recurrent_state"), "mla": ("cache", "block_table
 LAYER = {"kda": 12, "mla": 15}
 
 
-def step_fn(kind: str, T: int, B: int, weights: dict):
+def step_fn(kind: str, T: int, B: int, weights: dict, prefetch: bool = False):
     """(the step as a no-argument callable, the prepared layer) at K3 shapes, rank 0 of T."""
     import fused.layers as FL
     import fused.layers_tp as TP
@@ -33,7 +35,8 @@ def step_fn(kind: str, T: int, B: int, weights: dict):
     if T == 1:
         layer = FL.prepare(kind, weights, K3, LAYER[kind], torch.bfloat16)
     else:
-        layer = TP.prepare_rank(kind, weights, K3, LAYER[kind], torch.bfloat16, TP.CopiesGather(T))
+        layer = TP.prepare_rank(kind, weights, K3, LAYER[kind], torch.bfloat16, TP.CopiesGather(T),
+                                prefetch=prefetch)
     st = new_layer_state(kind, K3, B, max_tokens=512)
     state = {n: getattr(st, n).cuda() for n in STATE[kind]}
     if T > 1:
@@ -44,25 +47,70 @@ def step_fn(kind: str, T: int, B: int, weights: dict):
     return (lambda: layer.step(prefix, blocks, *state.values())), layer
 
 
-def kernel_times(fn, steps: int) -> list[tuple[str, float]]:
-    """(name, median us) per launch position of one step, over `steps` profiled eager steps."""
+def replay_trace(fn, replays: int) -> list[list[dict]]:
+    """The kernels and copies of `replays` CUDA-graph replays of fn, from torch.profiler's trace:
+    per replay, [{name, stream, start, dur}] in start order (us, start from the replay's first)."""
+    import os
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
     torch.cuda.synchronize()
-    per_step = []
-    for _ in range(steps):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
             torch.cuda.synchronize()
-        evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
-        per_step.append([(e.name, e.time_range.elapsed_us()) for e in evs])
-    n = min(len(s) for s in per_step)
-    return [(per_step[0][i][0], statistics.median(s[i][1] for s in per_step)) for i in range(n)]
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        events = json.loads(Path(path).read_text())["traceEvents"]
+    finally:
+        os.unlink(path)
+    ops = sorted(({"name": e["name"], "stream": e.get("args", {}).get("stream", e.get("tid")),
+                   "start": float(e["ts"]), "dur": float(e["dur"])}
+                  for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda e: e["start"])
+    per = len(ops) // replays
+    out = []
+    for r in range(replays):
+        part = ops[r * per:(r + 1) * per]
+        t0 = part[0]["start"]
+        out.append([dict(e, start=e["start"] - t0) for e in part])
+    return out
+
+
+def kernel_times(fn, replays: int) -> list[dict]:
+    """One replay's ops with each op's median start and duration over the replays."""
+    runs = replay_trace(fn, replays)
+    return [dict(runs[0][i], start=statistics.median(r[i]["start"] for r in runs),
+                 dur=statistics.median(r[i]["dur"] for r in runs)) for i in range(len(runs[0]))]
+
+
+def overlap(ops: list[dict]) -> dict:
+    """Per stream other than the step's main one (the stream of the first op): its busy time and how
+    much of it ran while the main stream was busy."""
+    main = ops[0]["stream"]
+    busy = [(e["start"], e["start"] + e["dur"]) for e in ops if e["stream"] == main]
+    out = {}
+    for e in ops:
+        if e["stream"] == main:
+            continue
+        a, b = e["start"], e["start"] + e["dur"]
+        shared = sum(max(0.0, min(b, y) - max(a, x)) for x, y in busy)
+        s = out.setdefault(str(e["stream"]), {"kernels": 0, "busy_us": 0.0, "overlapped_us": 0.0})
+        s["kernels"] += 1
+        s["busy_us"] += e["dur"]
+        s["overlapped_us"] += shared
+    return out
 
 
 def graph_us(fn, replays: int = 50) -> float:
+    """us per CUDA-graph replay of fn (CUDA events over `replays` replays)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
@@ -81,7 +129,8 @@ def main() -> None:
     ap.add_argument("--kinds", default="kda,mla")
     ap.add_argument("--tp", default="1,8")
     ap.add_argument("--batch", default="1")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=5, help="graph replays profiled")
+    ap.add_argument("--prefetch", action="store_true", help="at T > 1 also the step with l2_prefetch")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
     from references.config import K3
@@ -92,18 +141,24 @@ def main() -> None:
         w = make_layer_weights_on(kind, K3, 0, device="cuda").tensors
         for T in (int(t) for t in args.tp.split(",")):
             for B in (int(b) for b in args.batch.split(",")):
-                fn, layer = step_fn(kind, T, B, w)
-                kernels = kernel_times(fn, args.steps)
-                replay = graph_us(fn)
-                total = sum(us for _, us in kernels)
-                print(f"\n{kind} T={T} B={B}: {len(kernels)} device ops, kernels {total:.1f} us, "
-                      f"graph replay {replay:.1f} us, replay - kernels {replay - total:.1f} us; "
-                      f"unfused {sorted(layer.unfused)}")
-                for i, (name, us) in enumerate(kernels):
-                    print(f"  {i:2d} {us:8.1f}  {name[:110]}")
-                rows.append({"kind": kind, "T": T, "B": B, "replay_us": replay, "kernels_us": total,
-                             "kernels": kernels, "unfused": dict(layer.unfused)})
-                del fn, layer
+                for prefetch in ((False, True) if T > 1 and args.prefetch else (False,)):
+                    fn, layer = step_fn(kind, T, B, w, prefetch)
+                    fn()
+                    torch.cuda.synchronize()
+                    ops = kernel_times(fn, args.steps)
+                    replay = graph_us(fn)
+                    total = sum(e["dur"] for e in ops)
+                    lap = overlap(ops)
+                    print(f"\n{kind} T={T} B={B}{' +l2_prefetch' if prefetch else ''}: {len(ops)} device ops, "
+                          f"their sum {total:.1f} us, graph replay {replay:.1f} us; unfused {sorted(layer.unfused)}")
+                    for s, v in lap.items():
+                        print(f"  side stream {s}: {v['kernels']} kernels, {v['busy_us']:.1f} us busy, "
+                              f"{v['overlapped_us']:.1f} us of it beside the main stream")
+                    for i, e in enumerate(ops):
+                        print(f"  {i:2d} s{e['stream']} {e['start']:8.1f} {e['dur']:7.1f}  {e['name'][:100]}")
+                    rows.append({"kind": kind, "T": T, "B": B, "prefetch": prefetch, "replay_us": replay,
+                                 "ops_us": total, "ops": ops, "overlap": lap, "unfused": dict(layer.unfused)})
+                    del fn, layer
                 torch.cuda.empty_cache()
         del w
         torch.cuda.empty_cache()
