@@ -991,3 +991,18 @@ def test_stream_overlap_reads_a_torch_profile():
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         torch.ones(8) @ torch.ones(8)
     assert stream_overlap(prof).startswith("span 0.0 us; two or more streams busy 0.0 us")
+
+
+def test_peer_check_says_how_many_rows_differ_and_how_close_the_rest_are():
+    """A layer step whose router chose another top-k for a few tokens differs in those rows only: the
+    note counts them (rows along the last dim, every leading dim flattened) and bounds the rest."""
+    from verify.bench import peer_check
+
+    ref = torch.randn(1, 64, 32, generator=torch.Generator().manual_seed(0))
+    peer = ref.clone()
+    peer[0, [5, 40]] += 1.0
+    note = peer_check.compare(ref, peer)
+    assert note.startswith("DIFFERS") and " in 2 of 64 rows (the others <= 0)" in note, note
+    everywhere = peer_check.compare(ref, -ref)
+    assert " in 64 of 64 rows" in everywhere and "others" not in everywhere, everywhere
+    assert "rows" not in peer_check.compare(ref, ref * 1.001)

@@ -3,7 +3,10 @@ means nothing, and peers are not certified: each row runs the peer and the refer
 its first input set and says how far apart their outputs are. Integer outputs (ids) must match as sets
 per row; float outputs are compared positionally, or sorted per row when the op returns ids (their
 order follows the ids). The result is a note in the row, not a verdict: another library rounds and
-breaks ties its own way."""
+breaks ties its own way. A float output that differs says in how many of its rows (along the last dim) and
+how close the other rows are: a few whole rows apart with the rest close is the mark of a near-tie
+choice (a layer's router picking another top-k inside its tie band, which certification judges
+tie-aware; tools/diag_layer_rows.py tells it from a wrong row), every row apart that of another op."""
 from __future__ import annotations
 
 REL_TOL = 0.05
@@ -38,7 +41,7 @@ def compare(ref_out, peer_out) -> str:
         return (f"DIFFERS: outputs {[tuple(t.shape) for t in peer]} against the reference's "
                 f"{[tuple(t.shape) for t in ref]}")
     has_ids = any(not t.is_floating_point() for t in ref)
-    worst = 0.0
+    worst, rows = 0.0, ""
     for a, b in zip(ref, peer):
         if not a.is_floating_point():
             if not torch.equal(a.sort(-1).values, b.to(a.dtype).sort(-1).values):
@@ -49,8 +52,21 @@ def compare(ref_out, peer_out) -> str:
         if has_ids:
             a, b = a.sort(-1).values, b.sort(-1).values
         scale = a.abs().max().clamp_min(1e-30)
-        worst = max(worst, float(((a - b).abs().max() / scale).nan_to_num(nan=float("inf"))))
-    return ("ok" if worst <= REL_TOL else "DIFFERS") + f": max |peer - reference| / max |reference| = {worst:.2g}" + left
+        rel = ((a - b).abs() / scale).nan_to_num(nan=float("inf"))
+        this = float(rel.max()) if rel.numel() else 0.0
+        if this > REL_TOL and this > worst and a.dim() >= 2:
+            rows = _rows_apart(rel.flatten(0, -2).amax(-1))
+        worst = max(worst, this)
+    return ("ok" if worst <= REL_TOL else "DIFFERS") + f": max |peer - reference| / max |reference| = {worst:.2g}" + (
+        rows if worst > REL_TOL else "") + left
+
+
+def _rows_apart(per_row) -> str:
+    """' in n of N rows (the others <= x)' from each row's largest relative difference."""
+    apart = per_row > REL_TOL
+    n, total = int(apart.sum()), per_row.numel()
+    rest = per_row[~apart]
+    return f" in {n} of {total} rows" + (f" (the others <= {float(rest.max()):.2g})" if rest.numel() else "")
 
 
 def check(op, inputs, reference, prepare) -> str:
