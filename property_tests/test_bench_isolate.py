@@ -145,3 +145,47 @@ def test_a_real_child_process_that_exits_is_listed_with_its_status(monkeypatch, 
     rec = output.load(tmp_path / "out" / output.FILE)
     assert rec["rows"] == [] and [(d["op"], d["reason"]) for d in rec["not_reached"]] == [
         ("router_topk", "its process ended (exit status 2) before timing it")]
+
+
+def test_an_entry_failing_the_same_way_in_two_children_is_not_tried_in_the_next(monkeypatch, tmp_path):
+    """The children share the failure counts, as the shapes of one process do: a compile that fails
+    the same way at two rows of an op costs no third compile; another op keeps its own count."""
+    import os
+
+    tried = []
+
+    def entries(op, allowed_fns, device="cuda"):
+        def broken(s):
+            tried.append(op.name)
+            raise RuntimeError("inductor: the compile failed")
+        return {"compiled": broken, "fused": lambda s: (lambda: None)}, {}, {}
+
+    _dry_plan(monkeypatch, OPS)
+    _dry_gate(monkeypatch, OPS)
+    monkeypatch.setattr(run, "entries_for", entries)
+    monkeypatch.setattr(timing, "plan_samples", lambda *a, **k: (2, 1))
+    monkeypatch.delenv(isolate.FAILURES_ENV, raising=False)
+    cert = tmp_path / "c.json"
+    cert.write_text("{}")
+    args = _bench_args(candidate="fused", variants=False, peer=[], knobs=[])
+    calls = []
+    rc = isolate.bench_isolated(args, [get_op(o) for o in OPS], ["fused"], [1], [1, 2, 4], [str(cert)],
+                                tmp_path / "out", ["bench", "--isolate"], device="cpu", runner=_in_process(calls))
+    assert rc == 0
+    assert sorted(tried) == sorted(OPS * run.GIVE_UP_AFTER)
+    rec = output.load(tmp_path / "out" / output.FILE)
+    for op in OPS:
+        by_b = {r["batch"]: r["errors"]["compiled"] for r in rec["rows"] if r["op"] == op}
+        assert by_b[1].startswith("RuntimeError: inductor") and by_b[4] == by_b[1], by_b
+        assert by_b[2].startswith("not tried: the same error at the 2 shapes before: RuntimeError"), by_b
+        assert all("fused" in r["timings"] for r in rec["rows"] if r["op"] == op)
+    assert isolate.FAILURES_ENV not in os.environ
+
+
+def test_a_child_reads_no_failures_from_a_missing_or_broken_handover(monkeypatch):
+    monkeypatch.delenv(isolate.FAILURES_ENV, raising=False)
+    assert isolate.inherited_failures() == {}
+    monkeypatch.setenv(isolate.FAILURES_ENV, "{not json")
+    assert isolate.inherited_failures() == {}
+    monkeypatch.setenv(isolate.FAILURES_ENV, '{"router_topk": {"compiled": ["E", 2]}}')
+    assert isolate.inherited_failures() == {"router_topk": {"compiled": ["E", 2]}}

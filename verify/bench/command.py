@@ -255,9 +255,11 @@ def plan_and_options(args, ops, gate, labels, tps, batches, certs, device: str):
     """The run's plan (the ops the gate applies to, its allowed candidates) and the record's options."""
     from verify.bench import run
 
+    from verify.bench.isolate import inherited_failures
+
     plan = run.Plan(ops=[o for o in ops if o.name in gate.applies], candidates=gate.applies,
                     allowed=gate.allowed, tps=tps, batches=batches, device=device, budget_s=args.time_budget,
-                    variants=getattr(args, "variants", False))
+                    variants=getattr(args, "variants", False), failures=inherited_failures())
     options = {"ops": [o.name for o in plan.ops], "candidates": labels, "tp": tps, "batch": batches,
                "certificate": certs or None, "profile_kernels": args.profile_kernels,
                "time_budget": args.time_budget, "variants": getattr(args, "variants", False)}

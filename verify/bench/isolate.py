@@ -12,9 +12,16 @@ loses only that row: its shapes are listed as not timed with the exit, and the n
 The children run in round order (run.rounds: one batch size of every op per round), so a time
 budget, checked before each child, cuts the last rounds of every op alike. A SIGTERM stops the child
 (it writes what it timed), keeps its rows and lists the rest.
+
+An entry that failed with the same error at run.GIVE_UP_AFTER shapes in a row is not tried again, as
+in one process: each child is handed the failure counts of the rows before it (the JSON of
+{op: {entry: [error, shapes]}} in the FAILURES_ENV environment variable), so a compile that fails
+costs its compile time at two rows, not at every row.
 """
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -23,8 +30,21 @@ from pathlib import Path
 from typing import Callable
 
 ROWS_DIR = "rows"
+FAILURES_ENV = "VERIFY_BENCH_FAILURES"
 OWN_SIGNAL_S = 2.0        # a child's time to stop on a signal its process group got, before it is sent one
 STOP_WAIT_S = 30.0        # a stopped child's time to write its record before it is killed
+
+
+def inherited_failures() -> dict:
+    """The failure counts a parent `bench --isolate` handed this process (FAILURES_ENV), or {}."""
+    text = os.environ.get(FAILURES_ENV)
+    if not text:
+        return {}
+    try:
+        got = json.loads(text)
+    except ValueError:
+        return {}
+    return got if isinstance(got, dict) else {}
 
 
 def groups(per_op: list[tuple[object, list]]) -> list[tuple[object, int, int, list]]:
@@ -139,6 +159,7 @@ def _run_groups(args, plan, certs, out, runner, console, on_change) -> dict:
 
     per_op, rows, notes = run.plan_shapes(plan)
     not_reached = []
+    failures: dict[str, dict] = {}
     todo = groups(per_op)
     pending = [s.to_dict() | {"reason": "pending"} for g in todo for s in g[3]]
 
@@ -152,6 +173,8 @@ def _run_groups(args, plan, certs, out, runner, console, on_change) -> dict:
         rec = _child_record(child_out)
         got = {_key(r) for r in rec.get("rows", [])}
         rows.extend(rec.get("rows", []))
+        for r in rec.get("rows", []):
+            run.note_row_failures(failures.setdefault(r["op"], {}), r)
         for k, v in rec.get("notes", {}).items():
             mine = notes.setdefault(k, [])
             mine.extend(n for n in v if n not in mine)
@@ -171,6 +194,7 @@ def _run_groups(args, plan, certs, out, runner, console, on_change) -> dict:
             notes.setdefault("run", []).append(f"{where}: its process ended ({exit_text(rc)}); its record: {child_out}")
 
     start = time.monotonic()
+    before = os.environ.get(FAILURES_ENV)
     try:
         for i, (op, tp, batch, shapes) in enumerate(todo):
             del pending[:len(shapes)]
@@ -179,6 +203,7 @@ def _run_groups(args, plan, certs, out, runner, console, on_change) -> dict:
             child_out = out / ROWS_DIR / f"{i:03d}-{op.name}-T{tp}-B{batch}"
             where = f"{op.name} T={tp} B={batch}"
             console.print(f"bench --isolate: {where} in its own process ({child_out})")
+            os.environ[FAILURES_ENV] = json.dumps({op.name: failures.get(op.name, {})})
             try:
                 rc = runner(child_argv(args, op.name, tp, batch, certs, child_out))
             except BaseException:
@@ -191,5 +216,10 @@ def _run_groups(args, plan, certs, out, runner, console, on_change) -> dict:
         not_reached[:] = [d | {"reason": why} if d["reason"] == "pending" else d for d in not_reached]
         not_reached.extend(d | {"reason": why} for d in pending)
         pending.clear()
+    finally:
+        if before is None:
+            os.environ.pop(FAILURES_ENV, None)
+        else:
+            os.environ[FAILURES_ENV] = before
     run.sort_rows(rows, plan.ops)
     return state()

@@ -44,6 +44,7 @@ class Plan:
     notes: dict[str, list[str]] = field(default_factory=dict)
     variants: bool = False                      # also time each candidate's declared launch variants
     counter: Callable | None = None             # launch -> launches record (count_entry when None)
+    failures: dict[str, dict] = field(default_factory=dict)   # op -> entry -> [error, shapes in a row] so far
 
 
 def _op_launch(fn, op=None):
@@ -241,11 +242,23 @@ def _given_up(failures: dict, name: str) -> str | None:
 
 def _note_failure(failures: dict, name: str, err: str | None) -> None:
     """Count consecutive identical errors per entry (a success or another error restarts the count)."""
+    if err is not None and err.startswith("not tried:"):
+        return                                  # a skip repeats no error: the count stays the error's
     if err is None:
         failures.pop(name, None)
         return
     prev = failures.get(name)
     failures[name] = [err, prev[1] + 1 if prev and prev[0] == err else 1]
+
+
+def note_row_failures(failures: dict, row: dict) -> None:
+    """The failure counts of one op carried past a row timed elsewhere (a `bench --isolate` child):
+    each timed entry restarts its count, each entry's error counts as it would have here."""
+    for name in row.get("timings", {}):
+        _note_failure(failures, name, None)
+    for name, err in row.get("errors", {}).items():
+        if name != "inputs" and not name.startswith(f"{FLOOR}:"):
+            _note_failure(failures, name, err)
 
 
 def bench_shape(op, shape, inputs, makers: dict, errors: dict, candidates: list[str], clock, device: str,
@@ -465,7 +478,8 @@ def bench_all(plan: Plan, clock, on_row: Callable[[dict, dict], None], profile: 
             cands = plan.candidates.get(op.name, [])
             try:
                 if op.name not in entries:
-                    entries[op.name] = (*entries_for(op, plan.allowed[op.name], plan.device), {})
+                    entries[op.name] = (*entries_for(op, plan.allowed[op.name], plan.device),
+                                        {k: list(v) for k, v in plan.failures.get(op.name, {}).items()})
                 makers, errors, checks, failures = entries[op.name]
                 inputs = cache.inputs(op, shape, largest[op.name])
                 row = bench_shape(op, shape, inputs, makers, errors, cands, clock, plan.device, profile,
