@@ -7,8 +7,8 @@ One rank's step at T > 1 gathers with CopiesGather (the rank's own partials in e
 compute and its folds, no transfer), as test_fused_layers_tp's K3 rank step. Kernel times are
 torch.profiler's (CUPTI) over `--steps` replays of the step captured in a CUDA graph, the median
 start and duration per position, with the stream each ran on; the replay time is CUDA events over
-graph replays. Each side stream (the shared experts', l2_prefetch's with --prefetch) is summed up as
-its busy time and the part of it that ran beside the main stream: the overlap the side streams buy.
+graph replays. The streams' overlap (verify.bench.overlap: each stream's busy time, the time two or
+more were busy) shows what the fork to the shared experts' branch and l2_prefetch's (--prefetch) buy.
 Weights are not rotated past L2 here (the bench's times are the record; these show the split).
 """
 import argparse
@@ -48,12 +48,11 @@ def step_fn(kind: str, T: int, B: int, weights: dict, prefetch: bool = False):
 
 
 def replay_trace(fn, replays: int) -> list[list[dict]]:
-    """The kernels and copies of `replays` CUDA-graph replays of fn, from torch.profiler's trace:
-    per replay, [{name, stream, start, dur}] in start order (us, start from the replay's first)."""
-    import os
-    import tempfile
-
+    """The device work of `replays` CUDA-graph replays of fn (verify.bench.profile.profiled_intervals):
+    per replay, [{name, stream, start, dur}] in start order (us from the replay's first op)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from verify.bench.profile import profiled_intervals
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -64,24 +63,10 @@ def replay_trace(fn, replays: int) -> list[list[dict]]:
         for _ in range(replays):
             graph.replay()
             torch.cuda.synchronize()
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        events = json.loads(Path(path).read_text())["traceEvents"]
-    finally:
-        os.unlink(path)
-    ops = sorted(({"name": e["name"], "stream": e.get("args", {}).get("stream", e.get("tid")),
-                   "start": float(e["ts"]), "dur": float(e["dur"])}
-                  for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                 key=lambda e: e["start"])
+    ops = profiled_intervals(prof)
     per = len(ops) // replays
-    out = []
-    for r in range(replays):
-        part = ops[r * per:(r + 1) * per]
-        t0 = part[0]["start"]
-        out.append([dict(e, start=e["start"] - t0) for e in part])
-    return out
+    return [[{"name": iv.name, "stream": iv.stream, "start": iv.start - part[0].start, "dur": iv.end - iv.start}
+             for iv in part] for part in (ops[r * per:(r + 1) * per] for r in range(replays))]
 
 
 def kernel_times(fn, replays: int) -> list[dict]:
@@ -92,21 +77,11 @@ def kernel_times(fn, replays: int) -> list[dict]:
 
 
 def overlap(ops: list[dict]) -> dict:
-    """Per stream other than the step's main one (the stream of the first op): its busy time and how
-    much of it ran while the main stream was busy."""
-    main = ops[0]["stream"]
-    busy = [(e["start"], e["start"] + e["dur"]) for e in ops if e["stream"] == main]
-    out = {}
-    for e in ops:
-        if e["stream"] == main:
-            continue
-        a, b = e["start"], e["start"] + e["dur"]
-        shared = sum(max(0.0, min(b, y) - max(a, x)) for x, y in busy)
-        s = out.setdefault(str(e["stream"]), {"kernels": 0, "busy_us": 0.0, "overlapped_us": 0.0})
-        s["kernels"] += 1
-        s["busy_us"] += e["dur"]
-        s["overlapped_us"] += shared
-    return out
+    """verify.bench.overlap's summary of one (median) replay: each stream's busy time, the time two or
+    more streams were busy, each kernel's time another stream's work covered."""
+    from verify.bench.overlap import Interval, summarize
+
+    return summarize([Interval(e["name"], e["stream"], e["start"], e["start"] + e["dur"]) for e in ops])
 
 
 def graph_us(fn, replays: int = 50) -> float:
@@ -151,9 +126,8 @@ def main() -> None:
                     lap = overlap(ops)
                     print(f"\n{kind} T={T} B={B}{' +l2_prefetch' if prefetch else ''}: {len(ops)} device ops, "
                           f"their sum {total:.1f} us, graph replay {replay:.1f} us; unfused {sorted(layer.unfused)}")
-                    for s, v in lap.items():
-                        print(f"  side stream {s}: {v['kernels']} kernels, {v['busy_us']:.1f} us busy, "
-                              f"{v['overlapped_us']:.1f} us of it beside the main stream")
+                    print(f"  two or more streams busy {lap['concurrent_us']:.1f} us; busy per stream: "
+                          + ", ".join(f"{st} {us:.1f} us" for st, us in lap["streams"].items()))
                     for i, e in enumerate(ops):
                         print(f"  {i:2d} s{e['stream']} {e['start']:8.1f} {e['dur']:7.1f}  {e['name'][:100]}")
                     rows.append({"kind": kind, "T": T, "B": B, "prefetch": prefetch, "replay_us": replay,
