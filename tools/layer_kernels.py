@@ -84,21 +84,6 @@ def overlap(ops: list[dict]) -> dict:
     return summarize([Interval(e["name"], e["stream"], e["start"], e["start"] + e["dur"]) for e in ops])
 
 
-def graph_us(fn, replays: int = 50) -> float:
-    """us per CUDA-graph replay of fn (CUDA events over `replays` replays)."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays * 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", default="kda,mla")
@@ -108,6 +93,7 @@ def main() -> None:
     ap.add_argument("--prefetch", action="store_true", help="at T > 1 also the step with l2_prefetch")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
+    from property_tests.gpu_timing import graph_us
     from references.config import K3
     from stock.weights import make_layer_weights_on
 
