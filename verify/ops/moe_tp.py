@@ -64,7 +64,7 @@ OPS = [
         split=replicated_split(FOLD_ORDER, order_sensitive=True),
         dists=GENERIC_DISTS + EDGE_DISTS + ("order_sensitive",),
         knob_sweep=({"partials": 1}, {"partials": MAX_PARTIALS}),
-        moved_bytes=allreduce_latent_norm_up_bytes,
+        fused="fused.allreduce_latent_norm_up:allreduce_latent_norm_up", moved_bytes=allreduce_latent_norm_up_bytes,
         bench_knobs=({"partials": 8}, {"partials": 16}),
         notes="Replicated over TP: every rank folds the same gathered partials (the MoE's [T, B, L + D] "
               "all-gather, its two column halves) and must give the same bits. y_parts and shared_parts have "
