@@ -30,6 +30,7 @@ row): their rank and row strides are dynamic, the column stride 1. One compile p
 import torch
 
 from fused import runtime
+from fused.allreduce_fold import _loadable        # a gathered row's column half read in place where it can be
 from fused.kda_decode import KdaDecode                # its transpose_sum: the warp's many-value reduce
 from fused.latent_norm_up import VEC, WARPS, NormUpConfig, all_configs, default_config
 from references.primitives import check_tensor
@@ -241,14 +242,6 @@ def _check(prefix, y_parts, shared_parts, norm_w, w_up, eps):
     runtime.require_cuda("prefix", prefix)
 
 
-def _loadable(parts):
-    """parts itself where the kernel's 16-byte loads can read it (column stride 1, rank and row strides
-    and the base on whole 16-byte vectors), else a contiguous copy."""
-    ok = (parts.stride(2) == 1 and parts.stride(0) % VEC == 0 and parts.stride(1) % VEC == 0
-          and parts.data_ptr() % 16 == 0)
-    return parts if ok else parts.contiguous()
-
-
 def launch(prefix, y_parts, shared_parts, norm_w, w_up, eps: float, out, variant: NormUpConfig | None = None) -> None:
     """The one launch on the current stream; writes out [B, D]."""
     B, D = prefix.shape
@@ -258,7 +251,7 @@ def launch(prefix, y_parts, shared_parts, norm_w, w_up, eps: float, out, variant
     cfg = variant if variant is not None else pick(B, D, runtime.sm_count(prefix.device))
     fn = _compile(runtime.dtype_name(prefix.dtype), T, D, L, cfg)
     dst = runtime.aligned(out)
-    fn(runtime.aligned(prefix), _loadable(y_parts), _loadable(shared_parts), runtime.aligned(norm_w.reshape(1, L)),
+    fn(runtime.aligned(prefix), _loadable(y_parts, VEC), _loadable(shared_parts, VEC), runtime.aligned(norm_w.reshape(1, L)),
        runtime.aligned(w_up), dst, float(eps))
     runtime.write_back(dst, out)
 
