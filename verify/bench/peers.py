@@ -223,3 +223,15 @@ def dequant_cublas_experts(tensors: dict, params: dict):
             y.index_add_(0, rows, o.float() * route[pairs].unsqueeze(1))
         return y.to(z.dtype)
     return launch
+
+
+def fold_norm_up_add(tensors: dict, params: dict):
+    """allreduce_latent_norm_up as the fused rank step runs its MoE tail today: the project's kernels in
+    four launches (allreduce_fold of each half, latent_norm_up, the residual add). The one-launch
+    tail must beat it."""
+    from fused.allreduce_fold import allreduce_fold
+    from fused.latent_norm_up import latent_norm_up
+
+    t, eps = tensors, params["eps"]
+    return lambda: t["prefix"] + latent_norm_up(allreduce_fold(t["y_parts"]), t["norm_w"], t["w_up"],
+                                                allreduce_fold(t["shared_parts"]), eps)

@@ -12,7 +12,7 @@ import torch
 
 from references.config import get_config
 from verify.model.case import Case
-from verify.model.opdef import OpDef, OpInputs
+from verify.model.opdef import OpDef, OpInputs, Peer
 from verify.model.values import EDGE_DISTS, GENERIC_DISTS, draw
 from verify.ops.common_splits import (FOLD_ORDER, RMS_EPS_DRAWS, activation, gen_for, norm_weight,
                                       replicated_split, scalar_param, weight, working_dtype)
@@ -65,7 +65,8 @@ OPS = [
         dists=GENERIC_DISTS + EDGE_DISTS + ("order_sensitive",),
         knob_sweep=({"partials": 1}, {"partials": MAX_PARTIALS}),
         fused="fused.allreduce_latent_norm_up:allreduce_latent_norm_up", moved_bytes=allreduce_latent_norm_up_bytes,
-        bench_knobs=({"partials": 8}, {"partials": 16}),
+        bench_knobs=({"partials": 1}, {"partials": 8}, {"partials": 16}),
+        peers=(Peer("fold_norm_up_add", "verify.bench.peers:fold_norm_up_add"),),
         notes="Replicated over TP: every rank folds the same gathered partials (the MoE's [T, B, L + D] "
               "all-gather, its two column halves) and must give the same bits. y_parts and shared_parts have "
               "T = case.tp partials, or knob 'partials' (default 4) when tp=1; dist order_sensitive draws "
