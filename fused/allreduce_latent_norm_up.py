@@ -116,7 +116,6 @@ class FoldNormUp:
             gX = cute.zipped_divide(sX, (1, VEC))
             xc = cute.make_rmem_tensor(cute.make_layout((VEC, MT)), wd)
             wc = cute.make_rmem_tensor(cute.make_layout((VEC, R)), wd)
-            ssr = cute.make_rmem_tensor(cute.make_layout((MT,)), Float32)
             rsr = cute.make_rmem_tensor(cute.make_layout((MT,)), Float32)
             accr = cute.make_rmem_tensor(cute.make_layout((MT * R,)), Float32)
             xn = cute.make_rmem_tensor(cute.make_layout((VEC,)), Float32)
@@ -125,7 +124,6 @@ class FoldNormUp:
             for p in cutlass.range((B + MT - 1) // MT):
                 b0 = p * MT
                 # 1. stage: the folded latent rows (clamped past B: computed, never stored) and their squares
-                ssr.fill(0.0)
                 for m in cutlass.range_constexpr(MT):
                     b = cutlass.min(b0 + m, B - 1)
                     ss = Float32(0.0)
