@@ -36,9 +36,13 @@ def _in_process(calls: list, crash: dict | None = None):
     return runner
 
 
-def _isolated(monkeypatch, tmp_path, runner, **kw):
+def _isolated(monkeypatch, tmp_path, runner, entries=None, **kw):
+    """bench_isolated over OPS at B = 1, 2, 4 on the CPU; `entries` replaces run.entries_for (the dry
+    plan's no-op launches by default)."""
     _dry_plan(monkeypatch, OPS)
     _dry_gate(monkeypatch, OPS)
+    if entries is not None:
+        monkeypatch.setattr(run, "entries_for", entries)
     monkeypatch.setattr(timing, "plan_samples", lambda *a, **k: (2, 1))
     cert = tmp_path / "c.json"
     cert.write_text("{}")
@@ -160,17 +164,9 @@ def test_an_entry_failing_the_same_way_in_two_children_is_not_tried_in_the_next(
             raise RuntimeError("inductor: the compile failed")
         return {"compiled": broken, "fused": lambda s: (lambda: None)}, {}, {}
 
-    _dry_plan(monkeypatch, OPS)
-    _dry_gate(monkeypatch, OPS)
-    monkeypatch.setattr(run, "entries_for", entries)
-    monkeypatch.setattr(timing, "plan_samples", lambda *a, **k: (2, 1))
     monkeypatch.delenv(isolate.FAILURES_ENV, raising=False)
-    cert = tmp_path / "c.json"
-    cert.write_text("{}")
-    args = _bench_args(candidate="fused", variants=False, peer=[], knobs=[])
     calls = []
-    rc = isolate.bench_isolated(args, [get_op(o) for o in OPS], ["fused"], [1], [1, 2, 4], [str(cert)],
-                                tmp_path / "out", ["bench", "--isolate"], device="cpu", runner=_in_process(calls))
+    rc = _isolated(monkeypatch, tmp_path, _in_process(calls), entries=entries)
     assert rc == 0
     assert sorted(tried) == sorted(OPS * run.GIVE_UP_AFTER)
     rec = output.load(tmp_path / "out" / output.FILE)

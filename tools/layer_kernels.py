@@ -21,14 +21,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-STATE = {"kda": ("conv_state", "recurrent_state"), "mla": ("cache", "block_table", "seq_lens")}
-LAYER = {"kda": 12, "mla": 15}
-
 
 def step_fn(kind: str, T: int, B: int, weights: dict, prefetch: bool = False):
     """(the step as a no-argument callable, the prepared layer) at K3 shapes, rank 0 of T."""
     import fused.layers as FL
     import fused.layers_tp as TP
+    from property_tests.test_fused_layers_tp import KINDS, LAYER      # the K3 rank step's layers and state
     from references.config import K3
     from references.layers import new_layer_state
 
@@ -38,7 +36,7 @@ def step_fn(kind: str, T: int, B: int, weights: dict, prefetch: bool = False):
         layer = TP.prepare_rank(kind, weights, K3, LAYER[kind], torch.bfloat16, TP.CopiesGather(T),
                                 prefetch=prefetch)
     st = new_layer_state(kind, K3, B, max_tokens=512)
-    state = {n: getattr(st, n).cuda() for n in STATE[kind]}
+    state = {n: getattr(st, n).cuda() for n in KINDS[kind]}
     if T > 1:
         state = TP.shard_state(kind, state, K3, T, 0)
     g = torch.Generator(device="cuda").manual_seed(B)

@@ -254,7 +254,6 @@ def _bench(args, ops, labels, tps, batches, certs, out, argv, device: str = "cud
 def plan_and_options(args, ops, gate, labels, tps, batches, certs, device: str):
     """The run's plan (the ops the gate applies to, its allowed candidates) and the record's options."""
     from verify.bench import run
-
     from verify.bench.isolate import inherited_failures
 
     plan = run.Plan(ops=[o for o in ops if o.name in gate.applies], candidates=gate.applies,

@@ -233,17 +233,18 @@ def _error_line(e: Exception) -> str:
 GIVE_UP_AFTER = 2       # an entry that failed with the same error at this many shapes in a row is not tried again
 
 
+NOT_TRIED = "not tried:"   # how a given-up entry's error starts in its row
+
+
 def _given_up(failures: dict, name: str) -> str | None:
     f = failures.get(name)
     if f is None or f[1] < GIVE_UP_AFTER:
         return None
-    return f"not tried: the same error at the {f[1]} shapes before: {f[0]}"[:300]
+    return f"{NOT_TRIED} the same error at the {f[1]} shapes before: {f[0]}"[:300]
 
 
 def _note_failure(failures: dict, name: str, err: str | None) -> None:
     """Count consecutive identical errors per entry (a success or another error restarts the count)."""
-    if err is not None and err.startswith("not tried:"):
-        return                                  # a skip repeats no error: the count stays the error's
     if err is None:
         failures.pop(name, None)
         return
@@ -253,11 +254,12 @@ def _note_failure(failures: dict, name: str, err: str | None) -> None:
 
 def note_row_failures(failures: dict, row: dict) -> None:
     """The failure counts of one op carried past a row timed elsewhere (a `bench --isolate` child):
-    each timed entry restarts its count, each entry's error counts as it would have here."""
+    each timed entry restarts its count, each entry's error counts as it would have here (an entry
+    given up there was not tried: its count stays)."""
     for name in row.get("timings", {}):
         _note_failure(failures, name, None)
     for name, err in row.get("errors", {}).items():
-        if name != "inputs" and not name.startswith(f"{FLOOR}:"):
+        if name != "inputs" and not name.startswith(f"{FLOOR}:") and not err.startswith(NOT_TRIED):
             _note_failure(failures, name, err)
 
 
