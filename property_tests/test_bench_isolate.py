@@ -25,7 +25,7 @@ def _parse(argv: list[str]):
 def _in_process(calls: list, crash: dict | None = None):
     """A runner: the child's bench on the CPU, in this process; crash[(op, B)] = exit status returned
     instead of running it (a child that died before writing)."""
-    def runner(argv: list[str]) -> int:
+    def runner(argv: list[str], timeout_s: float | None = None) -> int:
         args = _parse(argv)
         calls.append((args.ops, int(args.batch), argv))
         if crash and (args.ops, int(args.batch)) in crash:
@@ -87,11 +87,48 @@ def test_a_time_budget_starts_no_child_past_it(monkeypatch, tmp_path):
         (op, b, "time budget") for op, b in ROUNDS]
 
 
+def test_a_child_gets_what_is_left_of_the_budget_and_one_that_runs_past_it_is_listed(monkeypatch, tmp_path):
+    """The budget bounds a child, not only the start of one: each child is handed the seconds left, and
+    one stopped at the budget's end keeps what it timed, its other shapes listed as "time budget"."""
+    clock = [0.0]
+    monkeypatch.setattr(isolate.time, "monotonic", lambda: clock[0])
+    calls, given = [], []
+    inner = _in_process(calls)
+
+    def runner(argv, timeout_s=None):
+        given.append(timeout_s)
+        clock[0] += 4.0 if len(calls) == 0 else 30.0      # the second child runs past the 10 s budget
+        return inner(argv) if len(calls) == 0 else (calls.append(None) or 1)
+    rc = _isolated(monkeypatch, tmp_path, runner, time_budget=10.0)
+    assert rc == 1 and given == [10.0, 6.0]
+    rec = output.load(tmp_path / "out" / output.FILE)
+    assert [(r["op"], r["batch"]) for r in rec["rows"]] == [ROUNDS[0]]
+    assert [(d["op"], d["batch"], d["reason"]) for d in rec["not_reached"]] == [
+        (op, b, "time budget") for op, b in ROUNDS[1:]]
+    assert any(f"reached in {ROUNDS[1][0]} T=1 B={ROUNDS[1][1]}: its process was stopped" in n
+               for n in rec["notes"]["run"])
+
+
+def test_run_child_stops_a_child_at_its_deadline(monkeypatch):
+    """A real child past its deadline gets SIGTERM (its record-writing exit), not an endless wait."""
+    import subprocess
+    import sys
+    import time
+
+    real = subprocess.Popen
+    sleeper = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(3)); "
+               "print('ready', flush=True); time.sleep(60)")
+    monkeypatch.setattr(isolate.subprocess, "Popen", lambda cmd, **kw: real([sys.executable, "-c", sleeper], **kw))
+    t0 = time.monotonic()
+    assert isolate.run_child(["bench"], timeout_s=1.0) == 3
+    assert time.monotonic() - t0 < 20
+
+
 def test_a_sigterm_in_a_child_keeps_the_rows_before_and_lists_the_rest(monkeypatch, tmp_path):
     calls = []
     inner = _in_process(calls)
 
-    def runner(argv):
+    def runner(argv, timeout_s=None):
         if len(calls) == 3:
             raise run.Interrupted("SIGTERM")
         return inner(argv)

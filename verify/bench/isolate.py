@@ -10,8 +10,10 @@ an empty card. A row whose process dies (a segfault, the kernel's OOM killer, a 
 loses only that row: its shapes are listed as not timed with the exit, and the next row runs.
 
 The children run in round order (run.rounds: one batch size of every op per round), so a time
-budget, checked before each child, cuts the last rounds of every op alike. A SIGTERM stops the child
-(it writes what it timed), keeps its rows and lists the rest.
+budget, checked before each child, cuts the last rounds of every op alike; a child still running when
+the budget ends is stopped as a SIGTERM stops it (it writes what it timed, its other shapes are
+listed), so no child runs the parent past its budget. A SIGTERM to the parent stops the child the
+same way, keeps its rows and lists the rest.
 
 An entry that failed with the same error at run.GIVE_UP_AFTER shapes in a row is not tried again, as
 in one process: each child is handed the failure counts of the rows before it (the JSON of
@@ -79,25 +81,34 @@ def child_argv(args, op_name: str, tp: int, batch: int, certs: list[str], out_di
     return argv
 
 
-def run_child(argv: list[str]) -> int:
+def _stop(child: subprocess.Popen, grace_s: float) -> int:
+    """The child's exit status after `grace_s` to end on a signal it already got, then SIGTERM and
+    STOP_WAIT_S to write its record, then SIGKILL."""
+    try:
+        return child.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        child.send_signal(signal.SIGTERM)
+        try:
+            return child.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            return child.wait()
+
+
+def run_child(argv: list[str], timeout_s: float | None = None) -> int:
     """`python -m verify.cli ARGV` in a new process, its output on this one's; its exit status (minus
-    the signal that ended it). An Interrupted (SIGTERM to this process) stops it first: OWN_SIGNAL_S
-    for a signal sent to the whole group, then SIGTERM, STOP_WAIT_S to write its record, then SIGKILL."""
+    the signal that ended it). Past `timeout_s` it is stopped (SIGTERM: it writes what it timed; SIGKILL
+    STOP_WAIT_S later). An Interrupted (SIGTERM to this process) stops it too, after OWN_SIGNAL_S for a
+    signal sent to the whole group (`timeout`) to reach it first."""
     from verify.bench.run import Interrupted
 
     child = subprocess.Popen([sys.executable, "-m", "verify.cli", *argv])
     try:
-        return child.wait()
+        return child.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        return _stop(child, 0.0)
     except (Interrupted, KeyboardInterrupt):
-        try:                    # a signal to the process group (`timeout`) reached the child too: let it write
-            child.wait(OWN_SIGNAL_S)
-        except subprocess.TimeoutExpired:
-            child.send_signal(signal.SIGTERM)
-            try:
-                child.wait(STOP_WAIT_S)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+        _stop(child, OWN_SIGNAL_S)
         raise
 
 
@@ -116,7 +127,7 @@ def exit_text(rc: int) -> str:
 
 
 def bench_isolated(args, ops, labels, tps, batches, certs, out: Path, argv, device: str = "cuda",
-                   runner: Callable[[list[str]], int] = run_child) -> int:
+                   runner: Callable[[list[str], float | None], int] = run_child) -> int:
     """The bench of cmd_bench with one child process per (op, T, B) (`groups`); the same record,
     report and exit status. runner (argv -> exit status) is a parameter for a CPU run of the plumbing."""
     from rich.console import Console
@@ -166,10 +177,11 @@ def _run_groups(args, plan, certs, out, runner, console, on_change) -> dict:
     def state() -> dict:
         return {"rows": rows, "not_reached": not_reached + pending, "notes": {k: v for k, v in notes.items() if v}}
 
-    def take(child_out: Path, where: str, shapes: list, rc: int | None) -> None:
+    def take(child_out: Path, where: str, shapes: list, rc: int | None, stopped: bool = False) -> None:
         """The child's rows and notes into the state; the group's shapes it did not time listed with
-        its reason, or with the child's exit where it ended abnormally or wrote no reason (rc None:
-        the run stops here, and the caller gives them its reason)."""
+        its reason ("time budget" where the budget's end stopped it), or with the child's exit where it
+        ended abnormally or wrote no reason (rc None: the run stops here, and the caller gives them
+        its reason)."""
         rec = _child_record(child_out)
         got = {_key(r) for r in rec.get("rows", [])}
         rows.extend(rec.get("rows", []))
@@ -179,13 +191,15 @@ def _run_groups(args, plan, certs, out, runner, console, on_change) -> dict:
             mine = notes.setdefault(k, [])
             mine.extend(n for n in v if n not in mine)
         theirs = {_key(d): d.get("reason") for d in rec.get("not_reached", [])}
-        abnormal = rc not in (0, 1, None)
+        abnormal = rc not in (0, 1, None) and not stopped
         for s in shapes:
             d = s.to_dict()
             if _key(d) in got:
                 continue
             reason = theirs.get(_key(d))
-            if rc is None:
+            if stopped:
+                reason = "time budget"
+            elif rc is None:
                 reason = reason or "pending"
             elif abnormal or reason in (None, "pending"):
                 reason = f"its process ended ({exit_text(rc)}) before timing it"
@@ -204,12 +218,17 @@ def _run_groups(args, plan, certs, out, runner, console, on_change) -> dict:
             where = f"{op.name} T={tp} B={batch}"
             console.print(f"bench --isolate: {where} in its own process ({child_out})")
             os.environ[FAILURES_ENV] = json.dumps({op.name: failures.get(op.name, {})})
+            left_s = None if args.time_budget is None else max(args.time_budget - (time.monotonic() - start), 1.0)
             try:
-                rc = runner(child_argv(args, op.name, tp, batch, certs, child_out))
+                rc = runner(child_argv(args, op.name, tp, batch, certs, child_out), left_s)
             except BaseException:
                 take(child_out, where, shapes, None)
                 raise
-            take(child_out, where, shapes, rc)
+            stopped = left_s is not None and time.monotonic() - start > args.time_budget
+            if stopped:
+                notes.setdefault("run", []).append(f"time budget of {args.time_budget:g} s reached in {where}: "
+                                                   f"its process was stopped")
+            take(child_out, where, shapes, rc, stopped)
             on_change(state())
     except (run.Interrupted, KeyboardInterrupt) as e:
         why = run.interrupted(e, start, notes)
