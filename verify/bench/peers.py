@@ -226,9 +226,8 @@ def dequant_cublas_experts(tensors: dict, params: dict):
 
 
 def fold_norm_up_add(tensors: dict, params: dict):
-    """allreduce_latent_norm_up as the fused rank step runs its MoE tail today: the project's kernels in
-    four launches (allreduce_fold of each half, latent_norm_up, the residual add). The one-launch
-    tail must beat it."""
+    """allreduce_latent_norm_up as the project's separate kernels compute it, in four launches
+    (allreduce_fold of each half, latent_norm_up, the residual add): the one-launch tail must beat it."""
     from fused.allreduce_fold import allreduce_fold
     from fused.latent_norm_up import latent_norm_up
 
