@@ -4,6 +4,8 @@ the launch hands the kernel the strided halves of a gathered row in place; bad a
 one line. On a CUDA device (`@pytest.mark.gpu`): the op through the harness's whole pipeline, the
 reference's bits where the kernel rounds as it does, a CUDA graph replay against the eager bits, batch
 invariance across the variants, and a timing line beside the four launches it replaces.
+fused/allreduce_latent_norm_up_prefold.py (the latent half folded once, then the tail): on the CPU,
+its launches and the views they get; on a device, through the harness and the one-launch bits.
 
 Run on the H200: `python -m pytest -q -m gpu -s property_tests/test_fused_allreduce_latent_norm_up.py`."""
 import os
@@ -133,6 +135,50 @@ def test_launch_reads_the_gathered_halves_in_place(monkeypatch):
                              (B * (L + D), L + D, 1))
 
 
+PREFOLD = "fused.allreduce_latent_norm_up_prefold:allreduce_latent_norm_up"
+
+
+@pytest.mark.parametrize("T,gathered", [(1, True), (4, True), (4, False)])
+def test_the_two_launch_form_folds_once_then_runs_the_tail_on_one_partial(monkeypatch, T, gathered):
+    """fused.allreduce_latent_norm_up_prefold on the CPU, both kernels replaced by stand-ins that compute
+    their op from the views they are handed: the halves of one gathered row are folded by one launch
+    reading the row in place, separate halves by one launch each, nothing at T = 1; the tail gets one
+    partial of each; the result is the reference's bits."""
+    from fused import allreduce_fold as fold
+    from fused import allreduce_latent_norm_up as fm
+    from fused import allreduce_latent_norm_up_prefold as pf
+    from references.allreduce import allreduce_fold as ref_fold
+    from references.moe_tp import allreduce_latent_norm_up as ref
+    B, D, L = 3, 64, 32
+    g = torch.Generator().manual_seed(1)
+    r = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)
+    row = r(T, B, L + D)
+    y, sh = (row[..., :L], row[..., L:]) if gathered else (r(T, B, L), r(T, B, D))
+    t = dict(prefix=r(B, D), y_parts=y, shared_parts=sh, norm_w=r(L), w_up=r(D, L))
+    seen = []
+    monkeypatch.setattr(fm.runtime, "require_cuda", lambda name, x: None)
+    monkeypatch.setattr(fold, "_custom_op", lambda: lambda parts, out: (
+        seen.append(("fold", parts.data_ptr(), tuple(parts.shape))), out.copy_(ref_fold(parts))))
+
+    def tail(prefix, y_parts, shared_parts, norm_w, w_up, eps, out):
+        seen.append(("tail", tuple(y_parts.shape), tuple(shared_parts.shape)))
+        out.copy_(ref(prefix, y_parts, shared_parts, norm_w, w_up, eps))
+    monkeypatch.setattr(fm, "_custom_op", lambda: tail)
+    got = pf.allreduce_latent_norm_up(**t, eps=1e-5)
+    assert torch.equal(got.view(torch.int16), ref(**t, eps=1e-5).view(torch.int16))
+    folds = ([] if T == 1 else [("fold", row.data_ptr(), (T, B, L + D))] if gathered else
+             [("fold", y.data_ptr(), (T, B, L)), ("fold", sh.data_ptr(), (T, B, D))])
+    assert seen == folds + [("tail", (1, B, L), (1, B, D))]
+
+
+def test_the_two_launch_form_refuses_bad_arguments_as_the_tail_does():
+    from fused.allreduce_latent_norm_up_prefold import allreduce_latent_norm_up
+    for name, args, exc, msg in _bad_cases():
+        with pytest.raises(exc) as info:
+            allreduce_latent_norm_up(**args, eps=1e-5)
+        assert msg in str(info.value) and "\n" not in str(info.value), name
+
+
 # ---------------------------------------------------------------------------------------- GPU only
 
 def _inputs(B, T, D=D3, L=L3, dtype=torch.bfloat16, seed=0):
@@ -212,10 +258,42 @@ def test_every_variant_gives_every_row_the_same_bits_at_any_batch():
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("B,T", [(1, 8), (8, 8), (1, 16)])
+@pytest.mark.parametrize("config,batch,dtype,dist,tp", HARNESS_CASES[:6] + HARNESS_CASES[8:11],
+                         ids=[f"{c[0]}-B{c[1]}-{c[2]}-{c[3]}-T{c[4]}" for c in HARNESS_CASES[:6] + HARNESS_CASES[8:11]])
+def test_the_two_launch_form_through_the_harness(config, batch, dtype, dist, tp):
+    from property_tests.harness_case import judge_case
+    from verify.model.case import Case
+    v = judge_case(Case(OP, 11, batch, config, dtype, dist, tp), candidate=PREFOLD)
+    assert v.status == "pass", f"{v.stage}: {v.reason}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("B,T", [(1, 8), (8, 8), (64, 16)])
+def test_the_two_launch_form_gives_the_one_launch_bits_and_replays_in_a_graph(B, T):
+    """Both round the fold once to the working dtype and run the same tail: the same bits, eager and
+    replayed from a CUDA graph after the inputs changed."""
+    from fused.allreduce_latent_norm_up import allreduce_latent_norm_up as one
+    from fused.allreduce_latent_norm_up_prefold import allreduce_latent_norm_up as two
+    t = _inputs(B, T)
+    assert torch.equal(two(**t, eps=1e-5), one(**t, eps=1e-5))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = two(**t, eps=1e-5)
+    t["prefix"].normal_()
+    t["y_parts"].normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, one(**t, eps=1e-5))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("B,T", [(1, 8), (8, 8), (1, 16), (8, 16), (64, 8)])
 def test_k3_time_beside_the_four_launches_it_replaces(B, T):
-    """us per call (CUDA-graph replays, weights not rotated: printed, not asserted) of the fused tail and of
-    the rank step's four launches (two allreduce_fold, latent_norm_up, the residual add)."""
+    """us per call (CUDA-graph replays, weights not rotated: printed, not asserted) of the one-launch tail,
+    the two-launch form (the latent folded once first) and the four launches (two allreduce_fold,
+    latent_norm_up, the residual add)."""
     from fused.allreduce_fold import allreduce_fold
     from fused.allreduce_latent_norm_up import allreduce_latent_norm_up
     from fused.latent_norm_up import latent_norm_up
@@ -224,7 +302,9 @@ def test_k3_time_beside_the_four_launches_it_replaces(B, T):
     fused = lambda: allreduce_latent_norm_up(**t, eps=1e-5)
     four = lambda: t["prefix"] + latent_norm_up(allreduce_fold(t["y_parts"]), t["norm_w"], t["w_up"],
                                                 allreduce_fold(t["shared_parts"]), 1e-5)
-    fused(), four()
-    a, b = graph_us(fused), graph_us(four)
-    print(f"\nallreduce_latent_norm_up K3 T={T} B={B}: fused {a:.1f} us, four launches {b:.1f} us")
-    assert a > 0 and b > 0
+    from fused.allreduce_latent_norm_up_prefold import allreduce_latent_norm_up as prefolded
+    two = lambda: prefolded(**t, eps=1e-5)
+    fused(), two(), four()
+    a, c, b = graph_us(fused), graph_us(two), graph_us(four)
+    print(f"\nallreduce_latent_norm_up K3 T={T} B={B}: fused {a:.1f} us, two launches {c:.1f} us, four launches {b:.1f} us")
+    assert a > 0 and b > 0 and c > 0

@@ -234,3 +234,13 @@ def fold_norm_up_add(tensors: dict, params: dict):
     t, eps = tensors, params["eps"]
     return lambda: t["prefix"] + latent_norm_up(allreduce_fold(t["y_parts"]), t["norm_w"], t["w_up"],
                                                 allreduce_fold(t["shared_parts"]), eps)
+
+
+def fold_then_tail(tensors: dict, params: dict):
+    """allreduce_latent_norm_up in two launches (fused.allreduce_latent_norm_up_prefold): the latent half
+    folded once, then the one-launch tail on it. Benched beside the one-launch tail, it says at which
+    T and B folding in every CTA costs more than the extra launch."""
+    from fused.allreduce_latent_norm_up_prefold import allreduce_latent_norm_up
+
+    t, eps = tensors, params["eps"]
+    return lambda: allreduce_latent_norm_up(t["prefix"], t["y_parts"], t["shared_parts"], t["norm_w"], t["w_up"], eps)
