@@ -231,15 +231,22 @@ def test_the_kernel_is_the_reference_within_one_ulp_and_deterministic(B, T):
 def test_cuda_graph_replay_gives_the_eager_bits(B):
     from fused.allreduce_latent_norm_up import allreduce_latent_norm_up
     t = _inputs(B, 8)
-    allreduce_latent_norm_up(**t, eps=1e-5)
+    out = _replayed_after_a_change(allreduce_latent_norm_up, t)
+    assert torch.equal(out, allreduce_latent_norm_up(**t, eps=1e-5))
+
+
+def _replayed_after_a_change(fn, t: dict) -> torch.Tensor:
+    """fn(**t) captured in a CUDA graph (after one eager call), prefix and y_parts redrawn in place, the
+    graph replayed: its output."""
+    fn(**t, eps=1e-5)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = allreduce_latent_norm_up(**t, eps=1e-5)
+        out = fn(**t, eps=1e-5)
     t["prefix"].normal_()
     t["y_parts"].normal_()
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, allreduce_latent_norm_up(**t, eps=1e-5))
+    return out
 
 
 @pytest.mark.gpu
@@ -277,13 +284,7 @@ def test_the_two_launch_form_gives_the_one_launch_bits_and_replays_in_a_graph(B,
     from fused.allreduce_latent_norm_up_prefold import allreduce_latent_norm_up as two
     t = _inputs(B, T)
     assert torch.equal(two(**t, eps=1e-5), one(**t, eps=1e-5))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = two(**t, eps=1e-5)
-    t["prefix"].normal_()
-    t["y_parts"].normal_()
-    graph.replay()
-    torch.cuda.synchronize()
+    out = _replayed_after_a_change(two, t)
     assert torch.equal(out, one(**t, eps=1e-5))
 
 
