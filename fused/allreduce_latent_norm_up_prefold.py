@@ -24,11 +24,7 @@ from fused import allreduce_fold as fold
 from fused import allreduce_latent_norm_up as tail
 
 DTYPES = tail.DTYPES
-
-
-def variants(tensors: dict, params: dict):
-    """The tail's tiles: the fold's tile does not change a bit (its order is per element)."""
-    return tail.variants(tensors, params)
+variants = tail.variants        # the tail's tiles: the fold's tile changes no bit (its order is per element)
 
 
 def _one_row(y_parts: torch.Tensor, shared_parts: torch.Tensor) -> torch.Tensor | None:
@@ -40,7 +36,7 @@ def _one_row(y_parts: torch.Tensor, shared_parts: torch.Tensor) -> torch.Tensor 
             or shared_parts.storage_offset() != y_parts.storage_offset() + L):
         return None
     T, B, D = shared_parts.shape
-    return y_parts.as_strided((T, B, L + D), y_parts.stride())
+    return y_parts.as_strided((T, B, L + D), y_parts.stride())   # y_parts's storage offset: the row's start
 
 
 def allreduce_latent_norm_up(prefix, y_parts, shared_parts, norm_w, w_up, eps: float, *, variant=None):

@@ -100,11 +100,16 @@ def _bad_cases():
     yield "cpu", base, ValueError, "prefix: the fused kernel needs a CUDA tensor"
 
 
+PREFOLD = "fused.allreduce_latent_norm_up_prefold:allreduce_latent_norm_up"
+
+
+@pytest.mark.parametrize("form", ["fused.allreduce_latent_norm_up:allreduce_latent_norm_up", PREFOLD],
+                         ids=["one_launch", "two_launch"])
 @pytest.mark.parametrize("name,args,exc,msg", list(_bad_cases()), ids=[c[0] for c in _bad_cases()])
-def test_bad_arguments_are_refused_in_one_line(name, args, exc, msg):
-    from fused.allreduce_latent_norm_up import allreduce_latent_norm_up
+def test_bad_arguments_are_refused_in_one_line(form, name, args, exc, msg):
+    from verify.ops.registry import import_callable
     with pytest.raises(exc) as info:
-        allreduce_latent_norm_up(**args, eps=1e-5)
+        import_callable(form)(**args, eps=1e-5)
     assert msg in str(info.value) and "\n" not in str(info.value)
 
 
@@ -133,9 +138,6 @@ def test_launch_reads_the_gathered_halves_in_place(monkeypatch):
     assert torch.equal(out.view(torch.int16), ref(**t, eps=1e-5).view(torch.int16))
     assert seen["views"] == (gathered.data_ptr(), gathered[..., L:].data_ptr(), (B * (L + D), L + D, 1),
                              (B * (L + D), L + D, 1))
-
-
-PREFOLD = "fused.allreduce_latent_norm_up_prefold:allreduce_latent_norm_up"
 
 
 @pytest.mark.parametrize("T,gathered", [(1, True), (4, True), (4, False)])
@@ -171,14 +173,6 @@ def test_the_two_launch_form_folds_once_then_runs_the_tail_on_one_partial(monkey
     assert seen == folds + [("tail", (1, B, L), (1, B, D))]
 
 
-def test_the_two_launch_form_refuses_bad_arguments_as_the_tail_does():
-    from fused.allreduce_latent_norm_up_prefold import allreduce_latent_norm_up
-    for name, args, exc, msg in _bad_cases():
-        with pytest.raises(exc) as info:
-            allreduce_latent_norm_up(**args, eps=1e-5)
-        assert msg in str(info.value) and "\n" not in str(info.value), name
-
-
 # ---------------------------------------------------------------------------------------- GPU only
 
 def _inputs(B, T, D=D3, L=L3, dtype=torch.bfloat16, seed=0):
@@ -195,6 +189,7 @@ HARNESS_CASES = [("tiny", 5, "bfloat16", "normal", 1), ("tiny", 37, "float16", "
                  ("small", 24, "float16", "wide_range", 8), ("small", 7, "bfloat16", "small_rows", 16),
                  ("k3", 1, "bfloat16", "normal", 8), ("k3", 8, "float16", "normal", 16),
                  ("k3", 64, "bfloat16", "normal", 8), ("small", 5, "bfloat16", "range_edges", 2)]
+PREFOLD_CASES = HARNESS_CASES[:6] + HARNESS_CASES[8:11]      # the two-launch form: T = 1..16, K3 included
 
 
 @pytest.mark.gpu
@@ -265,8 +260,8 @@ def test_every_variant_gives_every_row_the_same_bits_at_any_batch():
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("config,batch,dtype,dist,tp", HARNESS_CASES[:6] + HARNESS_CASES[8:11],
-                         ids=[f"{c[0]}-B{c[1]}-{c[2]}-{c[3]}-T{c[4]}" for c in HARNESS_CASES[:6] + HARNESS_CASES[8:11]])
+@pytest.mark.parametrize("config,batch,dtype,dist,tp", PREFOLD_CASES,
+                         ids=[f"{c[0]}-B{c[1]}-{c[2]}-{c[3]}-T{c[4]}" for c in PREFOLD_CASES])
 def test_the_two_launch_form_through_the_harness(config, batch, dtype, dist, tp):
     from property_tests.harness_case import judge_case
     from verify.model.case import Case
@@ -297,13 +292,13 @@ def test_k3_time_beside_the_four_launches_it_replaces(B, T):
     latent_norm_up, the residual add)."""
     from fused.allreduce_fold import allreduce_fold
     from fused.allreduce_latent_norm_up import allreduce_latent_norm_up
+    from fused.allreduce_latent_norm_up_prefold import allreduce_latent_norm_up as prefolded
     from fused.latent_norm_up import latent_norm_up
     from property_tests.gpu_timing import graph_us
     t = _inputs(B, T)
     fused = lambda: allreduce_latent_norm_up(**t, eps=1e-5)
     four = lambda: t["prefix"] + latent_norm_up(allreduce_fold(t["y_parts"]), t["norm_w"], t["w_up"],
                                                 allreduce_fold(t["shared_parts"]), 1e-5)
-    from fused.allreduce_latent_norm_up_prefold import allreduce_latent_norm_up as prefolded
     two = lambda: prefolded(**t, eps=1e-5)
     fused(), two(), four()
     a, c, b = graph_us(fused), graph_us(two), graph_us(four)
