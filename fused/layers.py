@@ -9,8 +9,9 @@ rounding points, each op called through the kernel table the layer was prepared 
              seq_lens advanced) -> mla_decode_attn -> mla_out_gate -> skinny_gemm (o_proj)
   mlp side   attn_res_rmsnorm (prefix += attn, AttnRes mix + post-attention RMSNorm)
   LatentMoE  shared_experts started on its side stream first, then router_topk, skinny_gemm (latent
-             down), moe_experts_mxfp4; the shared experts joined; latent_norm_up
-  prefix     prefix + mlp (a working-dtype add)
+             down), moe_experts_mxfp4; the shared experts joined; allreduce_latent_norm_up (its
+             one-partial case: latent norm, up-projection, shared add and prefix + mlp in one launch)
+  dense MLP  shared_experts' kernels on the dense weights, then prefix + mlp (a working-dtype add)
 
 `KERNELS` names the fused kernel of every op. `prepare(..., kernels="fused")` resolves them;
 `kernels="reference"` puts the op references in their place (on the CPU this is the reference layer
@@ -27,7 +28,7 @@ the steps (stock.layers.validate_state). The registry forms (`layer_steps`) make
 candidate of kda_layer and mla_layer: `--candidate fused.layers:layer_steps`.
 
 `layer_steps_shared_inline` is the same step with the shared experts' three launches on the caller's
-stream, after the routed experts' inputs are queued and before latent_norm_up: the same kernels and
+stream, after the routed experts' inputs are queued and before the MoE tail: the same kernels and
 bits, no overlap. Benched beside `layer_steps`, it is the step time without the side stream.
 """
 from __future__ import annotations
@@ -55,6 +56,7 @@ KERNELS = {
     "moe_experts_mxfp4": "fused.moe_experts_mxfp4:moe_experts_mxfp4",
     "shared_experts": "fused.shared_experts:start",
     "latent_norm_up": "fused.latent_norm_up:latent_norm_up",
+    "allreduce_latent_norm_up": "fused.allreduce_latent_norm_up:allreduce_latent_norm_up",
     "mla_qkv_a": "fused.mla_qkv_a:mla_qkv_a",
     "mla_q_absorb": "fused.mla_q_absorb:mla_q_absorb",
     "mla_cache_append": "fused.mla_cache_append:mla_cache_append",
@@ -73,6 +75,7 @@ REFERENCES = {
     "moe_experts_mxfp4": "references.moe:moe_experts_mxfp4",
     "shared_experts": "references.moe:shared_experts",
     "latent_norm_up": "references.moe:latent_norm_up",
+    "allreduce_latent_norm_up": "references.moe_tp:allreduce_latent_norm_up",
     "mla_qkv_a": "references.mla:mla_qkv_a",
     "mla_q_absorb": "references.mla:mla_q_absorb",
     "mla_cache_append": "references.mla_cache_append:mla_cache_append",
@@ -81,16 +84,16 @@ REFERENCES = {
 }
 LAYER_OPS = {
     "kda": ("attn_res_rmsnorm", "kda_in_proj", "kda_decode", "skinny_gemm", "router_topk", "moe_experts_mxfp4",
-            "shared_experts", "latent_norm_up"),
+            "shared_experts", "allreduce_latent_norm_up"),
     "mla": ("attn_res_rmsnorm", "mla_qkv_a", "mla_q_absorb", "mla_cache_append", "mla_decode_attn", "mla_out_gate",
-            "skinny_gemm", "router_topk", "moe_experts_mxfp4", "shared_experts", "latent_norm_up"),
+            "skinny_gemm", "router_topk", "moe_experts_mxfp4", "shared_experts", "allreduce_latent_norm_up"),
     # layer 0: KDA attention and the dense MLP, whose math is the shared experts' (references.moe.dense_mlp)
     "dense": ("attn_res_rmsnorm", "kda_in_proj", "kda_decode", "skinny_gemm", "shared_experts"),
 }
 GLUE = {
-    "kda": ("prefix working copy", "prefix + mlp (residual add)"),
+    "kda": ("prefix working copy",),
     "dense": ("prefix working copy", "prefix + mlp (residual add)"),
-    "mla": ("prefix working copy", "prefix + mlp (residual add)"),
+    "mla": ("prefix working copy",),
 }
 REFUSALS = (ValueError, TypeError)      # what a fused kernel's argument checks raise, before any launch
 
@@ -250,10 +253,12 @@ def moe_experts(layer: FusedLayer, h: torch.Tensor, routing: list | None = None)
     return shared, y
 
 
-def _latent_moe(layer: FusedLayer, h: torch.Tensor, routing: list | None = None) -> torch.Tensor:
+def _latent_moe(layer: FusedLayer, prefix: torch.Tensor, h: torch.Tensor, routing: list | None = None) -> torch.Tensor:
+    """prefix + the LatentMoE's output: its tail (norm, up-projection, shared add, residual add) in one
+    launch, the unsplit layer being the one-partial case of allreduce_latent_norm_up."""
     shared, y = moe_experts(layer, h, routing)
-    return layer.call("latent_norm_up", y, layer.w["latent_norm_w"], layer.w["w_latent_up"], shared.wait(),
-                      layer.cfg.rms_eps)
+    return layer.call("allreduce_latent_norm_up", prefix, y[None], shared.wait()[None], layer.w["latent_norm_w"],
+                      layer.w["w_latent_up"], layer.cfg.rms_eps)
 
 
 def _mlp_side(layer: FusedLayer, prefix: torch.Tensor, attn: torch.Tensor, blocks: torch.Tensor,
@@ -263,7 +268,9 @@ def _mlp_side(layer: FusedLayer, prefix: torch.Tensor, attn: torch.Tensor, block
     w, eps = layer.w, layer.cfg.rms_eps
     h = layer.call("attn_res_rmsnorm", prefix, attn, blocks, w["mlp_res_norm_w"], w["mlp_res_proj_w"],
                    w["post_norm_w"], n_blocks, -1, eps, eps)
-    return prefix + (_dense_mlp(layer, h) if layer.kind == "dense" else _latent_moe(layer, h, routing))
+    if layer.kind == "dense":
+        return prefix + _dense_mlp(layer, h)
+    return _latent_moe(layer, prefix, h, routing)
 
 
 def _dense_mlp(layer: FusedLayer, h: torch.Tensor) -> torch.Tensor:

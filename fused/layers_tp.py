@@ -12,9 +12,10 @@ replica of the MLA cache. One step:
                `prefetch`, l2_prefetch of the MoE's first weights on a side stream during the gather
   MoE          shared experts (the rank's slice) on their side stream, router and latent down
                replicated, the rank's slice of every chosen expert -> partials of the latent output
-               and of the shared experts, gathered in one [T, B, L + D] all-gather, each half folded
-               in rank order by allreduce_fold (one launch per half, reading its column slice in
-               place), latent_norm_up, prefix + mlp
+               and of the shared experts, gathered in one [T, B, L + D] all-gather, then
+               allreduce_latent_norm_up: both halves folded in rank order (read in place), the latent
+               norm, the up-projection, the shared add and prefix + mlp in one launch
+  dense MLP    the rank's slice of the dense MLP, gathered, folded by allreduce_fold, prefix + mlp
 
 The gather is a `Collective`: `ProcessGroupGather` (torch.distributed: NCCL between GPUs, gloo on
 CPUs; one process per rank), `PeersGather` (one process as rank 0, the other ranks' partials given:
@@ -183,9 +184,8 @@ def _mlp_side_tp(layer: RankLayer, prefix, partial: torch.Tensor, blocks, n_bloc
     shared, y = FL.moe_experts(layer, h, routing)
     parts = layer.gather(torch.cat([y, shared.wait()], dim=-1))              # [T, B, L + D]
     L = y.shape[-1]
-    mlp = layer.call("latent_norm_up", layer.call("allreduce_fold", parts[..., :L]), w["latent_norm_w"],
-                     w["w_latent_up"], layer.call("allreduce_fold", parts[..., L:]), eps)
-    return prefix + mlp
+    return layer.call("allreduce_latent_norm_up", prefix, parts[..., :L], parts[..., L:], w["latent_norm_w"],
+                      w["w_latent_up"], eps)
 
 
 def kda_step_tp(layer: RankLayer, prefix, blocks, conv_state, recurrent_state, routing: list | None = None) -> torch.Tensor:

@@ -425,11 +425,11 @@ def test_the_step_runs_one_launch_per_op_and_only_the_glue_it_lists(op_name, lay
     layer = FL.reference_prepare(kind, t, inputs.params["config"], layer_idx, x.dtype)
     count = _step_launches(layer, x, blocks, state)
     want = {"kda": ["attn_res_rmsnorm", "kda_in_proj", "kda_decode", "skinny_gemm", "attn_res_rmsnorm",
-                    "shared_experts", "router_topk", "skinny_gemm", "moe_experts_mxfp4", "latent_norm_up"],
+                    "shared_experts", "router_topk", "skinny_gemm", "moe_experts_mxfp4", "allreduce_latent_norm_up"],
             "dense": ["attn_res_rmsnorm", "kda_in_proj", "kda_decode", "skinny_gemm", "attn_res_rmsnorm", "shared_experts"],
             "mla": ["attn_res_rmsnorm", "mla_qkv_a", "mla_q_absorb", "mla_cache_append", "mla_decode_attn",
                     "mla_out_gate", "skinny_gemm", "attn_res_rmsnorm", "shared_experts", "router_topk", "skinny_gemm",
-                    "moe_experts_mxfp4", "latent_norm_up"]}[kind]
+                    "moe_experts_mxfp4", "allreduce_latent_norm_up"]}[kind]
     assert count.calls == want
     assert len(count.glue) == len(FL.GLUE[kind]), (count.glue, FL.GLUE[kind])
 
@@ -437,8 +437,8 @@ def test_the_step_runs_one_launch_per_op_and_only_the_glue_it_lists(op_name, lay
 @pytest.mark.parametrize("kind,T", [("kda", 2), ("kda", 8), ("mla", 4), ("dense", 2)])
 def test_a_rank_step_runs_one_launch_per_op_and_only_the_glue_it_lists(kind, T):
     """The T-rank step (one rank, its gathers standing in): the all-reduces are one op each whatever T
-    (allreduce_attn_res_rmsnorm, allreduce_fold), and every other torch op is glue fused.layers_tp.describe
-    lists (the gathers, the MoE partials' concatenation)."""
+    (allreduce_attn_res_rmsnorm, allreduce_latent_norm_up; the dense MLP's allreduce_fold), and every other
+    torch op is glue fused.layers_tp.describe lists (the gathers, the MoE partials' concatenation)."""
     import fused.layers_tp as TP
 
     op_name = "mla_layer" if kind == "mla" else "kda_layer"
@@ -451,5 +451,6 @@ def test_a_rank_step_runs_one_launch_per_op_and_only_the_glue_it_lists(kind, T):
     mine = TP.shard_state(kind, state, get_config(inputs.params["config"]), T, 0)
     count = _step_launches(layer, x, blocks, mine)
     assert count.calls.count("allreduce_attn_res_rmsnorm") == 1
-    assert count.calls.count("allreduce_fold") == (1 if kind == "dense" else 2)
+    assert count.calls.count("allreduce_fold") == (1 if kind == "dense" else 0)
+    assert count.calls.count("allreduce_latent_norm_up") == (0 if kind == "dense" else 1)
     assert len(count.glue) == len(TP.describe(layer)["glue"]), (count.glue, TP.describe(layer)["glue"])
