@@ -56,7 +56,7 @@ KERNELS = {
     "moe_experts_mxfp4": "fused.moe_experts_mxfp4:moe_experts_mxfp4",
     "shared_experts": "fused.shared_experts:start",
     "latent_norm_up": "fused.latent_norm_up:latent_norm_up",
-    "allreduce_latent_norm_up": "fused.allreduce_latent_norm_up:allreduce_latent_norm_up",
+    "allreduce_latent_norm_up": "fused.allreduce_latent_norm_up_prefold:allreduce_latent_norm_up",
     "mla_qkv_a": "fused.mla_qkv_a:mla_qkv_a",
     "mla_q_absorb": "fused.mla_q_absorb:mla_q_absorb",
     "mla_cache_append": "fused.mla_cache_append:mla_cache_append",

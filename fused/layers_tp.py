@@ -13,7 +13,8 @@ replica of the MLA cache. One step:
   MoE          shared experts (the rank's slice) on their side stream, router and latent down
                replicated, the rank's slice of every chosen expert -> partials of the latent output
                and of the shared experts, gathered in one [T, B, L + D] all-gather, then
-               allreduce_latent_norm_up: both halves folded in rank order (read in place), the latent
+               allreduce_latent_norm_up in two launches (fused/allreduce_latent_norm_up_prefold.py):
+               the whole row folded in rank order by one allreduce_fold (read in place), then the latent
                norm, the up-projection, the shared add and prefix + mlp in one launch
   dense MLP    the rank's slice of the dense MLP, gathered, folded by allreduce_fold, prefix + mlp
 

@@ -241,7 +241,7 @@ def test_k3_rank_step_on_one_gpu(kind):
                   f"with the L2 prefetch {row['fused+prefetch'][0]} launches {row['fused+prefetch'][1]:.1f} us | "
                   f"stock {row['stock'][0]} launches {row['stock'][1]:.1f} us | fused unfused {sorted(layer.unfused)}")
             fused_launches.setdefault(B, {})[T] = row["fused"][0]
-    # the all-reduces are one launch each whatever T (allreduce_latent_norm_up, allreduce_attn_res_rmsnorm): a
-    # rank's launch count does not grow with the number of ranks
+    # the all-reduces take the same launches whatever T (allreduce_attn_res_rmsnorm one, allreduce_latent_norm_up
+    # two): a rank's launch count does not grow with the number of ranks
     for B, by_T in fused_launches.items():
         assert by_T[16] == by_T[8], (kind, B, by_T)
