@@ -25,14 +25,14 @@ def _parse(argv: list[str]):
 def _in_process(calls: list, crash: dict | None = None):
     """A runner: the child's bench on the CPU, in this process; crash[(op, B)] = exit status returned
     instead of running it (a child that died before writing)."""
-    def runner(argv: list[str], timeout_s: float | None = None) -> int:
+    def runner(argv: list[str], timeout_s: float | None = None) -> isolate.ChildExit:
         args = _parse(argv)
         calls.append((args.ops, int(args.batch), argv))
         if crash and (args.ops, int(args.batch)) in crash:
-            return crash[(args.ops, int(args.batch))]
+            return isolate.ChildExit(crash[(args.ops, int(args.batch))])
         ops, labels, tps, batches, certs, out = command._setup(args)
-        return command._bench(args, ops, labels, tps, batches, certs, out, argv,
-                              device="cpu", clock=CountingClock())
+        return isolate.ChildExit(command._bench(args, ops, labels, tps, batches, certs, out, argv,
+                                                device="cpu", clock=CountingClock()))
     return runner
 
 
@@ -98,7 +98,7 @@ def test_a_child_gets_what_is_left_of_the_budget_and_one_that_runs_past_it_is_li
     def runner(argv, timeout_s=None):
         given.append(timeout_s)
         clock[0] += 4.0 if len(calls) == 0 else 30.0      # the second child runs past the 10 s budget
-        return inner(argv) if len(calls) == 0 else (calls.append(None) or 1)
+        return inner(argv) if len(calls) == 0 else (calls.append(None) or isolate.ChildExit(1, stopped=True))
     rc = _isolated(monkeypatch, tmp_path, runner, time_budget=10.0)
     assert rc == 1 and given == [10.0, 6.0]
     rec = output.load(tmp_path / "out" / output.FILE)
@@ -107,6 +107,25 @@ def test_a_child_gets_what_is_left_of_the_budget_and_one_that_runs_past_it_is_li
         (op, b, "time budget") for op, b in ROUNDS[1:]]
     assert any(f"reached in {ROUNDS[1][0]} T=1 B={ROUNDS[1][1]}: its process was stopped" in n
                for n in rec["notes"]["run"])
+
+
+def test_a_child_that_ends_on_its_own_past_the_deadline_is_not_called_stopped(monkeypatch, tmp_path):
+    """"Stopped" comes from the stop itself: a child that finished its row on its own just after the
+    budget's end keeps its row with no stop note; the shapes after it are listed as "time budget"."""
+    clock = [0.0]
+    monkeypatch.setattr(isolate.time, "monotonic", lambda: clock[0])
+    calls = []
+    inner = _in_process(calls)
+
+    def runner(argv, timeout_s=None):
+        clock[0] += 11.0                                  # past the 10 s budget, but it ended by itself
+        return inner(argv)
+    rc = _isolated(monkeypatch, tmp_path, runner, time_budget=10.0)
+    rec = output.load(tmp_path / "out" / output.FILE)
+    assert rc == 1 and [(r["op"], r["batch"]) for r in rec["rows"]] == [ROUNDS[0]]
+    assert not any("its process was stopped" in n for n in rec["notes"].get("run", []))
+    assert [(d["op"], d["batch"], d["reason"]) for d in rec["not_reached"]] == [
+        (op, b, "time budget") for op, b in ROUNDS[1:]]
 
 
 def test_run_child_stops_a_child_at_its_deadline(monkeypatch):
@@ -120,7 +139,7 @@ def test_run_child_stops_a_child_at_its_deadline(monkeypatch):
                "print('ready', flush=True); time.sleep(60)")
     monkeypatch.setattr(isolate.subprocess, "Popen", lambda cmd, **kw: real([sys.executable, "-c", sleeper], **kw))
     t0 = time.monotonic()
-    assert isolate.run_child(["bench"], timeout_s=1.0) == 3
+    assert isolate.run_child(["bench"], timeout_s=1.0) == (3, True)
     assert time.monotonic() - t0 < 20
 
 

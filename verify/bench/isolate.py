@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 ROWS_DIR = "rows"
 FAILURES_ENV = "VERIFY_BENCH_FAILURES"
@@ -95,18 +95,23 @@ def _stop(child: subprocess.Popen, grace_s: float) -> int:
             return child.wait()
 
 
-def run_child(argv: list[str], timeout_s: float | None = None) -> int:
-    """`python -m verify.cli ARGV` in a new process, its output on this one's; its exit status (minus
-    the signal that ended it). Past `timeout_s` it is stopped (SIGTERM: it writes what it timed; SIGKILL
-    STOP_WAIT_S later). An Interrupted (SIGTERM to this process) stops it too, after OWN_SIGNAL_S for a
-    signal sent to the whole group (`timeout`) to reach it first."""
+class ChildExit(NamedTuple):
+    rc: int                 # the exit status (minus the signal that ended it)
+    stopped: bool = False   # stopped at its deadline (not ended on its own)
+
+
+def run_child(argv: list[str], timeout_s: float | None = None) -> ChildExit:
+    """`python -m verify.cli ARGV` in a new process, its output on this one's; how it ended. Past
+    `timeout_s` it is stopped (SIGTERM: it writes what it timed; SIGKILL STOP_WAIT_S later). An
+    Interrupted (SIGTERM to this process) stops it too, after OWN_SIGNAL_S for a signal sent to the
+    whole group (`timeout`) to reach it first."""
     from verify.bench.run import Interrupted
 
     child = subprocess.Popen([sys.executable, "-m", "verify.cli", *argv])
     try:
-        return child.wait(timeout_s)
+        return ChildExit(child.wait(timeout_s))
     except subprocess.TimeoutExpired:
-        return _stop(child, 0.0)
+        return ChildExit(_stop(child, 0.0), stopped=True)
     except (Interrupted, KeyboardInterrupt):
         _stop(child, OWN_SIGNAL_S)
         raise
@@ -127,9 +132,10 @@ def exit_text(rc: int) -> str:
 
 
 def bench_isolated(args, ops, labels, tps, batches, certs, out: Path, argv, device: str = "cuda",
-                   runner: Callable[[list[str], float | None], int] = run_child) -> int:
+                   runner: Callable[[list[str], float | None], ChildExit] = run_child) -> int:
     """The bench of cmd_bench with one child process per (op, T, B) (`groups`); the same record,
-    report and exit status. runner (argv -> exit status) is a parameter for a CPU run of the plumbing."""
+    report and exit status. runner ((argv, seconds left) -> ChildExit) is a parameter for a CPU run
+    of the plumbing."""
     from rich.console import Console
 
     from verify.bench import command
@@ -220,11 +226,10 @@ def _run_groups(args, plan, certs, out, runner, console, on_change) -> dict:
             os.environ[FAILURES_ENV] = json.dumps({op.name: failures.get(op.name, {})})
             left_s = None if args.time_budget is None else max(args.time_budget - (time.monotonic() - start), 1.0)
             try:
-                rc = runner(child_argv(args, op.name, tp, batch, certs, child_out), left_s)
+                rc, stopped = runner(child_argv(args, op.name, tp, batch, certs, child_out), left_s)
             except BaseException:
                 take(child_out, where, shapes, None)
                 raise
-            stopped = left_s is not None and time.monotonic() - start > args.time_budget
             if stopped:
                 notes.setdefault("run", []).append(f"time budget of {args.time_budget:g} s reached in {where}: "
                                                    f"its process was stopped")
