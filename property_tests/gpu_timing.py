@@ -6,11 +6,13 @@ import torch
 
 
 def graph_us(fn, replays: int = 20) -> float:
-    """fn captured once in a CUDA graph (fn must already have run eagerly: compiles, lazy init),
-    replayed once untimed, then `replays` times between two CUDA events: us per replay."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    """fn run once on the bench's capture stream (its per-stream buffers made there), captured once in a
+    CUDA graph on it, replayed once untimed, then `replays` times between two CUDA events: us per
+    replay (fn must already have run eagerly: compiles, lazy init)."""
+    from verify.bench.timing import capture_graph, warm_up
+
+    warm_up([fn], 1)
+    graph = capture_graph([fn])
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
     start.record()

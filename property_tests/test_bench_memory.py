@@ -33,8 +33,9 @@ class _Graphs:
                 return ("pool", 7)
 
         class Capture:
-            def __init__(self, graph, pool=None):
+            def __init__(self, graph, pool=None, stream=None):
                 self.graph, self.pool = graph, pool
+                assert stream == "capture stream", stream
 
             def __enter__(self):
                 outer.steps.append(("begin", self.pool))
@@ -52,6 +53,7 @@ class _Graphs:
         monkeypatch.setattr(torch.cuda, "current_stream", lambda: self.stream)
         monkeypatch.setattr(torch.cuda, "set_stream", lambda s: setattr(self, "stream", s))
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(timing, "capture_stream", lambda: "capture stream")
         monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda d, p: self.steps.append(("end", d, p)),
                             raising=False)
         monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda d, p: self.steps.append(("release", d, p)),
@@ -144,3 +146,31 @@ def test_torch_keeps_the_pool_of_a_capture_a_host_sync_broke():
     torch.cuda.set_stream(stream)
     del g, y
     assert _reserved_after_release() - base >= (512 << 20)
+
+
+# ------------------------------------------------------------------------ per-stream buffers, on the GPU
+class _PerStreamCounter:
+    """A launch in the form the split-K kernels take: a zeroed int32 buffer per stream, made on first
+    use and kept, then one kernel (an add into it)."""
+
+    def __init__(self):
+        self.buffers = {}
+
+    def __call__(self):
+        key = torch.cuda.current_stream().cuda_stream
+        if key not in self.buffers:
+            self.buffers[key] = torch.zeros(1024, dtype=torch.int32, device="cuda")
+        self.buffers[key].add_(1)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_a_buffer_made_on_first_use_per_stream_is_made_in_the_warm_up_not_in_the_graph():
+    """The launch counter and the clock warm up on the stream they capture on: the buffer of that
+    stream is made then, so the graph holds the one add, not the buffer's zero-fill too (which a
+    warm-up on another stream leaves inside the capture: two kernels, every replay)."""
+    count = launches.count_launches(_PerStreamCounter(), warmup=1)
+    assert count.kernels == 1, count
+    fresh = _PerStreamCounter()
+    timing.warm_up([fresh], 1)
+    assert list(fresh.buffers) == [timing.capture_stream().cuda_stream]

@@ -96,17 +96,9 @@ def graph_node_types(raw_graph: int) -> list[int]:
 
 
 def _count_in_graph(fn, warmup: int) -> LaunchCount:
-    import torch
+    from verify.bench.timing import capture_graph, warm_up
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):            # warm up off the default stream, as capture requires
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    from verify.bench.timing import capture_graph
-
+    warm_up([fn], warmup)                    # on the capture stream: its lazy buffers made outside the graph
     return count_graph(capture_graph([fn], keep_graph=True))     # a failed capture gives its pool back
 
 

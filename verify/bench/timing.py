@@ -123,18 +123,50 @@ def time_launches(per_set: Sequence[Launch], clock: Clock, *, min_calls: int = M
                  len(per_set), len(order), method, replays)
 
 
+_capture_streams: dict = {}
+
+
+def capture_stream():
+    """The stream launches are warmed up on and captured on (one per device, made once). A kernel that
+    keeps a buffer per stream, made on first use (a split-K counter zeroed, a workspace), then makes
+    it in the warm-up: were the warm-up on another stream, the buffer of the capture stream would be
+    made inside the capture, and the graph would carry its zero-fill into every replay and count."""
+    import torch
+
+    device = torch.cuda.current_device()
+    if device not in _capture_streams:
+        _capture_streams[device] = torch.cuda.Stream()
+    return _capture_streams[device]
+
+
+def warm_up(calls: Sequence[Launch], times: int) -> None:
+    """The calls `times` times over on capture_stream(), ordered after the current stream's work and
+    before its next, then a device sync (capture needs warm launches: compiled, tuned, allocated)."""
+    import torch
+
+    side = capture_stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            for call in calls:
+                call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
 def capture_graph(calls: Sequence[Launch], keep_graph: bool = False):
-    """The calls captured in a new torch.cuda.CUDAGraph on a memory pool of its own, on the current
-    stream. Where the capture fails, its error propagates after the current stream is put back (a
-    failed capture_end leaves the capture stream current) and, where the capture did not end, after its
-    pool is ended and released: torch releases the pool of a graph only once its capture ended."""
+    """The calls captured in a new torch.cuda.CUDAGraph on a memory pool of its own, on
+    capture_stream(). Where the capture fails, its error propagates after the current stream is put
+    back (a failed capture_end leaves the capture stream current) and, where the capture did not end,
+    after its pool is ended and released: torch releases the pool of a graph only once its capture
+    ended."""
     import torch
 
     pool = torch.cuda.graph_pool_handle()
     graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
     stream = torch.cuda.current_stream()
     try:
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=capture_stream()):
             for call in calls:
                 call()
     except BaseException:
@@ -165,9 +197,9 @@ def give_back_pool(pool) -> None:
 
 
 class GraphClock:
-    """CUDA events around CUDA-graph replays. Launches warm up (compile, autotune) on a side stream
-    before capture; a sequence that cannot be captured (a host sync, a CPU fallback) is timed as
-    launched from Python on the current stream, and its Stats say "stream"."""
+    """CUDA events around CUDA-graph replays. Launches warm up (compile, autotune, per-stream buffers)
+    on the capture stream before capture; a sequence that cannot be captured (a host sync, a CPU
+    fallback) is timed as launched from Python on the current stream, and its Stats say "stream"."""
 
     def capture(self, calls: Sequence[Launch]) -> tuple[Callable[[], None], str]:
         import torch
@@ -176,13 +208,7 @@ class GraphClock:
             for call in calls:
                 call()
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):          # the first call compiles or autotunes; the second runs warm
-                launch_all()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
+        warm_up(calls, 2)               # the first call compiles or autotunes; the second runs warm
         try:
             graph = capture_graph(calls)
         except Exception:  # noqa: BLE001  (not capturable: time it launched from Python)
