@@ -248,7 +248,7 @@ def test_k3_rank_step_on_one_gpu(kind):
         torch.cuda.empty_cache()
     # the rank's all-reduces take the same launches whatever T (allreduce_attn_res_rmsnorm one, the MoE
     # tail two: one fold of the gathered row, then allreduce_latent_norm_up's kernel), so a rank's launch
-    # count does not grow with the number of ranks. (The step's own count also varies with the other
+    # count does not grow with the number of ranks. (The step's own count also moves with the other
     # kernels' per-shape variants, so the step counts above are printed, not compared across T.)
     assert all_reduce_launches[8] == all_reduce_launches[16] == (1, 2), all_reduce_launches
 
