@@ -17,7 +17,7 @@ Above SIMT_MAX tokens, router_topk's logits come from a tensor-core GEMM whose C
 select's, and one CTA selecting every token serially would be slow: this form calls fused.router_topk
 there (two launches).
 
-The counter and the logits workspace are kept per (device, stream, E, D): launches on one stream run
+The counter and the logits workspace are kept per (device, stream, E): launches on one stream run
 in order; routers on two streams (the layer's side stream) never share a counter. A CUDA graph keeps
 the buffers of its capture stream, so two replays of graphs captured on one stream must not overlap.
 
