@@ -25,20 +25,18 @@ def graph_us(fn, replays: int = 20) -> float:
 
 def assert_graph_replays_eager(layer, x_steps, blocks, state: dict):
     """The layer's steps over x_steps run eagerly, then one step captured in a CUDA graph (after a
-    warm-up on copies, so the graph's state starts fresh) and replayed with each x copied in: the
+    warm-up on copies on the same stream, so the graph's state starts fresh) and replayed with each x copied in: the
     replayed outputs, state and blocks must be the eager bits. Returns (prefix, blocks, state) the
     graph was captured on (for a launch count)."""
     eager_blocks, eager_state = blocks.clone(), {n: s.clone() for n, s in state.items()}
     eager = torch.stack([layer.step(x.clone(), eager_blocks, *eager_state.values()) for x in x_steps])
     g_blocks, g_state = blocks.clone(), {n: s.clone() for n, s in state.items()}
+    from verify.bench.timing import capture_stream, warm_up
+
     prefix = x_steps[0].clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        layer.step(prefix, g_blocks.clone(), *(s.clone() for s in g_state.values()))
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up([lambda: layer.step(prefix, g_blocks.clone(), *(s.clone() for s in g_state.values()))], 1)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=capture_stream()):
         out = layer.step(prefix, g_blocks, *g_state.values())
     replayed = []
     for x in x_steps:

@@ -123,11 +123,13 @@ def _bad_cases():
     yield "cpu", base, ValueError, "x: the fused kernel needs a CUDA tensor"
 
 
+@pytest.mark.parametrize("form", ["fused.shared_experts:shared_experts", "fused.shared_experts_actdown:shared_experts"],
+                         ids=["three_launch", "two_launch"])
 @pytest.mark.parametrize("name,args,exc,msg", list(_bad_cases()), ids=[c[0] for c in _bad_cases()])
-def test_bad_arguments_are_refused_in_one_line(name, args, exc, msg):
-    from fused.shared_experts import shared_experts
+def test_bad_arguments_are_refused_in_one_line(form, name, args, exc, msg):
+    from verify.ops.registry import import_callable
     with pytest.raises(exc) as info:
-        shared_experts(**args)
+        import_callable(form)(**args)
     assert msg in str(info.value) and "\n" not in str(info.value)
 
 

@@ -1,9 +1,10 @@
 """fused/shared_experts_actdown.py (the shared experts in two launches: SiTU-and-mul inside the down GEMV's
 loads): the act-in-the-loads GEMV compiles for sm_90a on a CPU-only machine at every K3 per-rank shape and
 SIMT bucket and the CPU configs, loads h by 16-byte vectors and spills nothing; the two launches run where
-the down GEMM is SIMT and shared_experts's three elsewhere; the act chunk is SituMul's arithmetic; bad
-arguments are refused in one line. On a CUDA device (`@pytest.mark.gpu`): the op through the harness's
-whole pipeline, shared_experts's bits for every variant, a CUDA-graph replay, and a timing line.
+the down GEMM is SIMT and shared_experts's three elsewhere; the act chunk is SituMul's arithmetic (the
+one-line refusals of both forms: test_fused_shared_experts.py). On a CUDA device (`@pytest.mark.gpu`): the
+op through the harness's whole pipeline, shared_experts's bits for every variant, a CUDA-graph replay, and
+a timing line.
 
 Run on the GPU: `python -m pytest -q -m gpu -s property_tests/test_fused_shared_experts_actdown.py`."""
 import os
@@ -17,19 +18,12 @@ pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
 pytest.importorskip("tvm_ffi", reason="needs apache-tvm-ffi (the kernels compile for the TVM-FFI call path)")
 
 from fused import runtime  # noqa: E402
-from references.config import K3, SMALL, TINY  # noqa: E402
+from property_tests.test_fused_shared_experts import D3, K3_INTER, _inputs, _meta  # noqa: E402
+from references.config import SMALL, TINY  # noqa: E402
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 OP = "shared_experts_actdown"
 FORM = "fused.shared_experts_actdown:shared_experts"
-K3_INTER = {T: K3.shared_inter // T for T in (1, 8, 16)}        # 6144, 768, 384 per rank
-D3 = K3.hidden
-
-
-def _meta(B, D, inter, dtype=torch.bfloat16, device="meta"):
-    kw = dict(dtype=dtype, device=device)
-    return dict(x=torch.empty(B, D, **kw), w_gate_up=torch.empty(2 * inter, D, **kw),
-                w_down=torch.empty(D, inter, **kw))
 
 
 @pytest.mark.parametrize("T", [1, 8, 16])
@@ -122,30 +116,7 @@ def test_the_act_chunk_is_situ_mul_s_arithmetic():
     assert len(exprs(inspect.getsource(m._ActChunk.load))) == 4
 
 
-def _bad_cases():
-    t = lambda **kw: _meta(**{**dict(B=3, D=64, inter=32), **kw}, device="cpu")
-    base = t()
-    yield "fp32", t(dtype=torch.float32), TypeError, "x: dtype torch.float32"
-    yield "w_down", dict(base, w_down=torch.empty(64, 30, dtype=torch.bfloat16)), ValueError, "w_down: expected shape"
-    yield "D", t(D=60), ValueError, "hidden=60 must be a multiple of 8"
-    yield "cpu", base, ValueError, "x: the fused kernel needs a CUDA tensor"
-
-
-@pytest.mark.parametrize("name,args,exc,msg", list(_bad_cases()), ids=[c[0] for c in _bad_cases()])
-def test_bad_arguments_are_refused_in_one_line(name, args, exc, msg):
-    from fused.shared_experts_actdown import shared_experts
-    with pytest.raises(exc) as info:
-        shared_experts(**args)
-    assert msg in str(info.value) and "\n" not in str(info.value)
-
-
 # ---------------------------------------------------------------------------------------- GPU only
-
-def _inputs(B, inter, D=D3, dtype=torch.bfloat16, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    r = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device="cuda") * scale).to(dtype)
-    return dict(x=r(B, D), w_gate_up=r(2 * inter, D, scale=D ** -0.5), w_down=r(D, inter, scale=inter ** -0.5))
-
 
 HARNESS_CASES = [("k3", 1, "bfloat16", "normal", 8), ("k3", 8, "float16", "heavy_tailed", 16),
                  ("k3", 1, "bfloat16", "outliers", 1), ("small", 5, "bfloat16", "zero_rows", 1),
