@@ -53,7 +53,7 @@ KERNELS = {
     "kda_decode": "fused.kda_decode:kda_decode",
     "skinny_gemm": "fused.skinny_gemm:skinny_gemm",
     "router_topk": "fused.router_topk_onelaunch:router_topk",
-    "moe_experts_mxfp4": "fused.moe_experts_mxfp4:moe_experts_mxfp4",
+    "moe_experts_mxfp4": "fused.moe_experts_mxfp4_slots:moe_experts_mxfp4",
     "shared_experts": "fused.shared_experts_actdown:start",
     "latent_norm_up": "fused.latent_norm_up:latent_norm_up",
     "allreduce_latent_norm_up": "fused.allreduce_latent_norm_up_prefold:allreduce_latent_norm_up",
