@@ -23,7 +23,7 @@ pytest.importorskip("tvm_ffi", reason="needs apache-tvm-ffi (the kernels compile
 
 from fused import runtime  # noqa: E402
 from fused import skinny_gemm as sg  # noqa: E402
-from references.config import K3, get_config  # noqa: E402
+from references.config import get_config  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 TP = (1, 8, 16)

@@ -175,7 +175,6 @@ def test_kda_verify_rejects_bad_arguments_by_name():
 
 @pytest.mark.parametrize("Dh", KDA_DH)
 def test_kda_accept_compiles_every_static_configuration(Dh):
-    from fused import kda_verify_accept as acc
     for dtype in ("bfloat16", "float16"):
         for count in ("int32", "int64"):
             assert runtime.compile_for_cpu_check("kda_verify_accept", dtype, Dh, 4, count) is not None

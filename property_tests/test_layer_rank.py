@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from references.config import SMALL, TINY
-from references.layers import decode_steps, kda_layer_steps, mla_layer_steps, new_layer_state
+from references.layers import kda_layer_steps, mla_layer_steps, new_layer_state
 from references.layers_tp import rank_config, shard_state, shard_weights
 from references.weights import make_layer_weights
 

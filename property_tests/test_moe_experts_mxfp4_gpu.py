@@ -287,7 +287,7 @@ def dequant_then_matmul(t, params, bufs):
     mxfp4_dequant kernel), its tokens' rows through cuBLAS, SiTU in torch, the fp32 combine."""
     from fused.mxfp4_dequant import mxfp4_dequant
     from references.primitives import situ_and_mul
-    z, ids, w = t["z"], t["ids"], t["weights"]
+    z, w = t["z"], t["weights"]
     y = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
     for e, (rows, slots) in bufs["groups"].items():
         w13 = mxfp4_dequant(t["w13_packed"][e], t["w13_scale"][e], "bfloat16", out=bufs["w13"])

@@ -12,7 +12,7 @@ from verify.model.case import Case
 from verify.model.profile import PROFILES, Profile
 from verify.plan.draw import dist_sweep_cases
 from verify.ops.registry import get_op
-from verify.model.values import DISTS, EDGE_DISTS, GENERIC_DISTS, SMALL_ROW_K, draw, generator, row_scales
+from verify.model.values import DISTS, GENERIC_DISTS, SMALL_ROW_K, draw, generator, row_scales
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
