@@ -38,6 +38,21 @@ SLOTS_MAX = 1            # tokens up to which the two launches run
 variants = mx.variants
 
 
+def pair_gemv(cute, g, mainloop, nfrag: int, gW, mS, gX, row0, x_row, red):
+    """Inside a kernel, at trace time: one pair's ExpertGemv sums, acc[(4, nfrag, nb)] with the token
+    row `x_row` in every MMA column, and this lane's (warp, q, r). The stored sums are column 0's
+    (c = 0, 2) in the last warp's lanes with q == 0."""
+    from cutlass import Float32, Int32
+    lane = cute.arch.lane_idx()
+    warp = cute.arch.warp_idx()
+    acc = cute.make_rmem_tensor(cute.make_layout((4, nfrag, g.nb)), Float32)
+    xrow = cute.make_rmem_tensor(cute.make_layout(g.nb), Int32)
+    for j in range(g.nb):
+        xrow[j] = x_row
+    mainloop(gW, mS, gX, row0, xrow, acc, red)
+    return acc, warp, lane % 4, lane // 4
+
+
 class MoeExpertsSlots(mx.MoeExperts):
     """The gate_up and down GEMVs of moe_experts_mxfp4 (same ExpertGemv objects), indexed by pair."""
 
@@ -45,7 +60,7 @@ class MoeExpertsSlots(mx.MoeExperts):
         cutlass, cute = runtime.cutlass_modules()
         from cutlass import Float32, Int32
         g = self.gate_up
-        E, inter, k, nb = self.E, self.I, self.k, self.cfg.nb
+        E, inter, k = self.E, self.I, self.k
         mainloop = g.mainloop()
 
         @cute.kernel
@@ -56,16 +71,8 @@ class MoeExpertsSlots(mx.MoeExperts):
                 Float32, cute.make_layout((g.nacc, 32), stride=(32, 1)), byte_alignment=16)
             e = Int32(mIds[a])
             if mx.valid_id(e, E):
-                lane = cute.arch.lane_idx()
-                warp = cute.arch.warp_idx()
-                q = lane % 4
-                r = lane // 4
                 i0 = tile * 16
-                acc = cute.make_rmem_tensor(cute.make_layout((4, 2, nb)), Float32)
-                xrow = cute.make_rmem_tensor(cute.make_layout(nb), Int32)
-                for j in cutlass.range_constexpr(nb):
-                    xrow[j] = a // k                     # the pair's token in every column
-                mainloop(gW, mS, gZ, e * (2 * inter) + i0, xrow, acc, red)
+                acc, warp, q, r = pair_gemv(cute, g, mainloop, 2, gW, mS, gZ, e * (2 * inter) + i0, a // k, red)
                 if warp == g.warps - 1:
                     if q == 0:                            # column 0 (c = 0, 2): the stored one
                         for h in cutlass.range_constexpr(2):
@@ -82,7 +89,7 @@ class MoeExpertsSlots(mx.MoeExperts):
         cutlass, cute = runtime.cutlass_modules()
         from cutlass import Float32, Int32
         g = self.down
-        E, L, k, nb, nf = self.E, self.L, self.k, self.cfg.nb, self.cfg.down_frag
+        E, L, k, nf = self.E, self.L, self.k, self.cfg.down_frag
         threads = 32 * self.cfg.warps
         nvt = 16 * nf // 8                                # 8-wide vectors of y per column tile
         mainloop = g.mainloop()
@@ -99,15 +106,7 @@ class MoeExpertsSlots(mx.MoeExperts):
             l0 = tile * (16 * nf)
             e = Int32(mIds[a])
             if mx.valid_id(e, E):
-                lane = cute.arch.lane_idx()
-                warp = cute.arch.warp_idx()
-                q = lane % 4
-                r = lane // 4
-                acc = cute.make_rmem_tensor(cute.make_layout((4, nf, nb)), Float32)
-                xrow = cute.make_rmem_tensor(cute.make_layout(nb), Int32)
-                for j in cutlass.range_constexpr(nb):
-                    xrow[j] = a
-                mainloop(gW, mS, gAct, e * L + l0, xrow, acc, red)
+                acc, warp, q, r = pair_gemv(cute, g, mainloop, nf, gW, mS, gAct, e * L + l0, a, red)
                 if warp == g.warps - 1:
                     if q == 0:
                         for h in cutlass.range_constexpr(2):
@@ -165,6 +164,11 @@ class MoeExpertsSlots(mx.MoeExperts):
         return host
 
 
+def runs(B: int, k: int, E: int) -> bool:
+    """Whether the two launches take B tokens of k slots over E experts (else the four launches)."""
+    return 1 <= B <= SLOTS_MAX and k > 0 and E > 0
+
+
 def tiles(L: int, cfg: mx.MoeExpertsConfig) -> int:
     """Column tiles of the down GEMM (one ticket counter each)."""
     return L // (16 * cfg.down_frag)
@@ -213,7 +217,7 @@ def launch(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_bet
     cfg = variant or mx.DEFAULT
     B, L = z.shape
     E, inter, k = w13_packed.shape[0], w2_packed.shape[2] * 2, ids.shape[1]
-    if not 1 <= B <= SLOTS_MAX or k == 0 or E == 0:
+    if not runs(B, k, E):
         raise ValueError(f"z, ids: {B} tokens of {k} slots over {E} experts; the two-launch form takes "
                          f"1..{SLOTS_MAX} tokens and k, E > 0")
     P = B * k
@@ -257,8 +261,7 @@ def moe_experts_mxfp4(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scal
     B <= SLOTS_MAX, else fused.moe_experts_mxfp4's four."""
     args = (z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_beta, situ_linear_beta)
     mx._check(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale)
-    B, k, E = z.shape[0], ids.shape[1], w13_packed.shape[0]
-    if not 1 <= B <= SLOTS_MAX or k == 0 or E == 0:
+    if not runs(z.shape[0], ids.shape[1], w13_packed.shape[0]):
         return mx.moe_experts_mxfp4(*args, out=out, variant=variant)
     if out is None:
         out = torch.empty_like(z, memory_format=torch.contiguous_format)
