@@ -96,6 +96,8 @@ GLUE = {
     "mla": ("prefix working copy",),
 }
 REFUSALS = (ValueError, TypeError)      # what a fused kernel's argument checks raise, before any launch
+# ops whose every form takes `out=` (the fused kernels write there; a reference's result is copied in)
+OUT_OPS = ("moe_experts_mxfp4", "shared_experts")
 
 
 class _Done:
@@ -133,24 +135,27 @@ class FusedLayer:
         work.copy_(prefix)
         return (mla_step if self.kind == "mla" else kda_step)(self, work, blocks, *state, routing=routing)
 
-    def call(self, op: str, *args):
+    def call(self, op: str, *args, out: torch.Tensor | None = None):
         """`op` through its kernel; a fused kernel's refusal of these shapes (outside a capture) moves the
-        op to its torch form for good and records why."""
+        op to its torch form for good and records why. `out` (OUT_OPS only): where the result goes."""
+        kw = {} if out is None else {"out": out}
         if op in self.unfused:
-            return self.fallbacks[op](*args)
+            return self.fallbacks[op](*args, **kw)
         try:
-            return self.kernels[op](*args)
+            return self.kernels[op](*args, **kw)
         except REFUSALS as e:
             if op not in self.fallbacks or stock.capturing():
                 raise
             self.unfused[op] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            return self.fallbacks[op](*args)
+            return self.fallbacks[op](*args, **kw)
 
-    def buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """A tensor shaped like `like`, made once per (name, shape, device) and kept ("zero" starts zero)."""
-        key = (name, tuple(like.shape), like.device)
+    def buffer(self, name: str, like: torch.Tensor, shape: tuple | None = None) -> torch.Tensor:
+        """A contiguous tensor of `like`'s dtype and device, shaped like it (or `shape`), made once per
+        (name, shape, device) and kept (it starts zero: the "zero" delta)."""
+        shape = tuple(like.shape if shape is None else shape)
+        key = (name, shape, like.device)
         if key not in self.kept:
-            self.kept[key] = torch.zeros_like(like, memory_format=torch.contiguous_format)
+            self.kept[key] = torch.zeros(shape, dtype=like.dtype, device=like.device)
         return self.kept[key]
 
 
@@ -160,26 +165,39 @@ def _resolve(path: str):
     return import_callable(path)
 
 
-def _inline_shared(x, w_gate_up, w_down, situ_beta, situ_linear_beta):
+def _inline_shared(x, w_gate_up, w_down, situ_beta, situ_linear_beta, out=None):
     """fused.shared_experts.start with the caller's current stream as its "side" stream: the fork and
     join are a stream waiting on itself (no-ops), so the launches run in line."""
     from fused.shared_experts import start
 
-    return start(x, w_gate_up, w_down, situ_beta, situ_linear_beta, stream=torch.cuda.current_stream(x.device))
+    return start(x, w_gate_up, w_down, situ_beta, situ_linear_beta, out=out,
+                 stream=torch.cuda.current_stream(x.device))
 
 
-def _reference_shared(x, w_gate_up, w_down, situ_beta, situ_linear_beta):
+def _into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`result`, or `out` holding it (a torch form's result where the caller asked for it in `out`)."""
+    return result if out is None else out.copy_(result)
+
+
+def _copying(fn):
+    """`fn` (a reference without `out=`) taking `out=`: its result copied in."""
+    def call(*args, out=None):
+        return _into(fn(*args), out)
+    return call
+
+
+def _reference_shared(x, w_gate_up, w_down, situ_beta, situ_linear_beta, out=None):
     from references.moe import shared_experts
 
-    return _Done(shared_experts(x, w_gate_up, w_down, situ_beta, situ_linear_beta))
+    return _Done(_into(shared_experts(x, w_gate_up, w_down, situ_beta, situ_linear_beta), out))
 
 
 def _fallbacks(layer: stock.StockLayer) -> dict:
     """Sync-free torch forms of the ops whose references read tensor values on the host (the routed
     experts' id checks and per-pair expert ids, the cache append's slot checks and masked write, the
     decode attention's per-sequence lengths); the others' references are sync-free as written."""
-    def routed(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_beta, situ_linear_beta):
-        return stock.routed_experts(layer, z, ids, weights)
+    def routed(z, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale, situ_beta, situ_linear_beta, out=None):
+        return _into(stock.routed_experts(layer, z, ids, weights), out)
 
     def decode(q_abs, cache, block_table, seq_lens, scale, kv_lora_rank):
         n_seq, n_q, H, C = q_abs.shape
@@ -214,6 +232,8 @@ def prepare(kind: str, weights: dict, config: str | K3Config, layer_idx: int, wd
     resolved = {op: _resolve(table[op]) for op in LAYER_OPS[kind]}
     if kernels == "reference":
         resolved["shared_experts"] = _reference_shared
+        if "moe_experts_mxfp4" in resolved:
+            resolved["moe_experts_mxfp4"] = _copying(resolved["moe_experts_mxfp4"])
     elif not shared_stream:
         resolved["shared_experts"] = _inline_shared
     return FusedLayer(kind, base.cfg, layer_idx, wd, base.w, resolved, _fallbacks(base) if kernels == "fused" else {})
@@ -237,19 +257,21 @@ def _attn_side(layer: FusedLayer, prefix: torch.Tensor, blocks: torch.Tensor) ->
     return x, n_blocks + int(push)
 
 
-def moe_experts(layer: FusedLayer, h: torch.Tensor, routing: list | None = None):
+def moe_experts(layer: FusedLayer, h: torch.Tensor, routing: list | None = None,
+                outs: tuple[torch.Tensor, torch.Tensor] | None = None):
     """(pending shared-experts output, routed latent output y): the shared experts started on their side
     stream first, then router_topk, skinny_gemm (latent down) and the routed experts (a rank's shards:
-    both are its partials)."""
+    both are its partials). outs: (y's [B, L], the shared experts' [B, D]) to write them into."""
     w, cfg = layer.w, layer.cfg
+    y_out, shared_out = outs or (None, None)
     shared = layer.call("shared_experts", h, w["w_shared_gate_up"], w["w_shared_down"], cfg.situ_beta,
-                        cfg.situ_linear_beta)
+                        cfg.situ_linear_beta, out=shared_out)
     ids, route_w = layer.call("router_topk", h, w["w_router"], w["router_bias"], cfg.top_k, cfg.routed_scale)
     if routing is not None:
         routing.append(ids)
     z = layer.call("skinny_gemm", h, w["w_latent_down"])
     y = layer.call("moe_experts_mxfp4", z, ids, route_w, w["w13_packed"], w["w13_scale"], w["w2_packed"],
-                   w["w2_scale"], cfg.situ_beta, cfg.situ_linear_beta)
+                   w["w2_scale"], cfg.situ_beta, cfg.situ_linear_beta, out=y_out)
     return shared, y
 
 

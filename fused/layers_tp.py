@@ -12,7 +12,8 @@ replica of the MLA cache. One step:
                `prefetch`, l2_prefetch of the MoE's first weights on a side stream during the gather
   MoE          shared experts (the rank's slice) on their side stream, router and latent down
                replicated, the rank's slice of every chosen expert -> partials of the latent output
-               and of the shared experts, gathered in one [T, B, L + D] all-gather, then
+               and of the shared experts (at B = 1 written by their kernels into the halves of the
+               all-gather's send row, above it concatenated), gathered in one [T, B, L + D] all-gather, then
                allreduce_latent_norm_up in two launches (fused/allreduce_latent_norm_up_prefold.py):
                the whole row folded in rank order by one allreduce_fold (read in place), then the latent
                norm, the up-projection, the shared add and prefix + mlp in one launch
@@ -182,9 +183,17 @@ def _mlp_side_tp(layer: RankLayer, prefix, partial: torch.Tensor, blocks, n_bloc
                    w["mlp_res_proj_w"], w["post_norm_w"], n_blocks, -1, eps, eps)
     if layer.kind == "dense":                                              # the dense MLP's partial, folded
         return prefix + layer.call("allreduce_fold", layer.gather(FL._dense_mlp(layer, h)))
-    shared, y = FL.moe_experts(layer, h, routing)
-    parts = layer.gather(torch.cat([y, shared.wait()], dim=-1))              # [T, B, L + D]
-    L = y.shape[-1]
+    B, D = h.shape
+    L = layer.w["w_latent_down"].shape[0]
+    if B == 1:          # the send row's halves are compact [1, L] and [1, D]: written there by the kernels
+        row = layer.buffer("send", h, (L + D,))
+        shared, y = FL.moe_experts(layer, h, routing, outs=(row[:L].view(1, L), row[L:].view(1, D)))
+        shared.wait()
+        send = row.view(1, L + D)
+    else:
+        shared, y = FL.moe_experts(layer, h, routing)
+        send = torch.cat([y, shared.wait()], dim=-1)
+    parts = layer.gather(send)                                             # [T, B, L + D]
     return layer.call("allreduce_latent_norm_up", prefix, parts[..., :L], parts[..., L:], w["latent_norm_w"],
                       w["w_latent_up"], eps)
 
@@ -218,12 +227,13 @@ def rank_steps(kind: str, x_steps: torch.Tensor, blocks: torch.Tensor, state: di
     return torch.stack([layer.step(x, blocks, *mine.values()) for x in x_steps]), mine
 
 
-def describe(layer: RankLayer) -> dict:
-    """fused.layers.describe for a rank: its ops plus the all-reduce op, and the gathers and the MoE
-    partials' fold as glue."""
+def describe(layer: RankLayer, batch: int) -> dict:
+    """fused.layers.describe for a rank's step at `batch` tokens: its ops plus the all-reduce op, and
+    the gathers (and above one token the MoE partials' concatenation) as glue."""
     info = FL.describe(layer)
     info["fused"] += [op for op in TP_OPS if op not in layer.unfused and (op != "l2_prefetch" or layer.prefetch)]
     info["glue"] += ["all-gather of the attention partials"] + (
         ["all-gather of the dense MLP partials"] if layer.kind == "dense" else
-        ["cat of the MoE partials [y | shared] (the all-gather's send row)", "all-gather of the MoE partials"])
+        ["cat of the MoE partials [y | shared] (the all-gather's send row)"] * (batch > 1)
+        + ["all-gather of the MoE partials"])
     return info

@@ -396,11 +396,11 @@ class _Launches:
             layer.kernels[op] = self._counted(op, fn)
 
     def _counted(self, op, fn):
-        def call(*args):
+        def call(*args, **kw):
             self.calls.append(op)
             self.inside += 1
             try:
-                return fn(*args)
+                return fn(*args, **kw)
             finally:
                 self.inside -= 1
         return call
@@ -436,16 +436,18 @@ def test_the_step_runs_one_launch_per_op_and_only_the_glue_it_lists(op_name, lay
     assert len(count.glue) == len(FL.GLUE[kind]), (count.glue, FL.GLUE[kind])
 
 
-@pytest.mark.parametrize("kind,T", [("kda", 2), ("kda", 8), ("mla", 4), ("dense", 2)])
-def test_a_rank_step_runs_one_launch_per_op_and_only_the_glue_it_lists(kind, T):
+@pytest.mark.parametrize("kind,T,B", [("kda", 2, 2), ("kda", 8, 1), ("kda", 8, 2), ("mla", 4, 1), ("mla", 4, 2),
+                                       ("dense", 2, 1)])
+def test_a_rank_step_runs_one_launch_per_op_and_only_the_glue_it_lists(kind, T, B):
     """The T-rank step (one rank, its gathers standing in): the all-reduces are one op each whatever T
     (allreduce_attn_res_rmsnorm, allreduce_latent_norm_up; the dense MLP's allreduce_fold), and every other
-    torch op is glue fused.layers_tp.describe lists (the gathers, the MoE partials' concatenation)."""
+    torch op is glue fused.layers_tp.describe lists (the gathers; above one token the MoE partials'
+    concatenation, which at one token the kernels write in place)."""
     import fused.layers_tp as TP
 
     op_name = "mla_layer" if kind == "mla" else "kda_layer"
     layer_idx = {"kda": 12, "mla": 15, "dense": 0}[kind]
-    inputs = _inputs(op_name, "tiny", 2, layer_idx)
+    inputs = _inputs(op_name, "tiny", B, layer_idx)
     t = {k: v.clone() for k, v in inputs.tensors.items()}
     state = {n: t.pop(n) for n in STATE[op_name]}
     x, blocks = t.pop("x_steps")[0], t.pop("blocks")
@@ -455,4 +457,6 @@ def test_a_rank_step_runs_one_launch_per_op_and_only_the_glue_it_lists(kind, T):
     assert count.calls.count("allreduce_attn_res_rmsnorm") == 1
     assert count.calls.count("allreduce_fold") == (1 if kind == "dense" else 0)
     assert count.calls.count("allreduce_latent_norm_up") == (0 if kind == "dense" else 1)
-    assert len(count.glue) == len(TP.describe(layer)["glue"]), (count.glue, TP.describe(layer)["glue"])
+    glue = TP.describe(layer, B)["glue"]
+    assert len(count.glue) == len(glue), (count.glue, glue)
+    assert any(g.startswith("cat of the MoE") for g in glue) == (B > 1 and kind != "dense")

@@ -28,10 +28,11 @@ def _inputs(kind: str, config: str = "tiny", batch: int = 3, steps: int = 3, see
     return t.pop("x_steps"), t.pop("blocks"), state, t, inputs.params
 
 
-def _rank_worker(rank: int, T: int, device: str, kind: str, kernels: str, fold: str, prefetch: bool = False):
+def _rank_worker(rank: int, T: int, device: str, kind: str, kernels: str, fold: str, prefetch: bool = False,
+                 batch: int = 3):
     import fused.layers_tp as TP
 
-    x_steps, blocks, state, weights, params = _inputs(kind)
+    x_steps, blocks, state, weights, params = _inputs(kind, batch=batch)
     move = lambda d: {k: v.to(device) for k, v in d.items()}
     gather = TP.ProcessGroupGather()
     if fold == "wd_allreduce":       # the planted bug: a working-dtype all-reduce (NCCL's bf16 sum)
@@ -59,30 +60,31 @@ class _WdAllReduce:
 
 
 def _run_ranks(kind: str, T: int, backend: str = "gloo", kernels: str = "reference", fold: str = "declared",
-               prefetch: bool = False):
+               prefetch: bool = False, batch: int = 3):
     """[(rank, output steps, rank state)] in rank order."""
     return [(r, *payload) for r, payload in enumerate(spawn_ranks(_rank_worker, T, backend, kind, kernels, fold,
-                                                                   prefetch))]
+                                                                   prefetch, batch))]
 
 
-def _reference(kind: str, T: int):
+def _reference(kind: str, T: int, batch: int = 3):
     from references.config import get_config
     from references.layers import LayerState, decode_steps
     from references.weights import LayerWeights
 
-    x_steps, blocks, state, weights, params = _inputs(kind)
+    x_steps, blocks, state, weights, params = _inputs(kind, batch=batch)
     w = LayerWeights(kind, get_config(params["config"]), x_steps.dtype, weights)
     st = LayerState(prefix=torch.zeros_like(x_steps[0]), blocks=blocks.clone(), **state)
     return decode_steps(kind, w, st, x_steps, params["layer_idx"], tp=T), {n: getattr(st, n) for n in KINDS[kind]}
 
 
-@pytest.mark.parametrize("kind,T,prefetch", [("kda", 2, False), ("mla", 2, True), ("kda", 4, False),
-                                             ("dense", 2, False)])
-def test_ranks_over_gloo_are_the_simulated_tp_layer_bit_for_bit(kind, T, prefetch):
+@pytest.mark.parametrize("kind,T,prefetch,batch", [("kda", 2, False, 3), ("mla", 2, True, 3), ("kda", 4, False, 3),
+                                                   ("dense", 2, False, 3), ("kda", 2, False, 1), ("mla", 4, False, 1)])
+def test_ranks_over_gloo_are_the_simulated_tp_layer_bit_for_bit(kind, T, prefetch, batch):
+    """At one token the MoE partials go into the all-gather's send row in place; above it, concatenated."""
     from fused.layers_tp import join_state
 
-    want, want_state = _reference(kind, T)
-    results = _run_ranks(kind, T, prefetch=prefetch)
+    want, want_state = _reference(kind, T, batch)
+    results = _run_ranks(kind, T, prefetch=prefetch, batch=batch)
     for rank, out, _ in results:
         assert torch.equal(out, want), f"rank {rank}: outputs differ from references.layers_tp at T={T}"
     joined = join_state(kind, [r[2] for r in results])
