@@ -27,7 +27,7 @@ CUDA graph and replayed (`step_launch`). Checks of values (page room in block_ta
 the steps (stock.layers.validate_state). The registry forms (`layer_steps`) make this module a
 candidate of kda_layer and mla_layer: `--candidate fused.layers:layer_steps`.
 
-`layer_steps_shared_inline` is the same step with the shared experts' three launches on the caller's
+`layer_steps_shared_inline` is the same step with the shared experts' launches on the caller's
 stream, after the routed experts' inputs are queued and before the MoE tail: the same kernels and
 bits, no overlap. Benched beside `layer_steps`, it is the step time without the side stream.
 """
@@ -52,9 +52,9 @@ KERNELS = {
     "kda_in_proj": "fused.kda_in_proj:kda_in_proj",
     "kda_decode": "fused.kda_decode:kda_decode",
     "skinny_gemm": "fused.skinny_gemm:skinny_gemm",
-    "router_topk": "fused.router_topk:router_topk",
-    "moe_experts_mxfp4": "fused.moe_experts_mxfp4:moe_experts_mxfp4",
-    "shared_experts": "fused.shared_experts:start",
+    "router_topk": "fused.router_topk_onelaunch:router_topk",
+    "moe_experts_mxfp4": "fused.moe_experts_mxfp4_slots:moe_experts_mxfp4",
+    "shared_experts": "fused.shared_experts_actdown:start",
     "latent_norm_up": "fused.latent_norm_up:latent_norm_up",
     "allreduce_latent_norm_up": "fused.allreduce_latent_norm_up_prefold:allreduce_latent_norm_up",
     "mla_qkv_a": "fused.mla_qkv_a:mla_qkv_a",
@@ -166,10 +166,9 @@ def _resolve(path: str):
 
 
 def _inline_shared(x, w_gate_up, w_down, situ_beta, situ_linear_beta, out=None):
-    """fused.shared_experts.start with the caller's current stream as its "side" stream: the fork and
-    join are a stream waiting on itself (no-ops), so the launches run in line."""
-    from fused.shared_experts import start
-
+    """The kernel table's shared-experts start with the caller's current stream as its "side" stream: the
+    fork and join are a stream waiting on itself (no-ops), so the launches run in line."""
+    start = _resolve(KERNELS["shared_experts"])
     return start(x, w_gate_up, w_down, situ_beta, situ_linear_beta, out=out,
                  stream=torch.cuda.current_stream(x.device))
 
