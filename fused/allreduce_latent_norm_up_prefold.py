@@ -10,6 +10,10 @@ each CTA stages B x L instead of T x B x L.
 - Where the halves are the column slices of one gathered [T, B, L + D] row (as the layer's rank step
   hands them), one fold launch reads the whole row in place: two launches in all.
 - Otherwise each half is folded on its own: three launches.
+- Up to ONE_LAUNCH_MAX partial rows (T x B), the one-launch tail folds them itself: each CTA's extra
+  reads are T x B x L elements from L2, and on the H100 at K3 the one launch took 23.8 us against the two
+  launches' 25.5 at T = 8, B = 1 (8 rows), 29.2 against 27.5 at T = 16, B = 1 (16 rows)
+  (results/performance.md, the tail op alone). The bits are the same either way.
 
 The rounding points are the reference's. allreduce_fold rounds the fp32 rank-order sum once to the
 working dtype, exactly the `allreduce_fold` of each half in references.moe_tp, and a one-partial
@@ -25,6 +29,7 @@ from fused import allreduce_latent_norm_up as tail
 
 DTYPES = tail.DTYPES
 variants = tail.variants        # the tail's tiles: the fold's tile changes no bit (its order is per element)
+ONE_LAUNCH_MAX = 8              # partial rows (T x B) up to which the one-launch tail folds them itself
 
 
 def _one_row(y_parts: torch.Tensor, shared_parts: torch.Tensor) -> torch.Tensor | None:
@@ -41,11 +46,11 @@ def _one_row(y_parts: torch.Tensor, shared_parts: torch.Tensor) -> torch.Tensor 
 
 def allreduce_latent_norm_up(prefix, y_parts, shared_parts, norm_w, w_up, eps: float, *, variant=None):
     """Fused replacement of references.moe_tp.allreduce_latent_norm_up (same signature) -> out [B, D]:
-    fused.allreduce_fold of the partials (T > 1; one launch for a gathered row, else one per half),
-    then fused.allreduce_latent_norm_up on the folded rows."""
+    fused.allreduce_fold of the partials (T > 1 and T x B > ONE_LAUNCH_MAX; one launch for a gathered
+    row, else one per half), then fused.allreduce_latent_norm_up on the folded rows."""
     tail._check(prefix, y_parts, shared_parts, norm_w, w_up, eps)
     T, B, L = y_parts.shape
-    if T > 1 and B > 0:
+    if T > 1 and T * B > ONE_LAUNCH_MAX:
         row = _one_row(y_parts, shared_parts)
         if row is not None:
             folded = fold.allreduce_fold(row)[None]

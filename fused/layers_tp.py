@@ -14,9 +14,10 @@ replica of the MLA cache. One step:
                replicated, the rank's slice of every chosen expert -> partials of the latent output
                and of the shared experts (at B = 1 written by their kernels into the halves of the
                all-gather's send row, above it concatenated), gathered in one [T, B, L + D] all-gather, then
-               allreduce_latent_norm_up in two launches (fused/allreduce_latent_norm_up_prefold.py):
-               the whole row folded in rank order by one allreduce_fold (read in place), then the latent
-               norm, the up-projection, the shared add and prefix + mlp in one launch
+               allreduce_latent_norm_up (fused/allreduce_latent_norm_up_prefold.py): the whole row folded
+               in rank order by one allreduce_fold (read in place), then the latent norm, the
+               up-projection, the shared add and prefix + mlp in one launch; up to 8 partial rows
+               (T x B), that one launch folds them itself
   dense MLP    the rank's slice of the dense MLP, gathered, folded by allreduce_fold, prefix + mlp
 
 The gather is a `Collective`: `ProcessGroupGather` (torch.distributed: NCCL between GPUs, gloo on

@@ -140,18 +140,20 @@ def test_launch_reads_the_gathered_halves_in_place(monkeypatch):
                              (B * (L + D), L + D, 1))
 
 
-@pytest.mark.parametrize("T,gathered", [(1, True), (4, True), (4, False)])
-def test_the_two_launch_form_folds_once_then_runs_the_tail_on_one_partial(monkeypatch, T, gathered):
+@pytest.mark.parametrize("T,B,gathered", [(1, 3, True), (4, 3, True), (4, 3, False), (8, 1, True), (4, 2, False),
+                                           (9, 1, True), (16, 1, True)])
+def test_the_two_launch_form_folds_once_then_runs_the_tail_on_one_partial(monkeypatch, T, B, gathered):
     """fused.allreduce_latent_norm_up_prefold on the CPU, both kernels replaced by stand-ins that compute
-    their op from the views they are handed: the halves of one gathered row are folded by one launch
-    reading the row in place, separate halves by one launch each, nothing at T = 1; the tail gets one
-    partial of each; the result is the reference's bits."""
+    their op from the views they are handed: above ONE_LAUNCH_MAX partial rows (T x B) the halves of one
+    gathered row are folded by one launch reading the row in place, separate halves by one launch each,
+    and the tail gets one partial of each; up to it (T = 1 included) the tail gets the T partials
+    unfolded; the result is the reference's bits."""
     from fused import allreduce_fold as fold
     from fused import allreduce_latent_norm_up as fm
     from fused import allreduce_latent_norm_up_prefold as pf
     from references.allreduce import allreduce_fold as ref_fold
     from references.moe_tp import allreduce_latent_norm_up as ref
-    B, D, L = 3, 64, 32
+    D, L = 64, 32
     g = torch.Generator().manual_seed(1)
     r = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)
     row = r(T, B, L + D)
@@ -168,7 +170,10 @@ def test_the_two_launch_form_folds_once_then_runs_the_tail_on_one_partial(monkey
     monkeypatch.setattr(fm, "_custom_op", lambda: tail)
     got = pf.allreduce_latent_norm_up(**t, eps=1e-5)
     assert torch.equal(got.view(torch.int16), ref(**t, eps=1e-5).view(torch.int16))
-    folds = ([] if T == 1 else [("fold", row.data_ptr(), (T, B, L + D))] if gathered else
+    if T * B <= pf.ONE_LAUNCH_MAX:
+        assert seen == [("tail", (T, B, L), (T, B, D))]
+        return
+    folds = ([("fold", row.data_ptr(), (T, B, L + D))] if gathered else
              [("fold", y.data_ptr(), (T, B, L)), ("fold", sh.data_ptr(), (T, B, D))])
     assert seen == folds + [("tail", (1, B, L), (1, B, D))]
 
@@ -271,10 +276,10 @@ def test_the_two_launch_form_through_the_harness(config, batch, dtype, dist, tp)
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("B,T", [(1, 8), (8, 8), (64, 16)])
+@pytest.mark.parametrize("B,T", [(1, 16), (8, 8), (64, 16)])
 def test_the_two_launch_form_gives_the_one_launch_bits_and_replays_in_a_graph(B, T):
     """Both round the fold once to the working dtype and run the same tail: the same bits, eager and
-    replayed from a CUDA graph after the inputs changed."""
+    replayed from a CUDA graph after the inputs changed (shapes past ONE_LAUNCH_MAX: two launches)."""
     from fused.allreduce_latent_norm_up import allreduce_latent_norm_up as one
     from fused.allreduce_latent_norm_up_prefold import allreduce_latent_norm_up as two
     t = _inputs(B, T)
@@ -302,5 +307,8 @@ def test_k3_time_beside_the_four_launches_it_replaces(B, T):
     two = lambda: prefolded(**t, eps=1e-5)
     fused(), two(), four()
     a, c, b = graph_us(fused), graph_us(two), graph_us(four)
-    print(f"\nallreduce_latent_norm_up K3 T={T} B={B}: fused {a:.1f} us, two launches {c:.1f} us, four launches {b:.1f} us")
+    from fused.allreduce_latent_norm_up_prefold import ONE_LAUNCH_MAX
+    form = "its one launch" if T * B <= ONE_LAUNCH_MAX else "two launches"
+    print(f"\nallreduce_latent_norm_up K3 T={T} B={B}: fused {a:.1f} us, the prefold form ({form}) {c:.1f} us, "
+          f"four launches {b:.1f} us")
     assert a > 0 and b > 0 and c > 0
