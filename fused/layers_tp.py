@@ -42,6 +42,9 @@ TP_OPS = ("allreduce_attn_res_rmsnorm", "allreduce_fold", "l2_prefetch")
 # `prefetch`): the weights the MoE reads first, the router's and the rank's shared-experts gate_up
 # (K3, T = 8: 12.8 + 22 MB, inside l2_prefetch's default budget of 3/4 of the H200's 50 MB L2)
 PREFETCH = ("w_router", "w_shared_gate_up")
+# tokens up to which the routed and shared experts write their partials into the halves of the MoE
+# all-gather's send row [B, L + D] (the halves are compact views only at one token); above, concatenated
+SEND_ROW_IN_PLACE_MAX = 1
 
 
 # ---------------------------------------------------------------------------------------------- gathers
@@ -186,7 +189,7 @@ def _mlp_side_tp(layer: RankLayer, prefix, partial: torch.Tensor, blocks, n_bloc
         return prefix + layer.call("allreduce_fold", layer.gather(FL._dense_mlp(layer, h)))
     B, D = h.shape
     L = layer.w["w_latent_down"].shape[0]
-    if B == 1:          # the send row's halves are compact [1, L] and [1, D]: written there by the kernels
+    if B <= SEND_ROW_IN_PLACE_MAX:      # the send row's halves [1, L] and [1, D]: written by the kernels
         row = layer.buffer("send", h, (L + D,))
         shared, y = FL.moe_experts(layer, h, routing, outs=(row[:L].view(1, L), row[L:].view(1, D)))
         shared.wait()
@@ -235,6 +238,6 @@ def describe(layer: RankLayer, batch: int) -> dict:
     info["fused"] += [op for op in TP_OPS if op not in layer.unfused and (op != "l2_prefetch" or layer.prefetch)]
     info["glue"] += ["all-gather of the attention partials"] + (
         ["all-gather of the dense MLP partials"] if layer.kind == "dense" else
-        ["cat of the MoE partials [y | shared] (the all-gather's send row)"] * (batch > 1)
+        ["cat of the MoE partials [y | shared] (the all-gather's send row)"] * (batch > SEND_ROW_IN_PLACE_MAX)
         + ["all-gather of the MoE partials"])
     return info

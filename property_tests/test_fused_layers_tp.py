@@ -204,6 +204,30 @@ def test_k3_steps_over_nccl_on_two_gpus_timed(kind):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind,T,config", [("kda", 2, "tiny"), ("mla", 4, "tiny"), ("kda", 8, "small"),
+                                           ("mla", 2, "small")])
+def test_the_send_row_written_in_place_gives_the_concatenation_bits(monkeypatch, kind, T, config):
+    """At one token the fused routed and shared experts write their partials into the halves of the MoE
+    all-gather's send row (out=): the rank's output steps and state are those of the same fused step
+    with the partials concatenated, bit for bit."""
+    import fused.layers_tp as TP
+
+    x_steps, blocks, state, weights, params = _inputs(kind, config=config, batch=1)
+    move = lambda d: {k: v.cuda() for k, v in d.items()}
+    runs = {}
+    for in_place in (1, 0):
+        monkeypatch.setattr(TP, "SEND_ROW_IN_PLACE_MAX", in_place)
+        runs[in_place] = TP.rank_steps(kind, x_steps.cuda(), blocks.cuda(), move(state), params["layer_idx"],
+                                       params["config"], move(weights), TP.CopiesGather(T), "fused")
+    (out1, st1), (out0, st0) = runs[1], runs[0]
+    assert torch.isfinite(out1).all()
+    assert torch.equal(out1, out0), "the send row written in place changed the rank's outputs"
+    for n in st1:
+        assert torch.equal(st1[n], st0[n]), n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["kda", "mla"])
 def test_k3_rank_step_on_one_gpu(kind):
     """One rank's step at K3 per-rank shapes (T = 8, 16; B = 1, 8, 64) beside the stock layer's step on
