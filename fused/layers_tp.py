@@ -189,11 +189,11 @@ def _mlp_side_tp(layer: RankLayer, prefix, partial: torch.Tensor, blocks, n_bloc
         return prefix + layer.call("allreduce_fold", layer.gather(FL._dense_mlp(layer, h)))
     B, D = h.shape
     L = layer.w["w_latent_down"].shape[0]
-    if B <= SEND_ROW_IN_PLACE_MAX:      # the send row's halves [1, L] and [1, D]: written by the kernels
-        row = layer.buffer("send", h, (L + D,))
-        shared, y = FL.moe_experts(layer, h, routing, outs=(row[:L].view(1, L), row[L:].view(1, D)))
+    if B <= SEND_ROW_IN_PLACE_MAX:      # the send row's halves [B, L] and [B, D]: written by the kernels
+        row = layer.buffer("send", h, (B * (L + D),))
+        shared, y = FL.moe_experts(layer, h, routing, outs=(row[:B * L].view(B, L), row[B * L:].view(B, D)))
         shared.wait()
-        send = row.view(1, L + D)
+        send = row.view(B, L + D)
     else:
         shared, y = FL.moe_experts(layer, h, routing)
         send = torch.cat([y, shared.wait()], dim=-1)
