@@ -96,8 +96,6 @@ GLUE = {
     "mla": ("prefix working copy",),
 }
 REFUSALS = (ValueError, TypeError)      # what a fused kernel's argument checks raise, before any launch
-# ops whose every form takes `out=` (the fused kernels write there; a reference's result is copied in)
-OUT_OPS = ("moe_experts_mxfp4", "shared_experts")
 
 
 class _Done:
@@ -137,7 +135,9 @@ class FusedLayer:
 
     def call(self, op: str, *args, out: torch.Tensor | None = None):
         """`op` through its kernel; a fused kernel's refusal of these shapes (outside a capture) moves the
-        op to its torch form for good and records why. `out` (OUT_OPS only): where the result goes."""
+        op to its torch form for good and records why. `out`: where the result goes (the routed and
+        shared experts only, whose every form takes it: a fused kernel writes there, a torch form's
+        result is copied in)."""
         kw = {} if out is None else {"out": out}
         if op in self.unfused:
             return self.fallbacks[op](*args, **kw)

@@ -189,14 +189,13 @@ def _mlp_side_tp(layer: RankLayer, prefix, partial: torch.Tensor, blocks, n_bloc
         return prefix + layer.call("allreduce_fold", layer.gather(FL._dense_mlp(layer, h)))
     B, D = h.shape
     L = layer.w["w_latent_down"].shape[0]
+    outs = None
     if B <= SEND_ROW_IN_PLACE_MAX:      # the send row's halves [B, L] and [B, D]: written by the kernels
         row = layer.buffer("send", h, (B * (L + D),))
-        shared, y = FL.moe_experts(layer, h, routing, outs=(row[:B * L].view(B, L), row[B * L:].view(B, D)))
-        shared.wait()
-        send = row.view(B, L + D)
-    else:
-        shared, y = FL.moe_experts(layer, h, routing)
-        send = torch.cat([y, shared.wait()], dim=-1)
+        outs = (row[:B * L].view(B, L), row[B * L:].view(B, D))
+    shared, y = FL.moe_experts(layer, h, routing, outs)
+    shared = shared.wait()
+    send = row.view(B, L + D) if outs else torch.cat([y, shared], dim=-1)
     parts = layer.gather(send)                                             # [T, B, L + D]
     return layer.call("allreduce_latent_norm_up", prefix, parts[..., :L], parts[..., L:], w["latent_norm_w"],
                       w["w_latent_up"], eps)
