@@ -123,7 +123,7 @@ def launch(h, w_router, bias, top_k: int, routed_scale: float, w_latent_down, id
     h, w_router, w_latent_down = (runtime.aligned(t.contiguous()) for t in (h, w_router, w_latent_down))
     logits, counter = rto.buffers(h.device, E)
     fn = _compile(runtime.dtype_name(h.dtype), E, L, D, top_k, select)
-    fn(h, w_router, logits[0, :1], logits[:, :1], bias, ids, weights, counter, w_latent_down, z,
+    fn(h, w_router, logits[0, :1], logits[:, :1], bias.contiguous(), ids, weights, counter, w_latent_down, z,
        float(routed_scale))
 
 
@@ -157,8 +157,9 @@ def router_latent_down(h, w_router, bias, top_k: int, routed_scale: float, w_lat
     (B, D), L = h.shape, w_latent_down.shape[0]
     if select is not None and select not in SELECTS:
         raise ValueError(f"select: {select!r} is not one of {SELECTS}")
-    if z_out is not None and (tuple(z_out.shape) != (B, L) or z_out.dtype != h.dtype):
-        raise ValueError(f"z_out: expected {h.dtype} [{B}, {L}], got {z_out.dtype} {tuple(z_out.shape)}")
+    if z_out is not None and (tuple(z_out.shape) != (B, L) or z_out.dtype != h.dtype or not z_out.is_contiguous()):
+        raise ValueError(f"z_out: expected a contiguous {h.dtype} [{B}, {L}], got {z_out.dtype} "
+                         f"{tuple(z_out.shape)} strides {z_out.stride()}")
     rto._check(h, w_router, bias, top_k)            # the device last
     z = z_out if z_out is not None else torch.empty(B, L, dtype=h.dtype, device=h.device)
     if latent_config(B, L, D) is None:

@@ -102,6 +102,8 @@ def _bad_cases():
     yield "latent K", (h, wr, bias, 4, 2.5, wl[:, :32]), {}, ValueError, "w_latent_down: (16, 32) does not take h"
     yield "latent dtype", (h, wr, bias, 4, 2.5, wl.half()), {}, TypeError, "w_latent_down: dtype torch.float16"
     yield "select", (h, wr, bias, 4, 2.5, wl), {"select": "sort"}, ValueError, "select: 'sort' is not one of"
+    yield "z_out", (h, wr, bias, 4, 2.5, wl), {"z_out": torch.empty(1, 32, dtype=torch.bfloat16)[:, ::2]}, ValueError, \
+        "z_out: expected a contiguous torch.bfloat16 [1, 16]"
 
 
 @pytest.mark.parametrize("name,args,kw,exc,msg", list(_bad_cases()), ids=[c[0] for c in _bad_cases()])
