@@ -25,15 +25,14 @@ So the six outputs are kda_in_proj's bits at B = 1 where its dispatcher picks th
 merged rows (every K3 per-rank shape at one token). Elsewhere (B > 1, a tensor-core or split plan)
 this form calls fused.kda_in_proj (two or three launches).
 
-The counters and the scratch row are kept per (device, stream, shape): launches on one stream run in
-order; two streams never share them. A CUDA graph keeps the buffers of its capture stream, so two
-replays of graphs captured on one stream must not overlap.
+The counters and the scratch row are kept per (device, stream, shape) (fused.grid_sync.kept).
 
 The candidate: `--candidate fused.kda_in_proj_onelaunch:kda_in_proj`; its variants are kda_in_proj's
 (at B = 1 the one-launch form stands for the SIMT plan with the one-row tail).
 """
 import torch
 
+from fused import grid_sync
 from fused import kda_in_proj as kp
 from fused import runtime
 from fused import skinny_gemm as sg
@@ -82,7 +81,7 @@ class KdaInProjOneLaunch:
         from cutlass import Float32, Int32
 
         g = self.gemm
-        body = g.device_body()
+        body, draw = g.device_body(), grid_sync.make_draw()
         C, r, H, vec, dt = self.C, self.r, self.H, self.vec, self.dtype
         n, G, fa0 = self.n_ctas, self.tail_ctas, 4 * self.C
 
@@ -95,11 +94,7 @@ class KdaInProjOneLaunch:
             smem = cutlass.memory.SmemAllocator()
             ticket = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=16)
             fa = smem.allocate_tensor(Float32, cute.make_layout(r), byte_alignment=16)
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.sync_threads()
-            if tidx == 0:
-                ticket[0] = cute.arch.atomic_add(mCnt.iterator, Int32(1), sem="acq_rel", scope="gpu")
-            cute.arch.sync_threads()
+            draw(mCnt, ticket)
             w = ticket[0] - Int32(n - G)
             if w >= Int32(0):                         # one of the tail's G CTAs: column block w
                 if tidx == 0:
@@ -165,18 +160,12 @@ def _compile(dtype: str, C: int, r: int, H: int, D: int, gemm: sg.SkinnyGemmConf
         runtime.fake_tensor("int32", (2,), align=4))
 
 
-_buffers: dict = {}
-
-
 def buffers(device, dtype: torch.dtype, N: int):
-    """(merged scratch [1, N] wd, counters [2] int32, zeroed once) for `device` and the current stream,
-    made on first use and reused: the kernel leaves the counters at zero."""
-    key = (str(device), torch.cuda.current_stream(device).cuda_stream, dtype, N)
-    hit = _buffers.get(key)
-    if hit is None:
-        hit = (torch.empty(1, N, dtype=dtype, device=device), torch.zeros(2, dtype=torch.int32, device=device))
-        _buffers[key] = hit
-    return hit
+    """(merged scratch [1, N] wd, counters [2] int32, zeroed once) kept for `device` and its current
+    stream (grid_sync.kept): the kernel leaves the counters at zero."""
+    return grid_sync.kept(device, ("kda_in_proj_onelaunch", dtype, N),
+                          lambda: (torch.empty(1, N, dtype=dtype, device=device),
+                                   torch.zeros(2, dtype=torch.int32, device=device)))
 
 
 def launch(x, w_in, w_fb, q_raw, k_raw, v_raw, g_raw, beta_raw, z, cfg: kp.KdaInProjConfig) -> None:

@@ -21,6 +21,7 @@ launches on one stream run in order and each leaves the counter at zero.
 """
 import torch
 
+from fused import grid_sync
 from fused import router_topk_onelaunch as rto
 from fused import runtime
 from fused import skinny_gemm as sg
@@ -53,7 +54,7 @@ class RouterLatentDown:
         from cutlass import Float32, Int32
 
         r = self.router
-        router_body, latent_body = r.gemm.device_body(), self.latent.device_body()
+        router_body, latent_body, draw = r.gemm.device_body(), self.latent.device_body(), grid_sync.make_draw()
         select = make_select(r.E, r.k, 1, 1, 4, r.select_kind)
         n_r, n_l, vec = self.n_r, self.n_l, r.gemm.vec
 
@@ -68,11 +69,7 @@ class RouterLatentDown:
                     router_body(gX, gWr, mLogitY)
                     ticket = cutlass.memory.SmemAllocator().allocate_tensor(Int32, cute.make_layout(1),
                                                                              byte_alignment=16)
-                    cute.arch.fence_acq_rel_gpu()
-                    cute.arch.sync_threads()
-                    if tidx == 0:
-                        ticket[0] = cute.arch.atomic_add(mCnt.iterator, Int32(1), sem="acq_rel", scope="gpu")
-                    cute.arch.sync_threads()
+                    draw(mCnt, ticket)
                     if ticket[0] == Int32(n_r - 1):    # every other router CTA's logits are visible
                         cute.arch.fence_acq_rel_gpu()
                         select(mLogit, mBias, mIds, mW, routed_scale, Int32(0))
