@@ -328,6 +328,37 @@ def test_the_shared_inline_layer_gives_the_side_stream_layers_bits(op_name, laye
         assert torch.equal(a, b)
 
 
+ONE_LAUNCH_FORMS = {"kda_in_proj": "fused.kda_in_proj_onelaunch:kda_in_proj",
+                    "mla_qkv_a": "fused.mla_qkv_a_onelaunch:mla_qkv_a"}
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("op_name,layer_idx", [("kda_layer", 12), ("mla_layer", 15)])
+def test_the_one_launch_projections_keep_the_step_s_bits_with_a_launch_fewer(monkeypatch, op_name, layer_idx):
+    """At one token the kernel table with the one-launch in-projection (KDA) or q_a / kv_a projection
+    (MLA) in place of the two-launch form: every output and state bit for bit the same over three steps,
+    and the captured step one kernel launch shorter."""
+    from property_tests.gpu_timing import assert_graph_replays_eager
+    from verify.bench.launches import count_launches
+
+    op = "kda_in_proj" if op_name == "kda_layer" else "mla_qkv_a"
+    got, launches = {}, {}
+    for name in ("two", "one"):
+        if name == "one":
+            monkeypatch.setitem(FL.KERNELS, op, ONE_LAUNCH_FORMS[op])
+        layer, x_steps, blocks, state = _device_layer(op_name, "small", 1, layer_idx)
+        stock.validate_state(layer, x_steps[0], blocks, state, 2 * x_steps.shape[0] + 4)
+        outs = [layer.step(x, blocks, *state.values()).clone() for x in x_steps]
+        got[name] = (*outs, *state.values())
+        assert layer.unfused == {}, layer.unfused
+        prefix, g_blocks, g_state = assert_graph_replays_eager(layer, x_steps, blocks, state)
+        launches[name] = count_launches(lambda: layer.step(prefix, g_blocks, *g_state.values()), warmup=2).kernels
+    for a, b in zip(got["two"], got["one"]):
+        assert torch.equal(a, b)
+    assert launches["one"] == launches["two"] - 1, launches
+
+
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["kda", "mla"])
