@@ -1,5 +1,5 @@
 """Hand-offs between the CTAs of one launch, for the one-launch forms (a GEMV whose last CTAs finish the
-op: fused.kda_in_proj_onelaunch, fused.mla_qkv_a_onelaunch, fused.router_latent_down).
+op: fused.kda_in_proj_onelaunch, fused.mla_qkv_a_onelaunch, fused.router_topk_latent_down).
 
 - `kept(device, key, make)`: workspaces and ticket counters kept per (device, stream, key). A kernel
   that leaves its counters at zero can be launched again on the same stream, whose launches run in

@@ -1,11 +1,11 @@
-"""fused/router_latent_down.py (router_topk and the latent-down GEMV over the same h in one launch at
+"""fused/router_topk_latent_down.py (router_topk and the latent-down GEMV over the same h in one launch at
 B = 1): the kernel compiles for sm_90a on a CPU-only machine at the K3 per-rank shapes with both top-k
 kernels; its PTX has the router's one ticket between two gpu-scope fences; the one-launch rule and the
 calls it hands to the two ops' own launches; bad arguments are refused in one line. On a CUDA device
 (`@pytest.mark.gpu`): router_topk_onelaunch's and skinny_gemm's bits, CUDA-graph replays (the counter
 back at zero), and a timing line beside the two launches.
 
-Run on the GPU: `python -m pytest -q -m gpu -s property_tests/test_fused_router_latent_down.py`."""
+Run on the GPU: `python -m pytest -q -m gpu -s property_tests/test_fused_router_topk_latent_down.py`."""
 import os
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")      # before any cutlass import
@@ -20,7 +20,7 @@ from fused import runtime  # noqa: E402
 from references.config import K3, SMALL, TINY  # noqa: E402
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-OP = "router_latent_down"
+OP = "router_topk_latent_down"
 SHAPES = [(K3, 1), (K3, 8), (K3, 16), (SMALL, 1), (TINY, 1)]
 SHAPE_IDS = ["k3-T1", "k3-T8", "k3-T16", "small", "tiny"]
 
@@ -41,17 +41,17 @@ def test_both_top_k_kernels_compile_in_the_shared_grid(cfg, T, select):
 def test_the_grid_holds_both_launches_grids(cfg, T):
     """The halves are the router's grid (E / its columns per CTA) and skinny_gemm's pick at one token
     (the SIMT GEMV of one row), each of 128 threads."""
-    from fused import router_latent_down as m
+    from fused import router_topk_latent_down as m
     from fused import skinny_gemm as sg
     E, L, D, k = _dims(cfg, T)
-    op = m.RouterLatentDown("bfloat16", E, L, D, k, "threshold")
+    op = m.RouterTopkLatentDown("bfloat16", E, L, D, k, "threshold")
     assert op.latent.cfg == sg.default_config(1, L, D) == m.latent_config(1, L, D)
     assert op.n_r * op.router.gemm.nt == E and op.n_l * op.latent.nt == L
     assert op.router.gemm.threads == op.latent.threads == 128
 
 
 def test_the_rule_takes_one_token_only():
-    from fused import router_latent_down as m
+    from fused import router_topk_latent_down as m
     for T in (1, 8, 16):
         E, L, D, k = _dims(K3, T)
         assert m.latent_config(1, L, D) is not None, T
@@ -61,7 +61,8 @@ def test_the_rule_takes_one_token_only():
 def test_ptx_has_the_router_s_ticket_between_gpu_scope_fences_and_spills_nothing(ptx_of, ptxas_regs):
     import re
     E, L, D, k = _dims(K3, 8)
-    ptx = ptx_of(f"from fused import router_latent_down as m; m._compile('bfloat16', {E}, {L}, {D}, {k}, 'threshold')")
+    ptx = ptx_of("from fused import router_topk_latent_down as m; "
+                 f"m._compile('bfloat16', {E}, {L}, {D}, {k}, 'threshold')")
     body = ptx[ptx.index(".entry"):]
     tickets = re.findall(r"atom(?:\.global)?\.acq_rel(?:\.gpu)?(?:\.global)?\.add\.u32", body)
     assert len(tickets) == 1, tickets
@@ -73,7 +74,7 @@ def test_ptx_has_the_router_s_ticket_between_gpu_scope_fences_and_spills_nothing
 
 def test_over_one_token_the_calls_are_the_two_ops_own(monkeypatch):
     """B > 1: router_topk_onelaunch's router_topk (with the select's variant) and skinny_gemm into z."""
-    from fused import router_latent_down as m
+    from fused import router_topk_latent_down as m
     from fused import router_topk_onelaunch as rto
     from fused import skinny_gemm as sg
     seen = []
@@ -81,14 +82,14 @@ def test_over_one_token_the_calls_are_the_two_ops_own(monkeypatch):
     monkeypatch.setattr(rto, "router_topk", lambda *a, **kw: seen.append(("router", a, kw)) or ("ids", "w"))
     monkeypatch.setattr(sg, "skinny_gemm", lambda *a, **kw: seen.append(("gemm", a, kw)) or "z")
     h, wr, bias, wl = torch.empty(2, 64), torch.empty(8, 64), torch.empty(8), torch.empty(16, 64)
-    assert m.router_latent_down(h, wr, bias, 4, 2.5, wl, select="rounds") == ("ids", "w", "z")
+    assert m.router_topk_latent_down(h, wr, bias, 4, 2.5, wl, select="rounds") == ("ids", "w", "z")
     (_, ra, rkw), (_, ga, gkw) = seen
     assert ra[3:] == (4, 2.5) and rkw["variant"].select == "rounds"
     assert ga[1] is wl and tuple(gkw["out"].shape) == (2, 16)
 
 
 def test_custom_op_registers_under_project_namespace():
-    from fused import router_latent_down as m
+    from fused import router_topk_latent_down as m
     m._custom_op()
     assert hasattr(torch.ops.verify_kernels, OP)
 
@@ -108,9 +109,9 @@ def _bad_cases():
 
 @pytest.mark.parametrize("name,args,kw,exc,msg", list(_bad_cases()), ids=[c[0] for c in _bad_cases()])
 def test_bad_arguments_are_refused_in_one_line(name, args, kw, exc, msg):
-    from fused.router_latent_down import router_latent_down
+    from fused.router_topk_latent_down import router_topk_latent_down
     with pytest.raises(exc) as info:
-        router_latent_down(*args, **kw)
+        router_topk_latent_down(*args, **kw)
     assert msg in str(info.value) and "\n" not in str(info.value)
 
 
@@ -148,14 +149,14 @@ def _same(a, b) -> bool:
 def test_the_two_launches_bits_with_either_select(cfg, T, tied):
     """The same logits GEMV and top-k code, the same latent GEMV: ids, weights and z bit for bit those of
     router_topk_onelaunch's and skinny_gemm's launches, both dtypes, several seeds."""
-    from fused import router_latent_down as m
+    from fused import router_topk_latent_down as m
     for dtype in (torch.bfloat16, torch.float16):
         for seed in range(3):
             h, wr, bias, k, wl = _inputs(cfg, T, seed, dtype, tied)
             for s in m.SELECTS:
-                assert _same(m.router_latent_down(h, wr, bias, k, 2.5, wl, select=s),
+                assert _same(m.router_topk_latent_down(h, wr, bias, k, 2.5, wl, select=s),
                              _two_launches(h, wr, bias, k, wl, s)), (dtype, seed, s)
-            assert _same(m.router_latent_down(h, wr, bias, k, 2.5, wl), _two_launches(h, wr, bias, k, wl))
+            assert _same(m.router_topk_latent_down(h, wr, bias, k, 2.5, wl), _two_launches(h, wr, bias, k, wl))
 
 
 @pytest.mark.gpu
@@ -163,10 +164,10 @@ def test_the_two_launches_bits_with_either_select(cfg, T, tied):
 def test_cuda_graph_replays_give_the_eager_bits_and_leave_the_counter_at_zero():
     """Captured once, replayed on new inputs and poisoned outputs: every replay the eager bits of its
     inputs, so the router's last CTA was found each time."""
-    from fused import router_latent_down as m
+    from fused import router_topk_latent_down as m
     from fused import router_topk_onelaunch as rto
     h, wr, bias, k, wl = _inputs(K3, 8)
-    ids, wts, z = m.router_latent_down(h, wr, bias, k, 2.5, wl)
+    ids, wts, z = m.router_topk_latent_down(h, wr, bias, k, 2.5, wl)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -188,10 +189,10 @@ def test_cuda_graph_replays_give_the_eager_bits_and_leave_the_counter_at_zero():
 def test_k3_time_beside_the_two_launches(T):
     """us per call at K3 per-rank shapes, B = 1 (CUDA-graph replays, weights not rotated: printed, not
     asserted)."""
-    from fused import router_latent_down as m
+    from fused import router_topk_latent_down as m
     from property_tests.gpu_timing import graph_us
     h, wr, bias, k, wl = _inputs(K3, T)
-    one = lambda: m.router_latent_down(h, wr, bias, k, 2.5, wl)
+    one = lambda: m.router_topk_latent_down(h, wr, bias, k, 2.5, wl)
     two = lambda: _two_launches(h, wr, bias, k, wl)
     one(), two()
     a, b = graph_us(one), graph_us(two)

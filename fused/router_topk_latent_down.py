@@ -40,7 +40,7 @@ def latent_config(M: int, L: int, D: int) -> sg.SkinnyGemmConfig | None:
     return cfg if isinstance(cfg, sg.SkinnyGemmConfig) and cfg.m_tile == 1 and L % cfg.n_per_cta == 0 else None
 
 
-class RouterLatentDown:
+class RouterTopkLatentDown:
     def __init__(self, dtype: str, E: int, L: int, D: int, top_k: int, select: str):
         self.router = rto.RouterTopkOneLaunch(dtype, E, D, top_k, select)
         self.latent = sg.SkinnyGemm(L, D, latent_config(1, L, D) or sg.simt_config(1, L, D))
@@ -92,11 +92,11 @@ class RouterLatentDown:
         return host
 
 
-@runtime.compile_cache("router_latent_down")
+@runtime.compile_cache("router_topk_latent_down")
 def _compile(dtype: str, E: int, L: int, D: int, top_k: int, select: str):
     cutlass, _ = runtime.cutlass_modules()
     return runtime.compile_tvm_ffi(
-        RouterLatentDown(dtype, E, L, D, top_k, select).jit_host(),
+        RouterTopkLatentDown(dtype, E, L, D, top_k, select).jit_host(),
         runtime.fake_tensor(dtype, (1, D)),
         runtime.fake_tensor(dtype, (E, D)),
         runtime.fake_tensor("float32", (1, E), align=4),
@@ -130,17 +130,17 @@ _op = None
 def _custom_op():
     global _op
     if _op is None:
-        @runtime.register_op("router_latent_down", mutates_args=("ids", "weights", "z"))
-        def router_latent_down_out(h: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor, top_k: int,
+        @runtime.register_op("router_topk_latent_down", mutates_args=("ids", "weights", "z"))
+        def router_topk_latent_down_out(h: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor, top_k: int,
                                    routed_scale: float, w_latent_down: torch.Tensor, ids: torch.Tensor,
                                    weights: torch.Tensor, z: torch.Tensor) -> None:
             launch(h, w_router, bias, top_k, routed_scale, w_latent_down, ids, weights, z)
 
-        _op = router_latent_down_out
+        _op = router_topk_latent_down_out
     return _op
 
 
-def router_latent_down(h, w_router, bias, top_k: int, routed_scale: float, w_latent_down, *, z_out=None,
+def router_topk_latent_down(h, w_router, bias, top_k: int, routed_scale: float, w_latent_down, *, z_out=None,
                        select: str | None = None):
     """(ids int64 [B, k], weights fp32 [B, k], z [B, L] wd): references.moe.router_topk(h, w_router, bias,
     top_k, routed_scale) and references.gemm.skinny_gemm(h, w_latent_down), in one launch at one token
