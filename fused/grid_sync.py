@@ -5,6 +5,8 @@ op: fused.kda_in_proj_onelaunch, fused.mla_qkv_a_onelaunch, fused.router_topk_la
   that leaves its counters at zero can be launched again on the same stream, whose launches run in
   order; two streams never share them; a CUDA graph keeps those of its capture stream, so two replays
   of graphs captured on one stream must not overlap.
+- `one_row_gemv(M, N, K)`: skinny_gemm's pick where a one-launch form can run it: one token, the SIMT
+  GEMV (its CTAs each own whole columns of the one row, 128 threads).
 - `make_draw()`: the ticket. Every thread's global writes are made visible at GPU scope (fence.acq_rel.gpu,
   then a barrier), thread 0 adds 1 to the counter (atomic add, acq_rel, gpu scope) and puts the old
   value in shared memory, and a barrier hands it to every thread. The CTA that draws ticket n - 1 of n
@@ -29,6 +31,14 @@ def kept(device, key: tuple, make):
 def kept_under(tag: str) -> list:
     """Every kept value whose key starts with `tag` (tests read the counters back)."""
     return [v for k, v in _kept.items() if k[2] == tag]
+
+
+def one_row_gemv(M: int, N: int, K: int):
+    """skinny_gemm's pick for y[M, N] = x[M, K] @ w.T where it is the SIMT GEMV of one token, else None."""
+    from fused import skinny_gemm as sg
+
+    cfg = sg.default_config(M, N, K)
+    return cfg if M == 1 and isinstance(cfg, sg.SkinnyGemmConfig) else None
 
 
 def make_draw():

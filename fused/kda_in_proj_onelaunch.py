@@ -40,18 +40,13 @@ from fused import skinny_gemm as sg
 DTYPES = kp.DTYPES
 OUTPUTS = kp.OUTPUTS
 THREADS = kp.THREADS
-ONE_LAUNCH_MAX = 1                 # tokens up to which the one launch runs
 
 
 def one_launch_config(M: int, C: int, r: int, H: int, K: int) -> kp.KdaInProjConfig | None:
-    """kda_in_proj's pick where this form runs it in one launch (M = 1, the unsplit SIMT plan, the
-    one-row tail), else None."""
-    if not 1 <= M <= ONE_LAUNCH_MAX:
-        return None
+    """kda_in_proj's pick where this form runs it in one launch (the unsplit plan on the one-token GEMV
+    of the merged rows, the one-row tail), else None."""
     cfg = kp.default_config(M, C, r, H, K)
-    if cfg.split or not isinstance(cfg.gemm, sg.SkinnyGemmConfig) or cfg.tail != kp.TailConfig(1):
-        return None
-    if cfg.gemm.m_tile != 1 or (4 * C + r + H) % cfg.gemm.n_per_cta:
+    if cfg.split or cfg.gemm != grid_sync.one_row_gemv(M, 4 * C + r + H, K) or cfg.tail != kp.TailConfig(1):
         return None
     return cfg
 

@@ -37,16 +37,8 @@ from fused import skinny_gemm as sg
 
 DTYPES = mq.DTYPES
 THREADS = sg.THREADS               # the GEMV's threads, the CTA that plays the norm's
-ONE_LAUNCH_MAX = 1                 # tokens up to which the one launch runs
 
-
-def one_launch_gemm(M: int, N: int, K: int) -> sg.SkinnyGemmConfig | None:
-    """skinny_gemm's pick for the GEMM where this form runs it in one launch (one token, the SIMT GEMV
-    of one row), else None."""
-    if not 1 <= M <= ONE_LAUNCH_MAX:
-        return None
-    cfg = sg.default_config(M, N, K)
-    return cfg if isinstance(cfg, sg.SkinnyGemmConfig) and cfg.m_tile == 1 and N % cfg.n_per_cta == 0 else None
+one_launch_gemm = grid_sync.one_row_gemv   # the GEMM's pick where this form runs in one launch, else None
 
 
 class MlaQkvAOneLaunch:

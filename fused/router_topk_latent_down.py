@@ -30,20 +30,13 @@ from fused.router_topk_select import make_select
 DTYPES = rto.DTYPES
 SELECTS = rto.SELECTS
 
-
-def latent_config(M: int, L: int, D: int) -> sg.SkinnyGemmConfig | None:
-    """skinny_gemm's pick for the latent down at M tokens where this form runs it in the shared grid (one
-    token, the SIMT GEMV of one row), else None."""
-    if not 1 <= M <= rto.ONE_LAUNCH_MAX:
-        return None
-    cfg = sg.default_config(M, L, D)
-    return cfg if isinstance(cfg, sg.SkinnyGemmConfig) and cfg.m_tile == 1 and L % cfg.n_per_cta == 0 else None
+latent_config = grid_sync.one_row_gemv     # the latent down's pick where it shares the router's launch, else None
 
 
 class RouterTopkLatentDown:
     def __init__(self, dtype: str, E: int, L: int, D: int, top_k: int, select: str):
         self.router = rto.RouterTopkOneLaunch(dtype, E, D, top_k, select)
-        self.latent = sg.SkinnyGemm(L, D, latent_config(1, L, D) or sg.simt_config(1, L, D))
+        self.latent = sg.SkinnyGemm(L, D, sg.simt_config(1, L, D))
         if self.latent.threads != self.router.gemm.threads:
             raise ValueError(f"the GEMVs run {self.router.gemm.threads} and {self.latent.threads} threads")
         self.n_r = E // self.router.gemm.nt

@@ -67,18 +67,16 @@ def test_ptx_releases_the_merged_row_before_the_ticket_and_acquires_it_before_th
     """At K3 T = 8: a gpu-scope acq_rel fence, then the ticket (an acq_rel gpu-scope atomic add), then the
     tail's wait (an acquire gpu-scope atomic read of the same counter) and a fence before its loads; a
     second acq_rel ticket for putting the counters back; no register spills."""
-    import re
+    from property_tests.ptx_tickets import TICKET, WAIT, assert_no_spills, kernel_body, sites
     C, r, H, D = _shape(K3, 8)
     ptx = ptx_of("from fused import kda_in_proj_onelaunch as m, skinny_gemm as sg; "
                  f"m._compile('bfloat16', {C}, {r}, {H}, {D}, sg.SkinnyGemmConfig(1, 4))")
-    body = ptx[ptx.index(".entry"):]
-    tickets = [mt.start() for mt in re.finditer(r"atom(?:\.global)?\.acq_rel(?:\.gpu)?(?:\.global)?\.add\.u32", body)]
-    waits = [mt.start() for mt in re.finditer(r"atom(?:\.global)?\.acquire(?:\.gpu)?(?:\.global)?\.add\.u32", body)]
+    body = kernel_body(ptx)
+    tickets, waits = sites(body, TICKET), sites(body, WAIT)
     assert len(tickets) == 2 and len(waits) == 1, (tickets, waits)
     assert "fence.acq_rel.gpu" in body[:tickets[0]]
     assert tickets[0] < waits[0] and "fence.acq_rel.gpu" in body[waits[0]:tickets[1]]
-    regs, spills = ptxas_regs(ptx)
-    assert spills == 0 and regs <= 255, (regs, spills)
+    assert_no_spills(ptx, ptxas_regs)
 
 
 def test_over_one_token_and_for_other_variants_the_call_is_kda_in_proj_s(monkeypatch):

@@ -63,17 +63,11 @@ def test_the_rule_takes_one_token_only():
 
 
 def test_ptx_has_one_ticket_between_gpu_scope_fences_and_spills_nothing(ptx_of, ptxas_regs):
-    import re
+    from property_tests.ptx_tickets import assert_one_ticket_between_fences
     q, kv, rope, D = _dims(K3)
     ptx = ptx_of("from fused import mla_qkv_a_onelaunch as m, mla_qkv_a as mq, skinny_gemm as sg; "
                  f"m._compile('bfloat16', {q}, {kv}, {rope}, {D}, sg.SkinnyGemmConfig(1, 4), mq.NormConfig(288))")
-    body = ptx[ptx.index(".entry"):]
-    tickets = re.findall(r"atom(?:\.global)?\.acq_rel(?:\.gpu)?(?:\.global)?\.add\.u32", body)
-    assert len(tickets) == 1, tickets
-    at = body.index(tickets[0])
-    assert "fence.acq_rel.gpu" in body[:at] and "fence.acq_rel.gpu" in body[at:]
-    regs, spills = ptxas_regs(ptx)
-    assert spills == 0 and regs <= 255, (regs, spills)
+    assert_one_ticket_between_fences(ptx, ptxas_regs)
 
 
 def test_over_one_token_and_for_other_gemms_the_call_is_mla_qkv_a_s(monkeypatch):

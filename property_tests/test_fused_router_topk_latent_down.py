@@ -59,17 +59,11 @@ def test_the_rule_takes_one_token_only():
 
 
 def test_ptx_has_the_router_s_ticket_between_gpu_scope_fences_and_spills_nothing(ptx_of, ptxas_regs):
-    import re
+    from property_tests.ptx_tickets import assert_one_ticket_between_fences
     E, L, D, k = _dims(K3, 8)
     ptx = ptx_of("from fused import router_topk_latent_down as m; "
                  f"m._compile('bfloat16', {E}, {L}, {D}, {k}, 'threshold')")
-    body = ptx[ptx.index(".entry"):]
-    tickets = re.findall(r"atom(?:\.global)?\.acq_rel(?:\.gpu)?(?:\.global)?\.add\.u32", body)
-    assert len(tickets) == 1, tickets
-    at = body.index(tickets[0])
-    assert "fence.acq_rel.gpu" in body[:at] and "fence.acq_rel.gpu" in body[at:]
-    regs, spills = ptxas_regs(ptx)
-    assert spills == 0 and regs <= 255, (regs, spills)
+    assert_one_ticket_between_fences(ptx, ptxas_regs)
 
 
 def test_over_one_token_the_calls_are_the_two_ops_own(monkeypatch):

@@ -49,16 +49,9 @@ def test_the_grid_is_the_gemv_s_and_its_block_the_select_s():
 def test_ptx_releases_the_logits_before_the_ticket_and_spills_nothing(ptx_of, ptxas_regs):
     """At K3: a gpu-scope acq_rel fence before the ticket, the ticket an acq_rel gpu-scope atomic add, a
     fence again before the last CTA reads the logits, and no register spills."""
+    from property_tests.ptx_tickets import assert_one_ticket_between_fences
     ptx = ptx_of("from fused import router_topk_onelaunch as m; m._compile('bfloat16', 896, 7168, 16, 'threshold')")
-    import re
-    body = ptx[ptx.index(".entry"):]
-    # the scope left out is .gpu (PTX's default); a .cta ticket would not see other CTAs' logits
-    tickets = re.findall(r"atom(?:\.global)?\.acq_rel(?:\.gpu)?(?:\.global)?\.add\.u32", body)
-    assert len(tickets) == 1, tickets
-    at = body.index(tickets[0])
-    assert "fence.acq_rel.gpu" in body[:at] and "fence.acq_rel.gpu" in body[at:]
-    regs, spills = ptxas_regs(ptx)
-    assert spills == 0 and regs <= 255, (regs, spills)
+    assert_one_ticket_between_fences(ptx, ptxas_regs)
 
 
 def test_over_one_token_the_call_is_router_topk_s(monkeypatch):
