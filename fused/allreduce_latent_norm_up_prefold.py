@@ -13,7 +13,8 @@ each CTA stages B x L instead of T x B x L.
 - Up to ONE_LAUNCH_MAX partial rows (T x B), the one-launch tail folds them itself: each CTA's extra
   reads are T x B x L elements from L2, and on the H100 at K3 the one launch took 23.8 us against the two
   launches' 25.5 at T = 8, B = 1 (8 rows), 29.2 against 27.5 at T = 16, B = 1 (16 rows)
-  (results/performance.md, the tail op alone). The bits are the same either way.
+  (results/performance.md, the tail op alone). At 16 rows the one launch is the slower alone, but in
+  the layer's rank step it removes a launch and the gap before it. The bits are the same either way.
 
 The rounding points are the reference's. allreduce_fold rounds the fp32 rank-order sum once to the
 working dtype, exactly the `allreduce_fold` of each half in references.moe_tp, and a one-partial
@@ -29,7 +30,7 @@ from fused import allreduce_latent_norm_up as tail
 
 DTYPES = tail.DTYPES
 variants = tail.variants        # the tail's tiles: the fold's tile changes no bit (its order is per element)
-ONE_LAUNCH_MAX = 8              # partial rows (T x B) up to which the one-launch tail folds them itself
+ONE_LAUNCH_MAX = 16             # partial rows (T x B) up to which the one-launch tail folds them itself
 
 
 def _one_row(y_parts: torch.Tensor, shared_parts: torch.Tensor) -> torch.Tensor | None:

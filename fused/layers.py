@@ -8,12 +8,16 @@ rounding points, each op called through the kernel table the layer was prepared 
   MLA        mla_qkv_a -> mla_q_absorb -> mla_cache_append (the latent at the slot of seq_lens,
              seq_lens advanced) -> mla_decode_attn -> mla_out_gate -> skinny_gemm (o_proj)
   mlp side   attn_res_rmsnorm (prefix += attn, AttnRes mix + post-attention RMSNorm)
-  LatentMoE  shared_experts started on its side stream first, then router_topk, skinny_gemm (latent
-             down), moe_experts_mxfp4; the shared experts joined; allreduce_latent_norm_up (its
-             one-partial case: latent norm, up-projection, shared add and prefix + mlp in one launch)
+  LatentMoE  shared_experts started on its side stream first, then router_topk and skinny_gemm (latent
+             down) (one launch: JOINT), moe_experts_mxfp4; the shared experts joined;
+             allreduce_latent_norm_up (its one-partial case: latent norm, up-projection, shared add
+             and prefix + mlp in one launch)
   dense MLP  shared_experts' kernels on the dense weights, then prefix + mlp (a working-dtype add)
 
-`KERNELS` names the fused kernel of every op. `prepare(..., kernels="fused")` resolves them;
+`KERNELS` names the fused kernel of every op. `JOINT` names kernels that run two consecutive ops of the
+step over the same input in one launch, giving each op's bits (router_topk and the latent-down GEMV,
+both reading h): the fused table calls the joint kernel where the layer has both ops, and its refusal
+puts the two ops' own calls in its place. `prepare(..., kernels="fused")` resolves them;
 `kernels="reference"` puts the op references in their place (on the CPU this is the reference layer
 itself, bit for bit: the composition is checked there without a GPU). A fused kernel that refuses
 the layer's shapes (its argument checks raise before any launch or write, as the MLA kernels do for
@@ -49,7 +53,7 @@ KERNELS = {
     "allreduce_attn_res_rmsnorm": "fused.allreduce_attn_res_rmsnorm:allreduce_attn_res_rmsnorm",
     "allreduce_fold": "fused.allreduce_fold:allreduce_fold",
     "l2_prefetch": "fused.l2_prefetch:l2_prefetch",
-    "kda_in_proj": "fused.kda_in_proj:kda_in_proj",
+    "kda_in_proj": "fused.kda_in_proj_onelaunch:kda_in_proj",
     "kda_decode": "fused.kda_decode:kda_decode",
     "skinny_gemm": "fused.skinny_gemm:skinny_gemm",
     "router_topk": "fused.router_topk_onelaunch:router_topk",
@@ -57,11 +61,17 @@ KERNELS = {
     "shared_experts": "fused.shared_experts_actdown:start",
     "latent_norm_up": "fused.latent_norm_up:latent_norm_up",
     "allreduce_latent_norm_up": "fused.allreduce_latent_norm_up_prefold:allreduce_latent_norm_up",
-    "mla_qkv_a": "fused.mla_qkv_a:mla_qkv_a",
+    "mla_qkv_a": "fused.mla_qkv_a_onelaunch:mla_qkv_a",
     "mla_q_absorb": "fused.mla_q_absorb:mla_q_absorb",
     "mla_cache_append": "fused.mla_cache_append:mla_cache_append",
     "mla_decode_attn": "fused.mla_decode_attn:mla_decode_attn",
     "mla_out_gate": "fused.mla_out_gate:mla_out_gate",
+}
+# joint kernel -> (its import path, the ops it runs in order): ids, weights = router_topk(h, w_router, bias,
+# top_k, routed_scale); z = skinny_gemm(h, w_latent_down)
+JOINT = {
+    "router_topk_latent_down": ("fused.router_topk_latent_down:router_topk_latent_down",
+                                ("router_topk", "skinny_gemm")),
 }
 REFERENCES = {
     "attn_res_rmsnorm": "references.attn_res:attn_res_rmsnorm",
@@ -235,7 +245,13 @@ def prepare(kind: str, weights: dict, config: str | K3Config, layer_idx: int, wd
             resolved["moe_experts_mxfp4"] = _copying(resolved["moe_experts_mxfp4"])
     elif not shared_stream:
         resolved["shared_experts"] = _inline_shared
-    return FusedLayer(kind, base.cfg, layer_idx, wd, base.w, resolved, _fallbacks(base) if kernels == "fused" else {})
+    if kernels == "fused":
+        resolved.update({name: _resolve(path) for name, (path, ops) in JOINT.items()
+                         if set(ops) <= set(LAYER_OPS[kind])})
+    layer = FusedLayer(kind, base.cfg, layer_idx, wd, base.w, resolved, _fallbacks(base) if kernels == "fused" else {})
+    if "router_topk_latent_down" in resolved:
+        layer.fallbacks["router_topk_latent_down"] = lambda *a: _router_then_latent_down(layer, *a)
+    return layer
 
 
 def reference_prepare(kind: str, weights: dict, config, layer_idx: int, wd: torch.dtype) -> FusedLayer:
@@ -265,13 +281,23 @@ def moe_experts(layer: FusedLayer, h: torch.Tensor, routing: list | None = None,
     y_out, shared_out = outs or (None, None)
     shared = layer.call("shared_experts", h, w["w_shared_gate_up"], w["w_shared_down"], cfg.situ_beta,
                         cfg.situ_linear_beta, out=shared_out)
-    ids, route_w = layer.call("router_topk", h, w["w_router"], w["router_bias"], cfg.top_k, cfg.routed_scale)
+    args = (h, w["w_router"], w["router_bias"], cfg.top_k, cfg.routed_scale, w["w_latent_down"])
+    if "router_topk_latent_down" in layer.kernels:
+        ids, route_w, z = layer.call("router_topk_latent_down", *args)
+    else:
+        ids, route_w, z = _router_then_latent_down(layer, *args)
     if routing is not None:
         routing.append(ids)
-    z = layer.call("skinny_gemm", h, w["w_latent_down"])
     y = layer.call("moe_experts_mxfp4", z, ids, route_w, w["w13_packed"], w["w13_scale"], w["w2_packed"],
                    w["w2_scale"], cfg.situ_beta, cfg.situ_linear_beta, out=y_out)
     return shared, y
+
+
+def _router_then_latent_down(layer: FusedLayer, h, w_router, bias, top_k: int, routed_scale: float, w_latent_down):
+    """(ids, weights, z): router_topk, then skinny_gemm's latent down, each through its own table entry (the
+    joint kernel's ops where the layer has none or it refused)."""
+    ids, route_w = layer.call("router_topk", h, w_router, bias, top_k, routed_scale)
+    return ids, route_w, layer.call("skinny_gemm", h, w_latent_down)
 
 
 def _latent_moe(layer: FusedLayer, prefix: torch.Tensor, h: torch.Tensor, routing: list | None = None) -> torch.Tensor:
@@ -407,7 +433,7 @@ def mla_layer_step_peer(tensors: dict, params: dict):
 def describe(layer: FusedLayer) -> dict:
     """What one step runs: the ops through their fused kernels, those through a torch form (and why),
     and the torch glue between them."""
-    ops = LAYER_OPS[layer.kind]
+    ops = [*LAYER_OPS[layer.kind], *(name for name in JOINT if name in layer.kernels)]
     return {"fused": [op for op in ops if op not in layer.unfused], "unfused": dict(layer.unfused),
             "glue": list(GLUE[layer.kind])}
 

@@ -11,8 +11,12 @@ so the result is the three launches' bits.
 Every CTA of the GEMV computes the activations of every chunk it reads (the whole of a, for its
 columns): I / 8 chunks of 8 per row, a few exp / tanh per element against the w_down bytes it streams.
 
-Elsewhere (a tensor-core down pick at larger B, an intermediate that is not a multiple of 8) the
-call is fused.shared_experts's three launches. The side stream and the join are fused.shared_experts's
+The two launches run at one token only (TWO_LAUNCH_MAX_B). Above it every CTA's recomputation is B
+times larger and dominates: on the H100 at K3 per-rank shapes, B = 8 took 70.8 us in two launches
+against 20.7 in three at T = 8, and 1123 against 108 at T = 1; at B = 1 it was 13.8 against 12.5 at
+T = 8 (a launch saved in the layer step, where the shared experts run on a side stream).
+Elsewhere (B > TWO_LAUNCH_MAX_B, a tensor-core down pick, an intermediate that is not a multiple of 8)
+the call is fused.shared_experts's three launches. The side stream and the join are fused.shared_experts's
 (`start` forks, launches here, and returns its Pending).
 
 The candidate: `--candidate fused.shared_experts_actdown:shared_experts`; its variants are
@@ -27,6 +31,7 @@ from fused import skinny_gemm as sg
 DTYPES = se.DTYPES
 VEC = se.VEC
 variants = se.variants
+TWO_LAUNCH_MAX_B = 1        # tokens up to which the activation folds into the down GEMV
 
 
 class _ActChunk:
@@ -104,8 +109,10 @@ def _compile(dtype: str, D: int, inter: int, cfg: sg.SkinnyGemmConfig):
 
 
 def two_launch_pick(B: int, D: int, inter: int, variant: se.SharedExpertsConfig | None = None):
-    """(gate_up, down) configs where the call runs in two launches (a SIMT down GEMV, I a multiple of 8),
-    else None."""
+    """(gate_up, down) configs where the call runs in two launches (B <= TWO_LAUNCH_MAX_B, a SIMT down
+    GEMV, I a multiple of 8), else None."""
+    if B > TWO_LAUNCH_MAX_B:
+        return None
     pick_gu, pick_d = se.picks(B, D, inter)
     if variant is not None:
         pick_gu, pick_d = variant.gate_up or pick_gu, variant.down or pick_d

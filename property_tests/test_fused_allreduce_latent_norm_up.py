@@ -141,7 +141,8 @@ def test_launch_reads_the_gathered_halves_in_place(monkeypatch):
 
 
 @pytest.mark.parametrize("T,B,gathered", [(1, 3, True), (4, 3, True), (4, 3, False), (8, 1, True), (4, 2, False),
-                                           (9, 1, True), (16, 1, True)])
+                                           (16, 1, True), (16, 2, True), (8, 3, True), (8, 3, False),
+                                           (4, 5, False)])
 def test_the_two_launch_form_folds_once_then_runs_the_tail_on_one_partial(monkeypatch, T, B, gathered):
     """fused.allreduce_latent_norm_up_prefold on the CPU, both kernels replaced by stand-ins that compute
     their op from the views they are handed: above ONE_LAUNCH_MAX partial rows (T x B) the halves of one
@@ -169,6 +170,7 @@ def test_the_two_launch_form_folds_once_then_runs_the_tail_on_one_partial(monkey
         out.copy_(ref(prefix, y_parts, shared_parts, norm_w, w_up, eps))
     monkeypatch.setattr(fm, "_custom_op", lambda: tail)
     got = pf.allreduce_latent_norm_up(**t, eps=1e-5)
+    assert pf.ONE_LAUNCH_MAX == 16
     assert torch.equal(got.view(torch.int16), ref(**t, eps=1e-5).view(torch.int16))
     if T * B <= pf.ONE_LAUNCH_MAX:
         assert seen == [("tail", (T, B, L), (T, B, D))]
@@ -276,7 +278,7 @@ def test_the_two_launch_form_through_the_harness(config, batch, dtype, dist, tp)
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("B,T", [(1, 16), (8, 8), (64, 16)])
+@pytest.mark.parametrize("B,T", [(2, 16), (8, 8), (64, 16)])
 def test_the_two_launch_form_gives_the_one_launch_bits_and_replays_in_a_graph(B, T):
     """Both round the fold once to the working dtype and run the same tail: the same bits, eager and
     replayed from a CUDA graph after the inputs changed (shapes past ONE_LAUNCH_MAX: two launches)."""

@@ -79,6 +79,12 @@ def test_reference_kernel_table_is_the_reference_layer_bit_for_bit(op_name, conf
     assert layer.unfused == {}
 
 
+def _step_ops(kind: str) -> list[str]:
+    """The ops of a fused step: the layer's table ops and the joint kernel of two of them (the MoE layers'
+    router and latent down)."""
+    return [*FL.LAYER_OPS[kind], *(["router_topk_latent_down"] if kind != "dense" else [])]
+
+
 def test_kernel_tables_name_the_registry_ops():
     """Every op of a layer has a fused kernel under fused/ (its module or a form of it) and, in the
     reference table, exactly the registry's reference of that op (a table that names another function
@@ -103,7 +109,7 @@ def test_refused_kernels_run_their_torch_form_and_are_named():
     got, _, layer = _run("mla_layer", inputs, FL.prepare)
     assert all(map(torch.equal, got, want))          # prefix_steps and router_ids
     info = FL.describe(layer)
-    assert info["fused"] == [] and sorted(info["unfused"]) == sorted(FL.LAYER_OPS["mla"])
+    assert info["fused"] == [] and sorted(info["unfused"]) == sorted(_step_ops("mla"))
     assert all("CUDA" in why for why in info["unfused"].values()), info["unfused"]
 
 
@@ -127,6 +133,7 @@ def test_a_strided_state_runs_the_same_kernels_and_is_written_back(monkeypatch, 
     orig = FL._resolve
     monkeypatch.setattr(FL, "_resolve", dense_only)
     monkeypatch.setattr(FL, "KERNELS", dict(FL.REFERENCES))
+    monkeypatch.setattr(FL, "JOINT", {})
     callers = set()
 
     def strided(name, t):
@@ -168,7 +175,7 @@ def test_step_runs_on_the_meta_device_through_its_stand_ins(op_name, layer_idx):
     layer = FL.prepare(_kind(op_name, layer_idx), t, "tiny", layer_idx, torch.bfloat16)
     out = layer.step(x_steps[0], blocks, *state.values())
     assert out.device.type == "meta" and out.shape == x_steps[0].shape
-    assert sorted(layer.unfused) == sorted(FL.LAYER_OPS[layer.kind])
+    assert sorted(layer.unfused) == sorted(_step_ops(layer.kind))
 
 
 @pytest.mark.parametrize("op_name,layer_idx", [("kda_layer", 12), ("kda_layer", 0), ("mla_layer", 15)])
@@ -328,25 +335,27 @@ def test_the_shared_inline_layer_gives_the_side_stream_layers_bits(op_name, laye
         assert torch.equal(a, b)
 
 
-ONE_LAUNCH_FORMS = {"kda_in_proj": "fused.kda_in_proj_onelaunch:kda_in_proj",
-                    "mla_qkv_a": "fused.mla_qkv_a_onelaunch:mla_qkv_a"}
+TWO_LAUNCH_FORMS = {"kda_in_proj": "fused.kda_in_proj:kda_in_proj", "mla_qkv_a": "fused.mla_qkv_a:mla_qkv_a"}
 
 
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("op_name,layer_idx", [("kda_layer", 12), ("mla_layer", 15)])
-def test_the_one_launch_projections_keep_the_step_s_bits_with_a_launch_fewer(monkeypatch, op_name, layer_idx):
-    """At one token the kernel table with the one-launch in-projection (KDA) or q_a / kv_a projection
-    (MLA) in place of the two-launch form: every output and state bit for bit the same over three steps,
-    and the captured step one kernel launch shorter."""
+def test_the_one_launch_forms_keep_the_step_s_bits_with_two_launches_fewer(monkeypatch, op_name, layer_idx):
+    """At one token the kernel table as it is (the one-launch in-projection (KDA) or q_a / kv_a projection
+    (MLA), the joint router and latent down) against the table with the two-launch projection and the
+    router and latent down launched apart: every output and state bit for bit the same over three steps,
+    and the captured step two kernel launches shorter."""
     from property_tests.gpu_timing import assert_graph_replays_eager
     from verify.bench.launches import count_launches
 
     op = "kda_in_proj" if op_name == "kda_layer" else "mla_qkv_a"
+    assert FL.KERNELS[op] != TWO_LAUNCH_FORMS[op] and "router_topk_latent_down" in FL.JOINT
     got, launches = {}, {}
-    for name in ("two", "one"):
-        if name == "one":
-            monkeypatch.setitem(FL.KERNELS, op, ONE_LAUNCH_FORMS[op])
+    for name in ("one", "two"):
+        if name == "two":
+            monkeypatch.setitem(FL.KERNELS, op, TWO_LAUNCH_FORMS[op])
+            monkeypatch.setattr(FL, "JOINT", {})
         layer, x_steps, blocks, state = _device_layer(op_name, "small", 1, layer_idx)
         stock.validate_state(layer, x_steps[0], blocks, state, 2 * x_steps.shape[0] + 4)
         outs = [layer.step(x, blocks, *state.values()).clone() for x in x_steps]
@@ -356,7 +365,7 @@ def test_the_one_launch_projections_keep_the_step_s_bits_with_a_launch_fewer(mon
         launches[name] = count_launches(lambda: layer.step(prefix, g_blocks, *g_state.values()), warmup=2).kernels
     for a, b in zip(got["two"], got["one"]):
         assert torch.equal(a, b)
-    assert launches["one"] == launches["two"] - 1, launches
+    assert launches["one"] == launches["two"] - 2, launches
 
 
 @needs_gpu
@@ -465,6 +474,59 @@ def test_the_step_runs_one_launch_per_op_and_only_the_glue_it_lists(op_name, lay
                     "moe_experts_mxfp4", "allreduce_latent_norm_up"]}[kind]
     assert count.calls == want
     assert len(count.glue) == len(FL.GLUE[kind]), (count.glue, FL.GLUE[kind])
+
+
+def _joint_reference(h, w_router, bias, top_k, routed_scale, w_latent_down):
+    """A stand-in joint kernel: the two ops' references in one call."""
+    from references.gemm import skinny_gemm
+    from references.moe import router_topk
+
+    return (*router_topk(h, w_router, bias, top_k, routed_scale), skinny_gemm(h, w_latent_down))
+
+
+@pytest.mark.parametrize("refuse", [False, True], ids=["joint", "refused"])
+@pytest.mark.parametrize("op_name,layer_idx", [("kda_layer", 12), ("kda_layer", 0), ("mla_layer", 15)])
+def test_the_fused_table_runs_the_joint_router_and_latent_down_once(monkeypatch, op_name, layer_idx, refuse):
+    """Traced on the CPU with the op references as kernels and a stand-in joint kernel: the MoE layers call
+    the joint kernel in place of router_topk and the latent-down skinny_gemm (one launch fewer), the dense
+    layer (no router) does not; a joint kernel that refuses the shapes is named in `unfused` and its two
+    ops run through their own entries. The results are the reference layer's bits either way."""
+    joint = []
+
+    def resolve(path):
+        if path == FL.REFERENCES["shared_experts"]:
+            return FL._reference_shared
+        if path == FL.REFERENCES["moe_experts_mxfp4"]:
+            return FL._copying(orig(path))
+        if path == "joint":
+            def call(*args):
+                joint.append(args[0].shape)
+                if refuse:
+                    raise ValueError("h: the stand-in joint kernel refuses these shapes")
+                return _joint_reference(*args)
+            return call
+        return orig(path)
+    orig = FL._resolve
+    monkeypatch.setattr(FL, "_resolve", resolve)
+    monkeypatch.setattr(FL, "KERNELS", dict(FL.REFERENCES))
+    monkeypatch.setattr(FL, "JOINT", {"router_topk_latent_down": ("joint", ("router_topk", "skinny_gemm"))})
+    inputs = _inputs(op_name, "tiny", 2, layer_idx)
+    want, want_state = _reference(op_name, inputs)
+    got, state, layer = _run(op_name, inputs, FL.prepare)
+    assert all(map(torch.equal, got, want))          # prefix_steps and router_ids
+    for n in STATE[op_name]:
+        assert torch.equal(state[n], want_state[n]), n
+    kind = _kind(op_name, layer_idx)
+    if kind == "dense":
+        assert joint == [] and "router_topk_latent_down" not in layer.kernels
+        return
+    assert len(joint) == (1 if refuse else 3)          # three steps; a refusal is not retried
+    assert list(layer.unfused) == (["router_topk_latent_down"] if refuse else [])
+    t = {k: v.clone() for k, v in inputs.tensors.items()}
+    st = {n: t.pop(n) for n in STATE[op_name]}
+    calls = _step_launches(layer, t.pop("x_steps")[0], t.pop("blocks"), st).calls
+    moe = calls[calls.index("shared_experts") + 1:-2]
+    assert moe == (["router_topk_latent_down"] if not refuse else ["router_topk", "skinny_gemm"]), calls
 
 
 @pytest.mark.parametrize("kind,T,B", [("kda", 2, 2), ("kda", 8, 1), ("kda", 8, 2), ("mla", 4, 1), ("mla", 4, 2),
