@@ -257,6 +257,88 @@ def test_planted_composition_bugs_are_rejected(op_name, candidate, layer_idx):
     assert good.status == PASS, f"the bug-free twin is rejected: {good.reason}"
 
 
+def _joint_reference(h, w_router, bias, top_k, routed_scale, w_latent_down):
+    """A stand-in joint kernel: the two ops' references in one call."""
+    from references.gemm import skinny_gemm
+    from references.moe import router_topk
+
+    return (*router_topk(h, w_router, bias, top_k, routed_scale), skinny_gemm(h, w_latent_down))
+
+
+def _joint_z_rows_rolled(h, w_router, bias, top_k, routed_scale, w_latent_down):
+    """The planted bug: the latent-down half reads the weight rows one place off (a column block index
+    off by one in the shared grid)."""
+    return _joint_reference(h, w_router, bias, top_k, routed_scale, w_latent_down.roll(1, 0))
+
+
+_STALE_Z = {}
+
+
+def _joint_z_stale(h, w_router, bias, top_k, routed_scale, w_latent_down):
+    """The planted bug: z is the first call's (a kept workspace the launch stops writing, as a ticket
+    counter left non-zero would make it)."""
+    ids, weights, z = _joint_reference(h, w_router, bias, top_k, routed_scale, w_latent_down)
+    return ids, weights, _STALE_Z.setdefault((tuple(z.shape), z.dtype), z.clone())
+
+
+def _joint_weights_flipped(h, w_router, bias, top_k, routed_scale, w_latent_down):
+    """The planted bug: the routing weights paired with the other end's ids (a select writing its slots
+    in the opposite order)."""
+    ids, weights, z = _joint_reference(h, w_router, bias, top_k, routed_scale, w_latent_down)
+    return ids, weights.flip(-1), z
+
+
+def _with_joint(joint, steps):
+    """`steps` (a layer's registry form) with `joint` as the fused table's router + latent-down kernel:
+    on the CPU every other kernel refuses and runs its stand-in, the joint runs as given."""
+    def run(x_steps, blocks, *state, layer_idx, config, **w):
+        saved = FL.JOINT, FL._resolve
+        FL.JOINT = {"router_topk_latent_down": ("planted:joint", ("router_topk", "skinny_gemm"))}
+        FL._resolve = lambda path: joint if path == "planted:joint" else saved[1](path)
+        try:
+            return steps(x_steps, blocks, *state, layer_idx, config, **w)
+        finally:
+            FL.JOINT, FL._resolve = saved
+    return run
+
+
+def _kda_with(joint):
+    def steps(x_steps, blocks, conv_state, recurrent_state, layer_idx, config, **w):
+        return _with_joint(joint, FL.kda_layer_steps)(x_steps, blocks, conv_state, recurrent_state,
+                                                      layer_idx=layer_idx, config=config, **w)
+    return steps
+
+
+def _mla_with(joint):
+    def steps(x_steps, blocks, cache, block_table, seq_lens, layer_idx, config, **w):
+        return _with_joint(joint, FL.mla_layer_steps)(x_steps, blocks, cache, block_table, seq_lens,
+                                                      layer_idx=layer_idx, config=config, **w)
+    return steps
+
+
+JOINT_BUGS = {"z_rows_rolled": _joint_z_rows_rolled, "z_stale": _joint_z_stale,
+              "weights_flipped": _joint_weights_flipped}
+for _name, _joint in {"reference": _joint_reference, **JOINT_BUGS}.items():
+    globals()[f"kda_layer_steps_joint_{_name}"] = _kda_with(_joint)
+    globals()[f"mla_layer_steps_joint_{_name}"] = _mla_with(_joint)
+
+
+@pytest.mark.parametrize("bug", sorted(JOINT_BUGS))
+@pytest.mark.parametrize("op_name,layer_idx", [("kda_layer", 12), ("mla_layer", 15)])
+def test_planted_joint_kernel_bugs_are_rejected(op_name, layer_idx, bug):
+    """A joint router + latent-down kernel (fused.layers.JOINT) that is wrong in one of its outputs, or
+    right once and stale after, fails the layer's certification; the same layer with a correct joint
+    stand-in passes (the harness judges the joint's work, not the stand-ins' around it)."""
+    from property_tests.harness_case import judge_case
+
+    _STALE_Z.clear()
+    case = Case(op=op_name, seed=7, batch=3, config="tiny", extra=(("layer_idx", layer_idx), ("steps", 3)))
+    bad = judge_case(case, f"{__file__}:{op_name}_steps_joint_{bug}", device="cpu")
+    assert bad.status == FAIL, f"{bug} was accepted: {bad.reason}"
+    good = judge_case(case, f"{__file__}:{op_name}_steps_joint_reference", device="cpu")
+    assert good.status == PASS, f"the bug-free joint is rejected: {good.reason}"
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 def _device_layer(op_name, config, batch, layer_idx, dtype="bfloat16", seed=3):
     inputs = _inputs(op_name, config, batch, layer_idx, steps=4, seed=seed, dtype=dtype)
@@ -474,14 +556,6 @@ def test_the_step_runs_one_launch_per_op_and_only_the_glue_it_lists(op_name, lay
                     "moe_experts_mxfp4", "allreduce_latent_norm_up"]}[kind]
     assert count.calls == want
     assert len(count.glue) == len(FL.GLUE[kind]), (count.glue, FL.GLUE[kind])
-
-
-def _joint_reference(h, w_router, bias, top_k, routed_scale, w_latent_down):
-    """A stand-in joint kernel: the two ops' references in one call."""
-    from references.gemm import skinny_gemm
-    from references.moe import router_topk
-
-    return (*router_topk(h, w_router, bias, top_k, routed_scale), skinny_gemm(h, w_latent_down))
 
 
 @pytest.mark.parametrize("refuse", [False, True], ids=["joint", "refused"])
