@@ -37,8 +37,8 @@ DTYPES = mq.DTYPES
 def one_launch_config(B: int, H: int, Dh: int, rope: int, q_lora: int, kv_lora: int, elem_bytes: int = 2):
     """The q_b GEMV's config where the GEMV and the append share a launch (one token, skinny_gemm's pick
     the SIMT GEMV of one row, the cache row in at most 128 chunks), else None."""
-    cfg = grid_sync.one_row_gemv(B, H * (Dh + rope), q_lora)
-    if cfg is None or sg.SkinnyGemm(H * (Dh + rope), q_lora, cfg).threads != mq.THREADS:
+    cfg = grid_sync.one_row_gemv(B, H * (Dh + rope), q_lora)      # its CTAs run skinny_gemm's 128 threads
+    if cfg is None:
         return None
     vec = ca.vector_width(kv_lora, rope, elem_bytes)
     return cfg if (kv_lora + rope) // vec <= mq.THREADS else None

@@ -143,11 +143,12 @@ def test_every_variant_through_the_harness(config, batch, dtype, dist, tp):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("T", [1, 8, 16])
-@pytest.mark.parametrize("B", [1])
-def test_shared_experts_s_bits_for_every_variant(B, T):
-    """Two launches or three: the same h, the same activations rounded to wd, the same GEMV order."""
+def test_shared_experts_s_bits_for_every_variant(T):
+    """Two launches or three at one token: the same h, the same activations rounded to wd, the same GEMV
+    order."""
     from fused import shared_experts as se
     from fused import shared_experts_actdown as m
+    B = 1
     for seed in range(2):
         t = _inputs(B, K3_INTER[T], seed=seed)
         for v in se.variants(t, {}):
@@ -180,12 +181,13 @@ def test_cuda_graph_replay_gives_the_eager_bits():
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("B", [1])
-def test_k3_time_beside_the_three_launches(B):
-    """us per call at K3 per-rank shapes (CUDA-graph replays, weights not rotated: printed, not asserted)."""
+def test_k3_time_beside_the_three_launches():
+    """us per call at K3 per-rank shapes, one token (CUDA-graph replays, weights not rotated: printed, not
+    asserted)."""
     from fused import shared_experts as se
     from fused import shared_experts_actdown as m
     from property_tests.gpu_timing import graph_us
+    B = 1
     for T in (1, 8, 16):
         t = _inputs(B, K3_INTER[T])
         two = lambda: m.shared_experts(**t)
