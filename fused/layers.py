@@ -5,8 +5,9 @@ rounding points, each op called through the kernel table the layer was prepared 
 
   attn side  attn_res_rmsnorm (AttnRes mix + input RMSNorm + block push)
   KDA        kda_in_proj -> kda_decode -> skinny_gemm (o_proj)
-  MLA        mla_qkv_a -> mla_q_absorb -> mla_cache_append (the latent at the slot of seq_lens,
-             seq_lens advanced) -> mla_decode_attn -> mla_out_gate -> skinny_gemm (o_proj)
+  MLA        mla_qkv_a -> mla_q_absorb and mla_cache_append (the latent at the slot of seq_lens,
+             seq_lens advanced) (two launches for three at one token: JOINT) -> mla_decode_attn ->
+             mla_out_gate -> skinny_gemm (o_proj)
   mlp side   attn_res_rmsnorm (prefix += attn, AttnRes mix + post-attention RMSNorm)
   LatentMoE  shared_experts started on its side stream first, then router_topk and skinny_gemm (latent
              down) (one launch: JOINT), moe_experts_mxfp4; the shared experts joined;
@@ -14,10 +15,11 @@ rounding points, each op called through the kernel table the layer was prepared 
              and prefix + mlp in one launch)
   dense MLP  shared_experts' kernels on the dense weights, then prefix + mlp (a working-dtype add)
 
-`KERNELS` names the fused kernel of every op. `JOINT` names kernels that run two consecutive ops of the
-step over the same input in one launch, giving each op's bits (router_topk and the latent-down GEMV,
-both reading h): the fused table calls the joint kernel where the layer has both ops, and its refusal
-puts the two ops' own calls in its place. `prepare(..., kernels="fused")` resolves them;
+`KERNELS` names the fused kernel of every op. `JOINT` names kernels that run two consecutive, independent
+ops of the step in one grid, giving each op's bits (router_topk and the latent-down GEMV, both reading
+h; the q_b GEMV of mla_q_absorb and mla_cache_append): the fused table calls the joint kernel where the
+layer has both ops, and where the table has none, or it refuses the shapes, `SPLIT` runs the ops' own
+calls in its place (`FusedLayer.joint`). `prepare(..., kernels="fused")` resolves them;
 `kernels="reference"` puts the op references in their place (on the CPU this is the reference layer
 itself, bit for bit: the composition is checked there without a GPU). A fused kernel that refuses
 the layer's shapes (its argument checks raise before any launch or write, as the MLA kernels do for
@@ -38,6 +40,7 @@ bits, no overlap. Benched beside `layer_steps`, it is the step time without the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -67,11 +70,12 @@ KERNELS = {
     "mla_decode_attn": "fused.mla_decode_attn:mla_decode_attn",
     "mla_out_gate": "fused.mla_out_gate:mla_out_gate",
 }
-# joint kernel -> (its import path, the ops it runs in order): ids, weights = router_topk(h, w_router, bias,
-# top_k, routed_scale); z = skinny_gemm(h, w_latent_down)
+# joint kernel -> (its import path, the ops it runs in order); SPLIT has each one's calls of its ops
 JOINT = {
     "router_topk_latent_down": ("fused.router_topk_latent_down:router_topk_latent_down",
                                 ("router_topk", "skinny_gemm")),
+    "mla_q_absorb_cache_append": ("fused.mla_q_absorb_cache_append:mla_q_absorb_cache_append",
+                                  ("mla_q_absorb", "mla_cache_append")),
 }
 REFERENCES = {
     "attn_res_rmsnorm": "references.attn_res:attn_res_rmsnorm",
@@ -158,6 +162,13 @@ class FusedLayer:
                 raise
             self.unfused[op] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             return self.fallbacks[op](*args, **kw)
+
+    def joint(self, name: str, *args):
+        """The joint kernel `name`'s results: its call where the table has it (its refusal runs the split
+        from then on, as any kernel's), else its ops' own calls in order (SPLIT[name])."""
+        if name in self.kernels:
+            return self.call(name, *args)
+        return SPLIT[name](self, *args)
 
     def buffer(self, name: str, like: torch.Tensor, shape: tuple | None = None) -> torch.Tensor:
         """A contiguous tensor of `like`'s dtype and device, shaped like it (or `shape`), made once per
@@ -249,8 +260,9 @@ def prepare(kind: str, weights: dict, config: str | K3Config, layer_idx: int, wd
         resolved.update({name: _resolve(path) for name, (path, ops) in JOINT.items()
                          if set(ops) <= set(LAYER_OPS[kind])})
     layer = FusedLayer(kind, base.cfg, layer_idx, wd, base.w, resolved, _fallbacks(base) if kernels == "fused" else {})
-    if "router_topk_latent_down" in resolved:
-        layer.fallbacks["router_topk_latent_down"] = lambda *a: _router_then_latent_down(layer, *a)
+    for name in JOINT:
+        if name in resolved:
+            layer.fallbacks[name] = partial(SPLIT[name], layer)
     return layer
 
 
@@ -282,10 +294,7 @@ def moe_experts(layer: FusedLayer, h: torch.Tensor, routing: list | None = None,
     shared = layer.call("shared_experts", h, w["w_shared_gate_up"], w["w_shared_down"], cfg.situ_beta,
                         cfg.situ_linear_beta, out=shared_out)
     args = (h, w["w_router"], w["router_bias"], cfg.top_k, cfg.routed_scale, w["w_latent_down"])
-    if "router_topk_latent_down" in layer.kernels:
-        ids, route_w, z = layer.call("router_topk_latent_down", *args)
-    else:
-        ids, route_w, z = _router_then_latent_down(layer, *args)
+    ids, route_w, z = layer.joint("router_topk_latent_down", *args)
     if routing is not None:
         routing.append(ids)
     y = layer.call("moe_experts_mxfp4", z, ids, route_w, w["w13_packed"], w["w13_scale"], w["w2_packed"],
@@ -342,13 +351,26 @@ def mla_attention(layer: FusedLayer, x, cache, block_table, seq_lens) -> torch.T
     w, cfg = layer.w, layer.cfg
     q_c, kv_c, k_rot = layer.call("mla_qkv_a", x, w["w_qkv_a"], w["q_a_norm_w"], w["kv_a_norm_w"],
                                   cfg.mla_latent_eps)
-    q_abs = layer.call("mla_q_absorb", q_c, w["w_q_b"], w["w_uk"])
-    layer.call("mla_cache_append", kv_c, k_rot, cache, block_table, seq_lens, False)
+    q_abs = layer.joint("mla_q_absorb_cache_append", q_c, w["w_q_b"], w["w_uk"], kv_c, k_rot, cache, block_table,
+                        seq_lens, False)
     B, H = q_abs.shape[0], q_abs.shape[1]
     o_latent = layer.call("mla_decode_attn", q_abs.view(B, 1, H, -1), cache, block_table, seq_lens,
                           cfg.mla_scale, cfg.kv_lora_rank)
     o = layer.call("mla_out_gate", o_latent.reshape(B, H, cfg.kv_lora_rank), w["w_uv"], x, w["w_g"])
     return layer.call("skinny_gemm", o, w["w_o"])
+
+
+def _q_absorb_then_append(layer: FusedLayer, q_c, w_q_b, w_uk, kv_c, k_rot, cache, block_table, seq_lens,
+                          validate: bool):
+    """q_abs: mla_q_absorb, then mla_cache_append (cache and seq_lens in place), each through its own table
+    entry (the joint kernel's ops where the layer has none or it refused)."""
+    q_abs = layer.call("mla_q_absorb", q_c, w_q_b, w_uk)
+    layer.call("mla_cache_append", kv_c, k_rot, cache, block_table, seq_lens, validate)
+    return q_abs
+
+
+# joint kernel -> its ops' own calls, (layer, *the joint's arguments) -> the joint's results
+SPLIT = {"router_topk_latent_down": _router_then_latent_down, "mla_q_absorb_cache_append": _q_absorb_then_append}
 
 
 def kda_step(layer: FusedLayer, prefix, blocks, conv_state, recurrent_state, routing: list | None = None) -> torch.Tensor:

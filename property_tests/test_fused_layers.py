@@ -79,10 +79,20 @@ def test_reference_kernel_table_is_the_reference_layer_bit_for_bit(op_name, conf
     assert layer.unfused == {}
 
 
+def _joints(kind: str) -> list[str]:
+    """The joint kernels a fused step of `kind` calls: those whose ops the layer has."""
+    return [name for name, (_, ops) in FL.JOINT.items() if set(ops) <= set(FL.LAYER_OPS[kind])]
+
+
 def _step_ops(kind: str) -> list[str]:
-    """The ops of a fused step: the layer's table ops and the joint kernel of two of them (the MoE layers'
-    router and latent down)."""
-    return [*FL.LAYER_OPS[kind], *(["router_topk_latent_down"] if kind != "dense" else [])]
+    """The ops of a fused step: the layer's table ops and its joint kernels (the MoE layers' router and
+    latent down, the MLA layer's q_b GEMV and cache append)."""
+    return [*FL.LAYER_OPS[kind], *_joints(kind)]
+
+
+def test_the_joints_are_the_moe_and_mla_layers_pairs():
+    assert _joints("kda") == ["router_topk_latent_down"] and _joints("dense") == []
+    assert sorted(_joints("mla")) == ["mla_q_absorb_cache_append", "router_topk_latent_down"]
 
 
 def test_kernel_tables_name_the_registry_ops():
@@ -288,12 +298,12 @@ def _joint_weights_flipped(h, w_router, bias, top_k, routed_scale, w_latent_down
     return ids, weights.flip(-1), z
 
 
-def _with_joint(joint, steps):
-    """`steps` (a layer's registry form) with `joint` as the fused table's router + latent-down kernel:
-    on the CPU every other kernel refuses and runs its stand-in, the joint runs as given."""
+def _with_joint(joint, steps, name="router_topk_latent_down"):
+    """`steps` (a layer's registry form) with `joint` as the fused table's only joint kernel, `name`: on
+    the CPU every other kernel refuses and runs its stand-in, the joint runs as given."""
     def run(x_steps, blocks, *state, layer_idx, config, **w):
         saved = FL.JOINT, FL._resolve
-        FL.JOINT = {"router_topk_latent_down": ("planted:joint", ("router_topk", "skinny_gemm"))}
+        FL.JOINT = {name: ("planted:joint", saved[0][name][1])}
         FL._resolve = lambda path: joint if path == "planted:joint" else saved[1](path)
         try:
             return steps(x_steps, blocks, *state, layer_idx, config, **w)
@@ -309,10 +319,10 @@ def _kda_with(joint):
     return steps
 
 
-def _mla_with(joint):
+def _mla_with(joint, name="router_topk_latent_down"):
     def steps(x_steps, blocks, cache, block_table, seq_lens, layer_idx, config, **w):
-        return _with_joint(joint, FL.mla_layer_steps)(x_steps, blocks, cache, block_table, seq_lens,
-                                                      layer_idx=layer_idx, config=config, **w)
+        return _with_joint(joint, FL.mla_layer_steps, name)(x_steps, blocks, cache, block_table, seq_lens,
+                                                            layer_idx=layer_idx, config=config, **w)
     return steps
 
 
@@ -336,6 +346,68 @@ def test_planted_joint_kernel_bugs_are_rejected(op_name, layer_idx, bug):
     bad = judge_case(case, f"{__file__}:{op_name}_steps_joint_{bug}", device="cpu")
     assert bad.status == FAIL, f"{bug} was accepted: {bad.reason}"
     good = judge_case(case, f"{__file__}:{op_name}_steps_joint_reference", device="cpu")
+    assert good.status == PASS, f"the bug-free joint is rejected: {good.reason}"
+
+
+def _q_joint_reference(q_c, w_q_b, w_uk, kv_c, k_rot, cache, block_table, seq_lens, validate):
+    """A stand-in q_b + cache-append joint kernel: the two ops' references in one call."""
+    from references.mla import mla_q_absorb
+    from references.mla_cache_append import mla_cache_append
+
+    q_abs = mla_q_absorb(q_c, w_q_b, w_uk)
+    mla_cache_append(kv_c, k_rot, cache, block_table, seq_lens, validate)
+    return q_abs
+
+
+def _q_joint_slot_after_advance(q_c, w_q_b, w_uk, kv_c, k_rot, cache, block_table, seq_lens, validate):
+    """The planted bug: the append CTA reads the length after its own store of pos + 1 (no barrier
+    between them): the latent lands one slot late."""
+    from references.mla import mla_q_absorb
+    from references.mla_cache_append import mla_cache_append
+
+    seq_lens.add_(1)
+    mla_cache_append(kv_c, k_rot, cache, block_table, seq_lens.clone(), False)
+    return mla_q_absorb(q_c, w_q_b, w_uk)
+
+
+def _q_joint_rope_dropped(q_c, w_q_b, w_uk, kv_c, k_rot, cache, block_table, seq_lens, validate):
+    """The planted bug: the append copies kv_c's chunks and not k_rot's (its chunk count one operand
+    short): the cache row's rope part keeps its old bits."""
+    from references.mla import mla_q_absorb
+    from references.mla_cache_append import append_slots
+
+    slots = append_slots(cache, block_table, seq_lens)
+    cache.view(-1, cache.shape[-1])[slots, :kv_c.shape[1]] = kv_c
+    seq_lens.add_(1)
+    return mla_q_absorb(q_c, w_q_b, w_uk)
+
+
+_STALE_Q = {}
+
+
+def _q_joint_q_stale(q_c, w_q_b, w_uk, kv_c, k_rot, cache, block_table, seq_lens, validate):
+    """The planted bug: q_abs is the first call's (the GEMV's CTAs skipped after the first launch)."""
+    q_abs = _q_joint_reference(q_c, w_q_b, w_uk, kv_c, k_rot, cache, block_table, seq_lens, validate)
+    return _STALE_Q.setdefault((tuple(q_abs.shape), q_abs.dtype), q_abs.clone())
+
+
+Q_JOINT_BUGS = {"slot_after_advance": _q_joint_slot_after_advance, "rope_dropped": _q_joint_rope_dropped,
+                "q_stale": _q_joint_q_stale}
+for _name, _joint in {"reference": _q_joint_reference, **Q_JOINT_BUGS}.items():
+    globals()[f"mla_layer_steps_qjoint_{_name}"] = _mla_with(_joint, "mla_q_absorb_cache_append")
+
+
+@pytest.mark.parametrize("bug", sorted(Q_JOINT_BUGS))
+def test_planted_q_absorb_cache_append_joint_bugs_are_rejected(bug):
+    """A joint q_b GEMV + cache append kernel that appends at the wrong slot or drops part of the row, or
+    gives a stale q, fails the MLA layer's certification; a correct joint stand-in passes."""
+    from property_tests.harness_case import judge_case
+
+    _STALE_Q.clear()
+    case = Case(op="mla_layer", seed=7, batch=1, config="tiny", extra=(("layer_idx", 15), ("steps", 3)))
+    bad = judge_case(case, f"{__file__}:mla_layer_steps_qjoint_{bug}", device="cpu")
+    assert bad.status == FAIL, f"{bug} was accepted: {bad.reason}"
+    good = judge_case(case, f"{__file__}:mla_layer_steps_qjoint_reference", device="cpu")
     assert good.status == PASS, f"the bug-free joint is rejected: {good.reason}"
 
 
@@ -423,16 +495,17 @@ TWO_LAUNCH_FORMS = {"kda_in_proj": "fused.kda_in_proj:kda_in_proj", "mla_qkv_a":
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("op_name,layer_idx", [("kda_layer", 12), ("mla_layer", 15)])
-def test_the_one_launch_forms_keep_the_step_s_bits_with_two_launches_fewer(monkeypatch, op_name, layer_idx):
+def test_the_one_launch_forms_keep_the_step_s_bits_with_fewer_launches(monkeypatch, op_name, layer_idx):
     """At one token the kernel table as it is (the one-launch in-projection (KDA) or q_a / kv_a projection
-    (MLA), the joint router and latent down) against the table with the two-launch projection and the
-    router and latent down launched apart: every output and state bit for bit the same over three steps,
-    and the captured step two kernel launches shorter."""
+    (MLA), the joint kernels) against the table with the two-launch projection and each joint's ops
+    launched apart: every output and state bit for bit the same over three steps,
+    and the captured step one launch shorter for the projection and one for each joint kernel."""
     from property_tests.gpu_timing import assert_graph_replays_eager
     from verify.bench.launches import count_launches
 
     op = "kda_in_proj" if op_name == "kda_layer" else "mla_qkv_a"
-    assert FL.KERNELS[op] != TWO_LAUNCH_FORMS[op] and "router_topk_latent_down" in FL.JOINT
+    kind = _kind(op_name, layer_idx)
+    assert FL.KERNELS[op] != TWO_LAUNCH_FORMS[op] and _joints(kind)
     got, launches = {}, {}
     for name in ("one", "two"):
         if name == "two":
@@ -447,7 +520,7 @@ def test_the_one_launch_forms_keep_the_step_s_bits_with_two_launches_fewer(monke
         launches[name] = count_launches(lambda: layer.step(prefix, g_blocks, *g_state.values()), warmup=2).kernels
     for a, b in zip(got["two"], got["one"]):
         assert torch.equal(a, b)
-    assert launches["one"] == launches["two"] - 2, launches
+    assert launches["one"] == launches["two"] - 1 - len(_joints(kind)), launches
 
 
 @needs_gpu
