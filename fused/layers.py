@@ -147,28 +147,32 @@ class FusedLayer:
         work.copy_(prefix)
         return (mla_step if self.kind == "mla" else kda_step)(self, work, blocks, *state, routing=routing)
 
-    def call(self, op: str, *args, out: torch.Tensor | None = None):
+    def call(self, op: str, *args, out: torch.Tensor | None = None, fallback=None):
         """`op` through its kernel; a fused kernel's refusal of these shapes (outside a capture) moves the
-        op to its torch form for good and records why. `out`: where the result goes (the routed and
-        shared experts only, whose every form takes it: a fused kernel writes there, a torch form's
-        result is copied in)."""
+        op to its torch form (`fallback`, else fallbacks[op]) for good and records why. `out`: where the
+        result goes (the routed and shared experts only, whose every form takes it: a fused kernel writes
+        there, a torch form's result is copied in)."""
         kw = {} if out is None else {"out": out}
+        fallback = fallback or self.fallbacks.get(op)
         if op in self.unfused:
-            return self.fallbacks[op](*args, **kw)
+            return fallback(*args, **kw)
         try:
             return self.kernels[op](*args, **kw)
         except REFUSALS as e:
-            if op not in self.fallbacks or stock.capturing():
+            if fallback is None or stock.capturing():
                 raise
             self.unfused[op] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            return self.fallbacks[op](*args, **kw)
+            return fallback(*args, **kw)
 
     def joint(self, name: str, *args):
-        """The joint kernel `name`'s results: its call where the table has it (its refusal runs the split
-        from then on, as any kernel's), else its ops' own calls in order (SPLIT[name])."""
+        """The joint kernel `name`'s results: its call where the table has it, its ops' own calls in order
+        (SPLIT[name]) where it has none or the kernel refused. The split is bound here, per call: a
+        layer holding a function bound to itself would be a reference cycle, its weights (tens of GB at
+        K3) freed only by a garbage-collector pass."""
+        split = partial(SPLIT[name], self)
         if name in self.kernels:
-            return self.call(name, *args)
-        return SPLIT[name](self, *args)
+            return self.call(name, *args, fallback=split)
+        return split(*args)
 
     def buffer(self, name: str, like: torch.Tensor, shape: tuple | None = None) -> torch.Tensor:
         """A contiguous tensor of `like`'s dtype and device, shaped like it (or `shape`), made once per
@@ -259,11 +263,7 @@ def prepare(kind: str, weights: dict, config: str | K3Config, layer_idx: int, wd
     if kernels == "fused":
         resolved.update({name: _resolve(path) for name, (path, ops) in JOINT.items()
                          if set(ops) <= set(LAYER_OPS[kind])})
-    layer = FusedLayer(kind, base.cfg, layer_idx, wd, base.w, resolved, _fallbacks(base) if kernels == "fused" else {})
-    for name in JOINT:
-        if name in resolved:
-            layer.fallbacks[name] = partial(SPLIT[name], layer)
-    return layer
+    return FusedLayer(kind, base.cfg, layer_idx, wd, base.w, resolved, _fallbacks(base) if kernels == "fused" else {})
 
 
 def reference_prepare(kind: str, weights: dict, config, layer_idx: int, wd: torch.dtype) -> FusedLayer:

@@ -95,6 +95,31 @@ def test_the_joints_are_the_moe_and_mla_layers_pairs():
     assert sorted(_joints("mla")) == ["mla_q_absorb_cache_append", "router_topk_latent_down"]
 
 
+@pytest.mark.parametrize("kernels", ["fused", "reference"])
+@pytest.mark.parametrize("op_name,layer_idx", [("kda_layer", 12), ("kda_layer", 0), ("mla_layer", 15)])
+def test_a_prepared_layer_is_freed_with_its_last_reference(op_name, layer_idx, kernels):
+    """No reference cycle keeps a prepared layer (and its weights: tens of GB at K3) alive after its last
+    reference goes, with the garbage collector off: a cycle would hold them until a collector pass,
+    which a GPU process with few Python objects may not run before its next allocation fails."""
+    import gc
+    import weakref
+
+    inputs = _inputs(op_name, "tiny", 2, layer_idx)
+    t = {k: v for k, v in inputs.tensors.items() if k not in STATE[op_name] and k not in ("x_steps", "blocks")}
+    layer = FL.prepare(_kind(op_name, layer_idx), t, "tiny", layer_idx, torch.bfloat16, kernels=kernels)
+    state = {n: v.clone() for n, v in inputs.tensors.items() if n in STATE[op_name]}
+    layer.step(inputs.tensors["x_steps"][0], inputs.tensors["blocks"].clone(), *state.values())
+    alive = weakref.ref(layer)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del layer
+        assert alive() is None, "a reference cycle keeps the prepared layer alive"
+    finally:
+        if was:
+            gc.enable()
+
+
 def test_kernel_tables_name_the_registry_ops():
     """Every op of a layer has a fused kernel under fused/ (its module or a form of it) and, in the
     reference table, exactly the registry's reference of that op (a table that names another function
