@@ -278,17 +278,23 @@ def kda_layer_steps_push_unseen(x_steps, blocks, conv_state, recurrent_state, la
         FL._attn_side = _REAL_ATTN_SIDE
 
 
+def _judge(op_name: str, batch: int, layer_idx: int, candidate: str):
+    """The harness's verdict on `candidate` (an import path) for one tiny case of three steps, on the CPU."""
+    from property_tests.harness_case import judge_case
+
+    _FIRST_CALL.clear()
+    case = Case(op=op_name, seed=7, batch=batch, config="tiny", extra=(("layer_idx", layer_idx), ("steps", 3)))
+    return judge_case(case, candidate, device="cpu")
+
+
 @pytest.mark.parametrize("op_name,candidate,layer_idx", [
     ("mla_layer", "mla_layer_steps_slot_after_advance", 15),
     ("kda_layer", "kda_layer_steps_push_unseen", 24),
     ("kda_layer", "kda_layer_steps_push_unseen", 0)])
 def test_planted_composition_bugs_are_rejected(op_name, candidate, layer_idx):
-    from property_tests.harness_case import judge_case
-
-    case = Case(op=op_name, seed=7, batch=3, config="tiny", extra=(("layer_idx", layer_idx), ("steps", 3)))
-    bad = judge_case(case, f"{__file__}:{candidate}", device="cpu")
+    bad = _judge(op_name, 3, layer_idx, f"{__file__}:{candidate}")
     assert bad.status == FAIL, f"{candidate} was accepted: {bad.reason}"
-    good = judge_case(case, CANDIDATE, device="cpu")
+    good = _judge(op_name, 3, layer_idx, CANDIDATE)
     assert good.status == PASS, f"the bug-free twin is rejected: {good.reason}"
 
 
@@ -306,14 +312,20 @@ def _joint_z_rows_rolled(h, w_router, bias, top_k, routed_scale, w_latent_down):
     return _joint_reference(h, w_router, bias, top_k, routed_scale, w_latent_down.roll(1, 0))
 
 
-_STALE_Z = {}
+_FIRST_CALL = {}
+
+
+def _first_call(t: torch.Tensor) -> torch.Tensor:
+    """The first call's value of a tensor of t's shape and dtype (a planted output that goes stale);
+    _judge clears the store before each judged candidate."""
+    return _FIRST_CALL.setdefault((tuple(t.shape), t.dtype), t.clone())
 
 
 def _joint_z_stale(h, w_router, bias, top_k, routed_scale, w_latent_down):
     """The planted bug: z is the first call's (a kept workspace the launch stops writing, as a ticket
     counter left non-zero would make it)."""
     ids, weights, z = _joint_reference(h, w_router, bias, top_k, routed_scale, w_latent_down)
-    return ids, weights, _STALE_Z.setdefault((tuple(z.shape), z.dtype), z.clone())
+    return ids, weights, _first_call(z)
 
 
 def _joint_weights_flipped(h, w_router, bias, top_k, routed_scale, w_latent_down):
@@ -364,13 +376,9 @@ def test_planted_joint_kernel_bugs_are_rejected(op_name, layer_idx, bug):
     """A joint router + latent-down kernel (fused.layers.JOINT) that is wrong in one of its outputs, or
     right once and stale after, fails the layer's certification; the same layer with a correct joint
     stand-in passes (the harness judges the joint's work, not the stand-ins' around it)."""
-    from property_tests.harness_case import judge_case
-
-    _STALE_Z.clear()
-    case = Case(op=op_name, seed=7, batch=3, config="tiny", extra=(("layer_idx", layer_idx), ("steps", 3)))
-    bad = judge_case(case, f"{__file__}:{op_name}_steps_joint_{bug}", device="cpu")
+    bad = _judge(op_name, 3, layer_idx, f"{__file__}:{op_name}_steps_joint_{bug}")
     assert bad.status == FAIL, f"{bug} was accepted: {bad.reason}"
-    good = judge_case(case, f"{__file__}:{op_name}_steps_joint_reference", device="cpu")
+    good = _judge(op_name, 3, layer_idx, f"{__file__}:{op_name}_steps_joint_reference")
     assert good.status == PASS, f"the bug-free joint is rejected: {good.reason}"
 
 
@@ -407,13 +415,10 @@ def _q_joint_rope_dropped(q_c, w_q_b, w_uk, kv_c, k_rot, cache, block_table, seq
     return mla_q_absorb(q_c, w_q_b, w_uk)
 
 
-_STALE_Q = {}
-
-
 def _q_joint_q_stale(q_c, w_q_b, w_uk, kv_c, k_rot, cache, block_table, seq_lens, validate):
     """The planted bug: q_abs is the first call's (the GEMV's CTAs skipped after the first launch)."""
     q_abs = _q_joint_reference(q_c, w_q_b, w_uk, kv_c, k_rot, cache, block_table, seq_lens, validate)
-    return _STALE_Q.setdefault((tuple(q_abs.shape), q_abs.dtype), q_abs.clone())
+    return _first_call(q_abs)
 
 
 Q_JOINT_BUGS = {"slot_after_advance": _q_joint_slot_after_advance, "rope_dropped": _q_joint_rope_dropped,
@@ -426,13 +431,9 @@ for _name, _joint in {"reference": _q_joint_reference, **Q_JOINT_BUGS}.items():
 def test_planted_q_absorb_cache_append_joint_bugs_are_rejected(bug):
     """A joint q_b GEMV + cache append kernel that appends at the wrong slot or drops part of the row, or
     gives a stale q, fails the MLA layer's certification; a correct joint stand-in passes."""
-    from property_tests.harness_case import judge_case
-
-    _STALE_Q.clear()
-    case = Case(op="mla_layer", seed=7, batch=1, config="tiny", extra=(("layer_idx", 15), ("steps", 3)))
-    bad = judge_case(case, f"{__file__}:mla_layer_steps_qjoint_{bug}", device="cpu")
+    bad = _judge("mla_layer", 1, 15, f"{__file__}:mla_layer_steps_qjoint_{bug}")
     assert bad.status == FAIL, f"{bug} was accepted: {bad.reason}"
-    good = judge_case(case, f"{__file__}:mla_layer_steps_qjoint_reference", device="cpu")
+    good = _judge("mla_layer", 1, 15, f"{__file__}:mla_layer_steps_qjoint_reference")
     assert good.status == PASS, f"the bug-free joint is rejected: {good.reason}"
 
 
