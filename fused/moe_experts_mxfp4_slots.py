@@ -2,31 +2,37 @@
 
 fused.moe_experts_mxfp4 runs four launches: route (the distinct experts and their (token, slot) lists),
 gate_up, down, combine. At one token every slot is its own pair, so the route has nothing to group
-(two slots naming one expert are computed twice, each with the same arithmetic as the shared pass:
-the MMA's columns are independent). Here:
+(two slots naming one expert are computed twice, with the same arithmetic). Here:
 
 1. gate_up: grid (I / 16, P = B * k), one CTA per (16 intermediate rows, pair); the expert is
    ids[pair], read in the kernel (an id outside 0..E-1, -1 padding included, skips the CTA as the
-   route does). The GEMV device code is fused.moe_experts_mxfp4_gemv's, with the pair's token in
-   every MMA column, SiTU-and-mul and the a[pair, I] store as moe_experts_mxfp4's gate_up.
-2. down + combine: grid (L / (16 x down_frag), P). Each CTA computes o[pair, its rows] as
-   moe_experts_mxfp4's down does, makes it visible at GPU scope (fence.acq_rel.gpu, a barrier) and
-   takes a ticket from its column tile's int32 counter (atomic add, acq_rel, gpu scope). The CTA that
-   draws the tile's last ticket has seen every pair's rows: it runs the combine for those rows,
-   y[b, l] = sum over the real slots j in order of weights[b, j] * o[b * k + j, l] in fp32 rounded
-   to wd (moe_experts_mxfp4's combine, the same expression), and puts the counter back to 0 for the
-   next launch and every CUDA-graph replay.
+   route does). The GEMV is TokenGemv (below), then SiTU-and-mul and the a[pair, I] store as
+   moe_experts_mxfp4's gate_up.
+2. down + combine: grid (L / (16 x down_frag), P). Each CTA computes o[pair, its rows] with TokenGemv,
+   makes it visible at GPU scope (fence.acq_rel.gpu, a barrier) and takes a ticket from its column
+   tile's int32 counter (atomic add, acq_rel, gpu scope). The CTA that draws the tile's last ticket
+   has seen every pair's rows: it runs the combine for those rows, y[b, l] = sum over the real slots
+   j in order of weights[b, j] * o[b * k + j, l] in fp32 rounded to wd (moe_experts_mxfp4's combine,
+   the same expression), and puts the counter back to 0 for the next launch and every CUDA-graph
+   replay.
 
-So y is the four launches' bits at B = 1. Above one token the route's sharing of weight reads between
-the tokens of an expert is what makes the four launches fast; this form calls fused.moe_experts_mxfp4
-there (and where k or E is 0).
+TokenGemv is fused.moe_experts_mxfp4_gemv's split-K mma.sync GEMV specialised to one token row. At
+one token the GEMV issues about as many instructions as it moves bytes (an ncu profile at K3 T = 8:
+the schedulers busy half the cycles, DRAM at 28 %), so it cuts instructions: bf16 codes become bf16
+by two shifts and two masks per pair of codes and one multiply by the scale (token_words; the byte
+permutes of fused.mxfp4_dequant take about twice that), with x's elements permuted to the codes'
+order; and each GEMV has its own warps and unroll (`Tiling`, `pick`: timed per K3 per-rank shape).
+Each output's fp32 sum depends on K and the tiling only, never on the routing or other tokens;
+the order differs from the four launches', so y is judged against the reference, not against them.
+Above one token the route's sharing of weight reads between the tokens of an expert is what makes the
+four launches fast; this form calls fused.moe_experts_mxfp4 there (and where k or E is 0).
 
 The counters (one per column tile) are kept per (device, stream, tiles): launches on one stream run in
 order; two streams never share them. A CUDA graph keeps the counters of its capture stream, so two
 replays of graphs captured on one stream must not overlap.
 
 The candidate: `--candidate fused.moe_experts_mxfp4_slots:moe_experts_mxfp4`; its variants are
-moe_experts_mxfp4's (the GEMV tilings).
+moe_experts_mxfp4's (their warps, unroll and down rows as a Tiling at one token).
 """
 from dataclasses import dataclass
 
