@@ -243,7 +243,7 @@ def pick(L: int, inter: int) -> Tiling:
     return t if L % (16 * t.down_frag) == 0 else Tiling()
 
 
-TUNED = {384: Tiling(), 256: Tiling()}
+TUNED = {384: Tiling(4, 4, 3, 2, 1), 256: Tiling(8, 2, 2, 2, 2)}      # K3 T = 8 and T = 16
 
 
 class MoeExpertsSlots(mx.MoeExperts):
