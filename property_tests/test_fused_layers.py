@@ -13,6 +13,10 @@ import fused.layers as FL
 import references.layers as R
 import stock.layers as stock
 from references.config import get_config
+from references.gemm import skinny_gemm
+from references.mla import mla_q_absorb
+from references.mla_cache_append import append_slots, mla_cache_append
+from references.moe import router_topk
 from verify.judge.candidates import Candidate
 from verify.judge.placement import place
 from verify.model.case import Case
@@ -300,9 +304,6 @@ def test_planted_composition_bugs_are_rejected(op_name, candidate, layer_idx):
 
 def _joint_reference(h, w_router, bias, top_k, routed_scale, w_latent_down):
     """A stand-in joint kernel: the two ops' references in one call."""
-    from references.gemm import skinny_gemm
-    from references.moe import router_topk
-
     return (*router_topk(h, w_router, bias, top_k, routed_scale), skinny_gemm(h, w_latent_down))
 
 
@@ -384,9 +385,6 @@ def test_planted_joint_kernel_bugs_are_rejected(op_name, layer_idx, bug):
 
 def _q_joint_reference(q_c, w_q_b, w_uk, kv_c, k_rot, cache, block_table, seq_lens, validate):
     """A stand-in q_b + cache-append joint kernel: the two ops' references in one call."""
-    from references.mla import mla_q_absorb
-    from references.mla_cache_append import mla_cache_append
-
     q_abs = mla_q_absorb(q_c, w_q_b, w_uk)
     mla_cache_append(kv_c, k_rot, cache, block_table, seq_lens, validate)
     return q_abs
@@ -395,20 +393,13 @@ def _q_joint_reference(q_c, w_q_b, w_uk, kv_c, k_rot, cache, block_table, seq_le
 def _q_joint_slot_after_advance(q_c, w_q_b, w_uk, kv_c, k_rot, cache, block_table, seq_lens, validate):
     """The planted bug: the append CTA reads the length after its own store of pos + 1 (no barrier
     between them): the latent lands one slot late."""
-    from references.mla import mla_q_absorb
-    from references.mla_cache_append import mla_cache_append
-
     seq_lens.add_(1)
-    mla_cache_append(kv_c, k_rot, cache, block_table, seq_lens.clone(), False)
-    return mla_q_absorb(q_c, w_q_b, w_uk)
+    return _q_joint_reference(q_c, w_q_b, w_uk, kv_c, k_rot, cache, block_table, seq_lens.clone(), False)
 
 
 def _q_joint_rope_dropped(q_c, w_q_b, w_uk, kv_c, k_rot, cache, block_table, seq_lens, validate):
     """The planted bug: the append copies kv_c's chunks and not k_rot's (its chunk count one operand
     short): the cache row's rope part keeps its old bits."""
-    from references.mla import mla_q_absorb
-    from references.mla_cache_append import append_slots
-
     slots = append_slots(cache, block_table, seq_lens)
     cache.view(-1, cache.shape[-1])[slots, :kv_c.shape[1]] = kv_c
     seq_lens.add_(1)
